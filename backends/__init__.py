@@ -1,0 +1,7 @@
+"""The backends of gdr_dispatch; installed as `gdr_dispatch.backends` (see pyproject.toml).
+
+Importing a backend module registers it. A backend whose libraries are missing still
+registers: its `supported` predicate then says what is missing.
+"""
+
+from . import exact_torch  # noqa: F401

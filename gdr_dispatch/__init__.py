@@ -1,0 +1,48 @@
+"""gdr_dispatch: the backward pass of the chunked gated delta rule, on the fastest correct backend.
+
+    from gdr_dispatch import fused_gdr_bwd
+    grads = fused_gdr_bwd(q, k, v, a, g, b, do, dht, h, scale=..., initial_state=h0)
+
+The contract is GDR_MATH.md's; `gdr-dispatch explain` shows which backend a shape gets.
+"""
+
+import importlib.util as _ilu
+import sys as _sys
+from pathlib import Path as _Path
+
+
+def _map_source_subpackage(name: str) -> None:
+    """Source checkouts: load `<repo>/<name>/` as `gdr_dispatch.<name>`.
+
+    An install (wheel or editable) maps `backends/` and `tuning_cache/` into this package
+    through pyproject.toml's package-dir; a bare checkout on PYTHONPATH (the GPU machine)
+    has no such mapping, so it is made here, explicitly and only when the import would fail.
+    """
+    full = f"{__name__}.{name}"
+    if full in _sys.modules or _ilu.find_spec(full) is not None:
+        return
+    init = _Path(__file__).resolve().parent.parent / name / "__init__.py"
+    if not init.is_file():
+        return
+    spec = _ilu.spec_from_file_location(full, init, submodule_search_locations=[str(init.parent)])
+    module = _ilu.module_from_spec(spec)
+    _sys.modules[full] = module
+    spec.loader.exec_module(module)
+
+
+# registry first: the backend modules import it while they load
+from . import registry  # noqa: E402
+
+_map_source_subpackage("tuning_cache")
+_map_source_subpackage("backends")
+
+from .contract import GDRCall, GDRGrads  # noqa: E402
+from .dispatch import fused_gdr_bwd, select_backend  # noqa: E402
+from .reference import oracle_grads, prepare_residuals, recurrent_forward  # noqa: E402
+from .registry import Backend, Problem, backends, get_backend, register  # noqa: E402
+
+__all__ = [
+    "fused_gdr_bwd", "select_backend", "GDRGrads", "GDRCall", "Problem", "Backend",
+    "backends", "get_backend", "register", "oracle_grads", "prepare_residuals", "recurrent_forward",
+]
+__version__ = "0.1.0"

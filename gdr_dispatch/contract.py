@@ -1,0 +1,236 @@
+"""The `fused_gdr_bwd` contract: what a call carries, what it returns, and its validation.
+
+The conventions are those of `GDR_MATH.md` (shared with the team): ungated WY inverse `a`,
+natural-log chunk-local cumsum `g`, chunk-start states `h` (or None), `dg` with respect to
+the raw per-token gate, `dq`/`dk` at the q/k head count.
+
+Validation runs before any work and reads only shapes, dtypes and devices, except for
+`cu_seqlens`, whose values must be read (one device-to-host copy) to check them and to
+count chunks; fla's own varlen path makes the same copy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+
+#: dtypes accepted for q/k/v/do. fp32 and fp64 exist for the torch backend and the oracle
+#: tests; the GPU backends state in their `supported` reasons that they take bf16/fp16.
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+GATE_DTYPES = (torch.float32, torch.float64)
+
+
+class GDRGrads(NamedTuple):
+    """Gradients of `<o, do> + <ht, dht>` w.r.t. the forward's inputs (see GDR_MATH.md)."""
+
+    dq: torch.Tensor  # [B, T, Hg, K], dtype of q
+    dk: torch.Tensor  # [B, T, Hg, K], dtype of k
+    dv: torch.Tensor  # [B, T, H, V], dtype of v
+    dg: torch.Tensor  # [B, T, H] fp32 (fp64 for fp64 inputs), w.r.t. the raw gate g_raw
+    db: torch.Tensor  # [B, T, H], dtype of b
+    dh0: Optional[torch.Tensor]  # [N, H, K, V] (or [N, H, V, K]) fp32; None without initial_state
+
+
+@dataclass(frozen=True)
+class GDRCall:
+    """One validated call: the caller's tensors (never written) and what was derived from them."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    a: torch.Tensor
+    g: torch.Tensor
+    b: torch.Tensor
+    do: torch.Tensor
+    dht: Optional[torch.Tensor]
+    h: Optional[torch.Tensor]
+    scale: float
+    initial_state: Optional[torch.Tensor]
+    cu_seqlens: Optional[torch.Tensor]
+    chunk_size: int
+    state_v_first: bool
+    # derived
+    seq_lens: tuple[int, ...]  # token count of each of the N sequences
+    num_chunks: int  # chunks over all sequences (the h tensor's chunk dimension)
+
+    @property
+    def B(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def T(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def Hg(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def K(self) -> int:
+        return self.q.shape[3]
+
+    @property
+    def H(self) -> int:
+        return self.v.shape[2]
+
+    @property
+    def V(self) -> int:
+        return self.v.shape[3]
+
+    @property
+    def N(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def acc_dtype(self) -> torch.dtype:
+        """Accumulation dtype of exact backends: fp64 for fp64 inputs, else fp32."""
+        return torch.float64 if self.q.dtype == torch.float64 else torch.float32
+
+    def state_shape(self) -> tuple[int, int, int, int]:
+        return (self.N, self.H, self.V, self.K) if self.state_v_first else (self.N, self.H, self.K, self.V)
+
+
+def _fmt_shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def _expect_tensor(name: str, x) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def _expect_shape(name: str, x: torch.Tensor, expected: Sequence[int], meaning: str) -> None:
+    if tuple(x.shape) != tuple(expected):
+        want = "[" + ", ".join(str(s) for s in expected) + "]"
+        raise ValueError(f"{name}: expected shape {want} ({meaning}), got {_fmt_shape(x)}")
+
+
+def _expect_dtype(name: str, x: torch.Tensor, allowed: Sequence[torch.dtype], why: str = "") -> None:
+    if x.dtype not in allowed:
+        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+        extra = f" ({why})" if why else ""
+        raise TypeError(f"{name}: expected dtype in {{{names}}}{extra}, got {str(x.dtype).replace('torch.', '')}")
+
+
+def chunk_counts(seq_lens: Sequence[int], chunk_size: int) -> list[int]:
+    return [math.ceil(n / chunk_size) for n in seq_lens]
+
+
+def validate(
+    q, k, v, a, g, b, do, dht=None, h=None, *,
+    scale=None, initial_state=None, cu_seqlens=None, chunk_size=64, state_v_first=False,
+) -> GDRCall:
+    """Check a `fused_gdr_bwd` call and return it as a `GDRCall`.
+
+    Raises TypeError (wrong kind or dtype) or ValueError (wrong shape or value) whose
+    message names the argument, what was expected and what came.
+    """
+    q = _expect_tensor("q", q)
+    k = _expect_tensor("k", k)
+    v = _expect_tensor("v", v)
+    a = _expect_tensor("a", a)
+    g = _expect_tensor("g", g)
+    b = _expect_tensor("b", b)
+    do = _expect_tensor("do", do)
+
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        raise TypeError(f"chunk_size: expected an int, got {type(chunk_size).__name__}")
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size: expected a positive int, got {chunk_size}")
+    if not isinstance(state_v_first, bool):
+        raise TypeError(f"state_v_first: expected a bool, got {type(state_v_first).__name__}")
+
+    if q.dim() != 4:
+        raise ValueError(f"q: expected 4 dims [B, T, Hg, K], got {_fmt_shape(q)}")
+    B, T, Hg, K = q.shape
+    if v.dim() != 4:
+        raise ValueError(f"v: expected 4 dims [B, T, H, V], got {_fmt_shape(v)}")
+    H, V = v.shape[2], v.shape[3]
+    if T < 1:
+        raise ValueError(f"q: expected at least one token (T >= 1), got {_fmt_shape(q)}")
+    if min(Hg, K, H, V) < 1:
+        raise ValueError(f"q/v: head counts and head dims must be >= 1, got q {_fmt_shape(q)}, v {_fmt_shape(v)}")
+    _expect_shape("k", k, (B, T, Hg, K), "same as q: [B, T, Hg, K]")
+    _expect_shape("v", v, (B, T, H, V), "[B, T, H, V] with B, T of q")
+    _expect_shape("do", do, (B, T, H, V), "same as v: [B, T, H, V]")
+    if H % Hg != 0:
+        raise ValueError(
+            f"v: its head count H={H} must be a multiple of q/k's head count Hg={Hg} "
+            f"(value head i uses q/k head i // (H // Hg))"
+        )
+    _expect_shape("a", a, (B, T, H, chunk_size), "[B, T, H, chunk_size], the ungated WY inverse per chunk row")
+    _expect_shape("g", g, (B, T, H), "[B, T, H], the chunk-local cumsum of the log gate")
+    _expect_shape("b", b, (B, T, H), "[B, T, H], beta")
+
+    _expect_dtype("q", q, ACTIVATION_DTYPES)
+    for name, x in (("k", k), ("v", v), ("do", do)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name}: expected the dtype of q ({q.dtype}), got {x.dtype}")
+    _expect_dtype("g", g, GATE_DTYPES, "the log-gate cumsum is kept in fp32")
+    _expect_dtype("a", a, ACTIVATION_DTYPES)
+    _expect_dtype("b", b, ACTIVATION_DTYPES)
+
+    device = q.device
+    tensors = {"k": k, "v": v, "a": a, "g": g, "b": b, "do": do}
+    for name, x in (("dht", dht), ("h", h), ("initial_state", initial_state), ("cu_seqlens", cu_seqlens)):
+        if x is not None:
+            tensors[name] = _expect_tensor(name, x)
+    for name, x in tensors.items():
+        if x.device != device:
+            raise ValueError(f"{name}: expected device {device} (the device of q), got {x.device}")
+
+    # sequences
+    if cu_seqlens is None:
+        seq_lens = (T,) * B
+    else:
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens: expected a 1-D tensor [N + 1] with N >= 1, got {_fmt_shape(cu_seqlens)}")
+        _expect_dtype("cu_seqlens", cu_seqlens, (torch.int32, torch.int64))
+        if B != 1:
+            raise ValueError(f"cu_seqlens: varlen calls pack sequences along T and need B == 1, got B={B}")
+        offsets = cu_seqlens.tolist()  # one device-to-host copy
+        if offsets[0] != 0:
+            raise ValueError(f"cu_seqlens: expected to start at 0, got {offsets[0]}")
+        if offsets[-1] != T:
+            raise ValueError(f"cu_seqlens: expected to end at T={T} (the token count of q), got {offsets[-1]}")
+        steps = [offsets[i + 1] - offsets[i] for i in range(len(offsets) - 1)]
+        if any(s < 0 for s in steps):
+            i = next(i for i, s in enumerate(steps) if s < 0)
+            raise ValueError(f"cu_seqlens: expected non-decreasing offsets, got {offsets[i]} then {offsets[i + 1]} at index {i}")
+        seq_lens = tuple(steps)
+    N = len(seq_lens)
+    num_chunks = sum(chunk_counts(seq_lens, chunk_size))
+
+    # states
+    state = (N, H, V, K) if state_v_first else (N, H, K, V)
+    layout = "[N, H, V, K] (state_v_first=True)" if state_v_first else "[N, H, K, V] (state_v_first=False)"
+    for name, x in (("initial_state", initial_state), ("dht", dht)):
+        if x is not None:
+            _expect_shape(name, x, state, f"{layout}, N={N} sequences")
+            _expect_dtype(name, x, (torch.float32, torch.float64, torch.bfloat16, torch.float16))
+    if h is not None:
+        lead = (1, num_chunks) if cu_seqlens is not None else (B, num_chunks // B)
+        hshape = lead + state[1:]
+        hwhat = (
+            f"[{lead[0]}, chunks, H, {'V, K' if state_v_first else 'K, V'}] with "
+            f"{lead[1]} chunks of {chunk_size} tokens" + (" over all sequences" if cu_seqlens is not None else " per sequence")
+        )
+        _expect_shape("h", h, hshape, hwhat)
+        _expect_dtype("h", h, ACTIVATION_DTYPES)
+
+    if scale is None:
+        scale = K ** -0.5
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+    elif not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite number, got {scale}")
+
+    return GDRCall(
+        q=q, k=k, v=v, a=a, g=g, b=b, do=do, dht=dht, h=h, scale=float(scale),
+        initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+        state_v_first=state_v_first, seq_lens=seq_lens, num_chunks=num_chunks,
+    )

@@ -1,0 +1,281 @@
+"""`fused_gdr_bwd` and the choice of backend.
+
+Selection, in order (environment read on every call):
+  1. `GDR_BACKEND=<name>` forces that backend; an error if it cannot take the call.
+  2. A tuning-table hit (user table, then the shipped one) whose winner can take the call.
+  3. A miss while autotuning is allowed: every supported backend runs on the call's own
+     inputs, their gradients are cross-checked, the fastest that agrees wins and is stored.
+  4. Otherwise (GDR_AUTOTUNE=0, CPU tensors, CUDA graph capture in progress, or a single
+     supported backend) the first supported backend in `registry.STATIC_PREFERENCE`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from . import tuning_table
+from .contract import GDRCall, GDRGrads, validate
+from .registry import Backend, Problem, backends, get_backend
+
+log = logging.getLogger("gdr_dispatch")
+
+#: Autotuning runs each candidate once untimed (first-call compiles and fla's own autotuner
+#: happen there; the cross-check reads that run's output), then `AUTOTUNE_WARMUP` more
+#: untimed runs and the median of `AUTOTUNE_REPS` timed ones.
+AUTOTUNE_WARMUP = 2
+AUTOTUNE_REPS = 10
+
+#: Largest relative Frobenius difference allowed between two candidates' gradients, per
+#: input dtype. bf16: fla and FlashQLA each land at 3-4e-3 from the fp64 oracle (GDR_MATH.md),
+#: so two correct backends can differ by ~8e-3; a broken kernel is off by O(1).
+AGREEMENT_TOL = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4, "float64": 1e-8}
+
+#: Candidates trusted as the cross-check reference, most trusted first.
+REFERENCE_ORDER = ("torch", "fla")
+
+
+class NoBackendError(RuntimeError):
+    """No registered backend can take the call (the message lists each one's reasons)."""
+
+
+@dataclass
+class Choice:
+    backend: Backend
+    how: str  # why this backend: "GDR_BACKEND", "table <path>", "autotuned", "static order (...)"
+    verdicts: dict[str, tuple[bool, str]] = field(default_factory=dict)
+    entry: Optional[dict] = None  # the table entry behind the choice, when there is one
+    grads: Optional[GDRGrads] = None  # the winner's output when autotuning already ran it
+
+
+_decided: dict[str, tuple[str, str, dict]] = {}  # key -> (backend, how, entry), this process
+_logged: set = set()
+
+
+def autotune_block_reason(problem: Problem, call: Optional[GDRCall]) -> Optional[str]:
+    """Why this call may not be autotuned, or None when it may."""
+    if os.environ.get("GDR_AUTOTUNE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return "GDR_AUTOTUNE=0"
+    if problem.device.type != "cuda":
+        return f"{problem.device.type} tensors are never autotuned"
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return "CUDA graph capture in progress (nothing may compile or benchmark)"
+    if call is None:
+        return "no tensors to measure on"
+    return None
+
+
+def select_backend(problem: Problem, call: Optional[GDRCall] = None) -> Choice:
+    """Pick the backend for `problem`; with `call`, a table miss may autotune on its tensors."""
+    known = backends()
+    forced = os.environ.get("GDR_BACKEND", "").strip()
+    if forced:
+        backend = get_backend(forced)  # unknown names raise, listing the known ones
+        ok, reason = backend.supported(problem)
+        if not ok:
+            raise NoBackendError(f"GDR_BACKEND={forced}, but backend {forced!r} cannot take this call "
+                                 f"({problem.describe()}): {reason}")
+        return Choice(backend, "GDR_BACKEND")
+
+    verdicts = {name: b.supported(problem) for name, b in known.items()}
+    supported = [n for n, (ok, _) in verdicts.items() if ok]
+    if not supported:
+        lines = "\n".join(f"  {n}: {r}" for n, (_, r) in verdicts.items())
+        raise NoBackendError(f"no gdr_dispatch backend can take this call ({problem.describe()}):\n{lines}")
+
+    key = problem.table_key()
+    memo = _decided.get(key)
+    if memo is not None and memo[0] in supported:
+        return Choice(known[memo[0]], memo[1], verdicts, memo[2])
+
+    hit = tuning_table.lookup(problem.device.slug, key)
+    if hit is not None:
+        entry, path = hit
+        winner = entry["winner"]
+        if winner in supported:
+            _decided[key] = (winner, f"table {path}", entry)
+            return Choice(known[winner], f"table {path}", verdicts, entry)
+        log.warning("gdr_dispatch: table %s names %r for %s, which cannot take it now (%s); ignoring the entry",
+                    path, winner, problem.describe(), verdicts.get(winner, (False, "not registered"))[1])
+
+    blocked = autotune_block_reason(problem, call)
+    if blocked is None and len(supported) > 1:
+        entry, grads = autotune(call, problem, {n: known[n] for n in supported})
+        for name, (ok, reason) in verdicts.items():
+            if not ok:
+                entry["candidates"][name] = {"unsupported": reason}
+        try:
+            path = tuning_table.record(problem.device.slug, problem.device.name, {key: entry})
+            how = f"autotuned, stored in {path}"
+        except OSError as e:
+            log.warning("gdr_dispatch: could not write the tuning table (%s); keeping the choice in memory", e)
+            how = "autotuned, not stored"
+        _decided[key] = (entry["winner"], how, entry)
+        return Choice(known[entry["winner"]], how, verdicts, entry, grads)
+
+    why = blocked if blocked is not None else "the only supported backend"
+    return Choice(known[supported[0]], f"static order ({why})", verdicts)
+
+
+def _log_choice(problem: Problem, choice: Choice) -> None:
+    name = choice.backend.name
+    tag = (problem.table_key(), name, choice.how.split(",")[0].split(" ")[0])
+    if tag in _logged:
+        return
+    _logged.add(tag)
+    others = []
+    cands = (choice.entry or {}).get("candidates", {})
+    for other, (ok, reason) in choice.verdicts.items():
+        if other == name:
+            continue
+        c = cands.get(other, {})
+        if not ok:
+            others.append(f"{other}: unsupported ({reason})")
+        elif "failed" in c:
+            others.append(f"{other}: failed ({c['failed']})")
+        elif "ms" in c:
+            others.append(f"{other}: slower ({c['ms']:.3f} ms vs {cands.get(name, {}).get('ms', float('nan')):.3f} ms)")
+        else:
+            others.append(f"{other}: lower in the static order")
+    log.info("gdr_dispatch: backend %r for %s (%s)%s", name, problem.describe(), choice.how,
+             "; not chosen: " + "; ".join(others) if others else "")
+
+
+# ---------------------------------------------------------------------------------------
+# autotuning
+# ---------------------------------------------------------------------------------------
+def measure_ms(fn: Callable[[], object], device_type: str, warmup: int = AUTOTUNE_WARMUP,
+               reps: int = AUTOTUNE_REPS) -> float:
+    """Median wall time of `fn` in ms: CUDA events on the GPU, perf_counter on the CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device_type == "cuda":
+        torch.cuda.synchronize()
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def relative_error(x: Optional[torch.Tensor], ref: Optional[torch.Tensor]) -> float:
+    """||x - ref||_F / ||ref||_F in fp64 (inf for a missing or non-finite x, 0 for two Nones)."""
+    if x is None or ref is None:
+        return 0.0 if x is None and ref is None else float("inf")
+    x, ref = x.detach().double(), ref.detach().double()
+    if x.shape != ref.shape or not torch.isfinite(x).all():
+        return float("inf")
+    denom = ref.norm().item()
+    diff = (x - ref).norm().item()
+    return diff / denom if denom > 0 else diff
+
+
+def grads_disagreement(grads: GDRGrads, ref: GDRGrads, tol: float) -> Optional[str]:
+    """None when every gradient is within `tol` of `ref`, else the numbers that are not."""
+    bad = []
+    for name in GDRGrads._fields:
+        err = relative_error(getattr(grads, name), getattr(ref, name))
+        if not err <= tol:
+            bad.append(f"{name} rel err {err:.2e}")
+    return f"{', '.join(bad)} > {tol:g}" if bad else None
+
+
+def autotune(call: GDRCall, problem: Problem, candidates: dict[str, Backend],
+             measure: Callable[..., float] = measure_ms) -> tuple[dict, GDRGrads]:
+    """Time and cross-check `candidates` on the call's tensors; return (table entry, winner's grads)."""
+    log.info("gdr_dispatch: autotuning %d backends for %s", len(candidates), problem.describe())
+    results: dict[str, dict] = {}
+    outputs: dict[str, GDRGrads] = {}
+    for name, backend in candidates.items():
+        try:
+            outputs[name] = backend.run(call)
+            check_outputs(call, outputs[name], name)
+            results[name] = {"ms": round(measure(lambda: backend.run(call), problem.device.type), 4)}
+        except Exception as e:  # a candidate that breaks is recorded, never chosen
+            outputs.pop(name, None)
+            results[name] = {"failed": f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
+
+    ref_name = next((n for n in (*REFERENCE_ORDER, *outputs) if n in outputs), None)
+    tol = AGREEMENT_TOL[problem.dtype]
+    if ref_name is not None:
+        for name in outputs:
+            if name == ref_name:
+                continue
+            why = grads_disagreement(outputs[name], outputs[ref_name], tol)
+            if why is not None:
+                results[name] = {"failed": f"disagrees with {ref_name}: {why}", "ms": results[name].get("ms")}
+    timed = {n: r["ms"] for n, r in results.items() if "failed" not in r}
+    if not timed:
+        detail = "; ".join(f"{n}: {r.get('failed')}" for n, r in results.items())
+        raise NoBackendError(f"every candidate failed while autotuning {problem.describe()}: {detail}")
+    winner = min(timed, key=timed.get)
+    entry = {
+        "problem": problem.describe(),
+        "winner": winner,
+        "candidates": results,
+        "cross_check": {"reference": ref_name, "tol": tol},
+        "measured_at": tuning_table.now_iso(),
+    }
+    return entry, outputs[winner]
+
+
+# ---------------------------------------------------------------------------------------
+# the entry point
+# ---------------------------------------------------------------------------------------
+def check_outputs(call: GDRCall, grads: GDRGrads, backend: str) -> None:
+    """Shapes and dtypes of a backend's gradients against the contract (a backend bug otherwise)."""
+    acc = call.acc_dtype
+    want = {
+        "dq": (tuple(call.q.shape), call.q.dtype),
+        "dk": (tuple(call.k.shape), call.k.dtype),
+        "dv": (tuple(call.v.shape), call.v.dtype),
+        "dg": (tuple(call.g.shape), acc),
+        "db": (tuple(call.b.shape), call.b.dtype),
+        "dh0": (call.state_shape(), acc) if call.initial_state is not None else None,
+    }
+    for name, spec in want.items():
+        got = getattr(grads, name)
+        if spec is None:
+            if got is not None:
+                raise RuntimeError(f"backend {backend!r} returned {name} although initial_state is None")
+            continue
+        if got is None or tuple(got.shape) != spec[0] or got.dtype != spec[1]:
+            shape = None if got is None else (tuple(got.shape), got.dtype)
+            raise RuntimeError(f"backend {backend!r} returned {name} as {shape}, the contract says {spec}")
+
+
+def fused_gdr_bwd(q, k, v, a, g, b, do, dht=None, h=None, *, scale=None, initial_state=None,
+                  cu_seqlens=None, chunk_size=64, state_v_first=False) -> GDRGrads:
+    """Backward of the chunked gated delta rule: `(dq, dk, dv, dg, db, dh0)`.
+
+    Inputs and outputs are exactly those of GDR_MATH.md: `a` the ungated WY inverse
+    `[B, T, H, BT]`, `g` the natural-log chunk-local cumsum of the gate, `h` the chunk-start
+    states or None (then recomputed from `initial_state`); `dg` is w.r.t. the raw gate and
+    `dq`/`dk` are at the q/k head count. No input is written. Raises TypeError/ValueError
+    naming the argument for a bad call, and NoBackendError when no backend can take it.
+    """
+    call = validate(q, k, v, a, g, b, do, dht, h, scale=scale, initial_state=initial_state,
+                    cu_seqlens=cu_seqlens, chunk_size=chunk_size, state_v_first=state_v_first)
+    problem = Problem.from_call(call)
+    choice = select_backend(problem, call)
+    _log_choice(problem, choice)
+    if choice.grads is not None:
+        return choice.grads
+    grads = choice.backend.run(call)
+    check_outputs(call, grads, choice.backend.name)
+    return grads
