@@ -58,6 +58,13 @@ _decided: dict[str, tuple[str, str, dict]] = {}  # key -> (backend, how, entry),
 _logged: set = set()
 
 
+def clear_caches() -> None:
+    """Forget this process's decisions and cached tables (after editing a table by hand, in tests)."""
+    _decided.clear()
+    _logged.clear()
+    tuning_table.forget()
+
+
 def autotune_block_reason(problem: Problem, call: Optional[GDRCall]) -> Optional[str]:
     """Why this call may not be autotuned, or None when it may."""
     if os.environ.get("GDR_AUTOTUNE", "1").strip().lower() in ("0", "false", "no", "off"):
@@ -196,8 +203,12 @@ def grads_disagreement(grads: GDRGrads, ref: GDRGrads, tol: float) -> Optional[s
 
 
 def autotune(call: GDRCall, problem: Problem, candidates: dict[str, Backend],
-             measure: Callable[..., float] = measure_ms) -> tuple[dict, GDRGrads]:
-    """Time and cross-check `candidates` on the call's tensors; return (table entry, winner's grads)."""
+             measure: Optional[Callable[..., float]] = None) -> tuple[dict, GDRGrads]:
+    """Time and cross-check `candidates` on the call's tensors; return (table entry, winner's grads).
+
+    `measure(fn, device_type) -> ms` defaults to `measure_ms`.
+    """
+    measure = measure or measure_ms
     log.info("gdr_dispatch: autotuning %d backends for %s", len(candidates), problem.describe())
     results: dict[str, dict] = {}
     outputs: dict[str, GDRGrads] = {}

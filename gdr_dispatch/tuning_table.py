@@ -53,6 +53,12 @@ _warned: set = set()
 _cache: dict[Path, tuple[tuple[int, int], dict]] = {}
 
 
+def forget() -> None:
+    """Drop cached tables and the record of warnings already given."""
+    _cache.clear()
+    _warned.clear()
+
+
 def _read_entries(path: Path) -> dict:
     """Entries of one table file; {} when absent; raises ValueError when unusable."""
     try:

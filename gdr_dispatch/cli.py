@@ -1,0 +1,212 @@
+"""`gdr-dispatch` (also `python -m gdr_dispatch`): `tune` sweeps shapes into a tuning table,
+`explain` shows for one shape what each backend says and which one a call would get."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import tuning_table
+from .contract import validate
+from .dispatch import NoBackendError, autotune, autotune_block_reason, measure_ms, select_backend
+from .registry import Problem, backends, device_info
+from .shapes import PRESETS, ShapeSpec, call_kwargs, load_grid, make_inputs
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def format_table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(headers), sep, *(line(r) for r in rows)])
+
+
+def summarize(results: list[tuple[ShapeSpec, dict]], names: list[str]) -> str:
+    """The tune table: each backend's ms or why not, the winner, its speedup over `fla`."""
+    notes: dict[str, int] = {}
+
+    def note(text: str) -> str:
+        notes.setdefault(text, len(notes) + 1)
+        return f"[{notes[text]}]"
+
+    rows = []
+    for spec, entry in results:
+        cands = entry.get("candidates", {})
+        cells = [spec.label()]
+        for n in names:
+            c = cands.get(n, {})
+            if "failed" in c:
+                cells.append("failed " + note(f"{n}: failed: {c['failed']}"))
+            elif "unsupported" in c:
+                cells.append(f"unsupported {note(f'{n}: ' + c['unsupported'])}")
+            elif "ms" in c:
+                cells.append(f"{c['ms']:.3f}")
+            else:
+                cells.append("-")
+        winner = entry.get("winner") or "none"
+        cells.append(winner)
+        fla_ms = cands.get("fla", {}).get("ms") if "failed" not in cands.get("fla", {}) else None
+        win_ms = cands.get(winner, {}).get("ms")
+        cells.append(f"{fla_ms / win_ms:.2f}x" if fla_ms and win_ms else "-")
+        rows.append(cells)
+    out = format_table(["shape", *[f"{n} ms" for n in names], "winner", "vs fla"], rows)
+    if notes:
+        out += "\n" + "\n".join(f"[{i}] {text}" for text, i in notes.items())
+    return out
+
+
+def cmd_tune(args) -> int:
+    if os.environ.get("GDR_BACKEND"):
+        print(f"note: GDR_BACKEND={os.environ['GDR_BACKEND']} is ignored while tuning", file=sys.stderr)
+    device = torch.device(args.device or _default_device())
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda, but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    if args.grid:
+        shapes = load_grid(args.grid)
+        source = args.grid
+    else:
+        preset = args.preset or ("h200-train" if device.type == "cuda" else "cpu")
+        shapes = PRESETS[preset]
+        source = f"preset {preset}"
+    variants = [v for s in shapes for v in s.variants()]
+    dev = device_info(device)
+    out_dir = Path(args.out) if args.out else tuning_table.user_table_dir()
+    only = set(args.backends.split(",")) if args.backends else None
+    if only:
+        unknown = only - set(backends())
+        if unknown:
+            print(f"error: --backends: unknown {sorted(unknown)}; known: {', '.join(backends())}", file=sys.stderr)
+            return 2
+    measure = functools.partial(measure_ms, warmup=args.warmup, reps=args.reps)
+    print(f"tuning {len(variants)} shapes ({source}) on {dev.name}; table: "
+          f"{tuning_table.table_path(out_dir, dev.slug)}", file=sys.stderr)
+
+    results = []
+    for i, spec in enumerate(variants, 1):
+        t0 = time.perf_counter()
+        print(f"[{i}/{len(variants)}] {spec.label()} ...", file=sys.stderr, flush=True)
+        inputs = make_inputs(spec, device, seed=i)
+        call = validate(**call_kwargs(inputs))
+        problem = Problem.from_call(call)
+        verdicts = {n: b.supported(problem) for n, b in backends().items()}
+        candidates = {n: b for n, b in backends().items() if verdicts[n][0] and (only is None or n in only)}
+        try:
+            if not candidates:
+                raise NoBackendError("no supported backend among those asked for")
+            entry, _ = autotune(call, problem, candidates, measure=measure)
+        except NoBackendError as e:
+            entry = {"problem": problem.describe(), "winner": None, "candidates": {}, "error": str(e)}
+        for n, (ok, reason) in verdicts.items():
+            if not ok:
+                entry["candidates"][n] = {"unsupported": reason}
+            elif n not in candidates:
+                entry["candidates"][n] = {"unsupported": "left out by --backends"}
+        if entry["winner"]:
+            tuning_table.record(dev.slug, dev.name, {problem.table_key(): entry}, out_dir)
+        results.append((spec, entry))
+        win = entry["winner"]
+        won = f"{win} {entry['candidates'][win]['ms']:.3f} ms" if win else f"no winner ({entry.get('error')})"
+        print(f"      -> {won}  [{time.perf_counter() - t0:.1f} s]", file=sys.stderr, flush=True)
+        del inputs, call
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    print(summarize(results, list(backends())))
+    print(f"\ntable written: {tuning_table.table_path(out_dir, dev.slug)}")
+    return 0 if all(e["winner"] for _, e in results) else 1
+
+
+def _spec_from_args(args) -> ShapeSpec:
+    seqlens = tuple(int(s) for s in args.seqlens.split(",")) if args.seqlens else None
+    return ShapeSpec(
+        B=args.B, T=None if seqlens else args.T, seqlens=seqlens, H=args.H, Hg=args.Hg, K=args.K, V=args.V,
+        dtype=args.dtype, h=args.h, initial_state=not args.no_initial_state, dht=not args.no_dht,
+        state_v_first=args.state_v_first, chunk_size=args.chunk_size,
+    )
+
+
+def cmd_explain(args) -> int:
+    device = torch.device(args.device or _default_device())
+    spec = _spec_from_args(args)
+    problem = spec.problem(device)
+    print(f"shape: {problem.describe()}  [chunks {problem.num_chunks}, CTAs: seq x head {problem.seq_head_ctas}, "
+          f"chunk x head {problem.chunk_ctas}]")
+    print(f"device: {problem.device.name} (capability {problem.device.capability}, {problem.device.sm_count} SMs)")
+    print("versions: " + ", ".join(f"{k} {v or 'absent'}" for k, v in problem.versions))
+    print(f"table key: {problem.table_key()}")
+    rows = [[name, "yes" if ok else "no", reason or "-"] for name, (ok, reason) in
+            ((n, b.supported(problem)) for n, b in backends().items())]
+    print(format_table(["backend", "supported", "reason"], rows))
+    try:
+        choice = select_backend(problem, call=None)
+    except (NoBackendError, ValueError) as e:
+        print(f"chosen: none -- {e}")
+        return 1
+    how = choice.how
+    if how.startswith("static order (no tensors"):
+        blocked = autotune_block_reason(problem, call=object())
+        supported = [n for n, (ok, _) in choice.verdicts.items() if ok]
+        how = (f"in no tuning table: the first call autotunes {', '.join(supported)}"
+               if blocked is None else f"in no tuning table; static order ({blocked})")
+    print(f"chosen: {choice.backend.name} ({how})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gdr-dispatch", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true", help="log the dispatcher's decisions")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("tune", help="measure every supported backend over a grid of shapes and write the table")
+    src = t.add_mutually_exclusive_group()
+    src.add_argument("--preset", choices=sorted(PRESETS), help="default: h200-train on a GPU, cpu without one")
+    src.add_argument("--grid", metavar="FILE.yaml", help="shapes to tune (see gdr_dispatch/shapes.py)")
+    t.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when available")
+    t.add_argument("--out", metavar="DIR", help="table directory (default: $GDR_TUNING_CACHE or ~/.cache/gdr_dispatch)")
+    t.add_argument("--backends", metavar="A,B", help="tune only these backends")
+    t.add_argument("--warmup", type=int, default=2, help="untimed runs per backend after the first (default 2)")
+    t.add_argument("--reps", type=int, default=10, help="timed runs per backend, median reported (default 10)")
+    t.set_defaults(func=cmd_tune)
+
+    e = sub.add_parser("explain", help="for one shape: each backend's verdict and what a call would get")
+    e.add_argument("--B", type=int, default=1)
+    e.add_argument("--T", type=int, default=4096)
+    e.add_argument("--seqlens", metavar="L1,L2,..", help="varlen batch (then B=1, T=sum)")
+    e.add_argument("--H", type=int, default=32, help="value heads")
+    e.add_argument("--Hg", type=int, default=None, help="q/k heads (default H)")
+    e.add_argument("--K", type=int, default=128)
+    e.add_argument("--V", type=int, default=128)
+    e.add_argument("--dtype", default="bfloat16")
+    e.add_argument("--h", choices=["given", "none"], default="given", help="is h given to the call")
+    e.add_argument("--no-initial-state", action="store_true")
+    e.add_argument("--no-dht", action="store_true")
+    e.add_argument("--state-v-first", action="store_true")
+    e.add_argument("--chunk-size", type=int, default=64)
+    e.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when available")
+    e.set_defaults(func=cmd_explain)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""Shapes to tune and benchmark: presets, YAML grids, and random inputs for one shape.
+
+A grid file is a YAML list (or a mapping with a `shapes:` list) of entries such as
+
+    - {B: 8, T: 4096, H: 32, Hg: 32, K: 128, V: 128, dtype: bfloat16}
+    - {seqlens: [4096, 4096, 4096, 4096], H: 32, Hg: 16, K: 128, V: 128, h: none}
+
+Keys: B, T (or seqlens for a varlen batch: then B=1, T=sum), H, Hg (default H), K, V
+(default 128), dtype (bfloat16, float16, float32, float64), h (given | none | both, default both),
+initial_state and dht (default true), state_v_first (default false), chunk_size (64).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Optional
+
+import torch
+import yaml
+
+from .contract import chunk_counts
+from .registry import Problem, device_info, library_versions
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+          "float32": torch.float32, "fp32": torch.float32, "float64": torch.float64, "fp64": torch.float64}
+
+
+@dataclass(frozen=True)
+class ShapeSpec:
+    H: int
+    K: int = 128
+    V: int = 128
+    Hg: Optional[int] = None
+    B: int = 1
+    T: Optional[int] = None
+    seqlens: Optional[tuple[int, ...]] = None
+    dtype: str = "bfloat16"
+    h: str = "both"  # given | none | both
+    initial_state: bool = True
+    dht: bool = True
+    state_v_first: bool = False
+    chunk_size: int = 64
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self):
+        if self.seqlens is not None:
+            object.__setattr__(self, "seqlens", tuple(int(s) for s in self.seqlens))
+            if self.B != 1:
+                raise ValueError(f"shape {self}: seqlens (varlen) needs B == 1")
+            object.__setattr__(self, "T", sum(self.seqlens))
+        if self.T is None:
+            raise ValueError("a shape needs T, or seqlens for a varlen batch")
+        if self.Hg is None:
+            object.__setattr__(self, "Hg", self.H)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", str(DTYPES[self.dtype]).replace("torch.", ""))
+        if self.h not in ("given", "none", "both"):
+            raise ValueError(f"h: expected given, none or both, got {self.h!r}")
+
+    @property
+    def seq_lens(self) -> tuple[int, ...]:
+        return self.seqlens if self.seqlens is not None else (self.T,) * self.B
+
+    def variants(self) -> list["ShapeSpec"]:
+        """One spec per `h` mode (`both` expands to `given` and `none`)."""
+        return [replace(self, h="given"), replace(self, h="none")] if self.h == "both" else [self]
+
+    def label(self) -> str:
+        if self.seqlens is None:
+            seqs = f"B{self.B} T{self.T}"
+        elif len(set(self.seqlens)) == 1:
+            seqs = f"varlen {len(self.seqlens)}x{self.seqlens[0]}"
+        else:
+            seqs = "varlen " + ",".join(map(str, self.seqlens[:6])) + (",.." if len(self.seqlens) > 6 else "")
+        grp = f" Hg{self.Hg}" if self.Hg != self.H else ""
+        return f"{seqs} H{self.H}{grp} K{self.K} V{self.V} {self.dtype} h={self.h}"
+
+    def problem(self, device: torch.device) -> Problem:
+        """The dispatcher's view of this shape, without allocating it."""
+        n_chunks = sum(chunk_counts(self.seq_lens, self.chunk_size))
+        sdt = "float32" if (self.initial_state or self.dht) else None
+        return Problem(
+            B=self.B, T=self.T, H=self.H, Hg=self.Hg, K=self.K, V=self.V, N=len(self.seq_lens),
+            chunk_size=self.chunk_size, num_chunks=n_chunks, max_seq_len=max(self.seq_lens),
+            dtype=self.dtype, a_dtype=self.dtype, b_dtype=self.dtype,
+            h_dtype=self.dtype if self.h == "given" else None, state_dtype=sdt,
+            varlen=self.seqlens is not None, h_given=self.h == "given", has_dht=self.dht,
+            has_initial_state=self.initial_state, state_v_first=self.state_v_first,
+            device=device_info(device), versions=tuple(library_versions().items()),
+        )
+
+    @staticmethod
+    def from_dict(d: dict) -> "ShapeSpec":
+        known = {f.name for f in fields(ShapeSpec)} - {"extra"}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"shape {d}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        return ShapeSpec(**d)
+
+
+PRESETS: dict[str, list[ShapeSpec]] = {
+    # what `tune` runs on a machine without a GPU: seconds with the torch backend
+    "cpu": [
+        ShapeSpec(B=1, T=128, H=2, K=32, V=32),
+        ShapeSpec(seqlens=(1, 63, 64, 65), H=4, Hg=2, K=32, V=32),
+    ],
+    # small shapes that touch every feature; a few seconds per backend on a CPU
+    "smoke": [
+        ShapeSpec(B=2, T=200, H=4, K=64, V=64),
+        ShapeSpec(seqlens=(1, 63, 64, 65), H=4, Hg=2, K=64, V=64, state_v_first=True),
+    ],
+    # the training shapes the shipped H200 table is made for (K = V = 128, bf16)
+    "h200-train": [
+        ShapeSpec(B=1, T=8192, H=16),
+        ShapeSpec(B=4, T=4096, H=16),
+        ShapeSpec(B=8, T=4096, H=32),
+        ShapeSpec(B=16, T=2048, H=32),
+        ShapeSpec(seqlens=(4096,) * 8, H=32, Hg=16),
+    ],
+}
+
+
+def load_grid(path: str | Path) -> list[ShapeSpec]:
+    doc = yaml.safe_load(Path(path).read_text())
+    if isinstance(doc, dict):
+        doc = doc.get("shapes")
+    if not isinstance(doc, list) or not doc:
+        raise ValueError(f"{path}: expected a YAML list of shapes (or a mapping with a 'shapes' list)")
+    return [ShapeSpec.from_dict(d) for d in doc]
+
+
+def make_inputs(spec: ShapeSpec, device, seed: int = 0) -> dict:
+    """Random forward inputs for `spec` and the backward call's arguments built from them.
+
+    Returns a dict with the keyword arguments of `fused_gdr_bwd` plus the forward's raw
+    inputs (`g_raw`, `beta`) for oracles and peers. Keys are L2-normalised and the log gate
+    lies in [-0.5, 0] per token (decays seen in trained models), so values stay O(1).
+    """
+    from .reference import prepare_residuals
+
+    if spec.h not in ("given", "none"):
+        raise ValueError("make_inputs needs one h mode; expand 'both' with spec.variants()")
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    dt = DTYPES[spec.dtype]
+    B, T, H, Hg, K, V = spec.B, spec.T, spec.H, spec.Hg, spec.K, spec.V
+    N = len(spec.seq_lens)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(device)
+
+    q = rnd(B, T, Hg, K).to(dt)
+    k = torch.nn.functional.normalize(rnd(B, T, Hg, K), dim=-1).to(dt)
+    v = rnd(B, T, H, V).to(dt)
+    do = rnd(B, T, H, V).to(dt)
+    state_dt = torch.float64 if dt == torch.float64 else torch.float32  # g_raw and the states
+    g_raw = -0.5 * torch.rand(B, T, H, generator=gen).to(device, state_dt)
+    beta = torch.sigmoid(rnd(B, T, H)).to(dt)
+    state = (N, H, V, K) if spec.state_v_first else (N, H, K, V)
+    h0 = rnd(*state).to(state_dt) if spec.initial_state else None
+    dht = rnd(*state).to(state_dt) if spec.dht else None
+    cu = None
+    if spec.seqlens is not None:
+        cu = torch.tensor([0, *torch.tensor(spec.seqlens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    res = prepare_residuals(q, k, v, g_raw, beta, initial_state=h0, cu_seqlens=cu,
+                            chunk_size=spec.chunk_size, state_v_first=spec.state_v_first)
+    return dict(
+        q=q, k=k, v=v, a=res.a, g=res.g, b=beta, do=do, dht=dht,
+        h=res.h.to(dt) if spec.h == "given" else None,
+        initial_state=h0, cu_seqlens=cu, chunk_size=spec.chunk_size, state_v_first=spec.state_v_first,
+        scale=K ** -0.5, g_raw=g_raw,
+    )
+
+
+def call_kwargs(inputs: dict) -> dict:
+    """The subset of `make_inputs` that `fused_gdr_bwd` takes."""
+    return {k: v for k, v in inputs.items() if k != "g_raw"}
+
+
+def bytes_and_flops(spec: ShapeSpec) -> tuple[float, float]:
+    """A floor for the backward: bytes every backend must move and the matmul FLOPs of the chain.
+
+    Bytes: read q, k, v, do, a, g, b (+ h when given) once and write dq, dk, dv, dg, db
+    once. FLOPs: per chunk and value head, the ~14 BTxBTxD / BTxDxD matmuls of the
+    fused backward (GDR_MATH.md chunk form), counted as 2 FLOPs per multiply-add; with
+    `h=None` the state recompute adds ~4 more. An estimate for the roofline, not a count of
+    what any one kernel executes.
+    """
+    e = torch.empty((), dtype=DTYPES[spec.dtype]).element_size()
+    T, H, Hg, K, V, BT = spec.B * spec.T, spec.H, spec.Hg, spec.K, spec.V, spec.chunk_size
+    n_chunks = sum(chunk_counts(spec.seq_lens, BT))
+    reads = T * (2 * Hg * K + 2 * H * V + H * BT) * e + T * H * (4 + e)
+    writes = T * (2 * Hg * K + H * V) * e + T * H * (4 + e)
+    if spec.h == "given":
+        reads += n_chunks * H * K * V * e
+    per_chunk = 2 * (7 * BT * BT * max(K, V) + 7 * BT * K * V)
+    if spec.h == "none":
+        per_chunk += 2 * 4 * BT * K * V
+    return float(reads + writes), float(per_chunk * n_chunks * H)
+
+
+def floor_ms(spec: ShapeSpec, hbm_gbs: float, tflops: float) -> float:
+    """max(bytes / bandwidth, flops / peak) in ms."""
+    nbytes, flops = bytes_and_flops(spec)
+    return max(nbytes / (hbm_gbs * 1e9), flops / (tflops * 1e12)) * 1e3
+

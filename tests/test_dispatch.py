@@ -1,0 +1,274 @@
+"""Selection order, the GDR_BACKEND override, autotuning and its cross-check, the tables."""
+
+import logging
+import subprocess
+import sys
+import textwrap
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import gdr_dispatch
+from gdr_dispatch import Backend, Problem, fused_gdr_bwd, registry, tuning_table
+from gdr_dispatch import dispatch as dsp
+from gdr_dispatch.contract import validate
+from gdr_dispatch.registry import DeviceInfo
+from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs
+
+SPEC = ShapeSpec(B=1, T=70, H=2, K=8, V=8, dtype="float32", h="given")
+
+
+@pytest.fixture
+def kwargs():
+    return call_kwargs(make_inputs(SPEC, "cpu"))
+
+
+class Fake(Backend):
+    """Delegates to the torch backend, optionally wrong, slow, broken or picky."""
+
+    def __init__(self, name, scale=1.0, raises=False, refuse=None):
+        self.name, self.scale, self.raises, self.refuse, self.calls = name, scale, raises, refuse, 0
+
+    def not_supported_reasons(self, problem):
+        return [self.refuse] if self.refuse else []
+
+    def run(self, call):
+        self.calls += 1
+        if self.raises:
+            raise RuntimeError("kernel exploded")
+        g = registry.get_backend("torch").run(call)
+        return g._replace(dq=g.dq * self.scale)
+
+
+@pytest.fixture
+def fakes():
+    made = {}
+
+    def add(*args, **kw):
+        b = Fake(*args, **kw)
+        registry.register(b)
+        made[b.name] = b
+        return b
+
+    yield add
+    for n in made:
+        registry._REGISTRY.pop(n, None)
+
+
+def fake_cuda(problem):
+    return replace(problem, device=DeviceInfo("cuda", "Fake GPU", (9, 0), 132))
+
+
+# -- the override ---------------------------------------------------------------------
+def test_forced_backend_runs(kwargs, fakes, monkeypatch):
+    f = fakes("fake_a")
+    monkeypatch.setenv("GDR_BACKEND", "fake_a")
+    fused_gdr_bwd(**kwargs)
+    assert f.calls == 1
+
+
+def test_forced_unknown_lists_known(kwargs, monkeypatch):
+    monkeypatch.setenv("GDR_BACKEND", "tilelang_fusd")
+    with pytest.raises(ValueError, match="unknown backend 'tilelang_fusd'.*known backends: .*torch"):
+        fused_gdr_bwd(**kwargs)
+
+
+def test_forced_unsupported_says_why(kwargs, fakes, monkeypatch):
+    fakes("fake_picky", refuse="needs capability 9.0, this device is cpu")
+    monkeypatch.setenv("GDR_BACKEND", "fake_picky")
+    with pytest.raises(dsp.NoBackendError, match="fake_picky.*needs capability 9.0, this device is cpu"):
+        fused_gdr_bwd(**kwargs)
+
+
+def test_env_is_read_per_call(kwargs, fakes, monkeypatch):
+    f = fakes("fake_a")
+    monkeypatch.setenv("GDR_BACKEND", "fake_a")
+    fused_gdr_bwd(**kwargs)
+    monkeypatch.setenv("GDR_BACKEND", "torch")
+    fused_gdr_bwd(**kwargs)
+    assert f.calls == 1
+
+
+def test_nothing_supported_lists_every_reason(kwargs, fakes, monkeypatch):
+    fakes("fake_picky", refuse="K must be 128; dtype must be bf16")
+    monkeypatch.setattr(registry.get_backend("torch"), "not_supported_reasons", lambda p: ["switched off in this test"])
+    with pytest.raises(dsp.NoBackendError) as info:
+        fused_gdr_bwd(**kwargs)
+    assert "fake_picky: K must be 128; dtype must be bf16" in str(info.value)
+    assert "torch: switched off in this test" in str(info.value)
+
+
+# -- selection order --------------------------------------------------------------------
+def test_static_order_on_cpu_never_autotunes(kwargs, fakes, monkeypatch):
+    fakes("fake_a")
+    monkeypatch.setattr(dsp, "autotune", lambda *a, **k: pytest.fail("autotuned a CPU call"))
+    problem = Problem.from_call(validate(**kwargs))
+    choice = dsp.select_backend(problem, validate(**kwargs))
+    assert choice.backend.name == "torch"  # torch is ahead of unknown names in the static order
+    assert "cpu tensors are never autotuned" in choice.how
+
+
+def test_graph_capture_never_autotunes(kwargs, fakes, monkeypatch):
+    fakes("fake_a")
+    monkeypatch.setattr(dsp, "autotune", lambda *a, **k: pytest.fail("autotuned during capture"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    call = validate(**kwargs)
+    choice = dsp.select_backend(fake_cuda(Problem.from_call(call)), call)
+    assert "CUDA graph capture" in choice.how
+
+
+def test_autotune_off_by_env(kwargs, fakes, monkeypatch):
+    fakes("fake_a")
+    monkeypatch.setenv("GDR_AUTOTUNE", "0")
+    monkeypatch.setattr(dsp, "autotune", lambda *a, **k: pytest.fail("autotuned with GDR_AUTOTUNE=0"))
+    call = validate(**kwargs)
+    assert "GDR_AUTOTUNE=0" in dsp.select_backend(fake_cuda(Problem.from_call(call)), call).how
+
+
+def _fake_measure(times):
+    def measure(fn, device_type):
+        fn()
+        return measure.next.pop(0)
+    measure.next = list(times)
+    return measure
+
+
+def test_autotune_miss_picks_fastest_agreeing_and_stores(kwargs, fakes, monkeypatch):
+    fakes("fake_fast_wrong", scale=1.5)  # fastest, but dq off by 50 %
+    fakes("fake_broken", raises=True)
+    fakes("fake_ok")
+    order = list(registry.backends())  # torch, then the fakes in registration order
+    times = {"torch": 9.0, "fake_fast_wrong": 1.0, "fake_ok": 2.0}
+    monkeypatch.setattr(dsp, "autotune_block_reason", lambda p, c: None)
+    monkeypatch.setattr(dsp, "measure_ms", _fake_measure([times[n] for n in order if n in times]))
+    grads = fused_gdr_bwd(**kwargs)
+
+    problem = Problem.from_call(validate(**kwargs))
+    hit = tuning_table.lookup(problem.device.slug, problem.table_key())
+    assert hit is not None, "the autotuned choice was not stored"
+    entry, path = hit
+    assert entry["winner"] == "fake_ok"
+    c = entry["candidates"]
+    assert c["torch"]["ms"] == 9.0 and c["fake_ok"]["ms"] == 2.0
+    assert "disagrees with torch" in c["fake_fast_wrong"]["failed"] and "dq rel err" in c["fake_fast_wrong"]["failed"]
+    assert "kernel exploded" in c["fake_broken"]["failed"]
+    assert entry["cross_check"]["reference"] == "torch"
+    assert str(path).startswith(str(tuning_table.user_table_dir()))
+    # the winner's gradients from the tuning run are returned
+    ref = registry.get_backend("torch").run(validate(**kwargs))
+    assert torch.allclose(grads.dq, ref.dq)
+
+
+def test_table_hit_comes_before_autotune_and_static(kwargs, fakes, monkeypatch):
+    f = fakes("fake_a")
+    problem = Problem.from_call(validate(**kwargs))
+    entry = {"winner": "fake_a", "candidates": {"fake_a": {"ms": 1.0}, "torch": {"ms": 2.0}}}
+    tuning_table.record(problem.device.slug, problem.device.name, {problem.table_key(): entry})
+    monkeypatch.setattr(dsp, "autotune", lambda *a, **k: pytest.fail("autotuned on a table hit"))
+    fused_gdr_bwd(**kwargs)
+    assert f.calls == 1
+
+
+def test_user_table_shadows_shipped_table(kwargs, fakes, monkeypatch, tmp_path):
+    fakes("fake_a")
+    fakes("fake_b")
+    problem = Problem.from_call(validate(**kwargs))
+    shipped = tmp_path / "shipped"
+    monkeypatch.setattr(tuning_table, "shipped_table_dir", lambda: shipped)
+    key = problem.table_key()
+    tuning_table.record(problem.device.slug, "cpu", {key: {"winner": "fake_b"}}, shipped)
+    assert dsp.select_backend(problem).backend.name == "fake_b"
+    dsp.clear_caches()
+    tuning_table.record(problem.device.slug, "cpu", {key: {"winner": "fake_a"}})
+    assert dsp.select_backend(problem).backend.name == "fake_a"
+
+
+def test_table_winner_that_cannot_run_is_ignored(kwargs, fakes, caplog):
+    fakes("fake_picky", refuse="not on this device")
+    problem = Problem.from_call(validate(**kwargs))
+    tuning_table.record(problem.device.slug, "cpu", {problem.table_key(): {"winner": "fake_picky"}})
+    with caplog.at_level(logging.WARNING, "gdr_dispatch"):
+        choice = dsp.select_backend(problem)
+    assert choice.backend.name == "torch"
+    assert "not on this device" in caplog.text
+
+
+def test_logs_the_backend_once_per_key(kwargs, caplog):
+    with caplog.at_level(logging.INFO, "gdr_dispatch"):
+        fused_gdr_bwd(**kwargs)
+        fused_gdr_bwd(**kwargs)
+    lines = [r.message for r in caplog.records if "backend 'torch'" in r.message]
+    assert len(lines) == 1 and "static order" in lines[0]
+
+
+# -- the tables -------------------------------------------------------------------------
+def test_table_round_trip(tmp_path):
+    entries = {"k1|x": {"winner": "torch", "candidates": {"torch": {"ms": 1.5}, "fla": {"unsupported": "no CUDA"}}},
+               "k2|y": {"winner": "fla", "candidates": {"fla": {"ms": 0.5}}}}
+    path = tuning_table.record("nvidia-h200-sm90", "NVIDIA H200", entries, tmp_path)
+    assert path == tmp_path / "nvidia-h200-sm90.yaml"
+    doc = yaml.safe_load(path.read_text())
+    assert doc["format"] == 1 and doc["device"] == "NVIDIA H200"
+    assert tuning_table.load_entries(path) == entries
+    tuning_table.record("nvidia-h200-sm90", "NVIDIA H200", {"k3|z": {"winner": "torch"}}, tmp_path)
+    assert set(tuning_table.load_entries(path)) == {"k1|x", "k2|y", "k3|z"}
+    assert not list(tmp_path.glob("*.tmp")), "a temporary file was left behind"
+
+
+def test_two_processes_write_one_table(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(Path(gdr_dispatch.__file__).parent.parent)!r})
+        from gdr_dispatch import tuning_table
+        from pathlib import Path
+        tag = sys.argv[1]
+        for i in range(40):
+            tuning_table.record("dev", "Dev", {{f"{{tag}}-{{i}}": {{"winner": "torch"}}}}, Path({str(tmp_path)!r}))
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", script, tag]) for tag in ("a", "b")]
+    assert all(p.wait(timeout=120) == 0 for p in procs)
+    entries = tuning_table.load_entries(tmp_path / "dev.yaml")
+    assert set(entries) == {f"{t}-{i}" for t in "ab" for i in range(40)}
+
+
+def test_corrupt_table_warns_once_and_is_ignored(kwargs, caplog):
+    problem = Problem.from_call(validate(**kwargs))
+    path = tuning_table.table_path(tuning_table.user_table_dir(), problem.device.slug)
+    path.parent.mkdir(parents=True)
+    path.write_text("entries: [unclosed\n  : :")
+    with caplog.at_level(logging.WARNING, "gdr_dispatch"):
+        fused_gdr_bwd(**kwargs)
+        fused_gdr_bwd(**kwargs)
+    warnings = [r for r in caplog.records if "ignoring tuning table" in r.message]
+    assert len(warnings) == 1 and str(path) in warnings[0].message
+    # the next write sets the corrupt file aside and starts a fresh table
+    with caplog.at_level(logging.WARNING, "gdr_dispatch"):
+        tuning_table.record(problem.device.slug, "cpu", {"k": {"winner": "torch"}})
+    assert path.with_name(path.name + ".corrupt").exists()
+    assert tuning_table.load_entries(path) == {"k": {"winner": "torch"}}
+
+
+@pytest.mark.parametrize("text", ["- just\n- a list\n", "format: 99\nentries: {}\n", "entries: 3\n"])
+def test_wrong_table_structure_is_ignored(text, tmp_path, caplog):
+    path = tmp_path / "x.yaml"
+    path.write_text(text)
+    with caplog.at_level(logging.WARNING, "gdr_dispatch"):
+        assert tuning_table.load_entries(path) == {}
+    assert "ignoring tuning table" in caplog.text
+
+
+def test_key_buckets_tokens_per_sequence():
+    a = ShapeSpec(seqlens=(3000, 3100), H=4, K=8, V=8).problem(torch.device("cpu"))
+    b = ShapeSpec(seqlens=(2100, 4000), H=4, K=8, V=8).problem(torch.device("cpu"))
+    c = ShapeSpec(seqlens=(5000, 4000), H=4, K=8, V=8).problem(torch.device("cpu"))
+    assert a.table_key() == b.table_key() != c.table_key()
+
+
+def test_spec_problem_matches_call_problem():
+    spec = ShapeSpec(seqlens=(1, 63, 64, 65), H=4, Hg=2, K=8, V=8, h="given", state_v_first=True)
+    call = validate(**call_kwargs(make_inputs(spec, "cpu")))
+    assert spec.problem(torch.device("cpu")) == Problem.from_call(call)

@@ -1,0 +1,66 @@
+"""GPU tests: every registered backend that supports a call, against the float64 oracle.
+
+Marked `gpu`; skipped where torch sees no CUDA device. Tolerance: relative Frobenius error
+of each gradient <= 1e-2 for 16-bit inputs (fla and FlashQLA land at 3-4e-3, GDR_MATH.md).
+"""
+
+import pytest
+import torch
+
+from conftest import case, rel_errors
+from gdr_dispatch import Problem, backends, fused_gdr_bwd
+from gdr_dispatch import dispatch as dsp
+from gdr_dispatch.contract import validate
+from gdr_dispatch.shapes import ShapeSpec
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = {
+    "T100_grouped": ShapeSpec(B=2, T=100, H=4, Hg=2, K=128, V=128),
+    "T40_no_states": ShapeSpec(B=1, T=40, H=2, K=128, V=128, initial_state=False, dht=False),
+    "T128_h0_only": ShapeSpec(B=2, T=128, H=2, K=64, V=128, dht=False),
+    "T65_dht_only": ShapeSpec(B=1, T=65, H=2, K=128, V=64, initial_state=False),
+    "varlen_1_63_64_65_vfirst": ShapeSpec(seqlens=(1, 63, 64, 65), H=4, Hg=2, K=128, V=128, state_v_first=True),
+    "varlen_1_63_64_65": ShapeSpec(seqlens=(1, 63, 64, 65), H=4, Hg=4, K=128, V=128, dht=False),
+}
+
+TOL = {"bfloat16": 1e-2, "float16": 1e-2}
+
+
+def _cases():
+    for name in SHAPES:
+        for dtype in ("bfloat16", "float16"):
+            for h in ("given", "none"):
+                yield name, dtype, h
+
+
+@pytest.mark.parametrize("backend", list(backends()))
+@pytest.mark.parametrize("name,dtype,h_mode", list(_cases()))
+def test_backend_matches_oracle_on_gpu(backend, name, dtype, h_mode, monkeypatch):
+    spec = ShapeSpec(**{**SHAPES[name].__dict__, "dtype": dtype, "h": h_mode, "extra": {}})
+    problem = spec.problem(torch.device("cuda"))
+    ok, reason = backends()[backend].supported(problem)
+    if not ok:
+        pytest.skip(f"{backend} does not take {spec.label()}: {reason}")
+    kwargs, ref = case(spec, device="cuda")
+    monkeypatch.setenv("GDR_BACKEND", backend)
+    grads = fused_gdr_bwd(**kwargs)
+    errs = rel_errors(grads, ref)
+    bad = {n: f"{e:.2e}" for n, e in errs.items() if not e <= TOL[dtype]}
+    assert not bad, f"{backend} {spec.label()}: {bad} (all: { {n: f'{e:.1e}' for n, e in errs.items()} })"
+
+
+def test_autotune_on_gpu_cross_checks_and_stores():
+    spec = ShapeSpec(B=1, T=200, H=4, Hg=2, K=128, V=128, h="none")
+    kwargs, ref = case(spec, device="cuda")
+    call = validate(**kwargs)
+    problem = Problem.from_call(call)
+    choice = dsp.select_backend(problem, call)
+    supported = [n for n, (ok, _) in choice.verdicts.items() if ok]
+    if len(supported) > 1:
+        assert choice.how.startswith("autotuned"), choice.how
+        assert choice.entry["cross_check"]["reference"] == "torch"
+        assert all("ms" in choice.entry["candidates"][n] or "failed" in choice.entry["candidates"][n]
+                   for n in supported)
+    grads = fused_gdr_bwd(**kwargs)
+    assert all(e <= 1e-2 for e in rel_errors(grads, ref).values())

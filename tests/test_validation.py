@@ -1,0 +1,119 @@
+"""Every bad call raises before any work, naming the argument, what was expected and what came."""
+
+import pytest
+import torch
+
+from gdr_dispatch import fused_gdr_bwd
+from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs
+
+
+@pytest.fixture
+def good():
+    return call_kwargs(make_inputs(ShapeSpec(B=2, T=70, H=4, Hg=2, K=8, V=8, dtype="float32", h="given"), "cpu"))
+
+
+@pytest.fixture
+def good_varlen():
+    return call_kwargs(make_inputs(ShapeSpec(seqlens=(5, 70), H=2, K=8, V=8, dtype="float32", h="given"), "cpu"))
+
+
+def expect(exc, kwargs, *words):
+    with pytest.raises(exc) as info:
+        fused_gdr_bwd(**kwargs)
+    msg = str(info.value)
+    for w in words:
+        assert w in msg, f"{w!r} not in {msg!r}"
+
+
+def test_good_calls_pass(good, good_varlen):
+    fused_gdr_bwd(**good)
+    fused_gdr_bwd(**good_varlen)
+
+
+def test_not_a_tensor(good):
+    expect(TypeError, {**good, "v": [1, 2]}, "v:", "torch.Tensor", "list")
+
+
+@pytest.mark.parametrize("name,shape,words", [
+    ("q", (2, 70, 2), ["q:", "4 dims", "[2, 70, 2]"]),
+    ("k", (2, 70, 2, 4), ["k:", "[2, 70, 2, 8]", "got [2, 70, 2, 4]"]),
+    ("v", (2, 71, 4, 8), ["v:", "[2, 70, 4, 8]", "got [2, 71, 4, 8]"]),
+    ("do", (2, 70, 4, 4), ["do:", "[2, 70, 4, 8]"]),
+    ("a", (2, 70, 4, 32), ["a:", "[2, 70, 4, 64]", "chunk_size"]),
+    ("g", (2, 70, 2), ["g:", "[2, 70, 4]"]),
+    ("b", (2, 70, 4, 1), ["b:", "[2, 70, 4]"]),
+    ("h", (2, 1, 4, 8, 8), ["h:", "[2, 2, 4, 8, 8]", "2 chunks"]),
+    ("initial_state", (2, 4, 8, 4), ["initial_state:", "[2, 4, 8, 8]", "state_v_first=False"]),
+    ("dht", (1, 4, 8, 8), ["dht:", "[2, 4, 8, 8]"]),
+])
+def test_wrong_shapes(good, name, shape, words):
+    bad = torch.zeros(shape, dtype=good[name].dtype)
+    expect(ValueError, {**good, name: bad}, *words)
+
+
+def test_heads_must_group(good):
+    v = torch.zeros(2, 70, 3, 8)
+    expect(ValueError, {**good, "v": v, "do": v, "a": torch.zeros(2, 70, 3, 64),
+                        "g": torch.zeros(2, 70, 3), "b": torch.zeros(2, 70, 3), "h": None,
+                        "initial_state": None, "dht": None}, "H=3", "Hg=2", "multiple")
+
+
+@pytest.mark.parametrize("name,dtype,words", [
+    ("q", torch.int32, ["q:", "dtype", "int32"]),
+    ("k", torch.float64, ["k:", "dtype of q", "float64"]),
+    ("do", torch.float16, ["do:", "dtype of q"]),
+    ("g", torch.bfloat16, ["g:", "float32", "bfloat16"]),
+    ("b", torch.int64, ["b:", "int64"]),
+])
+def test_wrong_dtypes(good, name, dtype, words):
+    expect(TypeError, {**good, name: good[name].to(dtype)}, *words)
+
+
+def test_state_v_first_layout(good):
+    # states are [N, H, K, V]; with state_v_first they must be [N, H, V, K]: K=V here, so use K != V
+    kw = call_kwargs(make_inputs(ShapeSpec(B=1, T=10, H=2, K=8, V=4, dtype="float32", h="given"), "cpu"))
+    expect(ValueError, {**kw, "state_v_first": True}, "state_v_first=True", "[N, H, V, K]")
+
+
+@pytest.mark.parametrize("cu,words", [
+    ([0, 5], ["cu_seqlens:", "end at T=75", "got 5"]),
+    ([1, 75], ["cu_seqlens:", "start at 0", "got 1"]),
+    ([0, 40, 30, 75], ["cu_seqlens:", "non-decreasing", "40 then 30"]),
+    ([75], ["cu_seqlens:", "[N + 1]"]),
+])
+def test_bad_cu_seqlens_values(good_varlen, cu, words):
+    expect(ValueError, {**good_varlen, "cu_seqlens": torch.tensor(cu, dtype=torch.int32), "h": None,
+                        "initial_state": None, "dht": None}, *words)
+
+
+def test_cu_seqlens_dtype_and_batch(good_varlen, good):
+    expect(TypeError, {**good_varlen, "cu_seqlens": good_varlen["cu_seqlens"].float()}, "cu_seqlens:", "int32")
+    cu = torch.tensor([0, 30, 70], dtype=torch.int32)
+    expect(ValueError, {**good, "cu_seqlens": cu}, "cu_seqlens:", "B == 1", "B=2")
+
+
+def test_devices_must_agree(good):
+    expect(ValueError, {**good, "b": good["b"].to("meta")}, "b:", "device cpu", "meta")
+
+
+@pytest.mark.parametrize("name,value,exc,words", [
+    ("scale", "0.1", TypeError, ["scale:", "str"]),
+    ("scale", float("nan"), ValueError, ["scale:", "finite"]),
+    ("chunk_size", 64.0, TypeError, ["chunk_size:", "int"]),
+    ("chunk_size", 0, ValueError, ["chunk_size:", "positive"]),
+    ("state_v_first", 1, TypeError, ["state_v_first:", "bool"]),
+])
+def test_bad_options(good, name, value, exc, words):
+    expect(exc, {**good, name: value}, *words)
+
+
+def test_inputs_are_never_written(good_varlen):
+    before = {k: v.clone() for k, v in good_varlen.items() if isinstance(v, torch.Tensor)}
+    grads = fused_gdr_bwd(**good_varlen)
+    for k, v in before.items():
+        assert torch.equal(v, good_varlen[k]), f"{k} was written"
+    outs = [g for g in grads if g is not None]
+    for g in outs:
+        for v in good_varlen.values():
+            if isinstance(v, torch.Tensor):
+                assert g.data_ptr() != v.data_ptr(), "an output aliases an input"
