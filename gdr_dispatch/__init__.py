@@ -39,10 +39,12 @@ _map_source_subpackage("backends")
 from .contract import GDRCall, GDRGrads  # noqa: E402
 from .dispatch import fused_gdr_bwd, select_backend  # noqa: E402
 from .reference import oracle_grads, prepare_residuals, recurrent_forward  # noqa: E402
-from .registry import Backend, Problem, backends, get_backend, register  # noqa: E402
+from .registry import Backend, Problem, registered_backends, get_backend, register  # noqa: E402
 
 __all__ = [
     "fused_gdr_bwd", "select_backend", "GDRGrads", "GDRCall", "Problem", "Backend",
-    "backends", "get_backend", "register", "oracle_grads", "prepare_residuals", "recurrent_forward",
+    "registered_backends", "get_backend", "register", "oracle_grads", "prepare_residuals", "recurrent_forward",
 ]
 __version__ = "0.1.0"
+
+from . import backends  # noqa: E402,F401  (registers every backend)

@@ -16,7 +16,7 @@ import torch
 from . import tuning_table
 from .contract import validate
 from .dispatch import NoBackendError, autotune, autotune_block_reason, measure_ms, select_backend
-from .registry import Problem, backends, device_info
+from .registry import Problem, registered_backends, device_info
 from .shapes import PRESETS, ShapeSpec, call_kwargs, load_grid, make_inputs
 
 
@@ -84,9 +84,9 @@ def cmd_tune(args) -> int:
     out_dir = Path(args.out) if args.out else tuning_table.user_table_dir()
     only = set(args.backends.split(",")) if args.backends else None
     if only:
-        unknown = only - set(backends())
+        unknown = only - set(registered_backends())
         if unknown:
-            print(f"error: --backends: unknown {sorted(unknown)}; known: {', '.join(backends())}", file=sys.stderr)
+            print(f"error: --backends: unknown {sorted(unknown)}; known: {', '.join(registered_backends())}", file=sys.stderr)
             return 2
     measure = functools.partial(measure_ms, warmup=args.warmup, reps=args.reps)
     print(f"tuning {len(variants)} shapes ({source}) on {dev.name}; table: "
@@ -99,8 +99,8 @@ def cmd_tune(args) -> int:
         inputs = make_inputs(spec, device, seed=i)
         call = validate(**call_kwargs(inputs))
         problem = Problem.from_call(call)
-        verdicts = {n: b.supported(problem) for n, b in backends().items()}
-        candidates = {n: b for n, b in backends().items() if verdicts[n][0] and (only is None or n in only)}
+        verdicts = {n: b.supported(problem) for n, b in registered_backends().items()}
+        candidates = {n: b for n, b in registered_backends().items() if verdicts[n][0] and (only is None or n in only)}
         try:
             if not candidates:
                 raise NoBackendError("no supported backend among those asked for")
@@ -122,7 +122,7 @@ def cmd_tune(args) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    print(summarize(results, list(backends())))
+    print(summarize(results, list(registered_backends())))
     print(f"\ntable written: {tuning_table.table_path(out_dir, dev.slug)}")
     return 0 if all(e["winner"] for _, e in results) else 1
 
@@ -146,7 +146,7 @@ def cmd_explain(args) -> int:
     print("versions: " + ", ".join(f"{k} {v or 'absent'}" for k, v in problem.versions))
     print(f"table key: {problem.table_key()}")
     rows = [[name, "yes" if ok else "no", reason or "-"] for name, (ok, reason) in
-            ((n, b.supported(problem)) for n, b in backends().items())]
+            ((n, b.supported(problem)) for n, b in registered_backends().items())]
     print(format_table(["backend", "supported", "reason"], rows))
     try:
         choice = select_backend(problem, call=None)

@@ -22,7 +22,7 @@ import torch
 
 from . import tuning_table
 from .contract import GDRCall, GDRGrads, validate
-from .registry import Backend, Problem, backends, get_backend
+from .registry import Backend, Problem, registered_backends, get_backend
 
 log = logging.getLogger("gdr_dispatch")
 
@@ -54,7 +54,7 @@ class Choice:
     grads: Optional[GDRGrads] = None  # the winner's output when autotuning already ran it
 
 
-_decided: dict[str, tuple[str, str, dict]] = {}  # key -> (backend, how, entry), this process
+_decided: dict = {}  # table key (or (key, why not autotuned)) -> Choice, this process
 _logged: set = set()
 
 
@@ -80,7 +80,7 @@ def autotune_block_reason(problem: Problem, call: Optional[GDRCall]) -> Optional
 
 def select_backend(problem: Problem, call: Optional[GDRCall] = None) -> Choice:
     """Pick the backend for `problem`; with `call`, a table miss may autotune on its tensors."""
-    known = backends()
+    known = registered_backends()
     forced = os.environ.get("GDR_BACKEND", "").strip()
     if forced:
         backend = get_backend(forced)  # unknown names raise, listing the known ones
@@ -90,28 +90,30 @@ def select_backend(problem: Problem, call: Optional[GDRCall] = None) -> Choice:
                                  f"({problem.describe()}): {reason}")
         return Choice(backend, "GDR_BACKEND")
 
+    # a decision already made for this key: re-check only that its backend still takes the
+    # call (its verdict can depend on the environment), not every backend
+    key = problem.table_key()
+    blocked = autotune_block_reason(problem, call)
+    memo = _decided.get(key) or _decided.get((key, blocked))
+    if memo is not None and memo.backend.supported(problem)[0]:
+        return memo
+
     verdicts = {name: b.supported(problem) for name, b in known.items()}
     supported = [n for n, (ok, _) in verdicts.items() if ok]
     if not supported:
         lines = "\n".join(f"  {n}: {r}" for n, (_, r) in verdicts.items())
         raise NoBackendError(f"no gdr_dispatch backend can take this call ({problem.describe()}):\n{lines}")
 
-    key = problem.table_key()
-    memo = _decided.get(key)
-    if memo is not None and memo[0] in supported:
-        return Choice(known[memo[0]], memo[1], verdicts, memo[2])
-
     hit = tuning_table.lookup(problem.device.slug, key)
     if hit is not None:
         entry, path = hit
         winner = entry["winner"]
         if winner in supported:
-            _decided[key] = (winner, f"table {path}", entry)
-            return Choice(known[winner], f"table {path}", verdicts, entry)
+            _decided[key] = Choice(known[winner], f"table {path}", verdicts, entry)
+            return _decided[key]
         log.warning("gdr_dispatch: table %s names %r for %s, which cannot take it now (%s); ignoring the entry",
                     path, winner, problem.describe(), verdicts.get(winner, (False, "not registered"))[1])
 
-    blocked = autotune_block_reason(problem, call)
     if blocked is None and len(supported) > 1:
         entry, grads = autotune(call, problem, {n: known[n] for n in supported})
         for name, (ok, reason) in verdicts.items():
@@ -123,11 +125,14 @@ def select_backend(problem: Problem, call: Optional[GDRCall] = None) -> Choice:
         except OSError as e:
             log.warning("gdr_dispatch: could not write the tuning table (%s); keeping the choice in memory", e)
             how = "autotuned, not stored"
-        _decided[key] = (entry["winner"], how, entry)
+        _decided[key] = Choice(known[entry["winner"]], how, verdicts, entry)
         return Choice(known[entry["winner"]], how, verdicts, entry, grads)
 
+    # static choices are remembered per reason: a call outside graph capture, or with
+    # GDR_AUTOTUNE changed, decides afresh
     why = blocked if blocked is not None else "the only supported backend"
-    return Choice(known[supported[0]], f"static order ({why})", verdicts)
+    _decided[(key, blocked)] = Choice(known[supported[0]], f"static order ({why})", verdicts)
+    return _decided[(key, blocked)]
 
 
 def _log_choice(problem: Problem, choice: Choice) -> None:

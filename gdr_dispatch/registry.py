@@ -10,6 +10,7 @@ the way.
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 from dataclasses import asdict, dataclass
 from importlib import metadata
@@ -211,7 +212,7 @@ def register(backend: Backend) -> Backend:
     return backend
 
 
-def backends() -> dict[str, Backend]:
+def registered_backends() -> dict[str, Backend]:
     """Registered backends in static preference order (then registration order)."""
     _load_builtin_backends()
     order = [n for n in STATIC_PREFERENCE if n in _REGISTRY] + [n for n in _REGISTRY if n not in STATIC_PREFERENCE]
@@ -219,7 +220,7 @@ def backends() -> dict[str, Backend]:
 
 
 def get_backend(name: str) -> Backend:
-    known = backends()
+    known = registered_backends()
     if name not in known:
         raise ValueError(f"unknown backend {name!r}; known backends: {', '.join(known)}")
     return known[name]
@@ -227,5 +228,5 @@ def get_backend(name: str) -> Backend:
 
 @functools.lru_cache(maxsize=None)
 def _load_builtin_backends() -> None:
-    # importing the package registers each backend module
-    from . import backends as _  # noqa: F401
+    # importing the subpackage registers each backend module
+    importlib.import_module("gdr_dispatch.backends")

@@ -1,9 +1,17 @@
-import pytest
+import os
+
 import torch
 
-from gdr_dispatch import oracle_grads
-from gdr_dispatch.dispatch import clear_caches
-from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs
+# Without a GPU, Triton kernels run in Triton's interpreter (fp16/fp32 only: bf16 dots come
+# back wrong there). It is read when a kernel is decorated, so before gdr_dispatch loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from gdr_dispatch import oracle_grads  # noqa: E402
+from gdr_dispatch.dispatch import clear_caches  # noqa: E402
+from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

@@ -141,7 +141,7 @@ def test_autotune_miss_picks_fastest_agreeing_and_stores(kwargs, fakes, monkeypa
     fakes("fake_fast_wrong", scale=1.5)  # fastest, but dq off by 50 %
     fakes("fake_broken", raises=True)
     fakes("fake_ok")
-    order = list(registry.backends())  # torch, then the fakes in registration order
+    order = list(registry.registered_backends())  # torch, then the fakes in registration order
     times = {"torch": 9.0, "fake_fast_wrong": 1.0, "fake_ok": 2.0}
     monkeypatch.setattr(dsp, "autotune_block_reason", lambda p, c: None)
     monkeypatch.setattr(dsp, "measure_ms", _fake_measure([times[n] for n in order if n in times]))

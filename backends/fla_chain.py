@@ -1,0 +1,143 @@
+"""Backend `fla`: fla-core's gated-delta-rule backward chain behind the contract.
+
+The fallback that takes every GPU call the fast backends refuse, so it has to be right
+everywhere: varlen, grouped heads, `state_v_first`, every optional input. It converts the
+contract's inputs to fla's conventions inside (GDR_MATH.md, "Other libraries' conventions"):
+
+  * `g` -> `g / ln 2` (fla's kernels use exp2 of a log2 cumsum);
+  * `a` -> `Gam * a`, the gated inverse fla's WY stages take (kernels/gate_wy_inverse.py);
+  * `h` given -> it is not recomputed: `v_new = u - w h` comes from one chunk-parallel
+    kernel (kernels/corrected_values.py) instead of fla's state recurrence;
+    `h` None -> fla's `chunk_gated_delta_rule_fwd_h` recomputes it from `initial_state`.
+
+fla's chain already returns `dg` w.r.t. the raw gate, `dq`/`dk` reduced to the q/k heads,
+and states in the contract's layouts, so nothing is converted on the way out.
+
+Hazard (GDR_MATH.md): on Hopper with Triton in [3.4.0, 3.7.1) fla's Triton
+`chunk_bwd_dqkwg` is wrong (fla issue 640); fla-core 0.6 then routes that stage to its
+TileLang kernel when tilelang and a usable nvcc are there and FLA_TILELANG is not 0, and
+raises otherwise. Its TileLang kernel also requires `h` in q's dtype, so `h` is passed to
+that stage in q's dtype (the dtype fla's own forward stores it in).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import re
+
+import torch
+
+from gdr_dispatch.contract import GDRCall, GDRGrads
+from gdr_dispatch.registry import Backend, Problem, register
+
+from .kernels.chunk_grid import varlen_chunk_indices
+from .kernels.corrected_values import corrected_values
+from .kernels.gate_wy_inverse import gate_wy_inverse
+
+RCP_LN2 = 1.0 / math.log(2.0)
+MIN_FLA = (0, 6, 0)
+#: Triton versions that miscompile fla's gated chunk_bwd_dqkwg on Hopper (fla issue 640)
+DQKWG_BAD_TRITON = ((3, 4, 0), (3, 7, 1))
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    """'3.7.1rc1+git12' -> (3, 7, 1): the leading digits of the first three fields."""
+    out = []
+    for part in v.split("+")[0].split(".")[:3]:
+        m = re.match(r"\d+", part)
+        out.append(int(m.group()) if m else 0)
+    return tuple(out + [0] * (3 - len(out)))
+
+
+def _fla_tilelang_dqkwg_usable() -> tuple[bool, str]:
+    """Whether fla-core will route chunk_bwd_dqkwg to its TileLang kernel (its own checks)."""
+    if os.environ.get("FLA_DISABLE_BACKEND_DISPATCH") == "1":
+        return False, "FLA_DISABLE_BACKEND_DISPATCH=1 turns off fla's TileLang dispatch"
+    if importlib.util.find_spec("tilelang") is None:
+        return False, "tilelang is not installed (pip install tilelang)"
+    from fla.ops.common.backends.tilelang import CommonTileLangBackend
+
+    if not CommonTileLangBackend.is_available():
+        return False, "tilelang is installed but fla finds no usable nvcc for its JIT (install a CUDA toolkit)"
+    if not CommonTileLangBackend().is_enabled():
+        return False, "FLA_TILELANG=0 turns fla's TileLang kernels off"
+    return True, ""
+
+
+class FlaBackend(Backend):
+    name = "fla"
+
+    def not_supported_reasons(self, p: Problem) -> list[str]:
+        reasons = []
+        if p.device.type != "cuda":
+            reasons.append(f"needs a CUDA device (fla-core's kernels are GPU kernels); the tensors are on {p.device.type}")
+        fla_version = p.version("fla")
+        if fla_version is None:
+            reasons.append("fla-core is not installed (pip install 'fla-core>=0.6')")
+        elif _version_tuple(fla_version) < MIN_FLA:
+            reasons.append(f"needs fla-core >= 0.6.0 (its GVA-aware chain), found {fla_version}")
+        if p.dtype not in ("bfloat16", "float16"):
+            reasons.append(f"q/k/v/do must be bfloat16 or float16 (fla's training dtypes, the ones tested here), got {p.dtype}")
+        if p.chunk_size != 64:
+            reasons.append(f"chunk_size must be 64 (the one size tested here against the oracle), got {p.chunk_size}")
+        if p.K > 256:
+            reasons.append(f"K must be <= 256 (fla's state kernels assert it), got K={p.K}")
+        if min(p.K, p.V) < 16:
+            reasons.append(f"K and V must be >= 16 (Triton dot tiles), got K={p.K}, V={p.V}")
+        if p.device.type == "cuda" and fla_version is not None and p.version("triton") is not None:
+            cap = p.device.capability or (0, 0)
+            tv = _version_tuple(p.version("triton"))
+            hopper = cap[0] == 9 or p.device.name.startswith("NVIDIA H")
+            if hopper and DQKWG_BAD_TRITON[0] <= tv < DQKWG_BAD_TRITON[1]:
+                ok, why = _fla_tilelang_dqkwg_usable()
+                if not ok:
+                    reasons.append(
+                        f"on Hopper, Triton {p.version('triton')} miscompiles fla's Triton chunk_bwd_dqkwg "
+                        f"(fla issue 640, fixed in 3.7.1) and fla's TileLang replacement cannot run: {why}"
+                    )
+        return reasons
+
+    def run(self, call: GDRCall) -> GDRGrads:
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
+        from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv_local
+        from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd, recompute_w_u_fwd
+        from fla.ops.utils import chunk_local_cumsum
+
+        BT = call.chunk_size
+        q, k, v, do = (x.contiguous() for x in (call.q, call.k, call.v, call.do))
+        beta = call.b.contiguous()
+        cu = call.cu_seqlens
+        ci = None if cu is None else varlen_chunk_indices(call.seq_lens, BT, q.device, cu.dtype)
+        h0 = None if call.initial_state is None else call.initial_state.float().contiguous()
+        dht = None if call.dht is None else call.dht.float().contiguous()
+        common = dict(cu_seqlens=cu, chunk_indices=ci)
+        state = dict(state_v_first=call.state_v_first, chunk_size=BT)
+
+        # the contract's conventions -> fla's
+        g2 = call.g.float() * RCP_LN2
+        A = gate_wy_inverse(call.a, call.g, cu, ci, out_dtype=k.dtype)
+
+        w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=g2, **common)
+        if call.h is None:
+            h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g2, initial_state=h0,
+                                                       output_final_state=False, **common, **state)
+        else:
+            v_new = corrected_values(u, w, call.h, BT, cu, ci, call.state_v_first)
+            h = call.h.to(q.dtype).contiguous()
+        dv = chunk_bwd_dv_local(q=q, k=k, g=g2, do=do, scale=call.scale, **common, chunk_size=BT)
+        dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(q=q, k=k, w=w, g=g2, h0=h0, dht=dht, do=do, dv=dv,
+                                                     scale=call.scale, **common, **state)
+        dq, dk, dw, dg = chunk_bwd_dqkwg(q=q, k=k, v=v_new, w=w, g=g2, h=h, dv=dv, do=do, dh=dh,
+                                         scale=call.scale, **common, **state)
+        dk2, dv, db, dg2 = prepare_wy_repr_bwd(k=k, v=v, beta=beta, g=g2, A=A, dw=dw, du=dv, **common)
+        dk.add_(dk2)
+        dg.add_(dg2)
+        dg = chunk_local_cumsum(dg, chunk_size=BT, reverse=True, **common)
+        if call.initial_state is None:
+            dh0 = None
+        return GDRGrads(dq, dk, dv, dg, db, dh0)
+
+
+register(FlaBackend())

@@ -1,0 +1,54 @@
+"""Gate the WY inverse: `A_gated[t, j] = a[t, j] * exp(G_t - G_j)` for j <= t in the chunk.
+
+fla's `recompute_w_u_fwd` and `prepare_wy_repr_bwd` take the gated inverse, the contract
+carries the ungated one (gating is exact, un-gating divides by an underflowing exp; see
+GDR_MATH.md). One program per (chunk, batch x head) reads the chunk's [BT, BT] rows of `a`
+and its BT gate values once. The exponent is masked before `exp`, so entries above the
+diagonal (where G_t - G_j can be large and positive) never overflow.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def gate_wy_inverse_kernel(
+    a, g, out, cu_seqlens, chunk_indices, T,
+    H: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
+        i_t = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+    else:
+        bos = (i_b * T).to(tl.int64)
+    rows = i_t * BT + tl.arange(0, BT)  # token position within the sequence
+    cols = tl.arange(0, BT)
+    valid = rows < T
+    G = tl.load(g + (bos + rows) * H + i_h, mask=valid, other=0.0).to(tl.float32)
+    keep = (cols[None, :] <= cols[:, None]) & valid[:, None] & valid[None, :]
+    gam = tl.where(keep, tl.exp(tl.where(keep, G[:, None] - G[None, :], 0.0)), 0.0)
+    offs = ((bos + rows[:, None]) * H + i_h) * BT + cols[None, :]
+    b_a = tl.load(a + offs, mask=valid[:, None], other=0.0).to(tl.float32)
+    tl.store(out + offs, (b_a * gam).to(out.dtype.element_ty), mask=valid[:, None])
+
+
+def gate_wy_inverse(a: torch.Tensor, g: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
+                    chunk_indices: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """`Gam * a` in a fresh tensor. a: `[B, T, H, BT]`, g: `[B, T, H]` natural-log chunk cumsum."""
+    B, T, H, BT = a.shape
+    a, g = a.contiguous(), g.contiguous()
+    out = torch.empty(a.shape, dtype=out_dtype or a.dtype, device=a.device)
+    NT = triton.cdiv(T, BT) if cu_seqlens is None else chunk_indices.shape[0]
+    gate_wy_inverse_kernel[(NT, B * H)](
+        a, g, out, cu_seqlens, chunk_indices, T, H=H, BT=BT, IS_VARLEN=cu_seqlens is not None,
+    )
+    return out
