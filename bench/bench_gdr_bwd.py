@@ -1,0 +1,224 @@
+"""Side-by-side timing of the GDR backward: our backends and the peers, in one process.
+
+    python bench/bench_gdr_bwd.py --preset h200-train      # or --grid FILE.yaml
+
+For each shape, with `h` given and with `h=None`:
+  * every registered backend that supports the call, through `fused_gdr_bwd` with
+    GDR_BACKEND forcing it (so validation and dispatch are inside the time), except `torch`,
+    which runs once as the exact reference for the error column;
+  * `fla-op`: fla-core's own `chunk_gated_delta_rule_bwd`, fed fla's conventions prepared
+    outside the timing (as its forward would have saved them); it always recomputes `h`;
+  * `flashqla`: FlashQLA, when importable. With `h` given: its fused kernel plus the
+    grouped-head reduction and reverse cumsum it leaves to its caller; with `h=None`: its
+    `chunk_gated_delta_rule_bwd(auto_cp=False)`.
+Times are medians of CUDA-event timings after warm-up (gdr_dispatch.dispatch.measure_ms).
+The floor is max(bytes / 4.3 TB/s, FLOPs / 790 TFLOP/s), the copy bandwidth and bf16
+matmul rate measured on this H200 kind (device KINDS.md), for the estimate in
+`gdr_dispatch.shapes.bytes_and_flops`. Writes bench/results/<device>.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from gdr_dispatch import GDRGrads, fused_gdr_bwd, registered_backends  # noqa: E402
+from gdr_dispatch.dispatch import measure_ms, relative_error  # noqa: E402
+from gdr_dispatch.registry import device_info, library_versions  # noqa: E402
+from gdr_dispatch.shapes import PRESETS, bytes_and_flops, call_kwargs, load_grid, make_inputs  # noqa: E402
+
+HBM_GBS = 4300.0  # device-to-device copy on the H200 here (KINDS.md, 2026-11-04)
+BF16_TFLOPS = 790.0  # 8192^3 bf16 matmul on the H200 here (KINDS.md)
+
+
+def fla_op_runner(x):
+    """fla-core's own backward, with its conventions made once outside the timing."""
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    from gdr_dispatch.backends.fla_chain import RCP_LN2
+    from gdr_dispatch.backends.kernels.gate_wy_inverse import gate_wy_inverse
+
+    cu = x["cu_seqlens"]
+    ci = None if cu is None else prepare_chunk_indices(cu, x["chunk_size"])
+    g2 = x["g"] * RCP_LN2
+    A = gate_wy_inverse(x["a"], x["g"], cu, ci, out_dtype=x["k"].dtype)
+    h0 = x["initial_state"]
+
+    def run():
+        dq, dk, dv, db, dg, dh0, _, _ = chunk_gated_delta_rule_bwd(
+            q=x["q"], k=x["k"], v=x["v"], g=g2, beta=x["b"], A=A, scale=x["scale"], initial_state=h0,
+            do=x["do"], dht=x["dht"], state_v_first=x["state_v_first"], cu_seqlens=cu, chunk_indices=ci,
+            chunk_size=x["chunk_size"])
+        return GDRGrads(dq, dk, dv, dg, db, dh0 if h0 is not None else None)
+
+    return run
+
+
+def flashqla_runner(x):
+    """FlashQLA 0.1.3 (its sm90 kernels), or None when it cannot be imported."""
+    try:
+        from flash_qla.ops.gated_delta_rule import chunk as fq
+        from flash_qla.ops.utils import chunk_local_cumsum, group_reduce_vector
+    except Exception as e:  # noqa: BLE001 - any import failure means "peer absent"
+        print(f"  flashqla not importable: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
+    Hg, H = x["k"].shape[2], x["v"].shape[2]
+    h0 = x["initial_state"]
+
+    if x["h"] is not None:
+        def run():
+            dq, dk, dv, dg, db, dh0 = fq.fused_gdr_bwd(
+                q=x["q"], k=x["k"], v=x["v"], a=x["a"], g=x["g"], b=x["b"], do=x["do"], dht=x["dht"], h=x["h"],
+                scale=x["scale"], cu_seqlens=x["cu_seqlens"], chunk_size=x["chunk_size"],
+                state_v_first=x["state_v_first"])
+            if Hg < H:
+                dq, dk = group_reduce_vector(dq, Hg), group_reduce_vector(dk, Hg)
+            dg = chunk_local_cumsum(dg, chunk_size=x["chunk_size"], reverse=True, cu_seqlens=x["cu_seqlens"],
+                                    zero_last_chunk=True)
+            return GDRGrads(dq, dk, dv, dg, db, dh0 if h0 is not None else None)
+    else:
+        def run():
+            dq, dk, dv, db, dg, dh0 = fq.chunk_gated_delta_rule_bwd(
+                q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["b"], A=x["a"], do=x["do"], dht=x["dht"],
+                scale=x["scale"], initial_state=h0, cu_seqlens=x["cu_seqlens"],
+                state_v_first=x["state_v_first"], auto_cp=False)
+            return GDRGrads(dq, dk, dv, dg, db, dh0 if h0 is not None else None)
+    return run
+
+
+def forced(name, kwargs):
+    def run():
+        os.environ["GDR_BACKEND"] = name
+        try:
+            return fused_gdr_bwd(**kwargs)
+        finally:
+            os.environ.pop("GDR_BACKEND", None)
+    return run
+
+
+def max_error(grads, ref):
+    return max(relative_error(getattr(grads, n), getattr(ref, n)) for n in GDRGrads._fields)
+
+
+def bench_shape(spec, warmup, reps, skip):
+    x = make_inputs(spec, "cuda", seed=1)
+    kwargs = call_kwargs(x)
+    problem = None
+    ref = forced("torch", kwargs)()
+    runners = {}
+    for name, backend in registered_backends().items():
+        if name == "torch" or name in skip:
+            continue
+        from gdr_dispatch.contract import validate
+        from gdr_dispatch.registry import Problem
+
+        problem = problem or Problem.from_call(validate(**kwargs))
+        ok, reason = backend.supported(problem)
+        runners[name] = forced(name, kwargs) if ok else reason
+    if "fla-op" not in skip:
+        runners["fla-op"] = fla_op_runner(x)
+    if "flashqla" not in skip:
+        runners["flashqla"] = flashqla_runner(x) or "not importable"
+    row = {"shape": spec.label(), "h": spec.h, "runs": {}}
+    nbytes, flops = bytes_and_flops(spec)
+    row["floor_ms"] = round(max(nbytes / (HBM_GBS * 1e9), flops / (BF16_TFLOPS * 1e12)) * 1e3, 4)
+    row["bytes"], row["flops"] = nbytes, flops
+    for name, fn in runners.items():
+        if isinstance(fn, str):
+            row["runs"][name] = {"skipped": fn}
+            continue
+        t0 = time.perf_counter()
+        try:
+            err = max_error(fn(), ref)
+            ms = measure_ms(fn, "cuda", warmup=warmup, reps=reps)
+            row["runs"][name] = {"ms": round(ms, 4), "max_rel_err": float(f"{err:.3e}")}
+        except Exception as e:  # noqa: BLE001 - a failing runner is reported, the sweep goes on
+            row["runs"][name] = {"failed": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
+        print(f"    {name}: {row['runs'][name]}  [{time.perf_counter() - t0:.1f} s]", file=sys.stderr, flush=True)
+    del x, kwargs, ref
+    torch.cuda.empty_cache()
+    return row
+
+
+def to_markdown(rows, names, device):
+    lines = [f"GDR backward on {device}, median ms (ratio = fla-op ms / this ms; >1 is faster than fla's own op)", ""]
+    head = ["shape", "h", "floor", *names]
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "|".join("---" for _ in head) + "|")
+    for r in rows:
+        base = r["runs"].get("fla-op", {}).get("ms")
+        cells = [r["shape"].rsplit(" h=", 1)[0], r["h"], f"{r['floor_ms']:.3f}"]
+        for n in names:
+            run = r["runs"].get(n, {})
+            if "ms" in run:
+                ratio = f" ({base / run['ms']:.2f}x)" if base else ""
+                cells.append(f"{run['ms']:.3f}{ratio}")
+            else:
+                cells.append("failed" if "failed" in run else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    notes = sorted({f"{n}: {v.get('skipped') or v.get('failed')}" for r in rows for n, v in r["runs"].items()
+                    if "skipped" in v or "failed" in v})
+    worst = {}
+    for r in rows:
+        for n in names:
+            e = r["runs"].get(n, {}).get("max_rel_err")
+            if e is not None:
+                worst[n] = max(worst.get(n, 0.0), e)
+    lines += ["", "Largest relative Frobenius error of any gradient against the torch backend (fp32), over these shapes: "
+              + ", ".join(f"{n} {e:.1e}" for n, e in worst.items())]
+    if notes:
+        lines += ["", "Not run:"] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", choices=sorted(PRESETS), default="h200-train")
+    src.add_argument("--grid")
+    p.add_argument("--h", choices=["given", "none", "both"], default=None, help="override each shape's h mode")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--skip", default="", help="runners to leave out, comma-separated")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench needs a CUDA device", file=sys.stderr)
+        return 2
+    shapes = load_grid(args.grid) if args.grid else PRESETS[args.preset]
+    if args.h:
+        from dataclasses import replace
+        shapes = [replace(s, h=args.h) for s in shapes]
+    variants = [v for s in shapes for v in s.variants()]
+    skip = set(filter(None, args.skip.split(",")))
+    dev = device_info(torch.device("cuda"))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"device": dev.name, "capability": list(dev.capability), "versions": library_versions(),
+           "source": args.grid or f"preset {args.preset}", "warmup": args.warmup, "reps": args.reps,
+           "floor": {"hbm_gbs": HBM_GBS, "bf16_tflops": BF16_TFLOPS}, "rows": []}
+    for i, spec in enumerate(variants, 1):
+        print(f"[{i}/{len(variants)}] {spec.label()}", file=sys.stderr, flush=True)
+        doc["rows"].append(bench_shape(spec, args.warmup, args.reps, skip))
+        # written after every shape, so a run cut short keeps what it measured
+        doc["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        names = list(dict.fromkeys(n for r in doc["rows"] for n in r["runs"]))
+        md = to_markdown(doc["rows"], names, dev.name)
+        (out / f"{dev.slug}.json").write_text(json.dumps(doc, indent=1) + "\n")
+        (out / f"{dev.slug}.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

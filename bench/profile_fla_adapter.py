@@ -1,0 +1,57 @@
+"""Where the fla backend's time goes next to fla's own op: interleaved timings and a kernel profile.
+
+    python bench/profile_fla_adapter.py --B 1 --T 8192 --H 16
+
+Runs `fla` (through fused_gdr_bwd, h given and h=None) and `fla-op` (fla's own backward)
+round-robin, `--rounds` times `--reps` CUDA-event timings each, so clock drift hits all
+three alike; then one torch.profiler pass per runner with the CUDA kernels' total times.
+"""
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_gdr_bwd import fla_op_runner, forced  # noqa: E402
+from gdr_dispatch.dispatch import measure_ms  # noqa: E402
+from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--B", type=int, default=1)
+    p.add_argument("--T", type=int, default=8192)
+    p.add_argument("--H", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--reps", type=int, default=10)
+    a = p.parse_args()
+    spec = ShapeSpec(B=a.B, T=a.T, H=a.H, h="given")
+    x = make_inputs(spec, "cuda", seed=1)
+    kw = call_kwargs(x)
+    runners = {"fla h=given": forced("fla", kw), "fla h=None": forced("fla", {**kw, "h": None}),
+               "fla-op": fla_op_runner(x)}
+    times = {n: [] for n in runners}
+    for _ in range(a.rounds):
+        for n, fn in runners.items():
+            times[n].append(measure_ms(fn, "cuda", warmup=2, reps=a.reps))
+    print(f"{spec.label()}: median over {a.rounds} rounds of median-of-{a.reps} ms")
+    base = statistics.median(times["fla-op"])
+    for n, t in times.items():
+        m = statistics.median(t)
+        print(f"  {n:12s} {m:.4f} ms  ({m / base - 1:+.1%} vs fla-op)  rounds: {', '.join(f'{v:.3f}' for v in t)}")
+    for n, fn in runners.items():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+        print(f"\n== {n}: CUDA kernels over 5 calls")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
