@@ -272,3 +272,19 @@ def test_spec_problem_matches_call_problem():
     spec = ShapeSpec(seqlens=(1, 63, 64, 65), H=4, Hg=2, K=8, V=8, h="given", state_v_first=True)
     call = validate(**call_kwargs(make_inputs(spec, "cpu")))
     assert spec.problem(torch.device("cpu")) == Problem.from_call(call)
+
+
+def test_shipped_tables_parse_and_name_registered_backends(caplog):
+    tables = sorted(tuning_table.shipped_table_dir().glob("*.yaml"))
+    assert tables, "no shipped tuning table"
+    known = set(registry.registered_backends())
+    with caplog.at_level(logging.WARNING, "gdr_dispatch"):
+        for path in tables:
+            entries = tuning_table.load_entries(path)
+            assert entries, f"{path} is empty or unreadable"
+            for key, entry in entries.items():
+                assert entry["winner"] in known, (path, key)
+                won = entry["candidates"][entry["winner"]]
+                assert "ms" in won and "failed" not in won, (path, key)
+                assert entry["cross_check"]["reference"] == "torch", (path, key)
+    assert "ignoring tuning table" not in caplog.text
