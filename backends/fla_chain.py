@@ -62,7 +62,10 @@ def _fla_tilelang_dqkwg_usable() -> tuple[bool, str]:
     if not CommonTileLangBackend.is_available():
         return False, "tilelang is installed but fla finds no usable nvcc for its JIT (install a CUDA toolkit)"
     if not CommonTileLangBackend().is_enabled():
-        return False, "FLA_TILELANG=0 turns fla's TileLang kernels off"
+        setting = os.environ.get("FLA_TILELANG")
+        return False, (f"fla's TileLang kernels are off (FLA_TILELANG={setting})" if setting is not None else
+                       "fla's TileLang kernels are off (FLA_TILELANG unset, and fla turns them on by default only "
+                       "when it sees a Hopper GPU as device 0 with Triton >= 3.4; set FLA_TILELANG=1)")
     return True, ""
 
 

@@ -224,6 +224,8 @@ def autotune(call: GDRCall, problem: Problem, candidates: dict[str, Backend],
             results[name] = {"ms": round(measure(lambda: backend.run(call), problem.device.type), 4)}
         except Exception as e:  # a candidate that breaks is recorded, never chosen
             outputs.pop(name, None)
+            if isinstance(e, torch.cuda.OutOfMemoryError):
+                torch.cuda.empty_cache()  # e.g. the torch backend at a training shape: the others still run
             results[name] = {"failed": f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
 
     ref_name = next((n for n in (*REFERENCE_ORDER, *outputs) if n in outputs), None)
