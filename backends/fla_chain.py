@@ -4,8 +4,8 @@ The fallback that takes every GPU call the fast backends refuse, so it has to be
 everywhere: varlen, grouped heads, `state_v_first`, every optional input. It converts the
 contract's inputs to fla's conventions inside (GDR_MATH.md, "Other libraries' conventions"):
 
-  * `g` -> `g / ln 2` (fla's kernels use exp2 of a log2 cumsum);
-  * `a` -> `Gam * a`, the gated inverse fla's WY stages take (kernels/gate_wy_inverse.py);
+  * `a` -> `Gam * a`, the gated inverse fla's WY stages take, and `g` -> `g / ln 2`
+    (fla's kernels use exp2 of a log2 cumsum), both in one pass (kernels/gate_wy_inverse.py);
   * `h` given -> it is not recomputed: `v_new = u - w h` comes from one chunk-parallel
     kernel (kernels/corrected_values.py) instead of fla's state recurrence;
     `h` None -> fla's `chunk_gated_delta_rule_fwd_h` recomputes it from `initial_state`.
@@ -23,7 +23,6 @@ that stage in q's dtype (the dtype fla's own forward stores it in).
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 import re
 
@@ -36,7 +35,6 @@ from .kernels.chunk_grid import varlen_chunk_indices
 from .kernels.corrected_values import corrected_values
 from .kernels.gate_wy_inverse import gate_wy_inverse
 
-RCP_LN2 = 1.0 / math.log(2.0)
 MIN_FLA = (0, 6, 0)
 #: Triton versions that miscompile fla's gated chunk_bwd_dqkwg on Hopper (fla issue 640)
 DQKWG_BAD_TRITON = ((3, 4, 0), (3, 7, 1))
@@ -119,8 +117,7 @@ class FlaBackend(Backend):
         state = dict(state_v_first=call.state_v_first, chunk_size=BT)
 
         # the contract's conventions -> fla's
-        g2 = call.g.float() * RCP_LN2
-        A = gate_wy_inverse(call.a, call.g, cu, ci, out_dtype=k.dtype)
+        A, g2 = gate_wy_inverse(call.a, call.g, cu, ci, out_dtype=k.dtype, with_log2_gate=True)
 
         w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=g2, **common)
         if call.h is None:

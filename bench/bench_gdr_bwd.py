@@ -45,13 +45,11 @@ def fla_op_runner(x):
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
     from fla.ops.utils.index import prepare_chunk_indices
 
-    from gdr_dispatch.backends.fla_chain import RCP_LN2
     from gdr_dispatch.backends.kernels.gate_wy_inverse import gate_wy_inverse
 
     cu = x["cu_seqlens"]
     ci = None if cu is None else prepare_chunk_indices(cu, x["chunk_size"])
-    g2 = x["g"] * RCP_LN2
-    A = gate_wy_inverse(x["a"], x["g"], cu, ci, out_dtype=x["k"].dtype)
+    A, g2 = gate_wy_inverse(x["a"], x["g"], cu, ci, out_dtype=x["k"].dtype, with_log2_gate=True)
     h0 = x["initial_state"]
 
     def run():

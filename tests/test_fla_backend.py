@@ -1,6 +1,7 @@
 """The fla backend's CPU-checkable parts: its `supported` reasons and its two Triton kernels
 (run in Triton's interpreter without a GPU). The backend itself runs in test_gpu.py."""
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -88,7 +89,9 @@ def _chunked(spec, dtype):
 @pytest.mark.parametrize("spec", KERNEL_SHAPES, ids=lambda s: s.label())
 def test_gate_wy_inverse_kernel(spec, dtype):
     x, cu, ci, lay = _chunked(spec, dtype)
-    out = gate_wy_inverse(x["a"], x["g"], cu, ci)
+    out, g_log2 = gate_wy_inverse(x["a"], x["g"], cu, ci, with_log2_gate=True)
+    assert torch.allclose(g_log2, x["g"].float() / math.log(2), rtol=1e-6, atol=1e-7)
+    assert torch.equal(gate_wy_inverse(x["a"], x["g"], cu, ci), out)
     G = lay.gather_gate(x["g"], torch.float64)
     ref = lay.scatter(ex.gate_decay_matrix(G) * lay.gather(x["a"], torch.float64), torch.float64)
     assert out.dtype == x["a"].dtype

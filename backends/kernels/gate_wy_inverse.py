@@ -1,5 +1,9 @@
 """Gate the WY inverse: `A_gated[t, j] = a[t, j] * exp(G_t - G_j)` for j <= t in the chunk.
 
+The same pass also writes `G / ln 2` when asked (fla's log2 gate), which saves the fla
+backend one more launch: at B1 T8192 H16 its backward is launch-bound on the H200
+(bench/results/nvidia-h200-sm90-fla-adapter.txt).
+
 fla's `recompute_w_u_fwd` and `prepare_wy_repr_bwd` take the gated inverse, the contract
 carries the ungated one (gating is exact, un-gating divides by an underflowing exp; see
 GDR_MATH.md). One program per (chunk, batch x head) reads the chunk's [BT, BT] rows of `a`
@@ -18,8 +22,8 @@ import triton.language as tl
 
 @triton.jit
 def gate_wy_inverse_kernel(
-    a, g, out, cu_seqlens, chunk_indices, T,
-    H: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    a, g, out, g_log2, cu_seqlens, chunk_indices, T,
+    H: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr, WRITE_LOG2: tl.constexpr,
 ):
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -34,6 +38,8 @@ def gate_wy_inverse_kernel(
     cols = tl.arange(0, BT)
     valid = rows < T
     G = tl.load(g + (bos + rows) * H + i_h, mask=valid, other=0.0).to(tl.float32)
+    if WRITE_LOG2:
+        tl.store(g_log2 + (bos + rows) * H + i_h, G * 1.4426950408889634, mask=valid)  # 1 / ln 2
     keep = (cols[None, :] <= cols[:, None]) & valid[:, None] & valid[None, :]
     gam = tl.where(keep, tl.exp(tl.where(keep, G[:, None] - G[None, :], 0.0)), 0.0)
     offs = ((bos + rows[:, None]) * H + i_h) * BT + cols[None, :]
@@ -42,13 +48,19 @@ def gate_wy_inverse_kernel(
 
 
 def gate_wy_inverse(a: torch.Tensor, g: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
-                    chunk_indices: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """`Gam * a` in a fresh tensor. a: `[B, T, H, BT]`, g: `[B, T, H]` natural-log chunk cumsum."""
+                    chunk_indices: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
+                    with_log2_gate: bool = False):
+    """`Gam * a` in a fresh tensor (and `g / ln 2` in fp32 when `with_log2_gate`).
+
+    a: `[B, T, H, BT]`, g: `[B, T, H]` natural-log chunk cumsum.
+    """
     B, T, H, BT = a.shape
     a, g = a.contiguous(), g.contiguous()
     out = torch.empty(a.shape, dtype=out_dtype or a.dtype, device=a.device)
+    g_log2 = torch.empty(g.shape, dtype=torch.float32, device=g.device) if with_log2_gate else None
     NT = triton.cdiv(T, BT) if cu_seqlens is None else chunk_indices.shape[0]
     gate_wy_inverse_kernel[(NT, B * H)](
-        a, g, out, cu_seqlens, chunk_indices, T, H=H, BT=BT, IS_VARLEN=cu_seqlens is not None,
+        a, g, out, g_log2, cu_seqlens, chunk_indices, T, H=H, BT=BT, IS_VARLEN=cu_seqlens is not None,
+        WRITE_LOG2=with_log2_gate,
     )
-    return out
+    return (out, g_log2) if with_log2_gate else out
