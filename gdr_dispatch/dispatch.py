@@ -52,6 +52,7 @@ class Choice:
     verdicts: dict[str, tuple[bool, str]] = field(default_factory=dict)
     entry: Optional[dict] = None  # the table entry behind the choice, when there is one
     grads: Optional[GDRGrads] = None  # the winner's output when autotuning already ran it
+    logged: bool = False  # remembered choices are logged once, then cost nothing per call
 
 
 _decided: dict = {}  # table key (or (key, why not autotuned)) -> Choice, this process
@@ -136,6 +137,9 @@ def select_backend(problem: Problem, call: Optional[GDRCall] = None) -> Choice:
 
 
 def _log_choice(problem: Problem, choice: Choice) -> None:
+    if choice.logged:
+        return
+    choice.logged = True
     name = choice.backend.name
     tag = (problem.table_key(), name, choice.how.split(",")[0].split(" ")[0])
     if tag in _logged:
