@@ -145,14 +145,15 @@ def dqkwg(q, k, v_new, w, G, h, du, do, dh, scale, chunk_len):
     return dq, dk, dw, _fold_last_gate_grad(dG, dG_last, chunk_len)
 
 
-def wy_bwd(k, v, b, A, G, dw, du):
+def wy_bwd(k, v, b, A, G, dw, du, a_is_gated=False):
     """Stage 6: backward through `W`, `U0` and the gated WY inverse. Returns `dk2, dv, db, dG2`.
 
     `Ag = M^{-1}` with `M = I + StrictLower(diag(b) (K K^T * Gam))`, so
     `dM = -Ag^T dAg Ag^T`; `A` enters only through `Ag = Gam * A` (exact, see GDR_MATH.md).
+    With `a_is_gated`, `A` already is `Ag` (fla's convention).
     """
     Gam = gate_decay_matrix(G)
-    Ag = Gam * A
+    Ag = A if a_is_gated else Gam * A
     eG = torch.exp(G)
     kb = k * (b * eG)[..., None]
     vb = v * b[..., None]

@@ -26,6 +26,8 @@ import importlib.util
 import os
 import re
 
+from typing import NamedTuple, Optional
+
 import torch
 
 from gdr_dispatch.contract import GDRCall, GDRGrads
@@ -101,43 +103,73 @@ class FlaBackend(Backend):
         return reasons
 
     def run(self, call: GDRCall) -> GDRGrads:
-        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
-        from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv_local
-        from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd, recompute_w_u_fwd
+        from fla.ops.common.chunk_o import chunk_bwd_dqkwg
+        from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd
         from fla.ops.utils import chunk_local_cumsum
 
-        BT = call.chunk_size
-        q, k, v, do = (x.contiguous() for x in (call.q, call.k, call.v, call.do))
-        beta = call.b.contiguous()
-        cu = call.cu_seqlens
-        ci = None if cu is None else varlen_chunk_indices(call.seq_lens, BT, q.device, cu.dtype)
-        h0 = None if call.initial_state is None else call.initial_state.float().contiguous()
-        dht = None if call.dht is None else call.dht.float().contiguous()
-        common = dict(cu_seqlens=cu, chunk_indices=ci)
-        state = dict(state_v_first=call.state_v_first, chunk_size=BT)
-
-        # the contract's conventions -> fla's
-        A, g2 = gate_wy_inverse(call.a, call.g, cu, ci, out_dtype=k.dtype, with_log2_gate=True)
-
-        w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=g2, **common)
-        if call.h is None:
-            h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g2, initial_state=h0,
-                                                       output_final_state=False, **common, **state)
-        else:
-            v_new = corrected_values(u, w, call.h, BT, cu, ci, call.state_v_first)
-            h = call.h.to(q.dtype).contiguous()
-        dv = chunk_bwd_dv_local(q=q, k=k, g=g2, do=do, scale=call.scale, **common, chunk_size=BT)
-        dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(q=q, k=k, w=w, g=g2, h0=h0, dht=dht, do=do, dv=dv,
-                                                     scale=call.scale, **common, **state)
-        dq, dk, dw, dg = chunk_bwd_dqkwg(q=q, k=k, v=v_new, w=w, g=g2, h=h, dv=dv, do=do, dh=dh,
-                                         scale=call.scale, **common, **state)
-        dk2, dv, db, dg2 = prepare_wy_repr_bwd(k=k, v=v, beta=beta, g=g2, A=A, dw=dw, du=dv, **common)
+        st = fla_state_stages(call)
+        h = st.h.to(st.q.dtype)  # fla's TileLang chunk_bwd_dqkwg takes h in q's dtype only
+        dq, dk, dw, dg = chunk_bwd_dqkwg(q=st.q, k=st.k, v=st.v_new, w=st.w, g=st.g2, h=h, dv=st.du, do=st.do,
+                                         dh=st.dh, scale=call.scale, **st.common, **st.state)
+        dk2, dv, db, dg2 = prepare_wy_repr_bwd(k=st.k, v=st.v, beta=st.beta, g=st.g2, A=st.A, dw=dw, du=st.du,
+                                               **st.common)
         dk.add_(dk2)
         dg.add_(dg2)
-        dg = chunk_local_cumsum(dg, chunk_size=BT, reverse=True, **common)
-        if call.initial_state is None:
-            dh0 = None
-        return GDRGrads(dq, dk, dv, dg, db, dh0)
+        dg = chunk_local_cumsum(dg, chunk_size=call.chunk_size, reverse=True, **st.common)
+        return GDRGrads(dq, dk, dv, dg, db, st.dh0)
+
+
+class FlaStages(NamedTuple):
+    """What stages 1-4 of fla's chain leave for stages 5 + 6 (fla's conventions)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    do: torch.Tensor
+    beta: torch.Tensor
+    A: torch.Tensor  # gated WY inverse, k's dtype
+    g2: torch.Tensor  # g / ln 2
+    w: torch.Tensor
+    h: torch.Tensor  # chunk-start states: the caller's, or recomputed (k's dtype)
+    v_new: torch.Tensor
+    dh: torch.Tensor  # gradient w.r.t. each chunk's end state
+    dh0: Optional[torch.Tensor]  # None when the call has no initial_state
+    du: torch.Tensor  # the full gradient w.r.t. v_new (fla's `dv` after stage 4)
+    common: dict  # cu_seqlens, chunk_indices
+    state: dict  # state_v_first, chunk_size
+
+
+def fla_state_stages(call: GDRCall) -> FlaStages:
+    """Stages 1-4 (GDR_MATH.md) with the conversions; shared by the `fla` and Triton backends."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_o import chunk_bwd_dv_local
+    from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
+
+    BT = call.chunk_size
+    q, k, v, do = (x.contiguous() for x in (call.q, call.k, call.v, call.do))
+    beta = call.b.contiguous()
+    cu = call.cu_seqlens
+    ci = None if cu is None else varlen_chunk_indices(call.seq_lens, BT, q.device, cu.dtype)
+    h0 = None if call.initial_state is None else call.initial_state.float().contiguous()
+    dht = None if call.dht is None else call.dht.float().contiguous()
+    common = dict(cu_seqlens=cu, chunk_indices=ci)
+    state = dict(state_v_first=call.state_v_first, chunk_size=BT)
+
+    # the contract's conventions -> fla's
+    A, g2 = gate_wy_inverse(call.a, call.g, cu, ci, out_dtype=k.dtype, with_log2_gate=True)
+
+    w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=g2, **common)
+    if call.h is None:
+        h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g2, initial_state=h0,
+                                                   output_final_state=False, **common, **state)
+    else:
+        v_new = corrected_values(u, w, call.h, BT, cu, ci, call.state_v_first)
+        h = call.h.contiguous()
+    dv = chunk_bwd_dv_local(q=q, k=k, g=g2, do=do, scale=call.scale, **common, chunk_size=BT)
+    dh, dh0, du = chunk_gated_delta_rule_bwd_dhu(q=q, k=k, w=w, g=g2, h0=h0, dht=dht, do=do, dv=dv,
+                                                 scale=call.scale, **common, **state)
+    return FlaStages(q, k, v, do, beta, A, g2, w, h, v_new, dh, dh0 if call.initial_state is not None else None,
+                     du, common, state)
 
 
 register(FlaBackend())
