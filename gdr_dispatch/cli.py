@@ -142,7 +142,9 @@ def cmd_explain(args) -> int:
     problem = spec.problem(device)
     print(f"shape: {problem.describe()}  [chunks {problem.num_chunks}, CTAs: seq x head {problem.seq_head_ctas}, "
           f"chunk x head {problem.chunk_ctas}]")
-    print(f"device: {problem.device.name} (capability {problem.device.capability}, {problem.device.sm_count} SMs)")
+    d = problem.device
+    print(f"device: {d.name} (capability {d.capability}, {d.sm_count} SMs)" if d.type == "cuda"
+          else f"device: {d.name} ({d.sm_count} cores)")
     print("versions: " + ", ".join(f"{k} {v or 'absent'}" for k, v in problem.versions))
     print(f"table key: {problem.table_key()}")
     rows = [[name, "yes" if ok else "no", reason or "-"] for name, (ok, reason) in

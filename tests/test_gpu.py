@@ -10,6 +10,7 @@ import torch
 from conftest import case, rel_errors
 from gdr_dispatch import Problem, registered_backends, fused_gdr_bwd
 from gdr_dispatch import dispatch as dsp
+from gdr_dispatch.backends import triton_wide
 from gdr_dispatch.contract import validate
 from gdr_dispatch.shapes import ShapeSpec
 
@@ -17,13 +18,15 @@ pytestmark = pytest.mark.gpu
 
 # K = V = 128 (the training head size) and two head layouts throughout: fla's autotuner keys
 # on H, HV, K, V, so fewer distinct layouts cost fewer minutes of first-call tuning.
+# Varlen and state_v_first first: a run cut short by the device's time limit has then
+# covered the cases most likely to break.
 SHAPES = {
+    "varlen_1_63_64_65_vfirst": ShapeSpec(seqlens=(1, 63, 64, 65), H=4, Hg=2, K=128, V=128, state_v_first=True),
+    "varlen_1_63_64_65": ShapeSpec(seqlens=(1, 63, 64, 65), H=4, K=128, V=128, dht=False),
     "T100_grouped_all_optional": ShapeSpec(B=2, T=100, H=4, Hg=2, K=128, V=128),
     "T40_no_states": ShapeSpec(B=1, T=40, H=4, Hg=2, K=128, V=128, initial_state=False, dht=False),
     "T128_h0_only": ShapeSpec(B=2, T=128, H=4, K=128, V=128, dht=False),
     "T65_dht_only": ShapeSpec(B=1, T=65, H=4, K=128, V=128, initial_state=False),
-    "varlen_1_63_64_65_vfirst": ShapeSpec(seqlens=(1, 63, 64, 65), H=4, Hg=2, K=128, V=128, state_v_first=True),
-    "varlen_1_63_64_65": ShapeSpec(seqlens=(1, 63, 64, 65), H=4, K=128, V=128, dht=False),
 }
 
 TOL = {"bfloat16": 1e-2, "float16": 1e-2}
@@ -39,6 +42,8 @@ def _cases():
 @pytest.mark.parametrize("backend", list(registered_backends()))
 @pytest.mark.parametrize("name,dtype,h_mode", list(_cases()))
 def test_backend_matches_oracle_on_gpu(backend, name, dtype, h_mode, monkeypatch):
+    # a backend waiting for exactly this test to pass on a GPU is let through here
+    monkeypatch.setattr(triton_wide, "GPU_VERIFIED", True)
     spec = ShapeSpec(**{**SHAPES[name].__dict__, "dtype": dtype, "h": h_mode, "extra": {}})
     problem = spec.problem(torch.device("cuda"))
     ok, reason = registered_backends()[backend].supported(problem)
