@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One call on the GPU machine (bare, no network): unpack the package bundle, restore the
+# autotune results of earlier calls, run the asked-for steps each under its own time limit,
+# and leave logs and results under $OUT. Steps, in the order given:
+#   tests[=SECONDS]  tests/test_gpu.py                       -> $OUT/gpu_tests.log
+#   bench[=SECONDS]  bench/bench_gdr_bwd.py, h200-train      -> $OUT/bench/<device>.{json,md}
+#   tune[=SECONDS]   gdr-dispatch tune --preset h200-train   -> $OUT/tune.log, $OUT/<device>.yaml
+#   profile[=SECONDS] bench/profile_fla_adapter.py           -> $OUT/profile.log
+# e.g.  bash bench/device_run.sh tests=240 bench=200 tune=120
+# Prepare here first (both ignored by git, named in the run's carry):
+#   mkdir -p .devbundle && cp ../shared/device/site-py312.tar.xz .devbundle/
+#   .devcache/tcache/  <- optional: autotune.tgz of an earlier call, unpacked. Without it the
+#                         committed bench/h200_autotune_cache.tgz is used (fla's autotuner takes
+#                         one to two minutes per new head layout without any)
+set -u
+mkdir -p /tmp/site && tar -xJf .devbundle/site-py312.tar.xz -C /tmp/site || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tcache GDR_TUNING_CACHE=/tmp/usertables
+if [ -d .devcache/tcache ]; then cp -r .devcache/tcache /tmp/; else tar -xzf bench/h200_autotune_cache.tgz -C /tmp; fi
+mkdir -p "$OUT/bench" /tmp/tables
+[ -f tuning_cache/nvidia-h200-sm90.yaml ] && cp tuning_cache/nvidia-h200-sm90.yaml /tmp/tables/
+
+for arg in "$@"; do
+  step=${arg%%=*}; limit=${arg#*=}; [ "$limit" = "$arg" ] && limit=300
+  start=$(date +%s)
+  case $step in
+    tests)   timeout "$limit" python3 -m pytest -q tests/test_gpu.py -p no:cacheprovider -W ignore -rs \
+               --durations=10 > "$OUT/gpu_tests.log" 2>&1 ;;
+    bench)   timeout "$limit" python3 bench/bench_gdr_bwd.py --preset h200-train --out "$OUT/bench" \
+               > "$OUT/bench.log" 2>&1 ;;
+    tune)    timeout "$limit" python3 -m gdr_dispatch tune --preset h200-train --out /tmp/tables \
+               > "$OUT/tune.log" 2>&1; cp /tmp/tables/*.yaml "$OUT/" ;;
+    profile) timeout "$limit" python3 bench/profile_fla_adapter.py > "$OUT/profile.log" 2>&1 ;;
+    *) echo "unknown step $step"; continue ;;
+  esac
+  echo "$step: exit $? after $(( $(date +%s) - start )) s"
+done
+# autotune results for the next call (small: results only, no binaries)
+(cd /tmp && find tcache -name '*.autotune.json' 2>/dev/null | tar -czf "$OUT/autotune.tgz" -T -)
+tail -n 3 "$OUT"/*.log 2>/dev/null | grep -v TileLang
