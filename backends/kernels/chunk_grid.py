@@ -11,8 +11,25 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import triton
+import triton.language as tl
 
 
 def varlen_chunk_indices(seq_lens: Sequence[int], chunk_size: int, device, dtype=torch.int32) -> torch.Tensor:
     rows = [(n, c) for n, length in enumerate(seq_lens) for c in range(-(-length // chunk_size))]
     return torch.tensor(rows, dtype=dtype).view(-1, 2).to(device)
+
+
+@triton.jit
+def chunk_bounds(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN: tl.constexpr):
+    """For grid row `i_t` of batch row `i_b`: (chunk index within its sequence, the
+    sequence's first token as a flat index into B*T, the sequence's length)."""
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
+        i_c = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+    else:
+        i_c = i_t
+        bos = (i_b * T).to(tl.int64)
+    return i_c, bos, T

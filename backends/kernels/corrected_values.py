@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .chunk_grid import chunk_bounds
+
 
 @triton.jit
 def corrected_values_kernel(
@@ -27,13 +29,7 @@ def corrected_values_kernel(
     i_t, i_bh, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     i_chunk = (i_b * NT + i_t).to(tl.int64)  # row of h (varlen: B == 1, rows in chunk order)
-    if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
-        i_t = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-    else:
-        bos = (i_b * T).to(tl.int64)
+    i_t, bos, T = chunk_bounds(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
     h_base = h + (i_chunk * H + i_h) * K * V
     if STATE_V_FIRST:  # h[chunk, head] is [V, K]
         s_k = 1

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .chunk_grid import chunk_bounds
+
 
 @triton.jit
 def gate_wy_inverse_kernel(
@@ -27,13 +29,7 @@ def gate_wy_inverse_kernel(
 ):
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
-    if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
-        i_t = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-    else:
-        bos = (i_b * T).to(tl.int64)
+    i_t, bos, T = chunk_bounds(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
     rows = i_t * BT + tl.arange(0, BT)  # token position within the sequence
     cols = tl.arange(0, BT)
     valid = rows < T

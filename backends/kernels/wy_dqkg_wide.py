@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .chunk_grid import chunk_bounds
+
 
 @triton.jit
 def wy_dqkg_wide_kernel(
@@ -44,13 +46,7 @@ def wy_dqkg_wide_kernel(
     i_b, i_h = i_bh // H, i_bh % H
     i_hg = i_h // (H // Hg)
     i_chunk = (i_b * NT + i_t).to(tl.int64)  # row of h/dh (varlen: B == 1, rows in chunk order)
-    if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
-        i_t = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-    else:
-        bos = (i_b * T).to(tl.int64)
+    i_t, bos, T = chunk_bounds(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
 
     o_t = tl.arange(0, BT)
     rows = i_t * BT + o_t
