@@ -139,6 +139,24 @@ class FlaStages(NamedTuple):
     state: dict  # state_v_first, chunk_size
 
 
+def fla_recompute_states(call: GDRCall) -> torch.Tensor:
+    """Stages 1-2 only: the chunk-start states `h` (k's dtype) from `initial_state`."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
+
+    BT = call.chunk_size
+    k, v, beta = call.k.contiguous(), call.v.contiguous(), call.b.contiguous()
+    cu = call.cu_seqlens
+    ci = None if cu is None else varlen_chunk_indices(call.seq_lens, BT, k.device, cu.dtype)
+    h0 = None if call.initial_state is None else call.initial_state.float().contiguous()
+    A, g2 = gate_wy_inverse(call.a, call.g, cu, ci, out_dtype=k.dtype, with_log2_gate=True)
+    w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=g2, cu_seqlens=cu, chunk_indices=ci)
+    h, _, _ = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g2, initial_state=h0, output_final_state=False,
+                                           save_new_value=False, cu_seqlens=cu, chunk_indices=ci,
+                                           state_v_first=call.state_v_first, chunk_size=BT)
+    return h
+
+
 def fla_state_stages(call: GDRCall) -> FlaStages:
     """Stages 1-4 (GDR_MATH.md) with the conversions; shared by the `fla` and Triton backends."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h

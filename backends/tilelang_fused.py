@@ -1,0 +1,78 @@
+"""Backend `tilelang_fused`: the whole backward given `h` in one TileLang kernel (sm90).
+
+With `h` given, `kernels/tilelang_fused_bwd.py` does stages 3-7 in one CTA per (sequence,
+value head). With `h=None` the chunk-start states are first recomputed by fla's stages 1-2
+(`fla_chain.fla_recompute_states`); whether a TileLang recompute kernel beats them is for a
+measurement to say.
+
+This is the plain version of seed 000's design (no warp specialisation, no TMA pipeline):
+it compiles for sm_90a here (255 registers with small spills, ~219 KiB shared memory), but
+it has not run on a GPU yet, so `supported` refuses every call until its GPU oracle tests
+pass (`GPU_VERIFIED`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+from gdr_dispatch.contract import GDRCall, GDRGrads
+from gdr_dispatch.registry import Backend, Problem, register
+
+#: Set once tests/test_gpu.py has passed for this backend on an H200.
+GPU_VERIFIED = False
+
+
+def _nvcc_found() -> bool:
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if cuda_home and (Path(cuda_home) / "bin" / "nvcc").exists():
+        return True
+    return shutil.which("nvcc") is not None or Path("/usr/local/cuda/bin/nvcc").exists()
+
+
+class TileLangFusedBackend(Backend):
+    name = "tilelang_fused"
+
+    def not_supported_reasons(self, p: Problem) -> list[str]:
+        reasons = []
+        if not GPU_VERIFIED:
+            reasons.append("not yet run on a GPU (the kernel compiles for sm_90a; its oracle tests are pending); "
+                           "refused until tests/test_gpu.py passes for it")
+        if p.device.type != "cuda":
+            reasons.append(f"needs a CUDA device; the tensors are on {p.device.type}")
+        elif p.device.capability != (9, 0):
+            reasons.append(f"built for sm_90a (Hopper: wgmma, 227 KiB shared memory per block, of which it uses "
+                           f"~219 KiB); this device is sm_{p.device.capability[0]}{p.device.capability[1]}")
+        if p.version("tilelang") is None or importlib.util.find_spec("tilelang") is None:
+            reasons.append("tilelang is not installed (pip install tilelang)")
+        elif p.device.type == "cuda" and not _nvcc_found():
+            reasons.append("no nvcc found for TileLang's JIT (set CUDA_HOME or put nvcc on PATH)")
+        if (p.K, p.V) != (128, 128):
+            reasons.append(f"K and V must be 128 (the shared-memory plan is for 128 x 128 states), got K={p.K}, V={p.V}")
+        if p.chunk_size != 64:
+            reasons.append(f"chunk_size must be 64, got {p.chunk_size}")
+        if p.dtype not in ("bfloat16", "float16"):
+            reasons.append(f"q/k/v/do must be bfloat16 or float16, got {p.dtype}")
+        if not p.h_given and p.version("fla") is None:
+            reasons.append("with h=None the states are recomputed by fla-core's stages 1-2, and fla-core is not installed")
+        return reasons
+
+    def run(self, call: GDRCall) -> GDRGrads:
+        from .kernels.tilelang_fused_bwd import fused_bwd_given_h
+
+        h = call.h
+        if h is None:
+            from .fla_chain import fla_recompute_states
+
+            h = fla_recompute_states(call)
+        dq, dk, dv, dg, db, dh0 = fused_bwd_given_h(
+            call.q, call.k, call.v, call.do, call.a, call.g, call.b, h, call.dht, call.scale, call.seq_lens,
+            call.chunk_size, call.cu_seqlens, has_h0=call.initial_state is not None,
+            state_v_first=call.state_v_first,
+        )
+        return GDRGrads(dq, dk, dv, dg, db, dh0)
+
+
+register(TileLangFusedBackend())

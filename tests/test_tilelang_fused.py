@@ -1,0 +1,52 @@
+"""The TileLang fused backend on a machine without a GPU: its reasons, and that its kernel
+compiles for sm_90a within the H200's shared memory (needs nvcc; skipped without it)."""
+
+import re
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+
+from gdr_dispatch import get_backend
+from gdr_dispatch.backends import tilelang_fused
+from gdr_dispatch.registry import DeviceInfo
+from gdr_dispatch.shapes import ShapeSpec
+
+H200 = DeviceInfo("cuda", "NVIDIA H200", (9, 0), 132)
+B200 = DeviceInfo("cuda", "NVIDIA B200", (10, 0), 148)
+
+
+def reasons(device=H200, **spec):
+    p = replace(ShapeSpec(**{"B": 2, "T": 4096, "H": 32, **spec}).problem(torch.device("cpu")), device=device)
+    return get_backend("tilelang_fused").not_supported_reasons(p)
+
+
+def test_refused_until_verified(monkeypatch):
+    assert tilelang_fused.GPU_VERIFIED or any("not yet run on a GPU" in r for r in reasons())
+    monkeypatch.setattr(tilelang_fused, "GPU_VERIFIED", True)
+    monkeypatch.setattr(tilelang_fused, "_nvcc_found", lambda: True)
+    assert reasons() == []
+    assert reasons(h="none", seqlens=(4096,) * 8, B=1, Hg=16) == []
+
+
+def test_other_arches_and_shapes_say_why(monkeypatch):
+    monkeypatch.setattr(tilelang_fused, "GPU_VERIFIED", True)
+    monkeypatch.setattr(tilelang_fused, "_nvcc_found", lambda: True)
+    text = " | ".join(reasons(device=B200, K=64, chunk_size=32, dtype="float32"))
+    for words in ("built for sm_90a", "sm_100", "K and V must be 128", "chunk_size must be 64", "bfloat16 or float16"):
+        assert words in text
+    monkeypatch.setattr(tilelang_fused, "_nvcc_found", lambda: False)
+    assert any("no nvcc" in r for r in reasons())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile for sm_90a")
+def test_kernel_compiles_for_sm90a_within_shared_memory():
+    from gdr_dispatch.backends.kernels.tilelang_fused_bwd import build_fused_bwd
+
+    kern = build_fused_bwd(4, 2, 128, 128, 64, 128 ** -0.5, "bfloat16", "bfloat16", "bfloat16",
+                           True, True, False)
+    src = kern.get_kernel_source()
+    offsets = [int(x) for x in re.findall(r"buf_dyn_shmem \+ (\d+)", src)]
+    assert offsets and max(offsets) < 227 * 1024 - 8 * 1024, max(offsets)  # room for the last tiles
