@@ -25,7 +25,7 @@ for arg in "$@"; do
   case $step in
     tests)   timeout "$limit" python3 -m pytest -q tests/test_gpu.py -p no:cacheprovider -W ignore -rs \
                --durations=10 > "$OUT/gpu_tests.log" 2>&1 ;;
-    bench)   timeout "$limit" python3 bench/bench_gdr_bwd.py --preset h200-train --out "$OUT/bench" \
+    bench)   timeout "$limit" python3 bench/bench_gdr_bwd.py --preset h200-train --unverified --out "$OUT/bench" \
                > "$OUT/bench.log" 2>&1 ;;
     tune)    timeout "$limit" python3 -m gdr_dispatch tune --preset h200-train --out /tmp/tables \
                > "$OUT/tune.log" 2>&1; cp /tmp/tables/*.yaml "$OUT/" ;;

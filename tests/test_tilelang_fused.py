@@ -50,3 +50,24 @@ def test_kernel_compiles_for_sm90a_within_shared_memory():
     src = kern.get_kernel_source()
     offsets = [int(x) for x in re.findall(r"buf_dyn_shmem \+ (\d+)", src)]
     assert offsets and max(offsets) < 227 * 1024 - 8 * 1024, max(offsets)  # room for the last tiles
+
+
+@pytest.mark.parametrize("spec", [ShapeSpec(B=2, T=100, H=4, Hg=2, K=16, V=32, h="given"),
+                                  ShapeSpec(seqlens=(1, 63, 64, 65), H=2, K=16, V=16, h="given", state_v_first=True)],
+                         ids=lambda s: s.label())
+def test_h_recompute_for_h_none(spec, monkeypatch):
+    """With h=None the backend recomputes h with fla's stages 1-2 (stood in on the CPU):
+    same chunk-start states as prepare_residuals', in the layout of the contract's h."""
+    import fake_fla
+
+    from gdr_dispatch.backends.fla_chain import fla_recompute_states
+    from gdr_dispatch.contract import validate
+    from gdr_dispatch.shapes import call_kwargs, make_inputs
+
+    fake_fla.install(monkeypatch)
+    x = make_inputs(replace(spec, dtype="float16"), "cpu", seed=2)
+    call = validate(**{**call_kwargs(x), "h": None})
+    h = fla_recompute_states(call)
+    assert h.shape == x["h"].shape
+    err = ((h.double() - x["h"].double()).norm() / x["h"].double().norm()).item()
+    assert err < 5e-3, err
