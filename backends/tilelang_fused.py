@@ -6,9 +6,10 @@ value head). With `h=None` the chunk-start states are first recomputed by fla's 
 measurement to say.
 
 This is the plain version of seed 000's design (no warp specialisation, no TMA pipeline):
-it compiles for sm_90a here (255 registers with small spills, ~219 KiB shared memory), but
-it has not run on a GPU yet, so `supported` refuses every call until its GPU oracle tests
-pass (`GPU_VERIFIED`).
+it compiles for sm_90a here (255 registers with ~260 bytes of spills, ~219 KiB shared
+memory), and its steps transcribed into torch (tests/fused_kernel_emulation.py) match the
+oracle exactly in fp64 and within 2.4e-3 with its bf16 rounding points. It has not run on a
+GPU yet, so `supported` refuses every call until its GPU oracle tests pass (`GPU_VERIFIED`).
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ and three `[64, 64]`, plus TileLang's reduction workspace: about 219 KiB of the 
 hence K = V = 128 and chunk 64 only. Operands of the `[64, 64]` products (P, ds, dAg, Ag^T dAg, dkk) are rounded
 to the input dtype for the tensor cores, as fla and FlashQLA do.
 
-State: compiles for sm_90a (TileLang 0.1.15, nvcc 13); NOT yet run on a GPU.
+State: compiles for sm_90a (TileLang 0.1.15, nvcc 13: 255 registers, ~260 B of spills);
+NOT yet run on a GPU. tests/fused_kernel_emulation.py is this kernel in torch, step by step.
 """
 
 
