@@ -45,8 +45,7 @@ def test_other_arches_and_shapes_say_why(monkeypatch):
 def test_kernel_compiles_for_sm90a_within_shared_memory():
     from gdr_dispatch.backends.kernels.tilelang_fused_bwd import build_fused_bwd
 
-    kern = build_fused_bwd(4, 2, 128, 128, 64, 128 ** -0.5, "bfloat16", "bfloat16", "bfloat16",
-                           True, True, False)
+    kern = build_fused_bwd(4, 2, 128, 128, 64, 128 ** -0.5, "bfloat16", "bfloat16", "bfloat16")
     src = kern.get_kernel_source()
     offsets = [int(x) for x in re.findall(r"buf_dyn_shmem \+ (\d+)", src)]
     assert offsets and max(offsets) < 227 * 1024 - 8 * 1024, max(offsets)  # room for the last tiles

@@ -36,14 +36,19 @@ import tilelang.language as T
 
 @functools.lru_cache(maxsize=None)
 def build_fused_bwd(H: int, Hg: int, K: int, V: int, BT: int, scale: float, dtype: str, h_dtype: str,
-                    b_dtype: str, has_dht: bool, has_h0: bool, state_v_first: bool, threads: int = 256):
-    """Compile (once per configuration) the kernel; returns the TileLang kernel object."""
+                    b_dtype: str, threads: int = 256):
+    """Compile (once per configuration) the kernel; returns the TileLang kernel object.
+
+    Optional inputs and layouts are not compile-time switches (a `dht` of zeros stands for
+    none, `dh0` is always written, `state_v_first` states are transposed by the launcher):
+    each TileLang compile costs 30-40 s, so fewer variants mean fewer first-call stalls.
+    """
     accum = "float32"
     TT = T.dynamic("num_tokens")
     NC = T.dynamic("num_chunks")
     N = T.dynamic("num_seqs")
     NP1 = T.dynamic("num_seqs_plus_1")
-    state = (V, K) if state_v_first else (K, V)
+    state = (K, V)
     G_ = H // Hg
 
     @tilelang.jit(target={"kind": "cuda", "arch": "sm_90a"}, out_idx=None)
@@ -119,14 +124,7 @@ def build_fused_bwd(H: int, Hg: int, K: int, V: int, BT: int, scale: float, dtyp
                 hdh_b = T.alloc_fragment((BT, K), accum)
                 hdh_tot = T.alloc_fragment((BT,), accum)
 
-                for i, j in T.Parallel(K, V):
-                    if has_dht:
-                        if state_v_first:
-                            dh_f[i, j] = dht[n, hh, j, i]
-                        else:
-                            dh_f[i, j] = dht[n, hh, i, j]
-                    else:
-                        dh_f[i, j] = T.cast(0, accum)
+                T.copy(dht[n, hh, :, :], dh_f)
 
                 for ci in T.serial(n_chunks):
                     c = n_chunks - 1 - ci
@@ -142,10 +140,7 @@ def build_fused_bwd(H: int, Hg: int, K: int, V: int, BT: int, scale: float, dtyp
                         G_s[i] = T.if_then_else(i < L, g[t0 + i, hh], T.cast(0, accum))
                         b_s[i] = T.if_then_else(i < L, T.cast(b[t0 + i, hh], accum), T.cast(0, accum))
                     for i, j in T.Parallel(K, V):
-                        if state_v_first:
-                            h_s[i, j] = T.cast(h[c0 + c, hh, j, i], dtype)
-                        else:
-                            h_s[i, j] = T.cast(h[c0 + c, hh, i, j], dtype)
+                        h_s[i, j] = T.cast(h[c0 + c, hh, i, j], dtype)
                         dh_s[i, j] = T.cast(dh_f[i, j], dtype)
                     g_last = G_s[L - 1]
 
@@ -315,12 +310,7 @@ def build_fused_bwd(H: int, Hg: int, K: int, V: int, BT: int, scale: float, dtyp
                             dg[t0 + i, hh] = r_cum[i]
                             db[t0 + i, hh] = db_s[i]
 
-                if has_h0:
-                    for i, j in T.Parallel(K, V):
-                        if state_v_first:
-                            dh0[n, hh, j, i] = dh_f[i, j]
-                        else:
-                            dh0[n, hh, i, j] = dh_f[i, j]
+                T.copy(dh_f, dh0[n, hh, :, :])
 
         return fused_gdr_bwd
 
@@ -346,23 +336,29 @@ def fused_bwd_given_h(q, k, v, do, a, g, b, h, dht, scale: float, seq_lens, chun
         cu = cu_seqlens.to(torch.int32)
     counts = [-(-n // chunk_size) for n in seq_lens]
     offsets = torch.tensor([0] + list(itertools.accumulate(counts)), dtype=torch.int32).to(dev)
-    state = (N, H, V, K) if state_v_first else (N, H, K, V)
-    dht_in = dht.float().contiguous() if dht is not None else torch.zeros(state, dtype=torch.float32, device=dev)
+    if dht is None:
+        dht_in = torch.zeros(N, H, K, V, dtype=torch.float32, device=dev)
+    else:
+        dht_in = (dht.transpose(-1, -2) if state_v_first else dht).float().contiguous()
+    if state_v_first:  # the kernel reads [K, V] states; a copy of h is the price of one variant
+        h = h.transpose(-1, -2)
     kern = build_fused_bwd(H, Hg, K, V, chunk_size, float(scale), _tl_dtype(q.dtype), _tl_dtype(h.dtype),
-                           _tl_dtype(b.dtype), dht is not None, has_h0, state_v_first)
+                           _tl_dtype(b.dtype))
     TT = B * T_
     dq = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
     dk = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
     dv = torch.empty(TT, H, V, dtype=v.dtype, device=dev)
     dg = torch.empty(TT, H, dtype=torch.float32, device=dev)
     db = torch.empty(TT, H, dtype=torch.float32, device=dev)
-    dh0 = torch.empty(state, dtype=torch.float32, device=dev)
+    dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=dev)
     kern(q.reshape(TT, Hg, K).contiguous(), k.reshape(TT, Hg, K).contiguous(), v.reshape(TT, H, V).contiguous(),
          do.reshape(TT, H, V).contiguous(), a.reshape(TT, H, chunk_size).to(q.dtype).contiguous(),
          g.reshape(TT, H).float().contiguous(), b.reshape(TT, H).contiguous(),
          h.reshape(-1, *h.shape[2:]).contiguous(), dht_in, cu, offsets, dq, dk, dv, dg, db, dh0)
     dq = dq.view(B, T_, Hg, H // Hg, K).sum(3).to(q.dtype)
     dk = dk.view(B, T_, Hg, H // Hg, K).sum(3).to(k.dtype)
+    if state_v_first:
+        dh0 = dh0.transpose(-1, -2).contiguous()
     return (dq, dk, dv.view(B, T_, H, V), dg.view(B, T_, H), db.view(B, T_, H).to(b.dtype),
             dh0 if has_h0 else None)
 
