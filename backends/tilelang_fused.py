@@ -56,6 +56,10 @@ class TileLangFusedBackend(Backend):
             reasons.append(f"chunk_size must be 64, got {p.chunk_size}")
         if p.dtype not in ("bfloat16", "float16"):
             reasons.append(f"q/k/v/do must be bfloat16 or float16, got {p.dtype}")
+        elements = max(p.B * p.T * p.H * max(p.K, p.V, p.chunk_size), p.num_chunks * p.H * p.K * p.V)
+        if elements >= 2 ** 31:
+            reasons.append(f"the kernel indexes with 32-bit integers; this call's largest tensor has {elements} "
+                           f"elements (>= 2^31): split the batch")
         if not p.h_given and p.version("fla") is None:
             reasons.append("with h=None the states are recomputed by fla-core's stages 1-2, and fla-core is not installed")
         return reasons

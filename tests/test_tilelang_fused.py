@@ -38,6 +38,8 @@ def test_other_arches_and_shapes_say_why(monkeypatch):
         assert words in text
     monkeypatch.setattr(tilelang_fused, "_nvcc_found", lambda: False)
     assert any("no nvcc" in r for r in reasons())
+    monkeypatch.setattr(tilelang_fused, "_nvcc_found", lambda: True)
+    assert any("32-bit integers" in r for r in reasons(B=64, T=32768))
 
 
 @pytest.mark.slow
