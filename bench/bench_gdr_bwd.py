@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from gdr_dispatch import GDRGrads, fused_gdr_bwd, registered_backends  # noqa: E402
 from gdr_dispatch.dispatch import measure_ms, relative_error  # noqa: E402
 from gdr_dispatch.registry import device_info, library_versions  # noqa: E402
-from gdr_dispatch.shapes import PRESETS, bytes_and_flops, call_kwargs, load_grid, make_inputs  # noqa: E402
+from gdr_dispatch.shapes import PRESETS, bytes_and_flops, call_kwargs, floor_ms, load_grid, make_inputs  # noqa: E402
 
 HBM_GBS = 4300.0  # device-to-device copy on the H200 here (KINDS.md, 2026-11-04)
 BF16_TFLOPS = 790.0  # 8192^3 bf16 matmul on the H200 here (KINDS.md)
@@ -129,7 +129,7 @@ def bench_shape(spec, warmup, reps, skip):
         runners["flashqla"] = flashqla_runner(x) or "not importable"
     row = {"shape": spec.label(), "h": spec.h, "runs": {}}
     nbytes, flops = bytes_and_flops(spec)
-    row["floor_ms"] = round(max(nbytes / (HBM_GBS * 1e9), flops / (BF16_TFLOPS * 1e12)) * 1e3, 4)
+    row["floor_ms"] = round(floor_ms(spec, HBM_GBS, BF16_TFLOPS), 4)
     row["bytes"], row["flops"] = nbytes, flops
     for name, fn in runners.items():
         if isinstance(fn, str):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import importlib
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from importlib import metadata
 from typing import Optional
 
@@ -159,13 +159,6 @@ class Problem:
             + (" dht" if self.has_dht else "") + (" h0" if self.has_initial_state else "")
             + (" v_first" if self.state_v_first else "")
         )
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d["device"] = {"name": self.device.name, "capability": list(self.device.capability or []) or None,
-                       "sm_count": self.device.sm_count}
-        d["versions"] = dict(self.versions)
-        return d
 
     @staticmethod
     def from_call(call: GDRCall) -> "Problem":
