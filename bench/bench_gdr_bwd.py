@@ -31,7 +31,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gdr_dispatch import GDRGrads, fused_gdr_bwd, registered_backends  # noqa: E402
+from gdr_dispatch import GDRGrads, Problem, fused_gdr_bwd, registered_backends  # noqa: E402
+from gdr_dispatch.contract import validate  # noqa: E402
 from gdr_dispatch.dispatch import measure_ms, relative_error  # noqa: E402
 from gdr_dispatch.registry import device_info, library_versions  # noqa: E402
 from gdr_dispatch.shapes import PRESETS, bytes_and_flops, call_kwargs, floor_ms, load_grid, make_inputs  # noqa: E402
@@ -117,9 +118,6 @@ def bench_shape(spec, warmup, reps, skip):
     for name, backend in registered_backends().items():
         if name == "torch" or name in skip:
             continue
-        from gdr_dispatch.contract import validate
-        from gdr_dispatch.registry import Problem
-
         problem = problem or Problem.from_call(validate(**kwargs))
         ok, reason = backend.supported(problem)
         runners[name] = forced(name, kwargs) if ok else reason
