@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import os
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Optional
@@ -70,12 +71,15 @@ def _cuda_device_info(index: int) -> DeviceInfo:
     return DeviceInfo("cuda", p.name, (p.major, p.minor), p.multi_processor_count)
 
 
+@functools.lru_cache(maxsize=None)
+def _host_device_info(device_type: str) -> DeviceInfo:
+    return DeviceInfo(device_type, device_type, None, os.cpu_count() or 1)
+
+
 def device_info(device: torch.device) -> DeviceInfo:
     if device.type == "cuda":
         return _cuda_device_info(device.index if device.index is not None else torch.cuda.current_device())
-    import os
-
-    return DeviceInfo(device.type, device.type, None, os.cpu_count() or 1)
+    return _host_device_info(device.type)
 
 
 def tokens_bucket(tokens: float) -> int:
