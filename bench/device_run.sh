@@ -2,7 +2,7 @@
 # One call on the GPU machine (bare, no network): unpack the package bundle, restore the
 # autotune results of earlier calls, run the asked-for steps each under its own time limit,
 # and leave logs and results under $OUT. Steps, in the order given:
-#   tests[=SECONDS]  tests/test_gpu.py                       -> $OUT/gpu_tests.log
+#   tests[=SECONDS]  tests/test_gpu.py, one line per test    -> $OUT/gpu_tests.log (kept if cut short)
 #   bench[=SECONDS]  bench/bench_gdr_bwd.py, h200-train      -> $OUT/bench/<device>.{json,md}
 #   tune[=SECONDS]   gdr-dispatch tune --preset h200-train   -> $OUT/tune.log, $OUT/<device>.yaml
 #   profile[=SECONDS] bench/profile_fla_adapter.py           -> $OUT/profile.log
@@ -23,7 +23,7 @@ for arg in "$@"; do
   step=${arg%%=*}; limit=${arg#*=}; [ "$limit" = "$arg" ] && limit=300
   start=$(date +%s)
   case $step in
-    tests)   timeout "$limit" python3 -m pytest -q tests/test_gpu.py -p no:cacheprovider -W ignore -rs \
+    tests)   timeout "$limit" python3 -m pytest -v tests/test_gpu.py -p no:cacheprovider -W ignore -rfEs \
                --durations=10 > "$OUT/gpu_tests.log" 2>&1 ;;
     bench)   timeout "$limit" python3 bench/bench_gdr_bwd.py --preset h200-train --unverified --out "$OUT/bench" \
                > "$OUT/bench.log" 2>&1 ;;
