@@ -23,7 +23,10 @@ def varlen_chunk_indices(seq_lens: Sequence[int], chunk_size: int, device, dtype
 @triton.jit
 def chunk_bounds(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN: tl.constexpr):
     """For grid row `i_t` of batch row `i_b`: (chunk index within its sequence, the
-    sequence's first token as a flat index into B*T, the sequence's length)."""
+    sequence's first token as a flat index into B*T, the sequence's length).
+
+    Callers mark `T` do_not_specialize: a T of 1 would otherwise arrive as a constexpr, and
+    each T % 16 class would compile anew (fla's kernels do the same)."""
     if IS_VARLEN:
         i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
         i_c = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)

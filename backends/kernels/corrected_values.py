@@ -20,7 +20,7 @@ import triton.language as tl
 from .chunk_grid import chunk_bounds
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def corrected_values_kernel(
     u, w, h, out, cu_seqlens, chunk_indices, T, NT,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,

@@ -22,7 +22,7 @@ import triton.language as tl
 from .chunk_grid import chunk_bounds
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def gate_wy_inverse_kernel(
     a, g, out, g_log2, cu_seqlens, chunk_indices, T,
     H: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr, WRITE_LOG2: tl.constexpr,

@@ -34,7 +34,7 @@ import triton.language as tl
 from .chunk_grid import chunk_bounds
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def wy_dqkg_wide_kernel(
     q, k, v, v_new, du, do, a, g, b, h, dh,
     dq, dk, dv, db, dg,
