@@ -139,21 +139,40 @@ class FlaStages(NamedTuple):
     state: dict  # state_v_first, chunk_size
 
 
+class _Stage1(NamedTuple):
+    k: torch.Tensor
+    v: torch.Tensor
+    beta: torch.Tensor
+    A: torch.Tensor  # gated WY inverse, k's dtype
+    g2: torch.Tensor  # g / ln 2
+    w: torch.Tensor
+    u: torch.Tensor
+    h0: Optional[torch.Tensor]
+    common: dict  # cu_seqlens, chunk_indices
+
+
+def _fla_stage_1(call: GDRCall) -> _Stage1:
+    """The contract's conventions -> fla's, then stage 1 (`w`, `u`)."""
+    from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
+
+    k, v, beta = call.k.contiguous(), call.v.contiguous(), call.b.contiguous()
+    cu = call.cu_seqlens
+    ci = None if cu is None else varlen_chunk_indices(call.seq_lens, call.chunk_size, k.device, cu.dtype)
+    h0 = None if call.initial_state is None else call.initial_state.float().contiguous()
+    common = dict(cu_seqlens=cu, chunk_indices=ci)
+    A, g2 = gate_wy_inverse(call.a, call.g, cu, ci, out_dtype=k.dtype, with_log2_gate=True)
+    w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=g2, **common)
+    return _Stage1(k, v, beta, A, g2, w, u, h0, common)
+
+
 def fla_recompute_states(call: GDRCall) -> torch.Tensor:
     """Stages 1-2 only: the chunk-start states `h` (k's dtype) from `initial_state`."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
-    from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
 
-    BT = call.chunk_size
-    k, v, beta = call.k.contiguous(), call.v.contiguous(), call.b.contiguous()
-    cu = call.cu_seqlens
-    ci = None if cu is None else varlen_chunk_indices(call.seq_lens, BT, k.device, cu.dtype)
-    h0 = None if call.initial_state is None else call.initial_state.float().contiguous()
-    A, g2 = gate_wy_inverse(call.a, call.g, cu, ci, out_dtype=k.dtype, with_log2_gate=True)
-    w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=g2, cu_seqlens=cu, chunk_indices=ci)
-    h, _, _ = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g2, initial_state=h0, output_final_state=False,
-                                           save_new_value=False, cu_seqlens=cu, chunk_indices=ci,
-                                           state_v_first=call.state_v_first, chunk_size=BT)
+    s1 = _fla_stage_1(call)
+    h, _, _ = chunk_gated_delta_rule_fwd_h(k=s1.k, w=s1.w, u=s1.u, g=s1.g2, initial_state=s1.h0,
+                                           output_final_state=False, save_new_value=False, **s1.common,
+                                           state_v_first=call.state_v_first, chunk_size=call.chunk_size)
     return h
 
 
@@ -161,33 +180,26 @@ def fla_state_stages(call: GDRCall) -> FlaStages:
     """Stages 1-4 (GDR_MATH.md) with the conversions; shared by the `fla` and Triton backends."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_o import chunk_bwd_dv_local
-    from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
 
     BT = call.chunk_size
-    q, k, v, do = (x.contiguous() for x in (call.q, call.k, call.v, call.do))
-    beta = call.b.contiguous()
-    cu = call.cu_seqlens
-    ci = None if cu is None else varlen_chunk_indices(call.seq_lens, BT, q.device, cu.dtype)
-    h0 = None if call.initial_state is None else call.initial_state.float().contiguous()
+    s1 = _fla_stage_1(call)
+    k, common = s1.k, s1.common
+    q, do = call.q.contiguous(), call.do.contiguous()
     dht = None if call.dht is None else call.dht.float().contiguous()
-    common = dict(cu_seqlens=cu, chunk_indices=ci)
     state = dict(state_v_first=call.state_v_first, chunk_size=BT)
 
-    # the contract's conventions -> fla's
-    A, g2 = gate_wy_inverse(call.a, call.g, cu, ci, out_dtype=k.dtype, with_log2_gate=True)
-
-    w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=g2, **common)
     if call.h is None:
-        h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g2, initial_state=h0,
+        h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=k, w=s1.w, u=s1.u, g=s1.g2, initial_state=s1.h0,
                                                    output_final_state=False, **common, **state)
     else:
-        v_new = corrected_values(u, w, call.h, BT, cu, ci, call.state_v_first)
+        v_new = corrected_values(s1.u, s1.w, call.h, BT, common["cu_seqlens"], common["chunk_indices"],
+                                 call.state_v_first)
         h = call.h.contiguous()
-    dv = chunk_bwd_dv_local(q=q, k=k, g=g2, do=do, scale=call.scale, **common, chunk_size=BT)
-    dh, dh0, du = chunk_gated_delta_rule_bwd_dhu(q=q, k=k, w=w, g=g2, h0=h0, dht=dht, do=do, dv=dv,
+    dv = chunk_bwd_dv_local(q=q, k=k, g=s1.g2, do=do, scale=call.scale, **common, chunk_size=BT)
+    dh, dh0, du = chunk_gated_delta_rule_bwd_dhu(q=q, k=k, w=s1.w, g=s1.g2, h0=s1.h0, dht=dht, do=do, dv=dv,
                                                  scale=call.scale, **common, **state)
-    return FlaStages(q, k, v, do, beta, A, g2, w, h, v_new, dh, dh0 if call.initial_state is not None else None,
-                     du, common, state)
+    return FlaStages(q, k, s1.v, do, s1.beta, s1.A, s1.g2, s1.w, h, v_new, dh,
+                     dh0 if call.initial_state is not None else None, du, common, state)
 
 
 register(FlaBackend())
