@@ -103,19 +103,8 @@ class FlaBackend(Backend):
         return reasons
 
     def run(self, call: GDRCall) -> GDRGrads:
-        from fla.ops.common.chunk_o import chunk_bwd_dqkwg
-        from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd
-        from fla.ops.utils import chunk_local_cumsum
-
         st = fla_state_stages(call)
-        h = st.h.to(st.q.dtype)  # fla's TileLang chunk_bwd_dqkwg takes h in q's dtype only
-        dq, dk, dw, dg = chunk_bwd_dqkwg(q=st.q, k=st.k, v=st.v_new, w=st.w, g=st.g2, h=h, dv=st.du, do=st.do,
-                                         dh=st.dh, scale=call.scale, **st.common, **st.state)
-        dk2, dv, db, dg2 = prepare_wy_repr_bwd(k=st.k, v=st.v, beta=st.beta, g=st.g2, A=st.A, dw=dw, du=st.du,
-                                               **st.common)
-        dk.add_(dk2)
-        dg.add_(dg2)
-        dg = chunk_local_cumsum(dg, chunk_size=call.chunk_size, reverse=True, **st.common)
+        dq, dk, dv, db, dg = fla_stages_5_6(st, call.scale)
         return GDRGrads(dq, dk, dv, dg, db, st.dh0)
 
 
@@ -200,6 +189,23 @@ def fla_state_stages(call: GDRCall) -> FlaStages:
                                                  scale=call.scale, **common, **state)
     return FlaStages(q, k, s1.v, do, s1.beta, s1.A, s1.g2, s1.w, h, v_new, dh,
                      dh0 if call.initial_state is not None else None, du, common, state)
+
+
+def fla_stages_5_6(st: "FlaStages", scale: float):
+    """fla's stages 5 + 6 and the reverse cumsum -> `(dq, dk, dv, db, dg)` (what `triton_wide` replaces)."""
+    from fla.ops.common.chunk_o import chunk_bwd_dqkwg
+    from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd
+    from fla.ops.utils import chunk_local_cumsum
+
+    h = st.h.to(st.q.dtype)  # fla's TileLang chunk_bwd_dqkwg takes h in q's dtype only
+    dq, dk, dw, dg = chunk_bwd_dqkwg(q=st.q, k=st.k, v=st.v_new, w=st.w, g=st.g2, h=h, dv=st.du, do=st.do,
+                                     dh=st.dh, scale=scale, **st.common, **st.state)
+    dk2, dv, db, dg2 = prepare_wy_repr_bwd(k=st.k, v=st.v, beta=st.beta, g=st.g2, A=st.A, dw=dw, du=st.du,
+                                           **st.common)
+    dk.add_(dk2)
+    dg.add_(dg2)
+    dg = chunk_local_cumsum(dg, chunk_size=st.state["chunk_size"], reverse=True, **st.common)
+    return dq, dk, dv, db, dg
 
 
 register(FlaBackend())

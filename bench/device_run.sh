@@ -2,11 +2,14 @@
 # One call on the GPU machine (bare, no network): unpack the package bundle, restore the
 # autotune results of earlier calls, run the asked-for steps each under its own time limit,
 # and leave logs and results under $OUT. Steps, in the order given:
-#   tests[=SECONDS]  tests/test_gpu.py, one line per test    -> $OUT/gpu_tests.log (kept if cut short)
+#   precompile       TileLang kernels of the tests and the bench, compiled in parallel in the
+#                    background (tests wait for it before the tilelang_fused cases) -> $OUT/precompile.log
+#   tests[=SECONDS]  tests/test_gpu.py, one line per test, tilelang_fused last -> $OUT/gpu_tests.log
+#   stage56[=SECONDS] bench/bench_stage56.py (wide kernel configs, crossover) -> $OUT/stage56.log, bench/stage56.json
 #   bench[=SECONDS]  bench/bench_gdr_bwd.py, h200-train      -> $OUT/bench/<device>.{json,md}
 #   tune[=SECONDS]   gdr-dispatch tune --preset h200-train   -> $OUT/tune.log, $OUT/<device>.yaml
 #   profile[=SECONDS] bench/profile_fla_adapter.py           -> $OUT/profile.log
-# e.g.  bash bench/device_run.sh tests=240 bench=200 tune=120
+# e.g.  bash bench/device_run.sh precompile tests=240 bench=200 tune=120
 # Prepare here first (both ignored by git, named in the run's carry):
 #   mkdir -p .devbundle && cp ../shared/device/site-py312.tar.xz .devbundle/
 #   .devcache/tcache/  <- optional: autotune.tgz of an earlier call, unpacked. Without it the
@@ -23,8 +26,16 @@ for arg in "$@"; do
   step=${arg%%=*}; limit=${arg#*=}; [ "$limit" = "$arg" ] && limit=300
   start=$(date +%s)
   case $step in
-    tests)   timeout "$limit" python3 -m pytest -v tests/test_gpu.py -p no:cacheprovider -W ignore -rfEs \
-               --durations=10 > "$OUT/gpu_tests.log" 2>&1 ;;
+    precompile)
+             python3 bench/precompile_tilelang.py --config 4,2,bfloat16 --config 4,4,bfloat16 --config 4,2,float16 \
+               --config 4,4,float16 --config 16,16,bfloat16 --config 32,32,bfloat16 --config 32,16,bfloat16 \
+               > "$OUT/precompile.log" 2>&1 &
+             precompile_pid=$! ;;
+    tests)   pytest_gpu=(python3 -m pytest -v tests/test_gpu.py -p no:cacheprovider -W ignore -rfEs --durations=5)
+             timeout "$(( limit * 6 / 10 ))" "${pytest_gpu[@]}" -k "not tilelang_fused" > "$OUT/gpu_tests.log" 2>&1
+             [ -n "${precompile_pid:-}" ] && wait "$precompile_pid"
+             timeout "$(( limit - ($(date +%s) - start) ))" "${pytest_gpu[@]}" -k tilelang_fused >> "$OUT/gpu_tests.log" 2>&1 ;;
+    stage56) timeout "$limit" python3 bench/bench_stage56.py --out "$OUT/bench" > "$OUT/stage56.log" 2>&1 ;;
     bench)   timeout "$limit" python3 bench/bench_gdr_bwd.py --preset h200-train --unverified --out "$OUT/bench" \
                > "$OUT/bench.log" 2>&1 ;;
     tune)    timeout "$limit" python3 -m gdr_dispatch tune --preset h200-train --out /tmp/tables \

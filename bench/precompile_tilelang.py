@@ -1,0 +1,51 @@
+"""Compile the TileLang fused kernel for several configurations at once, into TileLang's disk cache.
+
+    python bench/precompile_tilelang.py --config 4,2,bfloat16 --config 32,16,bfloat16 ...
+
+Each compile is one nvcc run of 20-40 s on one core; on the GPU machine (16 cores) the
+tests and the bench would otherwise pay them one after another. Each configuration is
+compiled in its own process (TileLang's cache writes through a staging folder and a
+rename, so processes do not step on each other); a later process finds the kernel in the
+cache. Prints the wall time of every compile: that is a user's first-call cost.
+Scale is K^-0.5, the value the tests and the bench use (it is a compile-time constant).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def compile_one(H: int, Hg: int, dtype: str, K: int = 128, V: int = 128, BT: int = 64) -> float:
+    from gdr_dispatch.backends.kernels.tilelang_fused_bwd import build_fused_bwd
+
+    t0 = time.perf_counter()
+    build_fused_bwd(H, Hg, K, V, BT, float(K ** -0.5), dtype, dtype, dtype)
+    return time.perf_counter() - t0
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", action="append", required=True, help="H,Hg,dtype (K = V = 128, chunk 64)")
+    p.add_argument("--jobs", type=int, default=8)
+    args = p.parse_args()
+    configs = [(int(h), int(hg), dt) for h, hg, dt in (c.split(",") for c in args.config)]
+    t0 = time.perf_counter()
+    with ProcessPoolExecutor(max_workers=min(args.jobs, len(configs))) as pool:
+        futures = {pool.submit(compile_one, *c): c for c in configs}
+        for fut in as_completed(futures):
+            c = futures[fut]
+            try:
+                print(f"compiled H={c[0]} Hg={c[1]} {c[2]}: {fut.result():.1f} s", flush=True)
+            except Exception as e:  # noqa: BLE001 - report every config, go on
+                print(f"FAILED H={c[0]} Hg={c[1]} {c[2]}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+    print(f"all {len(configs)} configurations in {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
