@@ -34,9 +34,11 @@ def isolated_tables(tmp_path, monkeypatch):
     clear_caches()
 
 
-def case(spec: ShapeSpec, device="cpu", seed=0):
-    """(kwargs for fused_gdr_bwd, float64 oracle gradients) for one shape."""
+def case(spec: ShapeSpec, device="cpu", seed=0, with_oracle=True):
+    """(kwargs for fused_gdr_bwd, float64 oracle gradients or None) for one shape."""
     inputs = make_inputs(spec, device, seed=seed)
+    if not with_oracle:
+        return call_kwargs(inputs), None
     ref = oracle_grads(
         inputs["q"], inputs["k"], inputs["v"], inputs["g_raw"], inputs["b"], inputs["do"], inputs["dht"],
         scale=inputs["scale"], initial_state=inputs["initial_state"], cu_seqlens=inputs["cu_seqlens"],
