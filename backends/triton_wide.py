@@ -24,6 +24,10 @@ from .kernels.wy_dqkg_wide import wy_dqkg_wide
 #: time was left in the session that wrote the kernel).
 GPU_VERIFIED = True
 
+#: Which schedule of the fused kernel runs (kernels/wy_dqkg_wide.py): one pass over V with
+#: three [BT, K] accumulators, or two passes with two. Picked by bench/bench_stage56.py.
+TWO_PASS = False
+
 #: K values whose three [BT, K] fp32 accumulators (96 KiB at K = 128) fit the register
 #: file without a K loop; 256 would need 192 KiB. To be confirmed by measurement.
 WIDE_K = (16, 32, 64, 128)
@@ -49,6 +53,7 @@ class TritonWideBackend(Backend):
         dq, dk, dv, db, dg = wy_dqkg_wide(
             st.q, st.k, st.v, st.v_new, st.du, st.do, call.a, call.g, st.beta, st.h, st.dh, call.scale,
             call.chunk_size, st.common["cu_seqlens"], st.common["chunk_indices"], call.state_v_first,
+            two_pass=TWO_PASS,
         )
         return GDRGrads(dq, dk, dv, dg, db, st.dh0)
 

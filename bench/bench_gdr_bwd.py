@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -188,6 +189,9 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--skip", default="", help="runners to leave out, comma-separated")
+    p.add_argument("--match", default=None, help="only the shapes whose label matches this regular expression")
+    p.add_argument("--merge", action="store_true",
+                   help="add to the rows already in the output JSON (same label and h replaced) instead of starting anew")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     p.add_argument("--unverified", action="store_true",
                    help="also run backends still refused until their GPU tests pass (their error column then "
@@ -209,6 +213,8 @@ def main(argv=None):
         from dataclasses import replace
         shapes = [replace(s, h=args.h) for s in shapes]
     variants = [v for s in shapes for v in s.variants()]
+    if args.match:
+        variants = [v for v in variants if re.search(args.match, v.label())]
     skip = set(filter(None, args.skip.split(",")))
     dev = device_info(torch.device("cuda"))
     out = Path(args.out)
@@ -216,9 +222,14 @@ def main(argv=None):
     doc = {"device": dev.name, "capability": list(dev.capability), "versions": library_versions(),
            "source": args.grid or f"preset {args.preset}", "warmup": args.warmup, "reps": args.reps,
            "floor": {"hbm_gbs": HBM_GBS, "bf16_tflops": BF16_TFLOPS}, "unverified": unverified, "rows": []}
+    earlier = []
+    if args.merge and (out / f"{dev.slug}.json").exists():
+        earlier = json.loads((out / f"{dev.slug}.json").read_text())["rows"]
     for i, spec in enumerate(variants, 1):
         print(f"[{i}/{len(variants)}] {spec.label()}", file=sys.stderr, flush=True)
-        doc["rows"].append(bench_shape(spec, args.warmup, args.reps, skip))
+        row = bench_shape(spec, args.warmup, args.reps, skip)
+        earlier = [r for r in earlier if r["shape"] != row["shape"]]
+        doc["rows"] = earlier + [r for r in doc["rows"] if r["shape"] != row["shape"]] + [row]
         # written after every shape, so a run cut short keeps what it measured
         doc["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         names = list(dict.fromkeys(n for r in doc["rows"] for n in r["runs"]))

@@ -2,7 +2,7 @@
 # One call on the GPU machine (bare, no network): unpack the package bundle, restore the
 # autotune results of earlier calls, run the asked-for steps each under its own time limit,
 # and leave logs and results under $OUT. Steps, in the order given:
-#   precompile       TileLang kernels of the tests and the bench, compiled in parallel in the
+#   precompile       (PRECOMPILE='H,Hg,dtype ...' to choose) TileLang kernels of the tests and the bench, compiled in parallel in the
 #                    background (tests wait for it before the tilelang_fused cases) -> $OUT/precompile.log
 #   tests[=SECONDS]  tests/test_gpu.py, one line per test, tilelang_fused last -> $OUT/gpu_tests.log
 #   stage56[=SECONDS] bench/bench_stage56.py (wide kernel configs, crossover) -> $OUT/stage56.log, bench/stage56.json
@@ -10,6 +10,9 @@
 #   tune[=SECONDS]   gdr-dispatch tune --preset h200-train   -> $OUT/tune.log, $OUT/<device>.yaml
 #   profile[=SECONDS] bench/profile_fla_adapter.py           -> $OUT/profile.log
 # e.g.  bash bench/device_run.sh precompile tests=240 bench=200 tune=120
+# Env: TESTS_K='<pytest -k expression>' runs only those GPU tests (one pytest, tilelang_fused not
+# held back); BENCH_MATCH='<regex>' benches only the matching shapes and merges them into the
+# committed bench/results/<device>.json.
 # Prepare here first (both ignored by git, named in the run's carry):
 #   mkdir -p .devbundle && cp ../shared/device/site-py312.tar.xz .devbundle/
 #   .devcache/tcache/  <- optional: autotune.tgz of an earlier call, unpacked. Without it the
@@ -30,18 +33,28 @@ for arg in "$@"; do
   start=$(date +%s)
   case $step in
     precompile)
-             python3 bench/precompile_tilelang.py --config 4,2,bfloat16 --config 4,4,bfloat16 --config 4,2,float16 \
-               --config 4,4,float16 --config 16,16,bfloat16 --config 32,32,bfloat16 --config 32,16,bfloat16 \
-               > "$OUT/precompile.log" 2>&1 &
+             configs=${PRECOMPILE:-4,2,bfloat16 4,4,bfloat16 4,2,float16 4,4,float16 16,16,bfloat16 32,32,bfloat16 32,16,bfloat16}
+             python3 bench/precompile_tilelang.py $(printf -- '--config %s ' $configs) > "$OUT/precompile.log" 2>&1 &
              precompile_pid=$! ;;
-    tests)   pytest_gpu=(python3 -m pytest -v tests/test_gpu.py -p no:cacheprovider -W ignore -rfEs --durations=8
+    tests)   if [ -n "${TESTS_K:-}" ]; then
+               timeout "$limit" python3 -m pytest -v tests/test_gpu.py -p no:cacheprovider -W ignore -rfEs --durations=8 \
+                 -n 8 --dist loadgroup -k "$TESTS_K" > "$OUT/gpu_tests.log" 2>&1
+               echo "$step: exit $? after $(( $(date +%s) - start )) s"; continue
+             fi
+             pytest_gpu=(python3 -m pytest -v tests/test_gpu.py -p no:cacheprovider -W ignore -rfEs --durations=8
                          -n 8 --dist loadgroup)
              timeout "$(( limit * 6 / 10 ))" "${pytest_gpu[@]}" -k "not tilelang_fused" > "$OUT/gpu_tests.log" 2>&1
              [ -n "${precompile_pid:-}" ] && wait "$precompile_pid"
              timeout "$(( limit - ($(date +%s) - start) ))" "${pytest_gpu[@]}" -k tilelang_fused >> "$OUT/gpu_tests.log" 2>&1 ;;
     stage56) timeout "$limit" python3 bench/bench_stage56.py --out "$OUT/bench" > "$OUT/stage56.log" 2>&1 ;;
-    bench)   timeout "$limit" python3 bench/bench_gdr_bwd.py --preset h200-train --unverified --out "$OUT/bench" \
-               > "$OUT/bench.log" 2>&1 ;;
+    bench)   if [ -n "${BENCH_MATCH:-}" ]; then
+               cp bench/results/nvidia-h200-sm90.json "$OUT/bench/" 2>/dev/null
+               timeout "$limit" python3 bench/bench_gdr_bwd.py --preset h200-train --unverified --out "$OUT/bench" \
+                 --match "$BENCH_MATCH" --merge > "$OUT/bench.log" 2>&1
+             else
+               timeout "$limit" python3 bench/bench_gdr_bwd.py --preset h200-train --unverified --out "$OUT/bench" \
+                 > "$OUT/bench.log" 2>&1
+             fi ;;
     tune)    timeout "$limit" python3 -m gdr_dispatch tune --preset h200-train --out /tmp/tables \
                > "$OUT/tune.log" 2>&1; cp /tmp/tables/*.yaml "$OUT/" ;;
     profile) timeout "$limit" python3 bench/profile_fla_adapter.py --B 8 --T 4096 --H 32 --rounds 3 > "$OUT/profile.log" 2>&1 ;;
@@ -49,9 +62,10 @@ for arg in "$@"; do
   esac
   echo "$step: exit $? after $(( $(date +%s) - start )) s"
 done
-# compiled kernels for the next call when they fit the 16 MiB a returned file may have, else
-# fla's autotune results only (unpack into .devcache/ here: caches.tar.xz or tcache/)
-tar -cJf /tmp/caches.tar.xz -C / tmp/tcache tmp/tlcache 2>/dev/null
-if [ "$(stat -c %s /tmp/caches.tar.xz)" -lt 16000000 ]; then cp /tmp/caches.tar.xz "$OUT/";
-else (cd /tmp && find tcache -name '*.autotune.json' 2>/dev/null | tar -czf "$OUT/autotune.tgz" -T -); fi
+# fla's autotune results for the next call (unpack into .devcache/ here). The whole compiled-kernel
+# caches did not fit the 16 MiB a returned file may have (xz took ~100 s to find that out), so they
+# are packed only with KEEP_CACHES=1 (then unpack into .devcache/caches.tar.xz).
+(cd /tmp && find tcache -name '*.autotune.json' 2>/dev/null | tar -czf "$OUT/autotune.tgz" -T -)
+if [ -n "${KEEP_CACHES:-}" ]; then tar -cJf /tmp/caches.tar.xz -C / tmp/tcache tmp/tlcache 2>/dev/null
+  [ "$(stat -c %s /tmp/caches.tar.xz)" -lt 16000000 ] && cp /tmp/caches.tar.xz "$OUT/"; fi
 tail -n 3 "$OUT"/*.log 2>/dev/null | grep -v TileLang

@@ -59,14 +59,15 @@ def stage_inputs_and_expected(spec, dtype):
     return x, kernel_in, expected
 
 
+@pytest.mark.parametrize("two_pass", [False, True], ids=["one_pass", "two_pass"])
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("float16", 2e-3)])
 @pytest.mark.parametrize("spec", SHAPES, ids=lambda s: s.label())
-def test_wide_kernel_matches_stage_functions(spec, dtype, tol):
+def test_wide_kernel_matches_stage_functions(spec, dtype, tol, two_pass):
     x, kin, expected = stage_inputs_and_expected(spec, dtype)
     cu = x["cu_seqlens"]
     ci = None if cu is None else varlen_chunk_indices(spec.seq_lens, 64, "cpu")
     out = wy_dqkg_wide(**kin, scale=x["scale"], cu_seqlens=cu, chunk_indices=ci, state_v_first=spec.state_v_first,
-                       BV=16)
+                       BV=16, two_pass=two_pass)
     for name, got in zip(("dq", "dk", "dv", "db", "dg"), out):
         want = expected[name]
         assert got.shape == want.shape, name
