@@ -147,6 +147,12 @@ def bench_shape(spec, warmup, reps, skip):
     return row
 
 
+def merge_rows(earlier, fresh):
+    """`earlier` rows without those `fresh` measures again, then `fresh`."""
+    again = {r["shape"] for r in fresh}
+    return [r for r in earlier if r["shape"] not in again] + fresh
+
+
 def to_markdown(rows, names, device, unverified=()):
     lines = [f"GDR backward on {device}, median ms (ratio = fla-op ms / this ms; >1 is faster than fla's own op)", ""]
     head = ["shape", "h", "floor", *(n + ("*" if n in unverified else "") for n in names)]
@@ -225,11 +231,11 @@ def main(argv=None):
     earlier = []
     if args.merge and (out / f"{dev.slug}.json").exists():
         earlier = json.loads((out / f"{dev.slug}.json").read_text())["rows"]
+    fresh = []
     for i, spec in enumerate(variants, 1):
         print(f"[{i}/{len(variants)}] {spec.label()}", file=sys.stderr, flush=True)
-        row = bench_shape(spec, args.warmup, args.reps, skip)
-        earlier = [r for r in earlier if r["shape"] != row["shape"]]
-        doc["rows"] = earlier + [r for r in doc["rows"] if r["shape"] != row["shape"]] + [row]
+        fresh.append(bench_shape(spec, args.warmup, args.reps, skip))
+        doc["rows"] = merge_rows(earlier, fresh)
         # written after every shape, so a run cut short keeps what it measured
         doc["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         names = list(dict.fromkeys(n for r in doc["rows"] for n in r["runs"]))

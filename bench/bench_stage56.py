@@ -6,9 +6,9 @@ Stages 1-4 run once per shape (fla's, `h` given); then, on the same products, th
 runners are fla's `chunk_bwd_dqkwg` + `prepare_wy_repr_bwd` + its reverse cumsum (what the
 `fla` backend runs) and `wy_dqkg_wide` under each launch configuration of the sweep.
 Two parts:
-  * `sweep`: both schedules of the kernel (one or two passes over V) under the launch
-    configurations in CONFIGS at B8 T4096 H32, with the compiled kernel's registers, spills
-    and shared memory, so the pinned configuration has its measurement;
+  * `sweep`: the launch configurations in CONFIGS at B8 T4096 H32, with the compiled
+    kernel's registers, spills and shared memory, so the pinned configuration has its
+    measurement;
   * `crossover`: the same head layout at a falling number of programs (chunks x heads), fla
     against the default configuration and the sweep's best, for the CTA floor in
     `triton_wide.supported`.
@@ -34,19 +34,17 @@ from gdr_dispatch.contract import validate  # noqa: E402
 from gdr_dispatch.dispatch import measure_ms, relative_error  # noqa: E402
 from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs  # noqa: E402
 
-# one pass: the two best of the first sweep on the H200 (BV 32/64, 4/8 warps, 1-3 stages: 4 warps
-# spilled 850+ registers and ran at 9-12 ms, 8 warps at 4.3-5.4 ms); two pass: its own sweep
-CONFIGS = [dict(two_pass=False, BV=32, num_warps=8, num_stages=3), dict(two_pass=False, BV=64, num_warps=8, num_stages=2)]
-CONFIGS += [dict(two_pass=True, BV=bv, num_warps=w, num_stages=s) for bv in (32, 64) for w in (4, 8) for s in (1, 2)]
+# 8 warps only: on the H200 (2026-11-29) every 4-warp configuration (BV 32/64, 1-3 stages)
+# spilled 844-888 registers and took 8.9-12.6 ms at B8 T4096 H32, against 4.2-5.4 ms with 8 warps
+CONFIGS = [dict(BV=bv, num_warps=8, num_stages=s) for bv in (32, 64) for s in (1, 2, 3)]
 NAMES = ("dq", "dk", "dv", "db", "dg")
 
 
-def compiled_stats(two_pass: bool):
+def compiled_stats():
     """(registers, spills, shared bytes) of the kernels Triton compiled so far, newest last."""
     out = []
-    kernel = wide_mod.wy_dqkg_wide_two_pass_kernel if two_pass else wide_mod.wy_dqkg_wide_kernel
     try:
-        for cache in kernel.device_caches.values():
+        for cache in wide_mod.wy_dqkg_wide_kernel.device_caches.values():
             for ck in cache[0].values():
                 out.append((ck.n_regs, ck.n_spills, ck.metadata.shared))
     except Exception as e:  # noqa: BLE001 - Triton internals differ between versions
@@ -90,7 +88,7 @@ def main():
     fla_ms = measure_ms(fla, "cuda", warmup=3, reps=args.reps)
     doc["sweep_shape"], doc["fla_ms"] = spec.label(), round(fla_ms, 4)
     print(f"{spec.label()}: fla stages 5+6 {fla_ms:.3f} ms", flush=True)
-    best = (float("inf"), dict(two_pass=False, BV=64, num_warps=8, num_stages=2))
+    best = (float("inf"), dict(BV=64, num_warps=8, num_stages=2))
     configs = [] if args.skip_sweep else CONFIGS
     for cfg in configs:
         t0 = time.perf_counter()
@@ -99,7 +97,7 @@ def main():
             err = errors(run(), ref)
             ms = measure_ms(run, "cuda", warmup=3, reps=args.reps)
             row = {**cfg, "ms": round(ms, 4), "speedup_vs_fla": round(fla_ms / ms, 3), "err_vs_fla": err,
-                   "regs_spills_smem": compiled_stats(cfg["two_pass"])[-1]}
+                   "regs_spills_smem": compiled_stats()[-1]}
             best = min(best, (ms, cfg), key=lambda t: t[0])
         except Exception as e:  # noqa: BLE001 - a config out of resources is a result too
             row = {**cfg, "failed": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
@@ -128,9 +126,9 @@ def main():
         torch.cuda.empty_cache()
 
     lines = [f"stages 5+6 at {doc['sweep_shape']}: fla {doc['fla_ms']:.3f} ms", "",
-             "| passes | BV | warps | stages | ms | vs fla | regs, spills, smem |", "|---|---|---|---|---|---|---|"]
+             "| BV | warps | stages | ms | vs fla | regs, spills, smem |", "|---|---|---|---|---|---|"]
     for r in doc["sweep"]:
-        lines.append(f"| {2 if r['two_pass'] else 1} | {r['BV']} | {r['num_warps']} | {r['num_stages']} | {r.get('ms', 'failed')} | "
+        lines.append(f"| {r['BV']} | {r['num_warps']} | {r['num_stages']} | {r.get('ms', 'failed')} | "
                      f"{r.get('speedup_vs_fla', '-')} | {r.get('regs_spills_smem', r.get('failed'))} |")
     lines += ["", "| shape | programs | fla ms | wide default ms | wide best ms |", "|---|---|---|---|---|"]
     for r in doc["crossover"]:

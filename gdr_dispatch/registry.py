@@ -22,9 +22,13 @@ import torch
 from .contract import GDRCall, GDRGrads
 
 #: Preference when nothing was measured (GDR_AUTOTUNE=0, CPU tensors, CUDA graph capture):
-#: the fused kernel first, the Triton chains next, fla's chain, the exact torch backend last.
+#: the order of the measurements, not of the hopes. On the H200 (2026-11-29, bf16, K = V =
+#: 128, the h200-train tune, 9 shapes with all four backends) `fla` won 7; `triton_wide` won
+#: B1 T8192 H16 with h given by 2 % and was 1.1-1.5x slower than fla at the other eight;
+#: `tilelang_fused` (not yet warp-specialised) won varlen 8x4096 Hg16 with h given (5.68
+#: against fla's 6.56 ms) and was 1.2-3.6x slower at the other eight.
 #: Names not registered in this build are skipped.
-STATIC_PREFERENCE = ("tilelang_fused", "triton_wide", "triton_transposed", "fla", "torch")
+STATIC_PREFERENCE = ("fla", "triton_wide", "triton_transposed", "tilelang_fused", "torch")
 
 
 @functools.lru_cache(maxsize=None)

@@ -59,13 +59,6 @@ def test_backend_matches_oracle_on_gpu(backend, name, dtype, h_mode, monkeypatch
     _check_backend(backend, name, dtype, h_mode, monkeypatch)
 
 
-@pytest.mark.parametrize("name,dtype,h_mode", list(_cases()))
-def test_wide_two_pass_matches_oracle_on_gpu(name, dtype, h_mode, monkeypatch):
-    """`triton_wide` with the other schedule of its kernel (see wy_dqkg_wide.py)."""
-    monkeypatch.setattr(triton_wide, "TWO_PASS", not triton_wide.TWO_PASS)
-    _check_backend("triton_wide", name, dtype, h_mode, monkeypatch)
-
-
 def _check_backend(backend, name, dtype, h_mode, monkeypatch):
     # a backend waiting for exactly this test to pass on a GPU is let through here
     monkeypatch.setattr(triton_wide, "GPU_VERIFIED", True)

@@ -16,8 +16,15 @@ products of stages 1-4, which carry no convention: `v_new`, `dU` (fla's `dv` aft
 Hopper + Triton [3.4, 3.7.1) miscompiles `tl.dot(tl.trans(acc), ...)` when `acc` comes
 from another `tl.dot` (fla issue 640; GDR_MATH.md). No dot here takes a transposed
 accumulator: `X^T Y` with `X` from a dot is computed as `tl.trans(tl.dot(tl.trans(Y), X))`,
-transposing loaded tiles inside dots and accumulators only outside them. Whether that is
-enough on the H200 is for the GPU tests to say.
+transposing loaded tiles inside dots and accumulators only outside them. On the H200 with
+Triton 3.6.0 that was enough: the GPU oracle tests pass.
+
+Where its time goes (H200, B8 T4096 H32): 255 registers with 164-206 spilled at 8 warps; it
+runs at 0.71-0.78x of fla's two kernels there and is faster only on small grids
+(bench/results/nvidia-h200-sm90-stage56.md). A two-pass schedule holding two accumulators
+instead of three (commit 7c97465) passed the small GPU oracle tests but hit an illegal
+memory access at B8 T4096 H32 with its first configuration (BV 32, 4 warps, 1 stage); it
+was taken out, not understood — the interpreter finds nothing wrong at K = V = 128.
 
 Outputs are stored, never accumulated into (autotuning re-runs kernels): `dq`/`dk` per
 value head in fp32, reduced over the heads that share a q/k head by the launcher.
@@ -162,152 +169,9 @@ def wy_dqkg_wide_kernel(
     tl.store(dg + (bos + rows) * H + i_h, b_dg, mask=m_t)
 
 
-@triton.jit(do_not_specialize=["T"])
-def wy_dqkg_wide_two_pass_kernel(
-    q, k, v, v_new, du, do, a, g, b, h, dh,
-    dq, dk, dv, db, dg,
-    cu_seqlens, chunk_indices, scale, T, NT,
-    H: tl.constexpr, Hg: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, STATE_V_FIRST: tl.constexpr,
-):
-    """The same math as `wy_dqkg_wide_kernel` with at most two `[BT, K]` fp32 accumulators live.
-
-    The one-pass kernel holds three (96 KiB at K = 128) next to the `[BT, BT]` tiles and
-    spills at 255 registers (H200, Triton 3.6: 164-888 spilled registers over the sweep in
-    bench/bench_stage56.py). Here pass 1 over V builds `dO h^T` and `dU h^T` (they share the
-    `h` tile), which are finished into `dq` (stored) and the first `dk` terms; pass 2 re-reads
-    `v_new`, `dh` and `h` and adds `(e^{G_L - G} v_new) dh^T` straight into `dk`. The row
-    sums `<dk_state, k>` that dG needs come from `v_new . (k dh)` rather than from a third
-    accumulator. The price: `v_new` and `h` are read twice.
-    """
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    i_hg = i_h // (H // Hg)
-    i_chunk = (i_b * NT + i_t).to(tl.int64)
-    i_t, bos, T = chunk_bounds(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
-
-    o_t = tl.arange(0, BT)
-    rows = i_t * BT + o_t
-    m_t = rows < T
-    n_valid = tl.minimum(T - i_t * BT, BT)
-    o_k = tl.arange(0, K)
-    lower = (o_t[None, :] <= o_t[:, None]) & m_t[:, None] & m_t[None, :]
-    strict = (o_t[None, :] < o_t[:, None]) & m_t[:, None] & m_t[None, :]
-
-    G = tl.load(g + (bos + rows) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    beta = tl.load(b + (bos + rows) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    g_last = tl.sum(tl.where(o_t == n_valid - 1, G, 0.0), axis=0)
-    eG = tl.where(m_t, tl.exp(G), 0.0)
-    decay_to_end = tl.where(m_t, tl.exp(g_last - G), 0.0)
-    gam = tl.where(lower, tl.exp(tl.where(lower, G[:, None] - G[None, :], 0.0)), 0.0)
-    A = tl.load(a + ((bos + rows[:, None]) * H + i_h) * BT + o_t[None, :], mask=m_t[:, None] & m_t[None, :],
-                other=0.0).to(tl.float32)
-    AgT = tl.trans(gam * A)
-
-    if STATE_V_FIRST:
-        s_k = 1
-        s_v = K
-    else:
-        s_k = V
-        s_v = 1
-    h_base = h + (i_chunk * H + i_h) * K * V
-    dh_base = dh + (i_chunk * H + i_h) * K * V
-    tok_k = ((bos + rows[:, None]) * Hg + i_hg) * K + o_k[None, :]
-    b_q = tl.load(q + tok_k, mask=m_t[:, None], other=0.0)
-    b_k = tl.load(k + tok_k, mask=m_t[:, None], other=0.0)
-    dt = b_k.dtype
-    AgT16 = AgT.to(dt)
-
-    # ---- pass 1 over V: dO v_new^T, dU (b V)^T, dO h^T, dU h^T; dv and the v part of db ----
-    ds = tl.zeros([BT, BT], dtype=tl.float32)
-    dAg = tl.zeros([BT, BT], dtype=tl.float32)
-    acc_q = tl.zeros([BT, K], dtype=tl.float32)
-    acc_w = tl.zeros([BT, K], dtype=tl.float32)
-    db_v = tl.zeros([BT], dtype=tl.float32)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        m_tv = m_t[:, None] & m_v[None, :]
-        tok_v = ((bos + rows[:, None]) * H + i_h) * V + o_v[None, :]
-        b_do = tl.load(do + tok_v, mask=m_tv, other=0.0).to(dt)
-        b_vn = tl.load(v_new + tok_v, mask=m_tv, other=0.0).to(dt)
-        b_du = tl.load(du + tok_v, mask=m_tv, other=0.0).to(dt)
-        b_v = tl.load(v + tok_v, mask=m_tv, other=0.0).to(tl.float32)
-        st = o_k[:, None] * s_k + o_v[None, :] * s_v
-        b_h = tl.load(h_base + st, mask=m_v[None, :], other=0.0).to(dt)  # [K, BV]
-        ds += tl.dot(b_do, tl.trans(b_vn))
-        acc_q += tl.dot(b_do, tl.trans(b_h))
-        acc_w += tl.dot(b_du, tl.trans(b_h))
-        dAg += tl.dot(b_du, tl.trans((b_v * beta[:, None]).to(dt)))
-        b_dvb = tl.dot(AgT16, b_du)  # Ag^T dU
-        tl.store(dv + tok_v, (b_dvb * beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
-        db_v += tl.sum(b_v * b_dvb, axis=1)
-
-    # ---- dq, stored now; its dG terms ----
-    b_qf = b_q.to(tl.float32)
-    b_kf = b_k.to(tl.float32)
-    qk = tl.dot(b_q, tl.trans(b_k))
-    ds_g = scale * ds * gam
-    dq_inter = (scale * eG)[:, None] * acc_q
-    b_dq = dq_inter + tl.dot(ds_g.to(dt), b_k)
-    tok_hk = ((bos + rows[:, None]) * H + i_h) * K + o_k[None, :]
-    tl.store(dq + tok_hk, b_dq.to(dq.dtype.element_ty), mask=m_t[:, None])
-    dsq = ds_g * qk
-    dG = tl.sum(dq_inter * b_qf, axis=1) + tl.sum(dsq, axis=1) - tl.sum(dsq, axis=0)
-
-    # ---- the dw terms: d(Ag) += dw (b e^G K)^T, dk += b e^G (Ag^T dw) ----
-    dw = -acc_w
-    bg = beta * eG
-    dAg += tl.dot(dw.to(dt), tl.trans((b_kf * bg[:, None]).to(dt)))
-    dkb = tl.dot(AgT16, dw.to(dt))
-    kdkb = tl.sum(b_kf * dkb, axis=1)
-    b_db = db_v + eG * kdkb
-    dG += bg * kdkb
-    b_dk = dkb * bg[:, None] + tl.trans(tl.dot(tl.trans(b_q), ds_g.to(dt)))  # + ds_g^T q
-
-    # ---- pass 2 over V: dk += (e^{G_L - G} v_new) dh^T; <dk_state, k> and <h, dh> for dG ----
-    kdh_vn = tl.zeros([BT], dtype=tl.float32)  # rows of v_new . (K dh)
-    h_dh = tl.zeros([K], dtype=tl.float32)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        tok_v = ((bos + rows[:, None]) * H + i_h) * V + o_v[None, :]
-        b_vn = tl.load(v_new + tok_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        st = o_k[:, None] * s_k + o_v[None, :] * s_v
-        b_dh32 = tl.load(dh_base + st, mask=m_v[None, :], other=0.0).to(tl.float32)
-        b_h32 = tl.load(h_base + st, mask=m_v[None, :], other=0.0).to(tl.float32)
-        b_dh = b_dh32.to(dt)
-        b_dk += tl.dot((b_vn * decay_to_end[:, None]).to(dt), tl.trans(b_dh))
-        kdh_vn += tl.sum(b_vn * tl.dot(b_k, b_dh), axis=1)
-        h_dh += tl.sum(b_h32 * b_dh32, axis=1)
-    dk_state_k = decay_to_end * kdh_vn  # rows of (e^{G_L - G} v_new dh^T) * K
-    dG -= dk_state_k
-    dG_last = tl.sum(dk_state_k, axis=0) + tl.exp(g_last) * tl.sum(h_dh, axis=0)
-
-    # ---- through the WY inverse: Ag = M^-1, dM = -Ag^T dAg Ag^T on the strict lower triangle ----
-    kk = tl.dot(b_k, tl.trans(b_k))
-    dM = -tl.dot(tl.dot(AgT, dAg), AgT)
-    dM = tl.where(strict, dM, 0.0)
-    P = tl.where(strict, kk * gam, 0.0)
-    b_db += tl.sum(dM * P, axis=1)
-    dP = dM * beta[:, None]
-    dkk = dP * gam
-    b_dk += tl.dot(dkk.to(dt), b_k) + tl.trans(tl.dot(tl.trans(b_k), dkk.to(dt)))
-    dPP = dP * P
-    dG += tl.sum(dPP, axis=1) - tl.sum(dPP, axis=0)
-
-    dG += tl.where(o_t == n_valid - 1, dG_last, 0.0)
-    dG = tl.where(m_t, dG, 0.0)
-    b_dg = tl.sum(tl.where(o_t[None, :] >= o_t[:, None], dG[None, :], 0.0), axis=1)
-    tl.store(dk + tok_hk, b_dk.to(dk.dtype.element_ty), mask=m_t[:, None])
-    tl.store(db + (bos + rows) * H + i_h, b_db.to(db.dtype.element_ty), mask=m_t)
-    tl.store(dg + (bos + rows) * H + i_h, b_dg, mask=m_t)
-
-
 def wy_dqkg_wide(q, k, v, v_new, du, do, a, g, b, h, dh, scale: float, chunk_size: int = 64,
                  cu_seqlens: Optional[torch.Tensor] = None, chunk_indices: Optional[torch.Tensor] = None,
-                 state_v_first: bool = False, BV: int = 64, num_warps: int = 8, num_stages: int = 2,
-                 two_pass: bool = False):
+                 state_v_first: bool = False, BV: int = 64, num_warps: int = 8, num_stages: int = 2):
     """Stages 5 + 6 and the reverse cumsum -> `(dq, dk, dv, db, dg)` in the contract's form.
 
     q, k `[B, T, Hg, K]`; v, v_new, du, do `[B, T, H, V]`; a `[B, T, H, BT]` ungated; g
@@ -315,8 +179,10 @@ def wy_dqkg_wide(q, k, v, v_new, du, do, a, g, b, h, dh, scale: float, chunk_siz
     chunk-start states and the gradients w.r.t. chunk-end states. `dq`/`dk` come back at the
     q/k head count in q's dtype, `dv` in v's, `db` in b's, `dg` fp32 w.r.t. the raw gate.
 
-    BV = 64, 8 warps, 2 stages: starting points, not yet measured on a GPU (issue: the Triton
-    full-K wide backend); the `[BT, K]` fp32 accumulators are what limits occupancy.
+    BV = 64, 8 warps, 2 stages: the configuration the GPU oracle tests ran. The sweep on the
+    H200 (bench/bench_stage56.py) found BV = 32, 3 stages 4-7 % faster (27 % at B1 T512
+    H32) with the same errors against fla's at seven shapes; it is not the default until the
+    oracle tests have run with it. 4 warps spill 844-888 registers and run 2-3x slower.
     """
     B, T, Hg, K = q.shape
     H, V = v.shape[2], v.shape[3]
@@ -333,8 +199,7 @@ def wy_dqkg_wide(q, k, v, v_new, du, do, a, g, b, h, dh, scale: float, chunk_siz
     NT = h.shape[1]
     grid = (NT if cu_seqlens is None else chunk_indices.shape[0], B * H)
     BV = max(16, min(BV, triton.next_power_of_2(V)))
-    kernel = wy_dqkg_wide_two_pass_kernel if two_pass else wy_dqkg_wide_kernel
-    kernel[grid](
+    wy_dqkg_wide_kernel[grid](
         *tensors, dq, dk, dv, db, dg, cu_seqlens, chunk_indices, scale, T, NT,
         H=H, Hg=Hg, K=K, V=V, BT=chunk_size, BV=BV, IS_VARLEN=cu_seqlens is not None,
         STATE_V_FIRST=state_v_first, num_warps=num_warps, num_stages=num_stages,
