@@ -62,6 +62,34 @@ def fake_cuda(problem):
     return replace(problem, device=DeviceInfo("cuda", "Fake GPU", (9, 0), 132))
 
 
+class WrongShape(Fake):
+    def run(self, call):
+        g = super().run(call)
+        return g._replace(dq=g.dq[..., :-1])
+
+
+def test_a_backend_returning_the_wrong_shape_is_caught(kwargs, monkeypatch):
+    registry.register(WrongShape("fake_wrong"))
+    try:
+        monkeypatch.setenv("GDR_BACKEND", "fake_wrong")
+        with pytest.raises(RuntimeError, match="backend 'fake_wrong' returned dq as"):
+            fused_gdr_bwd(**kwargs)
+    finally:
+        registry._REGISTRY.pop("fake_wrong", None)
+
+
+def test_outputs_are_checked_once_per_backend_and_problem(kwargs, fakes, monkeypatch):
+    fakes("fake_a")
+    monkeypatch.setenv("GDR_BACKEND", "fake_a")
+    seen = []
+    monkeypatch.setattr(dsp, "check_outputs", lambda call, grads, name: seen.append(name))
+    for _ in range(3):
+        fused_gdr_bwd(**kwargs)
+    assert seen == ["fake_a"]
+    fused_gdr_bwd(**{**kwargs, "h": None})  # another Problem: checked again
+    assert seen == ["fake_a", "fake_a"]
+
+
 # -- the override ---------------------------------------------------------------------
 def test_forced_backend_runs(kwargs, fakes, monkeypatch):
     f = fakes("fake_a")
