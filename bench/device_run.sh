@@ -5,6 +5,8 @@
 #   precompile       (PRECOMPILE='H,Hg,dtype ...' to choose) TileLang kernels of the tests and the bench, compiled in parallel in the
 #                    background (tests wait for it before the tilelang_fused cases) -> $OUT/precompile.log
 #   tests[=SECONDS]  tests/test_gpu.py, one line per test, tilelang_fused last -> $OUT/gpu_tests.log
+#   tlprobe[=SECONDS] TileLang probe builds compiled in parallel, then bench/probe_tilelang.py
+#                    -> $OUT/tlprobe.log, bench/tilelang_probes.json
 #   stage56[=SECONDS] bench/bench_stage56.py (wide kernel configs, crossover) -> $OUT/stage56.log, bench/stage56.json
 #   bench[=SECONDS]  bench/bench_gdr_bwd.py, h200-train      -> $OUT/bench/<device>.{json,md}
 #   tune[=SECONDS]   gdr-dispatch tune --preset h200-train   -> $OUT/tune.log, $OUT/<device>.yaml
@@ -46,6 +48,11 @@ for arg in "$@"; do
              timeout "$(( limit * 6 / 10 ))" "${pytest_gpu[@]}" -k "not tilelang_fused" > "$OUT/gpu_tests.log" 2>&1
              [ -n "${precompile_pid:-}" ] && wait "$precompile_pid"
              timeout "$(( limit - ($(date +%s) - start) ))" "${pytest_gpu[@]}" -k tilelang_fused >> "$OUT/gpu_tests.log" 2>&1 ;;
+    tlprobe) probes=""
+             for hv in 32,32 16,16; do for pr in "" no_stage5 no_stage6 no_stage56 loads_twice; do
+               probes="$probes --config $hv,bfloat16${pr:+,$pr}"; done; done
+             timeout "$limit" bash -c "python3 bench/precompile_tilelang.py --jobs 10 $probes && \
+               python3 bench/probe_tilelang.py --out $OUT/bench" > "$OUT/tlprobe.log" 2>&1 ;;
     stage56) timeout "$limit" python3 bench/bench_stage56.py --out "$OUT/bench" > "$OUT/stage56.log" 2>&1 ;;
     bench)   if [ -n "${BENCH_MATCH:-}" ]; then
                cp bench/results/nvidia-h200-sm90.json "$OUT/bench/" 2>/dev/null

@@ -21,29 +21,33 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def compile_one(H: int, Hg: int, dtype: str, K: int = 128, V: int = 128, BT: int = 64) -> float:
+def compile_one(H: int, Hg: int, dtype: str, probe: str = "", K: int = 128, V: int = 128, BT: int = 64) -> float:
     from gdr_dispatch.backends.kernels.tilelang_fused_bwd import build_fused_bwd
 
     t0 = time.perf_counter()
-    build_fused_bwd(H, Hg, K, V, BT, float(K ** -0.5), dtype, dtype, dtype)
+    build_fused_bwd(H, Hg, K, V, BT, float(K ** -0.5), dtype, dtype, dtype, probe=probe)
     return time.perf_counter() - t0
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", action="append", required=True, help="H,Hg,dtype (K = V = 128, chunk 64)")
+    p.add_argument("--config", action="append", required=True,
+                   help="H,Hg,dtype[,probe] (K = V = 128, chunk 64; probe: see tilelang_fused_bwd.PROBES)")
     p.add_argument("--jobs", type=int, default=8)
     args = p.parse_args()
-    configs = [(int(h), int(hg), dt) for h, hg, dt in (c.split(",") for c in args.config)]
+    configs = []
+    for c in args.config:
+        h, hg, dt, *probe = c.split(",")
+        configs.append((int(h), int(hg), dt, *probe))
     t0 = time.perf_counter()
     with ProcessPoolExecutor(max_workers=min(args.jobs, len(configs))) as pool:
         futures = {pool.submit(compile_one, *c): c for c in configs}
         for fut in as_completed(futures):
             c = futures[fut]
             try:
-                print(f"compiled H={c[0]} Hg={c[1]} {c[2]}: {fut.result():.1f} s", flush=True)
+                print(f"compiled H={c[0]} Hg={c[1]} {' '.join(c[2:])}: {fut.result():.1f} s", flush=True)
             except Exception as e:  # noqa: BLE001 - report every config, go on
-                print(f"FAILED H={c[0]} Hg={c[1]} {c[2]}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+                print(f"FAILED H={c[0]} Hg={c[1]} {' '.join(c[2:])}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
     print(f"all {len(configs)} configurations in {time.perf_counter() - t0:.1f} s", flush=True)
 
 

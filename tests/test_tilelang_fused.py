@@ -98,3 +98,11 @@ def test_kernel_algorithm_matches_the_oracle(spec):
         grads = GDRGrads(*out[:5], out[5] if spec.initial_state else None)
         errs = rel_errors(grads, ref)
         assert all(e < tol for e in errs.values()), (dtype, errs)
+
+
+def test_an_unknown_probe_is_refused_before_compiling():
+    from gdr_dispatch.backends.kernels.tilelang_fused_bwd import PROBES, build_fused_bwd
+
+    assert PROBES[0] == ""  # the production build
+    with pytest.raises(ValueError, match="probe: expected one of"):
+        build_fused_bwd(4, 4, 128, 128, 64, 0.1, "bfloat16", "bfloat16", "bfloat16", probe="no_stage7")
