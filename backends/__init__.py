@@ -8,3 +8,4 @@ from . import exact_torch  # noqa: F401
 from . import fla_chain  # noqa: F401
 from . import tilelang_fused  # noqa: F401
 from . import triton_wide  # noqa: F401
+from . import triton_transposed  # noqa: F401

@@ -205,9 +205,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     unverified = []
     if args.unverified:
-        from gdr_dispatch.backends import tilelang_fused, triton_wide
+        from gdr_dispatch.backends import tilelang_fused, triton_transposed, triton_wide
 
-        for mod in (tilelang_fused, triton_wide):
+        for mod in (tilelang_fused, triton_wide, triton_transposed):
             if not mod.GPU_VERIFIED:
                 mod.GPU_VERIFIED = True
                 unverified.append(mod.__name__.rsplit(".", 1)[-1])

@@ -29,26 +29,38 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from gdr_dispatch.backends.fla_chain import fla_stages_5_6, fla_state_stages  # noqa: E402
+from gdr_dispatch.backends.kernels import wy_dqkg_transposed as transposed_mod  # noqa: E402
 from gdr_dispatch.backends.kernels import wy_dqkg_wide as wide_mod  # noqa: E402
 from gdr_dispatch.contract import validate  # noqa: E402
 from gdr_dispatch.dispatch import measure_ms, relative_error  # noqa: E402
 from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs  # noqa: E402
 
-# 8 warps only: on the H200 (2026-11-29) every 4-warp configuration (BV 32/64, 1-3 stages)
-# spilled 844-888 registers and took 8.9-12.6 ms at B8 T4096 H32, against 4.2-5.4 ms with 8 warps
-CONFIGS = [dict(BV=bv, num_warps=8, num_stages=s) for bv in (32, 64) for s in (1, 2, 3)]
+# (launcher, its jit kernels) per fused-stage kernel
+KERNELS = {
+    "wide": (wide_mod.wy_dqkg_wide, (wide_mod.wy_dqkg_wide_kernel,)),
+    "transposed": (transposed_mod.wy_dqkg_transposed,
+                   (transposed_mod.wy_dqkg_t_main_kernel, transposed_mod.wy_dqkg_t_side_kernel)),
+}
+# wide, 8 warps only: on the H200 (2026-11-29) every 4-warp configuration (BV 32/64, 1-3
+# stages) spilled 844-888 registers and took 8.9-12.6 ms at B8 T4096 H32, against 4.2-5.4 ms
+# with 8 warps, of which these two were the best and the tested default. transposed: not yet
+# measured; compiled here with Triton 3.6 for sm_90a its main kernel needs 255 registers with
+# 764 bytes of spill stores at BV 32 / KS 32 (the wide kernel: 3.9-5.6 KB).
+CONFIGS = [dict(kernel="wide", BV=32, num_warps=8, num_stages=3), dict(kernel="wide", BV=64, num_warps=8, num_stages=2)]
+CONFIGS += [dict(kernel="transposed", BV=bv, KS=ks, num_warps=8, num_stages=st)
+            for bv in (32, 64) for ks in (32, 64) for st in (2, 3)]
 NAMES = ("dq", "dk", "dv", "db", "dg")
 
 
-def compiled_stats():
-    """(registers, spills, shared bytes) of the kernels Triton compiled so far, newest last."""
+def compiled_stats(kernel: str):
+    """(registers, spills, shared bytes) of the newest compile of each of `kernel`'s jit kernels."""
     out = []
-    try:
-        for cache in wide_mod.wy_dqkg_wide_kernel.device_caches.values():
-            for ck in cache[0].values():
-                out.append((ck.n_regs, ck.n_spills, ck.metadata.shared))
-    except Exception as e:  # noqa: BLE001 - Triton internals differ between versions
-        out.append(f"unavailable: {type(e).__name__}: {e}")
+    for fn in KERNELS[kernel][1]:
+        try:
+            newest = [ck for cache in fn.device_caches.values() for ck in cache[0].values()][-1]
+            out.append((newest.n_regs, newest.n_spills, newest.metadata.shared))
+        except Exception as e:  # noqa: BLE001 - Triton internals differ between versions
+            out.append(f"unavailable: {type(e).__name__}: {e}")
     return out
 
 
@@ -58,8 +70,8 @@ def setup(spec):
     st = fla_state_stages(call)
     fla = lambda: fla_stages_5_6(st, call.scale)  # noqa: E731
 
-    def wide(**cfg):
-        return lambda: wide_mod.wy_dqkg_wide(
+    def wide(kernel="wide", **cfg):
+        return lambda: KERNELS[kernel][0](
             st.q, st.k, st.v, st.v_new, st.du, st.do, call.a, call.g, st.beta, st.h, st.dh, call.scale,
             call.chunk_size, st.common["cu_seqlens"], st.common["chunk_indices"], call.state_v_first, **cfg)
     return fla, wide, call
@@ -88,7 +100,7 @@ def main():
     fla_ms = measure_ms(fla, "cuda", warmup=3, reps=args.reps)
     doc["sweep_shape"], doc["fla_ms"] = spec.label(), round(fla_ms, 4)
     print(f"{spec.label()}: fla stages 5+6 {fla_ms:.3f} ms", flush=True)
-    best = (float("inf"), dict(BV=64, num_warps=8, num_stages=2))
+    best = (float("inf"), dict(kernel="wide", BV=64, num_warps=8, num_stages=2))
     configs = [] if args.skip_sweep else CONFIGS
     for cfg in configs:
         t0 = time.perf_counter()
@@ -97,13 +109,20 @@ def main():
             err = errors(run(), ref)
             ms = measure_ms(run, "cuda", warmup=3, reps=args.reps)
             row = {**cfg, "ms": round(ms, 4), "speedup_vs_fla": round(fla_ms / ms, 3), "err_vs_fla": err,
-                   "regs_spills_smem": compiled_stats()[-1]}
+                   "regs_spills_smem": compiled_stats(cfg["kernel"])}
             best = min(best, (ms, cfg), key=lambda t: t[0])
         except Exception as e:  # noqa: BLE001 - a config out of resources is a result too
             row = {**cfg, "failed": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
         doc["sweep"].append(row)
         print(f"  {row}  [{time.perf_counter() - t0:.1f} s]", flush=True)
         save()
+        if "illegal memory access" in row.get("failed", ""):
+            # the CUDA context is gone: every later launch in this process would fail too
+            # (2026-11-29: one crash took the whole remaining sweep with it)
+            doc["aborted"] = f"CUDA context lost at {cfg}"
+            save()
+            print(doc["aborted"], flush=True)
+            return 1
     doc["best"] = best[1]
     del fla, wide, ref
     torch.cuda.empty_cache()
@@ -115,7 +134,7 @@ def main():
         ref = fla()
         row = {"shape": spec.label(), "programs": B * (-(-T // 64)) * 32,
                "fla_ms": round(measure_ms(fla, "cuda", warmup=3, reps=args.reps), 4)}
-        for tag, cfg in (("default", {}), ("best", best[1])):
+        for tag, cfg in (("default", {}), ("transposed_default", {"kernel": "transposed"}), ("best", best[1])):
             run = wide(**cfg)
             row[f"wide_{tag}_err"] = errors(run(), ref)
             row[f"wide_{tag}_ms"] = round(measure_ms(run, "cuda", warmup=3, reps=args.reps), 4)
@@ -126,16 +145,20 @@ def main():
         torch.cuda.empty_cache()
 
     lines = [f"stages 5+6 at {doc['sweep_shape']}: fla {doc['fla_ms']:.3f} ms", "",
-             "| BV | warps | stages | ms | vs fla | regs, spills, smem |", "|---|---|---|---|---|---|"]
+             "| kernel | BV | KS | warps | stages | ms | vs fla | regs, spills, smem |", "|---|---|---|---|---|---|---|---|"]
     for r in doc["sweep"]:
-        lines.append(f"| {r['BV']} | {r['num_warps']} | {r['num_stages']} | {r.get('ms', 'failed')} | "
+        lines.append(f"| {r['kernel']} | {r['BV']} | {r.get('KS', '-')} | {r['num_warps']} | {r['num_stages']} | "
+                     f"{r.get('ms', 'failed')} | "
                      f"{r.get('speedup_vs_fla', '-')} | {r.get('regs_spills_smem', r.get('failed'))} |")
-    lines += ["", "| shape | programs | fla ms | wide default ms | wide best ms |", "|---|---|---|---|---|"]
+    lines += ["", f"best: {doc['best']}", "",
+              "| shape | programs | fla ms | wide default ms | transposed default ms | best ms |",
+              "|---|---|---|---|---|---|"]
     for r in doc["crossover"]:
         lines.append(f"| {r['shape']} | {r['programs']} | {r['fla_ms']} | {r['wide_default_ms']} | "
-                     f"{r['wide_best_ms']} |")
+                     f"{r['wide_transposed_default_ms']} | {r['wide_best_ms']} |")
     print("\n".join(lines))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -10,6 +10,7 @@ from gdr_dispatch import get_backend
 from gdr_dispatch.backends import exact_torch as ex
 from gdr_dispatch.backends import triton_wide
 from gdr_dispatch.backends.kernels.chunk_grid import varlen_chunk_indices
+from gdr_dispatch.backends.kernels.wy_dqkg_transposed import wy_dqkg_transposed
 from gdr_dispatch.backends.kernels.wy_dqkg_wide import wy_dqkg_wide
 from gdr_dispatch.chunk_layout import ChunkLayout
 from gdr_dispatch.contract import chunk_counts
@@ -59,14 +60,19 @@ def stage_inputs_and_expected(spec, dtype):
     return x, kernel_in, expected
 
 
+KERNELS = {"wide": wy_dqkg_wide, "transposed": lambda **kw: wy_dqkg_transposed(**kw, KS=16)}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("float16", 2e-3)])
 @pytest.mark.parametrize("spec", SHAPES, ids=lambda s: s.label())
-def test_wide_kernel_matches_stage_functions(spec, dtype, tol):
+def test_kernel_matches_stage_functions(spec, dtype, tol, kernel):
+    """The wide kernel and the transposed main + side pair: same contract, same expectations."""
     x, kin, expected = stage_inputs_and_expected(spec, dtype)
     cu = x["cu_seqlens"]
     ci = None if cu is None else varlen_chunk_indices(spec.seq_lens, 64, "cpu")
-    out = wy_dqkg_wide(**kin, scale=x["scale"], cu_seqlens=cu, chunk_indices=ci, state_v_first=spec.state_v_first,
-                       BV=16)
+    out = KERNELS[kernel](**kin, scale=x["scale"], cu_seqlens=cu, chunk_indices=ci,
+                          state_v_first=spec.state_v_first, BV=16)
     for name, got in zip(("dq", "dk", "dv", "db", "dg"), out):
         want = expected[name]
         assert got.shape == want.shape, name
@@ -82,9 +88,10 @@ def test_wide_kernel_rejects_k_it_cannot_hold():
                      torch.zeros(1, 1, 1, 24, 24), torch.zeros(1, 1, 1, 24, 24), 1.0)
 
 
+@pytest.mark.parametrize("backend", ["triton_wide", "triton_transposed"])
 @pytest.mark.parametrize("h_mode", ["given", "none"])
 @pytest.mark.parametrize("spec", SHAPES, ids=lambda s: s.label())
-def test_triton_wide_backend_plumbing(spec, h_mode, monkeypatch):
+def test_triton_backend_plumbing(spec, h_mode, backend, monkeypatch):
     """The whole backend, fla's stages 1-4 replaced by exact stand-ins, fp16 inputs."""
     import fake_fla
     from conftest import case, rel_errors
@@ -92,8 +99,8 @@ def test_triton_wide_backend_plumbing(spec, h_mode, monkeypatch):
     from gdr_dispatch import fused_gdr_bwd
 
     fake_fla.install(monkeypatch)
-    monkeypatch.setattr(triton_wide.TritonWideBackend, "not_supported_reasons", lambda self, p: [])
-    monkeypatch.setenv("GDR_BACKEND", "triton_wide")
+    monkeypatch.setattr(type(get_backend(backend)), "not_supported_reasons", lambda self, p: [])
+    monkeypatch.setenv("GDR_BACKEND", backend)
     kwargs, ref = case(replace(spec, dtype="float16", h=h_mode))
     errs = rel_errors(fused_gdr_bwd(**kwargs), ref)
     assert not {n: e for n, e in errs.items() if not e < 5e-3}, errs
@@ -110,3 +117,18 @@ def test_refused_until_verified_on_a_gpu(monkeypatch):
     assert not any("chunk_bwd_dqkwg" in r for r in reasons)  # fla's stage-5 hazard is not ours
     p256 = replace(p, K=256)
     assert any("K must be one of" in r for r in get_backend("triton_wide").not_supported_reasons(p256))
+
+
+def test_transposed_takes_what_wide_takes_once_verified(monkeypatch):
+    from gdr_dispatch.backends import triton_transposed
+
+    p = replace(ShapeSpec(B=2, T=4096, H=32).problem(torch.device("cpu")),
+                device=DeviceInfo("cuda", "NVIDIA H200", (9, 0), 132))
+    monkeypatch.setattr(triton_transposed, "GPU_VERIFIED", False)
+    assert any("triton_wide runs the same math" in r for r in get_backend("triton_transposed").not_supported_reasons(p))
+    monkeypatch.setattr(triton_transposed, "GPU_VERIFIED", True)
+    monkeypatch.setattr(triton_wide, "GPU_VERIFIED", False)  # wide's own gate is not inherited
+    wide = get_backend("triton_wide").not_supported_reasons
+    transposed = get_backend("triton_transposed").not_supported_reasons
+    for q in (p, replace(p, K=64), replace(p, dtype="float32")):
+        assert transposed(q) == [r for r in wide(q) if "GPU_VERIFIED" not in r]
