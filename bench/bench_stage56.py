@@ -45,10 +45,12 @@ KERNELS = {
 # stages) spilled 844-888 registers and took 8.9-12.6 ms at B8 T4096 H32, against 4.2-5.4 ms
 # with 8 warps, of which these two were the best and the tested default. transposed: not yet
 # measured; compiled here with Triton 3.6 for sm_90a its main kernel needs 255 registers with
-# 764 bytes of spill stores at BV 32 / KS 32 (the wide kernel: 3.9-5.6 KB).
+# 764 bytes of spill stores at BV 32 / KS 32 (the wide kernel: 3.9-5.6 KB), 2.4 KB when capped
+# at 128 registers for two CTAs per SM.
 CONFIGS = [dict(kernel="wide", BV=32, num_warps=8, num_stages=3), dict(kernel="wide", BV=64, num_warps=8, num_stages=2)]
-CONFIGS += [dict(kernel="transposed", BV=bv, KS=ks, num_warps=8, num_stages=st)
-            for bv in (32, 64) for ks in (32, 64) for st in (2, 3)]
+_T = dict(kernel="transposed", BV=32, KS=32, num_warps=8, num_stages=2)
+CONFIGS += [_T, {**_T, "num_stages": 3}, {**_T, "BV": 64}, {**_T, "KS": 64}, {**_T, "main_maxnreg": 128},
+            {**_T, "main_maxnreg": 128, "side_maxnreg": 128}, {**_T, "side_warps": 4}]
 NAMES = ("dq", "dk", "dv", "db", "dg")
 
 

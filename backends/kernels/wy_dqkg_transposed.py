@@ -160,7 +160,7 @@ def wy_dqkg_t_side_kernel(
     dk_buf, dG_buf, db_buf, dv, db, dg,
     cu_seqlens, chunk_indices, T,
     H: tl.constexpr, Hg: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, KS: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     """The v side and the WY-inverse chain; finishes main's dk, dG and db partials in place."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
@@ -171,7 +171,6 @@ def wy_dqkg_t_side_kernel(
     o_t = tl.arange(0, BT)
     rows = i_t * BT + o_t
     m_t = rows < T
-    o_k = tl.arange(0, K)
     lower = (o_t[None, :] <= o_t[:, None]) & m_t[:, None] & m_t[None, :]
     strict = (o_t[None, :] < o_t[:, None]) & m_t[:, None] & m_t[None, :]
 
@@ -198,30 +197,38 @@ def wy_dqkg_t_side_kernel(
         tl.store(dv + tok_v, (b_dvb * beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
         db_v += tl.sum(b_vf * b_dvb, axis=1)
 
-    tok_k = ((bos + rows[:, None]) * Hg + i_hg) * K + o_k[None, :]
-    b_k = tl.load(k + tok_k, mask=m_t[:, None], other=0.0)
-    dt = b_k.dtype
-    tok_hk = ((bos + rows[:, None]) * H + i_h) * K + o_k[None, :]
-    b_dw = tl.load(dw + tok_hk, mask=m_t[:, None], other=0.0)
-    kb = b_k.to(tl.float32) * (beta * eG)[:, None]
-    dAg += tl.dot(b_dw.to(dt), tl.trans(kb.to(dt)))
+    # dw (b e^G K)^T and K K^T over K-strips: no [BT, K] tile stays live
+    kk = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_s in range(K // KS):
+        o_s = i_s * KS + tl.arange(0, KS)
+        b_ks = tl.load(k + ((bos + rows[:, None]) * Hg + i_hg) * K + o_s[None, :], mask=m_t[:, None], other=0.0)
+        dt = b_ks.dtype
+        b_dws = tl.load(dw + ((bos + rows[:, None]) * H + i_h) * K + o_s[None, :], mask=m_t[:, None], other=0.0)
+        kbs = b_ks.to(tl.float32) * (beta * eG)[:, None]
+        dAg += tl.dot(b_dws.to(dt), tl.trans(kbs.to(dt)))
+        kk += tl.dot(b_ks, tl.trans(b_ks))
 
     # through the WY inverse: Ag = M^-1, dM = -Ag^T dAg Ag^T on the strict lower triangle
     dM = -tl.dot(tl.dot(AgT, dAg), AgT)
     dM = tl.where(strict, dM, 0.0)
-    kk = tl.dot(b_k, tl.trans(b_k))
     P = tl.where(strict, kk * gam, 0.0)
     dP = dM * beta[:, None]
     dkk = dP * gam
     dPP = dP * P
-    b_dk = tl.load(dk_buf + tok_hk, mask=m_t[:, None], other=0.0)
-    b_dk += tl.dot(dkk.to(dt), b_k) + tl.trans(tl.dot(tl.trans(b_k), dkk.to(dt)))  # dkk K + dkk^T K
     b_db = tl.load(db_buf + (bos + rows) * H + i_h, mask=m_t, other=0.0) + db_v + tl.sum(dM * P, axis=1)
     dG = tl.load(dG_buf + (bos + rows) * H + i_h, mask=m_t, other=0.0) + tl.sum(dPP, axis=1) - tl.sum(dPP, axis=0)
     dG = tl.where(m_t, dG, 0.0)
     b_dg = tl.sum(tl.where(o_t[None, :] >= o_t[:, None], dG[None, :], 0.0), axis=1)
-    tl.debug_barrier()  # dk is finished in place: every thread has loaded main's partial
-    tl.store(dk_buf + tok_hk, b_dk, mask=m_t[:, None])
+    # dk += dkk K + dkk^T K, strip by strip, in place on main's partial
+    for i_s in range(K // KS):
+        o_s = i_s * KS + tl.arange(0, KS)
+        b_ks = tl.load(k + ((bos + rows[:, None]) * Hg + i_hg) * K + o_s[None, :], mask=m_t[:, None], other=0.0)
+        dt = b_ks.dtype
+        addr = ((bos + rows[:, None]) * H + i_h) * K + o_s[None, :]
+        b_dks = tl.load(dk_buf + addr, mask=m_t[:, None], other=0.0)
+        b_dks += tl.dot(dkk.to(dt), b_ks) + tl.trans(tl.dot(tl.trans(b_ks), dkk.to(dt)))
+        tl.debug_barrier()  # in place: every thread has loaded main's partial before any store
+        tl.store(dk_buf + addr, b_dks, mask=m_t[:, None])
     tl.store(db + (bos + rows) * H + i_h, b_db.to(db.dtype.element_ty), mask=m_t)
     tl.store(dg + (bos + rows) * H + i_h, b_dg, mask=m_t)
 
@@ -229,12 +236,16 @@ def wy_dqkg_t_side_kernel(
 def wy_dqkg_transposed(q, k, v, v_new, du, do, a, g, b, h, dh, scale: float, chunk_size: int = 64,
                        cu_seqlens: Optional[torch.Tensor] = None, chunk_indices: Optional[torch.Tensor] = None,
                        state_v_first: bool = False, BV: int = 32, KS: int = 32, num_warps: int = 8,
-                       num_stages: int = 2, side_BV: int = 64, side_warps: int = 8):
+                       num_stages: int = 2, side_BV: int = 64, side_warps: int = 8,
+                       main_maxnreg: Optional[int] = None, side_maxnreg: Optional[int] = None):
     """`wy_dqkg_wide`'s contract (same arguments and returns) through the main + side pair.
 
-    Configuration: starting points, not yet measured on a GPU (BV 32 and 3-stage loads were
-    the wide kernel's best on the H200). The side kernel finalises dk, db and dG in place on
-    the main kernel's partials, so the pair is launched once per call and never autotuned.
+    Configuration: starting points, not yet measured on a GPU (BV 32 was the wide kernel's
+    best on the H200). Compiled here for sm_90a with Triton 3.6 (no GPU), main needs 255
+    registers with 764 B of spill stores at BV 32 / KS 32 (2.4 KB when capped at 128 for
+    two CTAs per SM, `main_maxnreg`), side 255 with 48 B at 8 warps. The side kernel
+    finalises dk, db and dG in place on the main kernel's partials, so the pair is launched
+    once per call and never autotuned.
     """
     B, T, Hg, K = q.shape
     H, V = v.shape[2], v.shape[3]
@@ -257,11 +268,12 @@ def wy_dqkg_transposed(q, k, v, v_new, du, do, a, g, b, h, dh, scale: float, chu
         q, k, v_new, du, do, a, g, b, h, dh, dq, dk, dw, dG, db_part, cu_seqlens, chunk_indices, scale, T, NT,
         H=H, Hg=Hg, K=K, V=V, BT=chunk_size, BV=max(16, min(BV, triton.next_power_of_2(V))), KS=KS,
         IS_VARLEN=varlen, STATE_V_FIRST=state_v_first, num_warps=num_warps, num_stages=num_stages,
+        **({} if main_maxnreg is None else {"maxnreg": main_maxnreg}),
     )
     wy_dqkg_t_side_kernel[grid](
         k, v, du, a, g, b, dw, dk, dG, db_part, dv, db, dg, cu_seqlens, chunk_indices, T,
-        H=H, Hg=Hg, K=K, V=V, BT=chunk_size, BV=max(16, min(side_BV, triton.next_power_of_2(V))),
-        IS_VARLEN=varlen, num_warps=side_warps,
+        H=H, Hg=Hg, K=K, V=V, BT=chunk_size, BV=max(16, min(side_BV, triton.next_power_of_2(V))), KS=KS,
+        IS_VARLEN=varlen, num_warps=side_warps, **({} if side_maxnreg is None else {"maxnreg": side_maxnreg}),
     )
     dq = dq.view(B, T, Hg, H // Hg, K).sum(3).to(q.dtype)
     dk = dk.view(B, T, Hg, H // Hg, K).sum(3).to(k.dtype)
