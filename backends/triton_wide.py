@@ -12,8 +12,8 @@ Measured on the H200 (2026-11-29, Triton 3.6.0, bench/results/nvidia-h200-sm90-s
     and is not hit, so no version gate.
   * the fused stage against fla's stages 5 + 6 on the same inputs: faster at 1024 programs
     (chunks x heads) and fewer (0.33 vs 0.69 ms at B1 T2048 H32, 0.14 vs 0.78 ms at B1 T256
-    H32, where fla's five launches are host-bound), even at 2048, slower above (4.48 vs 3.19
-    ms at B8 T4096 H32, 16384 programs). It is register-bound: 255 registers and 164-206
+    H32, where fla's five launches are host-bound), level at 2048 (0.72 vs 0.71 ms), slower
+    above (4.48 vs 3.19 ms at B8 T4096 H32, 16384 programs). It is register-bound: 255 registers and 164-206
     spilled with 8 warps, 844-888 spilled with 4.
   * so there is no CTA floor to gate on: the autotuner and the shipped table choose it where
     it wins (B1 T8192 H16 with h given) and fla elsewhere.
