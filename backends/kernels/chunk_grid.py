@@ -36,3 +36,16 @@ def chunk_bounds(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN: tl.constexpr
         i_c = i_t
         bos = (i_b * T).to(tl.int64)
     return i_c, bos, T
+
+
+@triton.jit
+def state_strides(K: tl.constexpr, V: tl.constexpr, STATE_V_FIRST: tl.constexpr):
+    """Element strides (of the K axis, of the V axis) inside one chunk's `[K, V]` state, or
+    `[V, K]` with `state_v_first`: one place for the layout rule every state-reading kernel
+    applies. Compiles to the same PTX as the rule written inline (Triton 3.6, sm_90a)."""
+    s_k = V
+    s_v = 1
+    if STATE_V_FIRST:
+        s_k = 1
+        s_v = K
+    return s_k, s_v

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_grid import chunk_bounds
+from .chunk_grid import chunk_bounds, state_strides
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -31,12 +31,7 @@ def corrected_values_kernel(
     i_chunk = (i_b * NT + i_t).to(tl.int64)  # row of h (varlen: B == 1, rows in chunk order)
     i_t, bos, T = chunk_bounds(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
     h_base = h + (i_chunk * H + i_h) * K * V
-    if STATE_V_FIRST:  # h[chunk, head] is [V, K]
-        s_k = 1
-        s_v = K
-    else:
-        s_k = V
-        s_v = 1
+    s_k, s_v = state_strides(K, V, STATE_V_FIRST)
     # plain pointers and masks (block pointers are gone from Triton 3.9, used on the CPU here)
     rows = i_t * BT + tl.arange(0, BT)
     cols_v = i_v * BV + tl.arange(0, BV)

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_grid import chunk_bounds
+from .chunk_grid import chunk_bounds, state_strides
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -63,12 +63,7 @@ def wy_dqkg_t_main_kernel(
     eG = tl.where(m_t, tl.exp(G), 0.0)
     decay_to_end = tl.where(m_t, tl.exp(g_last - G), 0.0)
 
-    if STATE_V_FIRST:
-        s_k = 1
-        s_v = K
-    else:
-        s_k = V
-        s_v = 1
+    s_k, s_v = state_strides(K, V, STATE_V_FIRST)
     h_base = h + (i_chunk * H + i_h) * K * V
     dh_base = dh + (i_chunk * H + i_h) * K * V
 

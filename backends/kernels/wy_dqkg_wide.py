@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_grid import chunk_bounds
+from .chunk_grid import chunk_bounds, state_strides
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -75,12 +75,7 @@ def wy_dqkg_wide_kernel(
     Ag = gam * A  # the gated WY inverse
     AgT = tl.trans(Ag)  # transposed from an elementwise value, not from a dot
 
-    if STATE_V_FIRST:  # h[chunk, head] is [V, K]
-        s_k = 1
-        s_v = K
-    else:
-        s_k = V
-        s_v = 1
+    s_k, s_v = state_strides(K, V, STATE_V_FIRST)
     h_base = h + (i_chunk * H + i_h) * K * V
     dh_base = dh + (i_chunk * H + i_h) * K * V
 
