@@ -1,4 +1,5 @@
-"""The chunk grid shared by chunk-parallel kernels: which (sequence, chunk) a program owns.
+"""What the chunk-parallel kernels share: which (sequence, chunk) a program owns, the state
+layout, and the intra-chunk decay matrix.
 
 fla's convention, so its stages and ours can share one table: for varlen calls a
 `[num_chunks, 2]` tensor of (sequence index, chunk index within the sequence), in order, so
@@ -49,3 +50,11 @@ def state_strides(K: tl.constexpr, V: tl.constexpr, STATE_V_FIRST: tl.constexpr)
         s_k = 1
         s_v = K
     return s_k, s_v
+
+
+@triton.jit
+def masked_exp(x, keep):
+    """`exp(x)` where `keep`, 0 elsewhere, with `x` masked *before* the exp: above the
+    diagonal G_t - G_s can be large and positive, and exp would overflow to inf there (and
+    inf * 0 is NaN). Every decay matrix Gam = exp(G_t - G_s), s <= t, is built with it."""
+    return tl.where(keep, tl.exp(tl.where(keep, x, 0.0)), 0.0)

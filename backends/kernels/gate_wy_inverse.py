@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_grid import chunk_bounds
+from .chunk_grid import chunk_bounds, masked_exp
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -37,7 +37,7 @@ def gate_wy_inverse_kernel(
     if WRITE_LOG2:
         tl.store(g_log2 + (bos + rows) * H + i_h, G * 1.4426950408889634, mask=valid)  # 1 / ln 2
     keep = (cols[None, :] <= cols[:, None]) & valid[:, None] & valid[None, :]
-    gam = tl.where(keep, tl.exp(tl.where(keep, G[:, None] - G[None, :], 0.0)), 0.0)
+    gam = masked_exp(G[:, None] - G[None, :], keep)
     offs = ((bos + rows[:, None]) * H + i_h) * BT + cols[None, :]
     b_a = tl.load(a + offs, mask=valid[:, None], other=0.0).to(tl.float32)
     tl.store(out + offs, (b_a * gam).to(out.dtype.element_ty), mask=valid[:, None])

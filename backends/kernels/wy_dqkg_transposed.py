@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_grid import chunk_bounds, state_strides
+from .chunk_grid import chunk_bounds, masked_exp, state_strides
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -101,8 +101,8 @@ def wy_dqkg_t_main_kernel(
     tl.store(dw + tok_kT, (-acc_wT).to(dw.dtype.element_ty), mask=m_kT)
     tl.debug_barrier()  # the strips below read what other threads of this program stored
 
-    gam = tl.where(lower, tl.exp(tl.where(lower, G[:, None] - G[None, :], 0.0)), 0.0)
-    gamT = tl.where(upper, tl.exp(tl.where(upper, G[None, :] - G[:, None], 0.0)), 0.0)
+    gam = masked_exp(G[:, None] - G[None, :], lower)
+    gamT = masked_exp(G[None, :] - G[:, None], upper)
     A = tl.load(a + ((bos + rows[:, None]) * H + i_h) * BT + o_t[None, :], mask=m_t[:, None] & m_t[None, :],
                 other=0.0).to(tl.float32)
     Ag16 = (gam * A).to(dw.dtype.element_ty)
@@ -172,7 +172,7 @@ def wy_dqkg_t_side_kernel(
     G = tl.load(g + (bos + rows) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
     beta = tl.load(b + (bos + rows) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
     eG = tl.where(m_t, tl.exp(G), 0.0)
-    gam = tl.where(lower, tl.exp(tl.where(lower, G[:, None] - G[None, :], 0.0)), 0.0)
+    gam = masked_exp(G[:, None] - G[None, :], lower)
     A = tl.load(a + ((bos + rows[:, None]) * H + i_h) * BT + o_t[None, :], mask=m_t[:, None] & m_t[None, :],
                 other=0.0).to(tl.float32)
     AgT = tl.trans(gam * A)  # transposed from an elementwise value, not from a dot

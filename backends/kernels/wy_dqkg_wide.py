@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_grid import chunk_bounds, state_strides
+from .chunk_grid import chunk_bounds, masked_exp, state_strides
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -69,7 +69,7 @@ def wy_dqkg_wide_kernel(
     g_last = tl.sum(tl.where(o_t == n_valid - 1, G, 0.0), axis=0)
     eG = tl.where(m_t, tl.exp(G), 0.0)
     decay_to_end = tl.where(m_t, tl.exp(g_last - G), 0.0)
-    gam = tl.where(lower, tl.exp(tl.where(lower, G[:, None] - G[None, :], 0.0)), 0.0)
+    gam = masked_exp(G[:, None] - G[None, :], lower)
     A = tl.load(a + ((bos + rows[:, None]) * H + i_h) * BT + o_t[None, :], mask=m_t[:, None] & m_t[None, :],
                 other=0.0).to(tl.float32)
     Ag = gam * A  # the gated WY inverse
