@@ -73,6 +73,10 @@ class FlaBackend(Backend):
     name = "fla"
 
     def not_supported_reasons(self, p: Problem) -> list[str]:
+        return self.chain_reasons(p) + self.dqkwg_reasons(p)
+
+    def chain_reasons(self, p: Problem) -> list[str]:
+        """The limits of fla's chain as a whole; stages 1-4 of the Triton backends obey them too."""
         reasons = []
         if p.device.type != "cuda":
             reasons.append(f"needs a CUDA device (fla-core's kernels are GPU kernels); the tensors are on {p.device.type}")
@@ -89,7 +93,12 @@ class FlaBackend(Backend):
             reasons.append(f"K must be <= 256 (fla's state kernels assert it), got K={p.K}")
         if min(p.K, p.V) < 16:
             reasons.append(f"K and V must be >= 16 (Triton dot tiles), got K={p.K}, V={p.V}")
-        if p.device.type == "cuda" and fla_version is not None and p.version("triton") is not None:
+        return reasons
+
+    def dqkwg_reasons(self, p: Problem) -> list[str]:
+        """The Hopper hazard of stage 5 (`chunk_bwd_dqkwg`), which only this backend runs."""
+        reasons = []
+        if p.device.type == "cuda" and p.version("fla") is not None and p.version("triton") is not None:
             cap = p.device.capability or (0, 0)
             tv = _version_tuple(p.version("triton"))
             hopper = cap[0] == 9 or p.device.name.startswith("NVIDIA H")

@@ -26,7 +26,7 @@ import shutil
 from pathlib import Path
 
 from gdr_dispatch.contract import GDRCall, GDRGrads
-from gdr_dispatch.registry import Backend, Problem, register
+from gdr_dispatch.registry import Backend, Problem, register, unverified_reason
 
 #: tests/test_gpu.py passed for this backend on an H200 (2026-11-29): all 24 cases.
 GPU_VERIFIED = True
@@ -43,10 +43,7 @@ class TileLangFusedBackend(Backend):
     name = "tilelang_fused"
 
     def not_supported_reasons(self, p: Problem) -> list[str]:
-        reasons = []
-        if not GPU_VERIFIED:
-            reasons.append("not verified on a GPU in this build (GPU_VERIFIED is False): "
-                           "refused until tests/test_gpu.py passes for it")
+        reasons = [] if GPU_VERIFIED else [unverified_reason()]
         if p.device.type != "cuda":
             reasons.append(f"needs a CUDA device; the tensors are on {p.device.type}")
         elif p.device.capability != (9, 0):

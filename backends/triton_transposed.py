@@ -16,7 +16,7 @@ passed for it (`GPU_VERIFIED`), and it takes only what `triton_wide` takes.
 from __future__ import annotations
 
 from gdr_dispatch.contract import GDRCall, GDRGrads
-from gdr_dispatch.registry import Backend, Problem, register
+from gdr_dispatch.registry import Backend, Problem, register, unverified_reason
 
 from .kernels.wy_dqkg_transposed import wy_dqkg_transposed
 from .triton_wide import TritonWideBackend, run_chain
@@ -30,14 +30,10 @@ class TritonTransposedBackend(Backend):
     name = "triton_transposed"
 
     def not_supported_reasons(self, p: Problem) -> list[str]:
-        reasons = []
-        if not GPU_VERIFIED:
-            reasons.append("not verified on a GPU in this build (GPU_VERIFIED is False; only in Triton's "
-                           "interpreter): refused until tests/test_gpu.py passes for it; triton_wide runs the "
-                           "same math meanwhile")
-        # the same chain and shapes as triton_wide; its own verification is not ours to inherit
-        reasons += [r for r in TritonWideBackend().not_supported_reasons(p) if "GPU_VERIFIED" not in r]
-        return reasons
+        unverified = [] if GPU_VERIFIED else [
+            unverified_reason("only Triton's interpreter has run it; triton_wide runs the same math meanwhile")]
+        # the same chain and shapes as triton_wide (its own GPU verification is not ours)
+        return unverified + TritonWideBackend().chain_reasons(p)
 
     def run(self, call: GDRCall) -> GDRGrads:
         return run_chain(call, wy_dqkg_transposed)

@@ -22,7 +22,7 @@ Measured on the H200 (2026-11-29, Triton 3.6.0, bench/results/nvidia-h200-sm90-s
 from __future__ import annotations
 
 from gdr_dispatch.contract import GDRCall, GDRGrads
-from gdr_dispatch.registry import Backend, Problem, register
+from gdr_dispatch.registry import Backend, Problem, register, unverified_reason
 
 from .fla_chain import FlaBackend, fla_state_stages
 from .kernels.wy_dqkg_wide import wy_dqkg_wide
@@ -40,13 +40,13 @@ class TritonWideBackend(Backend):
     name = "triton_wide"
 
     def not_supported_reasons(self, p: Problem) -> list[str]:
-        reasons = []
-        if not GPU_VERIFIED:
-            reasons.append("not verified on a GPU in this build (GPU_VERIFIED is False): "
-                           "refused until tests/test_gpu.py passes for it")
+        return ([] if GPU_VERIFIED else [unverified_reason()]) + self.chain_reasons(p)
+
+    def chain_reasons(self, p: Problem) -> list[str]:
+        """What `run_chain` with a full-K fused stage takes; `triton_transposed` shares it."""
         # stages 1-4 are fla's: its device, version, dtype and chunk limits apply. Its
-        # Hopper hazard concerns chunk_bwd_dqkwg (stage 5), which this backend does not run.
-        reasons += [r for r in FlaBackend().not_supported_reasons(p) if "chunk_bwd_dqkwg" not in r]
+        # Hopper hazard concerns chunk_bwd_dqkwg (stage 5), which this chain does not run.
+        reasons = FlaBackend().chain_reasons(p)
         if p.K not in WIDE_K:
             reasons.append(f"K must be one of {WIDE_K}, got K={p.K}: the only K run on a GPU so far (smaller K "
                            f"passes in Triton's interpreter only; K = 256 cannot hold its full-K accumulators)")

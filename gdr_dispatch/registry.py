@@ -31,6 +31,12 @@ from .contract import GDRCall, GDRGrads
 STATIC_PREFERENCE = ("fla", "triton_wide", "triton_transposed", "tilelang_fused", "torch")
 
 
+def unverified_reason(note: str = "") -> str:
+    """The reason a kernel backend whose module says `GPU_VERIFIED = False` gives."""
+    return ("not verified on a GPU in this build (GPU_VERIFIED is False): refused until tests/test_gpu.py "
+            "passes for it" + (f"; {note}" if note else ""))
+
+
 @functools.lru_cache(maxsize=None)
 def library_versions() -> dict[str, Optional[str]]:
     """Installed versions of the libraries the backends compile with (None when absent)."""
