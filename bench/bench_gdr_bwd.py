@@ -148,9 +148,21 @@ def bench_shape(spec, warmup, reps, skip):
 
 
 def merge_rows(earlier, fresh):
-    """`earlier` rows without those `fresh` measures again, then `fresh`."""
-    again = {r["shape"] for r in fresh}
-    return [r for r in earlier if r["shape"] not in again] + fresh
+    """`earlier` rows updated by `fresh`, in the earlier order, new shapes last. A shape measured
+    again keeps the runners the fresh run left out (`--skip`), each stamped with the time of the
+    run that measured it."""
+    new = {r["shape"]: r for r in fresh}
+    merged = []
+    for prev in earlier:
+        r = new.pop(prev["shape"], None)
+        if r is None:
+            merged.append(prev)
+            continue
+        stamp = prev.get("measured_at")
+        kept = {n: ({**v, "measured_at": stamp} if stamp and "measured_at" not in v else v)
+                for n, v in prev["runs"].items() if n not in r["runs"]}
+        merged.append({**r, "runs": {**r["runs"], **kept}})
+    return merged + list(new.values())
 
 
 def to_markdown(rows, names, device, unverified=()):
@@ -165,7 +177,7 @@ def to_markdown(rows, names, device, unverified=()):
             run = r["runs"].get(n, {})
             if "ms" in run:
                 ratio = f" ({base / run['ms']:.2f}x)" if base else ""
-                cells.append(f"{run['ms']:.3f}{ratio}")
+                cells.append(f"{run['ms']:.3f}{ratio}" + ("†" if "measured_at" in run else ""))
             else:
                 cells.append("failed" if "failed" in run else "-")
         lines.append("| " + " | ".join(cells) + " |")
@@ -179,6 +191,9 @@ def to_markdown(rows, names, device, unverified=()):
                 worst[n] = max(worst.get(n, 0.0), e)
     lines += ["", "Largest relative Frobenius error of any gradient against the torch backend (fp32), over these shapes: "
               + ", ".join(f"{n} {e:.1e}" for n, e in worst.items())]
+    if any("measured_at" in v for r in rows for v in r["runs"].values()):
+        lines += ["", "† kept from an earlier run than the rest of its row (left out of the later one; its time "
+                  "stamp is in the JSON): compare across runs with care, launch-bound rows move by up to 30 %"]
     if unverified:
         lines += ["", "* not yet GPU-verified by tests/test_gpu.py when this ran (refused by the dispatcher)"]
     if notes:
@@ -234,10 +249,11 @@ def main(argv=None):
     fresh = []
     for i, spec in enumerate(variants, 1):
         print(f"[{i}/{len(variants)}] {spec.label()}", file=sys.stderr, flush=True)
-        fresh.append(bench_shape(spec, args.warmup, args.reps, skip))
-        doc["rows"] = merge_rows(earlier, fresh)
+        row = bench_shape(spec, args.warmup, args.reps, skip)
+        row["measured_at"] = doc["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        fresh.append(row)
         # written after every shape, so a run cut short keeps what it measured
-        doc["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        doc["rows"] = merge_rows(earlier, fresh)
         names = list(dict.fromkeys(n for r in doc["rows"] for n in r["runs"]))
         md = to_markdown(doc["rows"], names, dev.name, unverified)
         (out / f"{dev.slug}.json").write_text(json.dumps(doc, indent=1) + "\n")

@@ -1,17 +1,19 @@
-"""Stages 5 + 6 alone: our full-K kernel (`wy_dqkg_wide`) against fla's two kernels, side by side.
+"""Stages 5 + 6 alone: our fused kernels (`wy_dqkg_wide`, the `wy_dqkg_transposed` pair)
+against fla's two kernels, side by side.
 
     python bench/bench_stage56.py --out bench/results            # on the GPU machine
 
 Stages 1-4 run once per shape (fla's, `h` given); then, on the same products, the timed
 runners are fla's `chunk_bwd_dqkwg` + `prepare_wy_repr_bwd` + its reverse cumsum (what the
-`fla` backend runs) and `wy_dqkg_wide` under each launch configuration of the sweep.
-Two parts:
-  * `sweep`: the launch configurations in CONFIGS at B8 T4096 H32, with the compiled
-    kernel's registers, spills and shared memory, so the pinned configuration has its
+`fla` backend runs) and our kernels under each launch configuration of the sweep.
+Three parts:
+  * `sweep`: the launch configurations in CONFIGS at B8 T4096 H32, with each compiled jit
+    kernel's registers, spills and shared memory, so a pinned configuration has its
     measurement;
+  * `kernel_ms`: a torch.profiler pass over fla and each kernel's best configuration, the
+    device time per launched kernel (where the time goes: main vs side, the casts);
   * `crossover`: the same head layout at a falling number of programs (chunks x heads), fla
-    against the default configuration and the sweep's best, for the CTA floor in
-    `triton_wide.supported`.
+    against each kernel's default and best configuration.
 Errors are relative Frobenius errors of each output against fla's. Writes stage56.json.
 """
 
@@ -52,6 +54,7 @@ _T = dict(kernel="transposed", BV=32, KS=32, num_warps=8, num_stages=2)
 CONFIGS += [_T, {**_T, "num_stages": 3}, {**_T, "BV": 64}, {**_T, "KS": 64}, {**_T, "main_maxnreg": 128},
             {**_T, "main_maxnreg": 128, "side_maxnreg": 128}, {**_T, "side_warps": 4}]
 NAMES = ("dq", "dk", "dv", "db", "dg")
+CONFIG_KEYS = {k for cfg in CONFIGS for k in cfg}
 
 
 def compiled_stats(kernel: str):
@@ -79,6 +82,23 @@ def setup(spec):
     return fla, wide, call
 
 
+def kernel_times(run, reps=5):
+    """{kernel name: mean device ms per call} over `reps` calls, from torch.profiler: where a
+    runner's time goes (e.g. the transposed pair's main kernel, its side kernel, the casts)."""
+    run()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            run()
+        torch.cuda.synchronize()
+    out = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t:
+            out[ev.key[:80]] = round(t / 1000 / reps, 4)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:8])
+
+
 def errors(got, ref):
     return {n: float(f"{relative_error(a, b):.2e}") for n, a, b in zip(NAMES, got, ref)}
 
@@ -99,20 +119,22 @@ def main():
     spec = ShapeSpec(B=8, T=4096, H=32, h="given")
     fla, wide, _ = setup(spec)
     ref = fla()
+    wide_ref = wide()  # the wide kernel's default: what the transposed pair must reproduce
     fla_ms = measure_ms(fla, "cuda", warmup=3, reps=args.reps)
     doc["sweep_shape"], doc["fla_ms"] = spec.label(), round(fla_ms, 4)
     print(f"{spec.label()}: fla stages 5+6 {fla_ms:.3f} ms", flush=True)
-    best = (float("inf"), dict(kernel="wide", BV=64, num_warps=8, num_stages=2))
     configs = [] if args.skip_sweep else CONFIGS
     for cfg in configs:
         t0 = time.perf_counter()
         try:
             run = wide(**cfg)
-            err = errors(run(), ref)
+            got = run()
+            err = errors(got, ref)
+            vs_wide = {n: ("bit-identical" if torch.equal(a, b) else float(f"{relative_error(a, b):.2e}"))
+                       for n, a, b in zip(NAMES, got, wide_ref)}
             ms = measure_ms(run, "cuda", warmup=3, reps=args.reps)
             row = {**cfg, "ms": round(ms, 4), "speedup_vs_fla": round(fla_ms / ms, 3), "err_vs_fla": err,
-                   "regs_spills_smem": compiled_stats(cfg["kernel"])}
-            best = min(best, (ms, cfg), key=lambda t: t[0])
+                   "vs_wide_default": vs_wide, "regs_spills_smem": compiled_stats(cfg["kernel"])}
         except Exception as e:  # noqa: BLE001 - a config out of resources is a result too
             row = {**cfg, "failed": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
         doc["sweep"].append(row)
@@ -125,8 +147,19 @@ def main():
             save()
             print(doc["aborted"], flush=True)
             return 1
-    doc["best"] = best[1]
-    del fla, wide, ref
+    doc["best_of"] = {}
+    for kernel in KERNELS:
+        rows = [r for r in doc["sweep"] if r.get("kernel") == kernel and "ms" in r]
+        if rows:
+            doc["best_of"][kernel] = {k: v for k, v in min(rows, key=lambda r: r["ms"]).items() if k in CONFIG_KEYS}
+    for tag, cfg in (("fla", None), *((f"{kn}_best", c) for kn, c in doc["best_of"].items())):
+        try:
+            doc.setdefault("kernel_ms", {})[tag] = kernel_times(fla if cfg is None else wide(**cfg))
+        except Exception as e:  # noqa: BLE001 - the profile is a diagnostic, not the measurement
+            doc.setdefault("kernel_ms", {})[tag] = f"unavailable: {type(e).__name__}: {e}"[:300]
+        print(f"  kernels of {tag} ({cfg}): {doc['kernel_ms'][tag]}", flush=True)
+    save()
+    del fla, wide, ref, wide_ref
     torch.cuda.empty_cache()
 
     # same head layout (H32), falling program counts: chunks x B x H
@@ -136,28 +169,36 @@ def main():
         ref = fla()
         row = {"shape": spec.label(), "programs": B * (-(-T // 64)) * 32,
                "fla_ms": round(measure_ms(fla, "cuda", warmup=3, reps=args.reps), 4)}
-        for tag, cfg in (("default", {}), ("transposed_default", {"kernel": "transposed"}), ("best", best[1])):
-            run = wide(**cfg)
-            row[f"wide_{tag}_err"] = errors(run(), ref)
-            row[f"wide_{tag}_ms"] = round(measure_ms(run, "cuda", warmup=3, reps=args.reps), 4)
+        for tag, cfg in (("default", {}), ("transposed_default", {"kernel": "transposed"}),
+                         *((f"{kn}_best", c) for kn, c in doc.get("best_of", {}).items())):
+            try:
+                run = wide(**cfg)
+                row[f"wide_{tag}_err"] = errors(run(), ref)
+                row[f"wide_{tag}_ms"] = round(measure_ms(run, "cuda", warmup=3, reps=args.reps), 4)
+            except Exception as e:  # noqa: BLE001 - reported in the row; a lost context ends the loop below
+                row[f"wide_{tag}_ms"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
         doc["crossover"].append(row)
         print(f"  {row}", flush=True)
         save()
+        if any("illegal memory access" in str(v) for v in row.values()):
+            doc["aborted"] = f"CUDA context lost at {spec.label()}"
+            save()
+            return 1
         del fla, wide, ref
         torch.cuda.empty_cache()
 
     lines = [f"stages 5+6 at {doc['sweep_shape']}: fla {doc['fla_ms']:.3f} ms", "",
-             "| kernel | BV | KS | warps | stages | ms | vs fla | regs, spills, smem |", "|---|---|---|---|---|---|---|---|"]
+             "| kernel | config | ms | vs fla | regs, spills, smem per jit kernel |", "|---|---|---|---|---|"]
     for r in doc["sweep"]:
-        lines.append(f"| {r['kernel']} | {r['BV']} | {r.get('KS', '-')} | {r['num_warps']} | {r['num_stages']} | "
-                     f"{r.get('ms', 'failed')} | "
-                     f"{r.get('speedup_vs_fla', '-')} | {r.get('regs_spills_smem', r.get('failed'))} |")
-    lines += ["", f"best: {doc['best']}", "",
-              "| shape | programs | fla ms | wide default ms | transposed default ms | best ms |",
-              "|---|---|---|---|---|---|"]
+        knobs = ", ".join(f"{k}={v}" for k, v in r.items() if k in CONFIG_KEYS - {"kernel"})
+        lines.append(f"| {r['kernel']} | {knobs} | {r.get('ms', 'failed')} | {r.get('speedup_vs_fla', '-')} | "
+                     f"{r.get('regs_spills_smem', r.get('failed'))} |")
+    lines += ["", f"best of each kernel: {doc.get('best_of')}", "", f"kernel times: {doc.get('kernel_ms')}", "",
+              "| shape | programs | fla ms | wide default | transposed default | wide best | transposed best |",
+              "|---|---|---|---|---|---|---|"]
     for r in doc["crossover"]:
-        lines.append(f"| {r['shape']} | {r['programs']} | {r['fla_ms']} | {r['wide_default_ms']} | "
-                     f"{r['wide_transposed_default_ms']} | {r['wide_best_ms']} |")
+        cells = [r.get(f"wide_{t}_ms", "-") for t in ("default", "transposed_default", "wide_best", "transposed_best")]
+        lines.append(f"| {r['shape']} | {r['programs']} | {r['fla_ms']} | " + " | ".join(map(str, cells)) + " |")
     print("\n".join(lines))
     return 0
 

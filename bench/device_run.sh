@@ -14,7 +14,8 @@
 # e.g.  bash bench/device_run.sh precompile tests=240 bench=200 tune=120
 # Env: TESTS_K='<pytest -k expression>' runs only those GPU tests (one pytest, tilelang_fused not
 # held back); BENCH_MATCH='<regex>' benches only the matching shapes and merges them into the
-# committed bench/results/<device>.json.
+# committed bench/results/<device>.json; BENCH_SKIP='a,b' leaves those runners out (merged, so
+# their committed numbers stay, marked as from an earlier run).
 # Prepare here first (both ignored by git, named in the run's carry):
 #   mkdir -p .devbundle && cp ../shared/device/site-py312.tar.xz .devbundle/
 #   .devcache/tcache/  <- optional: autotune.tgz of an earlier call, unpacked. Without it the
@@ -54,10 +55,10 @@ for arg in "$@"; do
              timeout "$limit" bash -c "python3 bench/precompile_tilelang.py --jobs 10 $probes && \
                python3 bench/probe_tilelang.py --out $OUT/bench" > "$OUT/tlprobe.log" 2>&1 ;;
     stage56) timeout "$limit" python3 bench/bench_stage56.py --out "$OUT/bench" > "$OUT/stage56.log" 2>&1 ;;
-    bench)   if [ -n "${BENCH_MATCH:-}" ]; then
+    bench)   if [ -n "${BENCH_MATCH:-}${BENCH_SKIP:-}" ]; then
                cp bench/results/nvidia-h200-sm90.json "$OUT/bench/" 2>/dev/null
                timeout "$limit" python3 bench/bench_gdr_bwd.py --preset h200-train --unverified --out "$OUT/bench" \
-                 --match "$BENCH_MATCH" --merge > "$OUT/bench.log" 2>&1
+                 --match "${BENCH_MATCH:-.}" --skip "${BENCH_SKIP:-}" --merge > "$OUT/bench.log" 2>&1
              else
                timeout "$limit" python3 bench/bench_gdr_bwd.py --preset h200-train --unverified --out "$OUT/bench" \
                  > "$OUT/bench.log" 2>&1

@@ -20,12 +20,18 @@ def test_every_stage56_config_binds_to_its_launcher():
         inspect.signature(launcher).bind_partial(**cfg)  # raises TypeError on an unknown knob
 
 
-def test_bench_merge_replaces_remeasured_rows_and_keeps_the_rest():
+def test_bench_merge_replaces_remeasured_runs_and_keeps_the_rest():
     from bench_gdr_bwd import merge_rows
 
-    earlier = [{"shape": "a", "v": 1}, {"shape": "b", "v": 1}]
-    fresh = [{"shape": "b", "v": 2}, {"shape": "c", "v": 2}]
-    assert merge_rows(earlier, fresh) == [{"shape": "a", "v": 1}, {"shape": "b", "v": 2}, {"shape": "c", "v": 2}]
+    earlier = [{"shape": "a", "measured_at": "t1", "runs": {"x": {"ms": 1}}},
+               {"shape": "b", "measured_at": "t1", "runs": {"x": {"ms": 1}, "y": {"ms": 1}}}]
+    fresh = [{"shape": "c", "measured_at": "t2", "runs": {"x": {"ms": 3}}},
+             {"shape": "b", "measured_at": "t2", "runs": {"x": {"ms": 2}}}]  # y skipped this time
+    merged = merge_rows(earlier, fresh)
+    assert [r["shape"] for r in merged] == ["a", "b", "c"]
+    assert merged[0] == earlier[0]
+    assert merged[1]["runs"] == {"x": {"ms": 2}, "y": {"ms": 1, "measured_at": "t1"}}
+    assert merged[1]["measured_at"] == "t2"
     assert merge_rows([], fresh) == fresh
 
 
