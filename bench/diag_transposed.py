@@ -1,0 +1,81 @@
+"""Numerics of the fused stage-5+6 kernels against the float64 stage functions, per output.
+
+    python bench/diag_transposed.py            # on the GPU machine
+
+Stages 1-4 in float64 by the torch backend's stage functions (on the CPU), rounded to the
+kernels' input dtype; then `wy_dqkg_wide` and the `wy_dqkg_transposed` pair on the GPU
+over their launch knobs. Prints each output's relative Frobenius error against float64,
+the largest row error by row-in-chunk (to tell a ragged last chunk from the rest), and each
+pair's distance from the wide kernel. Why: on the H200 the pair's db sat 3-6e-3 from the
+wide kernel's at B2 T300 H8 Hg4 (KS 32 / 64) while both passed the 1e-2 oracle tests; this
+says which of the two is off, and where.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from gdr_dispatch.backends.kernels.wy_dqkg_transposed import wy_dqkg_transposed  # noqa: E402
+from gdr_dispatch.backends.kernels.wy_dqkg_wide import wy_dqkg_wide  # noqa: E402
+from gdr_dispatch.shapes import ShapeSpec  # noqa: E402
+from test_triton_wide import stage_inputs_and_expected  # noqa: E402
+
+NAMES = ("dq", "dk", "dv", "db", "dg")
+
+
+def rel(x, y):
+    x, y = x.double().cpu(), y.double().cpu()
+    return (x - y).norm().item() / max(y.norm().item(), 1e-300)
+
+
+def main():
+    quick = "--quick" in sys.argv  # one small fp16 shape, two runs: the CPU smoke check
+    args_out = [a for a in sys.argv[1:] if a != "--quick"]
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: under TRITON_INTERPRET=1, a smoke check
+    out = {}
+    specs = [ShapeSpec(B=2, T=300, H=8, Hg=4, K=128, V=128), ShapeSpec(B=1, T=256, H=4, K=128, V=128)]
+    for spec in specs[:1] if quick else specs:
+        for dtype in ("float16",) if quick else ("bfloat16", "float16"):
+            x, kin, exp = stage_inputs_and_expected(spec, dtype)
+            kin = {n: t.to(dev) for n, t in kin.items()}
+            args = (kin["q"], kin["k"], kin["v"], kin["v_new"], kin["du"], kin["do"], kin["a"], kin["g"], kin["b"],
+                    kin["h"], kin["dh"], x["scale"], 64, None, None, spec.state_v_first)
+            runs = {"wide": lambda: wy_dqkg_wide(*args)}
+            for KS in (16, 32, 64, 128):
+                for BV in (32, 64):
+                    runs[f"transposed KS{KS} BV{BV}"] = (lambda KS=KS, BV=BV: wy_dqkg_transposed(*args, KS=KS, BV=BV))
+            runs["transposed KS32 BV32 stages1"] = lambda: wy_dqkg_transposed(*args, num_stages=1)
+            if quick:
+                runs = dict(list(runs.items())[:3])
+            wide = None
+            for name, fn in runs.items():
+                got = fn()
+                if dev == "cuda":
+                    torch.cuda.synchronize()
+                wide = wide or got
+                errs = {n: f"{rel(g, exp[n]):.2e}" for n, g in zip(NAMES, got)}
+                vs_wide = {n: ("same" if torch.equal(g, w) else f"{rel(g, w):.1e}") for n, g, w in zip(NAMES, got, wide)}
+                # db: the worst rows by position in the chunk
+                db_err = (got[3].double().cpu() - exp["db"]).abs()  # [B, T, H]
+                pos = torch.arange(spec.T) % 64
+                by_pos = torch.stack([db_err[:, pos == p].max() for p in range(64)])
+                worst = by_pos.topk(4)
+                key = f"{replace(spec, dtype=dtype, h='given').label()} | {name}"
+                out[key] = {"vs_fp64": errs, "vs_wide": vs_wide,
+                            "db_worst_row_in_chunk": [(int(i), float(f"{v:.2e}")) for v, i in zip(*worst)],
+                            "db_abs_scale": float(f"{exp['db'].abs().max():.2e}")}
+                print(key, json.dumps(out[key]), flush=True)
+    Path(args_out[0] if args_out else "diag_transposed.json").write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
