@@ -97,9 +97,9 @@ def test_autotune_on_gpu_cross_checks_and_stores():
 # is checked at both strip widths and both V-tile widths, next to the wide kernel (GPU-
 # verified), against the float64 stage functions on the same inputs, at a shape with a
 # ragged last chunk and grouped heads.
-@pytest.mark.parametrize("KS,BV", [(32, 32), (64, 32), (32, 64), (64, 64)])
+@pytest.mark.parametrize("KS,side_KS,BV", [(16, 16, 32), (16, 16, 64), (128, 128, 32), (16, 128, 32)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_transposed_pair_against_float64_stages_on_gpu(KS, BV, dtype):
+def test_transposed_pair_against_float64_stages_on_gpu(KS, side_KS, BV, dtype):
     from test_triton_wide import stage_inputs_and_expected
 
     from gdr_dispatch.backends.kernels.wy_dqkg_transposed import wy_dqkg_transposed
@@ -111,7 +111,7 @@ def test_transposed_pair_against_float64_stages_on_gpu(KS, BV, dtype):
     args = (kin["q"], kin["k"], kin["v"], kin["v_new"], kin["du"], kin["do"], kin["a"], kin["g"], kin["b"],
             kin["h"], kin["dh"], x["scale"], 64, None, None, False)
     wide = dict(zip(("dq", "dk", "dv", "db", "dg"), wy_dqkg_wide(*args)))
-    pair = dict(zip(("dq", "dk", "dv", "db", "dg"), wy_dqkg_transposed(*args, KS=KS, BV=BV)))
+    pair = dict(zip(("dq", "dk", "dv", "db", "dg"), wy_dqkg_transposed(*args, KS=KS, side_KS=side_KS, BV=BV)))
 
     def err(t, name):
         return ((t.double().cpu() - expected[name]).norm() / expected[name].norm()).item()
@@ -122,4 +122,4 @@ def test_transposed_pair_against_float64_stages_on_gpu(KS, BV, dtype):
         # a miscompiled dot is O(1); the same rounding points as the wide kernel should land
         # within a small factor of its error (16-bit output rounding is ~1e-3 in norm)
         assert err(pair[name], name) <= max(2 * err(wide[name], name), 1e-3), \
-            f"{name} (KS={KS}, BV={BV}): pair vs wide errors against float64: {report}"
+            f"{name} (KS={KS}, side_KS={side_KS}, BV={BV}): pair vs wide errors against float64: {report}"
