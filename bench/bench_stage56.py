@@ -47,13 +47,14 @@ KERNELS = {
 # stages) spilled 844-888 registers and took 8.9-12.6 ms at B8 T4096 H32, against 4.2-5.4 ms
 # with 8 warps, of which these two were the best and the tested default.
 CONFIGS = [dict(kernel="wide", BV=32, num_warps=8, num_stages=3), dict(kernel="wide", BV=64, num_warps=8, num_stages=2)]
-# transposed: strips of KS = 16 (main and side). On the H200 (2026-11-29) strips of 32 or 64
-# put db and dg 1-7e-3 off float64 (3-20x the wide kernel's error; bench/diag_transposed.py),
-# so those are not swept. There, BV 32 / KS 32 / 8 warps / 2 stages ran 7.07 ms: main 255
-# registers, 0 spilled, 45 KB shared; side 228 registers; capping main at 128 registers
-# (two CTAs per SM) spilled 292 and took 8.85 ms, so no caps here.
+# transposed: the launcher's default (main strips of 16, the side kernel's whole K) and the
+# knobs around it. On the H200 (2026-11-29) side strips of 32 or 64, and 4 side warps, put db
+# and dg off float64 (bench/diag_transposed.py); the launcher refuses them. There, BV 32 /
+# KS 32 / 8 warps / 2 stages ran 7.07 ms: main 255 registers, 0 spilled, 45 KB shared; side
+# 228 registers; capping main at 128 registers (two CTAs per SM) spilled 292 and took 8.85
+# ms, so no caps here.
 _T = dict(kernel="transposed", BV=32, KS=16, num_warps=8, num_stages=2)
-CONFIGS += [_T, {**_T, "num_stages": 3}, {**_T, "BV": 64}, {**_T, "side_KS": 128}, {**_T, "side_warps": 4}]
+CONFIGS += [_T, {**_T, "KS": 32}, {**_T, "num_stages": 3}, {**_T, "BV": 64}, {**_T, "side_KS": 16}]
 NAMES = ("dq", "dk", "dv", "db", "dg")
 CONFIG_KEYS = {k for cfg in CONFIGS for k in cfg}
 

@@ -63,6 +63,8 @@ def _check_backend(backend, name, dtype, h_mode, monkeypatch):
     # a backend waiting for exactly this test to pass on a GPU is let through here
     for module in (triton_wide, triton_transposed, tilelang_fused):
         monkeypatch.setattr(module, "GPU_VERIFIED", True)
+    # refused on sm90 for speed, not for correctness: its numerics stay under test there
+    monkeypatch.setattr(triton_transposed, "SLOWER_THAN_WIDE", {})
     spec = ShapeSpec(**{**SHAPES[name].__dict__, "dtype": dtype, "h": h_mode, "extra": {}})
     problem = spec.problem(torch.device("cuda"))
     ok, reason = registered_backends()[backend].supported(problem)

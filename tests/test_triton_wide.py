@@ -119,16 +119,21 @@ def test_refused_until_verified_on_a_gpu(monkeypatch):
     assert any("K must be one of" in r for r in get_backend("triton_wide").not_supported_reasons(p256))
 
 
-def test_transposed_takes_what_wide_takes_once_verified(monkeypatch):
+def test_transposed_refused_on_sm90_where_it_measured_slower_and_else_takes_what_wide_takes(monkeypatch):
     from gdr_dispatch.backends import triton_transposed
 
-    p = replace(ShapeSpec(B=2, T=4096, H=32).problem(torch.device("cpu")),
-                device=DeviceInfo("cuda", "NVIDIA H200", (9, 0), 132))
+    h200 = DeviceInfo("cuda", "NVIDIA H200", (9, 0), 132)
+    p = replace(ShapeSpec(B=2, T=4096, H=32).problem(torch.device("cpu")), device=h200)
+    reasons = get_backend("triton_transposed").not_supported_reasons(p)
+    assert any("slower than triton_wide" in r and "triton_wide runs the same math" in r for r in reasons), reasons
     monkeypatch.setattr(triton_transposed, "GPU_VERIFIED", False)
-    assert any("triton_wide runs the same math" in r for r in get_backend("triton_transposed").not_supported_reasons(p))
+    assert any("not verified on a GPU" in r for r in get_backend("triton_transposed").not_supported_reasons(p))
+
+    # where nothing was measured (another capability) it takes exactly what triton_wide takes
     monkeypatch.setattr(triton_transposed, "GPU_VERIFIED", True)
     monkeypatch.setattr(triton_wide, "GPU_VERIFIED", False)  # wide's own gate is not inherited
+    other = replace(p, device=DeviceInfo("cuda", "NVIDIA B200", (10, 0), 148))
     wide = get_backend("triton_wide").not_supported_reasons
     transposed = get_backend("triton_transposed").not_supported_reasons
-    for q in (p, replace(p, K=64), replace(p, dtype="float32")):
+    for q in (other, replace(other, K=64), replace(other, dtype="float32")):
         assert transposed(q) == [r for r in wide(q) if "GPU_VERIFIED" not in r]

@@ -235,19 +235,33 @@ def wy_dqkg_transposed(q, k, v, v_new, du, do, a, g, b, h, dh, scale: float, chu
                        main_maxnreg: Optional[int] = None, side_maxnreg: Optional[int] = None):
     """`wy_dqkg_wide`'s contract (same arguments and returns) through the main + side pair.
 
-    Configuration: starting points, not yet measured on a GPU (BV 32 was the wide kernel's
-    best on the H200). Compiled here for sm_90a with Triton 3.6 (no GPU), main needs 255
-    registers with 764 B of spill stores at BV 32 / KS 32 (2.4 KB when capped at 128 for
-    two CTAs per SM, `main_maxnreg`), side 255 with 48 B at 8 warps. The side kernel
-    finalises dk, db and dG in place on the main kernel's partials, so the pair is launched
-    once per call and never autotuned.
+    Configuration, from the H200 (2026-11-29, Triton 3.6.0, bench/bench_stage56.py at
+    B8 T4096 H32, bench/diag_transposed.py for the numerics):
+      * main: BV 32, strips of KS = 16, 8 warps, 2 stages. 255 registers, 8 spilled, 40 KB
+        shared. Its strip width does not change the results (16 / 32 / 64 / 128 all give
+        the wide kernel's db); KS 32 ran the main kernel in 3.16 ms against 3.61 at 16, but
+        only KS 16 has been through the oracle tests. Capping it at 128 registers (two CTAs
+        per SM) spilled 292 and was 25 % slower.
+      * side: BV 64, one strip of the whole K (side_KS None), 8 warps. Strips of 32 or 64
+        put db and dg 1-7e-3 off float64 (3-20x the wide kernel's error), 16 and 128 do
+        not; of the products in those strips only K K^T feeds db and dg alone, so it is the
+        suspect (dk, which reads the other, matches). The whole K was the faster pair at
+        K = 128 (6.21 ms against 7.51 with 16). 4 warps was 2.5e-3 off the
+        wide kernel's db at B8 T4096 H32 (though exact at B2 T300). Those settings raise.
+    The side kernel finalises dk, db and dG in place on the main kernel's partials, so the
+    pair is launched once per call and never autotuned.
     """
+    side_KS = q.shape[-1] if side_KS is None else side_KS
+    if side_KS not in (16, q.shape[-1]) or side_warps != 8:
+        raise ValueError(
+            f"wy_dqkg_transposed: side_KS={side_KS}, side_warps={side_warps}: the side kernel is only "
+            f"correct on the H200 with side_KS 16 or K ({q.shape[-1]}) and 8 warps (strips of 32/64 or 4 warps "
+            f"put db and dg 1-7e-3 off float64 there, Triton 3.6; see the docstring)")
     B, T, Hg, K = q.shape
     H, V = v.shape[2], v.shape[3]
     if K & (K - 1) or K < 16:
         raise ValueError(f"wy_dqkg_transposed: K must be a power of two >= 16, got {K}")
     KS = min(KS, K)
-    side_KS = KS if side_KS is None else min(side_KS, K)
     q, k, v, v_new, du, do, a, g, b, h, dh = (x.contiguous() for x in (q, k, v, v_new, du, do, a, g, b, h, dh))
     dq = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)  # parked raw, then final
     dk = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)  # parked raw, partial, then final
