@@ -10,9 +10,10 @@ Measured on the H200 (2026-11-29, Triton 3.6.0; bench/results/nvidia-h200-sm90-s
   * correct: all 24 cases of tests/test_gpu.py pass, and the pair gives the wide kernel's
     dq, dv and db bit for bit (dk within 1.2e-5, dg within 5e-7) at B8 T4096 H32. Its
     side kernel is not correct with strips of 32 or 64 (the launcher refuses them).
-  * slower than `triton_wide` everywhere it ran: the fused stage 1.38x at B8 T4096 H32
-    (6.21 against 4.49 ms), and the launcher's earlier default 1.46-1.71x at all seven grid
-    sizes from 128 to 16384 programs. The main kernel alone (3.2-3.6 ms) beats the wide
+  * slower than `triton_wide` everywhere it ran: over the whole backward 1.12-1.24x at the
+    ten h200-train shapes (bench/results/nvidia-h200-sm90.md); the fused stage alone 1.38x
+    at B8 T4096 H32 (6.21 against 4.49 ms), and with side strips of 16 1.46-1.71x at all
+    seven grid sizes from 128 to 16384 programs. The main kernel alone (3.2-3.6 ms) beats the wide
     kernel (4.1 ms), but it still holds 255 registers (one 8-warp CTA per SM, as the wide
     kernel does), and parking the fp32 accumulators, the side kernel (1.4-1.8 ms) and the
     fp32 -> bf16 cast (0.37 ms) cost more than that gain.

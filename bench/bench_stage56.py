@@ -60,7 +60,11 @@ CONFIG_KEYS = {k for cfg in CONFIGS for k in cfg}
 
 
 def compiled_stats(kernel: str):
-    """(registers, spills, shared bytes) of the newest compile of each of `kernel`'s jit kernels."""
+    """(registers, spills, shared bytes) of the newest compile of each of `kernel`'s jit kernels.
+
+    A launch served from the compile cache adds no compile, so its row repeats the figures of
+    the last configuration that did compile that kernel (e.g. the side kernel when only the
+    main kernel's knobs changed)."""
     out = []
     for fn in KERNELS[kernel][1]:
         try:

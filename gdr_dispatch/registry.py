@@ -23,11 +23,11 @@ from .contract import GDRCall, GDRGrads
 
 #: Preference when nothing was measured (GDR_AUTOTUNE=0, CPU tensors, CUDA graph capture):
 #: the order of the measurements, not of the hopes. On the H200 (2026-11-29, bf16, K = V =
-#: 128, the h200-train tune, 9 shapes with all four backends) `fla` won 7; `triton_wide` won
-#: B1 T8192 H16 with h given by 2 % and was 1.1-1.5x slower than fla at the other eight;
-#: `tilelang_fused` (not yet warp-specialised) won varlen 8x4096 Hg16 with h given (5.68
-#: against fla's 6.56 ms) and was 1.2-3.6x slower at the other eight.
-#: Names not registered in this build are skipped.
+#: 128, the h200-train tune of 10 shapes) `fla` won 9; `triton_wide` was 1.10-1.31x slower
+#: than fla at all 10; `tilelang_fused` (not yet warp-specialised) won varlen 8x4096 Hg16
+#: with h given (5.62 against fla's 6.39 ms) and was 1.07-3.8x slower at the other nine;
+#: `triton_transposed` is refused on sm90 (slower than triton_wide at every shape tried),
+#: so it and `tilelang_fused` (sm90 only) never compete. Names not registered are skipped.
 STATIC_PREFERENCE = ("fla", "triton_wide", "triton_transposed", "tilelang_fused", "torch")
 
 

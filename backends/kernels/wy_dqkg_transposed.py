@@ -15,13 +15,20 @@ around its occupancy walls:
 
 Why that could pay on Blackwell is tmem: the accumulators leave the register file. On the
 H200 a wgmma accumulator lives in registers either way, so the V loop still holds 96 KiB
-of them at K = 128; what moves is the epilogue's live set. Only a measurement says whether
-it wins (issue: the Triton transposed main+side backend). Not yet run on a GPU.
+of them at K = 128; what moves is the epilogue's live set. Measured there (2026-11-29,
+bench/results/nvidia-h200-sm90-stage56.md): main 3.2-3.6 ms + side 1.4-1.8 ms + the cast
+0.37 ms at B8 T4096 H32, against 4.1 ms for the wide kernel, which it loses to at every
+grid size; the main kernel still needs 255 registers, so one 8-warp CTA per SM either way.
 
 Numerics: the same rounding points as the wide kernel (operands of every dot in the input
-dtype, fp32 accumulation), but the dots are transposed and split differently, so results
-agree to accumulation order, not bit for bit. Every dot with a transposed operand transposes
-a loaded tile, never a dot's accumulator (the Hopper + Triton [3.4, 3.7.1) hazard).
+dtype, fp32 accumulation). On the H200 with the launcher's defaults it gives the wide
+kernel's dq, dv and db bit for bit, dk within 1.2e-5 and dg within 5e-7 (B8 T4096 H32).
+No dot takes a transposed accumulator (fla issue 640's pattern), but Hopper + Triton 3.6
+still goes wrong here: with side strips of 32 or 64 (or 4 side warps) db and dg land 1-7e-3
+off float64, 3-20x the wide kernel's error (bench/diag_transposed.py); strips of 16 and the
+whole K are exact. The suspect is `kk += tl.dot(k_strip, tl.trans(k_strip))`, the one
+product of those strips that only db and dg read. The launcher refuses the bad settings and
+tests/test_gpu.py checks the pair against float64 next to the wide kernel.
 """
 
 from __future__ import annotations
