@@ -249,7 +249,8 @@ def wy_dqkg_transposed(q, k, v, v_new, du, do, a, g, b, h, dh, scale: float, chu
         the wide kernel's db); KS 32 ran the main kernel in 3.16 ms against 3.61 at 16, but
         only KS 16 has been through the oracle tests. Capping it at 128 registers (two CTAs
         per SM) spilled 292 and was 25 % slower.
-      * side: BV 64, one strip of the whole K (side_KS None), 8 warps. Strips of 32 or 64
+      * side: BV 64 (not swept: the only side BV run), one strip of the whole K (side_KS
+        None), 8 warps. Strips of 32 or 64
         put db and dg 1-7e-3 off float64 (3-20x the wide kernel's error), 16 and 128 do
         not; of the products in those strips only K K^T feeds db and dg alone, so it is the
         suspect (dk, which reads the other, matches). The whole K was the faster pair at
