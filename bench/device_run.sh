@@ -8,6 +8,7 @@
 #   tlprobe[=SECONDS] TileLang probe builds compiled in parallel, then bench/probe_tilelang.py
 #                    -> $OUT/tlprobe.log, bench/tilelang_probes.json
 #   diag[=SECONDS]   bench/diag_transposed.py (fused-stage numerics vs float64) -> $OUT/diag.log, bench/diag_transposed.json
+#   repro[=SECONDS]  bench/repro_side_strips.py (the side kernel's strip products alone) -> $OUT/repro.log, bench/repro_side_strips.json
 #   stage56[=SECONDS] bench/bench_stage56.py (wide kernel configs, crossover) -> $OUT/stage56.log, bench/stage56.json
 #   bench[=SECONDS]  bench/bench_gdr_bwd.py, h200-train      -> $OUT/bench/<device>.{json,md}
 #   tune[=SECONDS]   gdr-dispatch tune --preset h200-train   -> $OUT/tune.log, $OUT/<device>.yaml
@@ -56,6 +57,7 @@ for arg in "$@"; do
              timeout "$limit" bash -c "python3 bench/precompile_tilelang.py --jobs 10 $probes && \
                python3 bench/probe_tilelang.py --out $OUT/bench" > "$OUT/tlprobe.log" 2>&1 ;;
     diag)    timeout "$limit" python3 bench/diag_transposed.py "$OUT/bench/diag_transposed.json" > "$OUT/diag.log" 2>&1 ;;
+    repro)   timeout "$limit" python3 bench/repro_side_strips.py "$OUT/bench/repro_side_strips.json" > "$OUT/repro.log" 2>&1 ;;
     stage56) timeout "$limit" python3 bench/bench_stage56.py --out "$OUT/bench" > "$OUT/stage56.log" 2>&1 ;;
     bench)   if [ -n "${BENCH_MATCH:-}${BENCH_SKIP:-}" ]; then
                cp bench/results/nvidia-h200-sm90.json "$OUT/bench/" 2>/dev/null

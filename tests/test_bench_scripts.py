@@ -45,8 +45,7 @@ def test_device_script_probes_exist():
     assert named and all(p in PROBES for p in named), (named, PROBES)
 
 
-@pytest.mark.parametrize("script", ["bench_gdr_bwd.py", "bench_stage56.py", "probe_tilelang.py",
-                                    "precompile_tilelang.py", "profile_fla_adapter.py"])
+@pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("*.py")))
 def test_bench_scripts_import(script):
     """Import errors and syntax errors surface here rather than on the GPU machine."""
     import importlib.util
