@@ -1,5 +1,5 @@
 """What the chunk-parallel kernels share: which (sequence, chunk) a program owns, the state
-layout, and the intra-chunk decay matrix.
+layout, the per-token gate scalars of a chunk, and the intra-chunk decay matrix.
 
 fla's convention, so its stages and ours can share one table: for varlen calls a
 `[num_chunks, 2]` tensor of (sequence index, chunk index within the sequence), in order, so
@@ -58,3 +58,21 @@ def masked_exp(x, keep):
     diagonal G_t - G_s can be large and positive, and exp would overflow to inf there (and
     inf * 0 is NaN). Every decay matrix Gam = exp(G_t - G_s), s <= t, is built with it."""
     return tl.where(keep, tl.exp(tl.where(keep, x, 0.0)), 0.0)
+
+
+@triton.jit
+def chunk_gate_scalars(g, b, bos, rows, m_t, i_h, H: tl.constexpr):
+    """(G, beta, e^G) of one chunk's rows for value head `i_h`, in fp32, all 0 on rows past
+    the sequence's end (so nothing a padded row feeds can carry a value)."""
+    G = tl.load(g + (bos + rows) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    beta = tl.load(b + (bos + rows) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    eG = tl.where(m_t, tl.exp(G), 0.0)
+    return G, beta, eG
+
+
+@triton.jit
+def decay_to_chunk_end(G, o_t, m_t, n_valid):
+    """(G_L, exp(G_L - G_t)) with L the chunk's last valid row: the gate at the chunk's end
+    and each row's decay to it (0 past the end)."""
+    g_last = tl.sum(tl.where(o_t == n_valid - 1, G, 0.0), axis=0)
+    return g_last, tl.where(m_t, tl.exp(g_last - G), 0.0)

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_grid import chunk_bounds, masked_exp, state_strides
+from .chunk_grid import chunk_bounds, chunk_gate_scalars, decay_to_chunk_end, masked_exp, state_strides
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -64,11 +64,8 @@ def wy_dqkg_t_main_kernel(
     lower = (o_t[None, :] <= o_t[:, None]) & m_t[:, None] & m_t[None, :]  # [t, s]: s <= t
     upper = (o_t[:, None] <= o_t[None, :]) & m_t[:, None] & m_t[None, :]  # [s, t]: the transpose
 
-    G = tl.load(g + (bos + rows) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    beta = tl.load(b + (bos + rows) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    g_last = tl.sum(tl.where(o_t == n_valid - 1, G, 0.0), axis=0)
-    eG = tl.where(m_t, tl.exp(G), 0.0)
-    decay_to_end = tl.where(m_t, tl.exp(g_last - G), 0.0)
+    G, beta, eG = chunk_gate_scalars(g, b, bos, rows, m_t, i_h, H)
+    g_last, decay_to_end = decay_to_chunk_end(G, o_t, m_t, n_valid)
 
     s_k, s_v = state_strides(K, V, STATE_V_FIRST)
     h_base = h + (i_chunk * H + i_h) * K * V
@@ -176,9 +173,7 @@ def wy_dqkg_t_side_kernel(
     lower = (o_t[None, :] <= o_t[:, None]) & m_t[:, None] & m_t[None, :]
     strict = (o_t[None, :] < o_t[:, None]) & m_t[:, None] & m_t[None, :]
 
-    G = tl.load(g + (bos + rows) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    beta = tl.load(b + (bos + rows) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    eG = tl.where(m_t, tl.exp(G), 0.0)
+    G, beta, eG = chunk_gate_scalars(g, b, bos, rows, m_t, i_h, H)
     gam = masked_exp(G[:, None] - G[None, :], lower)
     A = tl.load(a + ((bos + rows[:, None]) * H + i_h) * BT + o_t[None, :], mask=m_t[:, None] & m_t[None, :],
                 other=0.0).to(tl.float32)
