@@ -137,3 +137,12 @@ def test_transposed_refused_on_sm90_where_it_measured_slower_and_else_takes_what
     transposed = get_backend("triton_transposed").not_supported_reasons
     for q in (other, replace(other, K=64), replace(other, dtype="float32")):
         assert transposed(q) == [r for r in wide(q) if "GPU_VERIFIED" not in r]
+
+
+@pytest.mark.parametrize("bad", [dict(side_KS=32), dict(side_KS=64), dict(side_warps=4)])
+def test_transposed_launcher_refuses_side_settings_measured_wrong_on_the_h200(bad):
+    # the guard runs before any launch, so dummy tensors suffice
+    q = torch.zeros(1, 64, 1, 128)
+    v = torch.zeros(1, 64, 1, 128)
+    with pytest.raises(ValueError, match="side_KS=.*side_warps=.*float64"):
+        wy_dqkg_transposed(q, q, v, v, v, v, None, None, None, None, None, 1.0, **bad)

@@ -22,7 +22,8 @@ grid size; the main kernel still needs 255 registers, so one 8-warp CTA per SM e
 
 Numerics: the same rounding points as the wide kernel (operands of every dot in the input
 dtype, fp32 accumulation). On the H200 with the launcher's defaults it gives the wide
-kernel's dq, dv and db bit for bit, dk within 1.2e-5 and dg within 5e-7 (B8 T4096 H32).
+kernel's dq and dv bit for bit, db within 9e-9, dk within 1.2e-5 and dg within 5e-7
+(relative, B8 T4096 H32).
 No dot takes a transposed accumulator (fla issue 640's pattern), but Hopper + Triton 3.6
 still goes wrong here: with side strips of 32 or 64 (or 4 side warps) db and dg land 1-7e-3
 off float64, 3-20x the wide kernel's error (bench/diag_transposed.py); strips of 16 and the
@@ -245,12 +246,12 @@ def wy_dqkg_transposed(q, k, v, v_new, du, do, a, g, b, h, dh, scale: float, chu
         only KS 16 has been through the oracle tests. Capping it at 128 registers (two CTAs
         per SM) spilled 292 and was 25 % slower.
       * side: BV 64 (not swept: the only side BV run), one strip of the whole K (side_KS
-        None), 8 warps. Strips of 32 or 64
-        put db and dg 1-7e-3 off float64 (3-20x the wide kernel's error), 16 and 128 do
-        not; of the products in those strips only K K^T feeds db and dg alone, so it is the
-        suspect (dk, which reads the other, matches). The whole K was the faster pair at
-        K = 128 (6.21 ms against 7.51 with 16). 4 warps was 2.5e-3 off the
-        wide kernel's db at B8 T4096 H32 (though exact at B2 T300). Those settings raise.
+        None), 8 warps. Strips of 32 or 64 put db and dg 1-7e-3 off float64 (3-20x the
+        wide kernel's error), 16 and 128 do not; of the products in those strips only
+        K K^T feeds db and dg alone, so it is the suspect (dk, which reads the other,
+        matches). The whole K was the faster pair at K = 128 (6.21 ms against 7.51 with
+        16). 4 warps put db 2.5e-3 off the wide kernel's at B8 T4096 H32 (within 4e-6 at
+        B2 T300). Those settings raise.
     The side kernel finalises dk, db and dG in place on the main kernel's partials, so the
     pair is launched once per call and never autotuned.
     """
@@ -291,6 +292,6 @@ def wy_dqkg_transposed(q, k, v, v_new, du, do, a, g, b, h, dh, scale: float, chu
     if H != Hg:  # the heads that share a q/k head: fp32 sum, then the input dtype
         dq = dq.view(B, T, Hg, H // Hg, K).sum(3)
         dk = dk.view(B, T, Hg, H // Hg, K).sum(3)
-    # (without grouping a sum over a size-1 axis still launched a reduction: 0.91 ms of
-    # 5.86 ms at B8 T4096 H32 on the H200, against 0.37 ms for the cast alone)
+    # (without grouping a sum over a size-1 axis still launched a reduction: 0.91 ms of the
+    # pair's 5.9 ms of kernel time at B8 T4096 H32 on the H200, against 0.37 for the cast)
     return dq.to(q.dtype), dk.to(k.dtype), dv, db, dg
