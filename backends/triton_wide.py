@@ -57,14 +57,18 @@ class TritonWideBackend(Backend):
         return run_chain(call, wy_dqkg_wide)
 
 
+def fused_stage_args(call: GDRCall, st) -> tuple:
+    """The positional arguments of a fused stage-5+6 launcher (`wy_dqkg_wide`'s signature)
+    from the call and what fla's stages 1-4 left (`fla_chain.FlaStages`)."""
+    return (st.q, st.k, st.v, st.v_new, st.du, st.do, call.a, call.g, st.beta, st.h, st.dh, call.scale,
+            call.chunk_size, st.common["cu_seqlens"], st.common["chunk_indices"], call.state_v_first)
+
+
 def run_chain(call: GDRCall, fused_stage_5_6) -> GDRGrads:
     """fla's stages 1-4, then `fused_stage_5_6` (wy_dqkg_wide's arguments and returns);
     the chain `triton_wide` and `triton_transposed` share."""
     st = fla_state_stages(call)
-    dq, dk, dv, db, dg = fused_stage_5_6(
-        st.q, st.k, st.v, st.v_new, st.du, st.do, call.a, call.g, st.beta, st.h, st.dh, call.scale,
-        call.chunk_size, st.common["cu_seqlens"], st.common["chunk_indices"], call.state_v_first,
-    )
+    dq, dk, dv, db, dg = fused_stage_5_6(*fused_stage_args(call, st))
     return GDRGrads(dq, dk, dv, dg, db, st.dh0)
 
 

@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 from gdr_dispatch.backends.fla_chain import fla_stages_5_6, fla_state_stages  # noqa: E402
 from gdr_dispatch.backends.kernels import wy_dqkg_transposed as transposed_mod  # noqa: E402
 from gdr_dispatch.backends.kernels import wy_dqkg_wide as wide_mod  # noqa: E402
+from gdr_dispatch.backends.triton_wide import fused_stage_args  # noqa: E402
 from gdr_dispatch.contract import validate  # noqa: E402
 from gdr_dispatch.dispatch import measure_ms, relative_error  # noqa: E402
 from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs  # noqa: E402
@@ -81,10 +82,10 @@ def setup(spec):
     st = fla_state_stages(call)
     fla = lambda: fla_stages_5_6(st, call.scale)  # noqa: E731
 
+    args = fused_stage_args(call, st)
+
     def wide(kernel="wide", **cfg):
-        return lambda: KERNELS[kernel][0](
-            st.q, st.k, st.v, st.v_new, st.du, st.do, call.a, call.g, st.beta, st.h, st.dh, call.scale,
-            call.chunk_size, st.common["cu_seqlens"], st.common["chunk_indices"], call.state_v_first, **cfg)
+        return lambda: KERNELS[kernel][0](*args, **cfg)
     return fla, wide, call
 
 
