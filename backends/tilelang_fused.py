@@ -1,49 +1,28 @@
 """Backend `tilelang_fused`: the whole backward given `h` in one TileLang kernel (sm90).
 
-With `h` given, `kernels/tilelang_fused_bwd.py` does stages 3-7 in one CTA per (sequence,
-value head). With `h=None` the chunk-start states are first recomputed by fla's stages 1-2
-(`fla_chain.fla_recompute_states`); a TileLang recompute kernel has not been tried.
-
-This is the plain version of seed 000's design (no warp specialisation, no TMA pipeline).
-On the H200 (2026-11-29, TileLang 0.1.15, nvcc 13): it passed every case of
-tests/test_gpu.py (24: varlen 1/63/64/65 with and without state_v_first, T 40/65/100/128,
-grouped heads, each optional input absent and present, bf16 and fp16, h given and None;
-errors <= 3.7e-3 at the h200-train shapes). Its speed is not there yet: 6.59 ms at B8 T4096
-H32 with h given against FlashQLA's 1.54 ms, i.e. ~51 us per chunk step per CTA against
-FlashQLA's ~12 us, because every load, wgmma and reduction of a chunk runs one after another
-behind block-wide barriers with nothing overlapped (~219 KiB of shared memory leaves no
-room to prefetch the next chunk). First-call compile: 54-74 s per configuration on the
-H200 machine when 7 compile at once (bench/precompile_tilelang.py), 37-41 s alone here.
-TileLang's compiler warns of a "hoisted sync" race in the row-vector updates; the threads
-it names each touch their own rows only, and the oracle tests pass.
+`kernels/tilelang_fused_bwd.py` does stages 3-7 in one CTA per (sequence, value head),
+walking the chunks backwards with `dh` in registers: seed 000's design without its warp
+specialisation yet, so it is correct but ~4x slower than FlashQLA's kernel
+(docs/measurements.md). With `h=None` fla's stages 1-2 recompute `h` first.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
-import shutil
-from pathlib import Path
 
 from gdr_dispatch.contract import GDRCall, GDRGrads
-from gdr_dispatch.registry import Backend, Problem, register, unverified_reason
+from gdr_dispatch.registry import Backend, Problem, register
 
-#: tests/test_gpu.py passed for this backend on an H200 (2026-11-29): all 24 cases.
-GPU_VERIFIED = True
-
-
-def _nvcc_found() -> bool:
-    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if cuda_home and (Path(cuda_home) / "bin" / "nvcc").exists():
-        return True
-    return shutil.which("nvcc") is not None or Path("/usr/local/cuda/bin/nvcc").exists()
+from .common import fla_pipeline
+from .common.toolchain import nvcc_found
 
 
 class TileLangFusedBackend(Backend):
     name = "tilelang_fused"
+    static_rank = 40  # 1.1-3.8x slower than fla at 9 of the 10 h200-train shapes (docs/measurements.md)
 
     def not_supported_reasons(self, p: Problem) -> list[str]:
-        reasons = [] if GPU_VERIFIED else [unverified_reason()]
+        reasons = []
         if p.device.type != "cuda":
             reasons.append(f"needs a CUDA device; the tensors are on {p.device.type}")
         elif p.device.capability != (9, 0):
@@ -51,7 +30,7 @@ class TileLangFusedBackend(Backend):
                            f"~219 KiB); this device is sm_{p.device.capability[0]}{p.device.capability[1]}")
         if p.version("tilelang") is None or importlib.util.find_spec("tilelang") is None:
             reasons.append("tilelang is not installed (pip install tilelang)")
-        elif p.device.type == "cuda" and not _nvcc_found():
+        elif p.device.type == "cuda" and not nvcc_found():
             reasons.append("no nvcc found for TileLang's JIT (set CUDA_HOME or put nvcc on PATH)")
         if (p.K, p.V) != (128, 128):
             reasons.append(f"K and V must be 128 (the shared-memory plan is for 128 x 128 states), got K={p.K}, V={p.V}")
@@ -70,11 +49,7 @@ class TileLangFusedBackend(Backend):
     def run(self, call: GDRCall) -> GDRGrads:
         from .kernels.tilelang_fused_bwd import fused_bwd_given_h
 
-        h = call.h
-        if h is None:
-            from .fla_chain import fla_recompute_states
-
-            h = fla_recompute_states(call)
+        h = call.h if call.h is not None else fla_pipeline.recompute_states(call)
         dq, dk, dv, dg, db, dh0 = fused_bwd_given_h(
             call.q, call.k, call.v, call.do, call.a, call.g, call.b, h, call.dht, call.scale, call.seq_lens,
             call.chunk_size, call.cu_seqlens, has_h0=call.initial_state is not None,

@@ -13,8 +13,8 @@ For each shape, with `h` given and with `h=None`:
     `chunk_gated_delta_rule_bwd(auto_cp=False)`.
 Times are medians of CUDA-event timings after warm-up (gdr_dispatch.dispatch.measure_ms).
 The floor is max(bytes / 4.3 TB/s, FLOPs / 790 TFLOP/s), the copy bandwidth and bf16
-matmul rate measured on this H200 kind (device KINDS.md), for the estimate in
-`gdr_dispatch.shapes.bytes_and_flops`. Writes bench/results/<device>.json and .md.
+matmul rate measured on an H200, for the estimate in `gdr_dispatch.shapes.bytes_and_flops`.
+Writes bench/results/<device>.json and .md. Runs against the installed gdr_dispatch.
 """
 
 from __future__ import annotations
@@ -29,14 +29,13 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from gdr_dispatch import GDRGrads, Problem, fused_gdr_bwd, registered_backends
+from gdr_dispatch.contract import validate
+from gdr_dispatch.dispatch import measure_ms, relative_error
+from gdr_dispatch.registry import ALLOW_UNVERIFIED_ENV, device_info, library_versions
+from gdr_dispatch.shapes import PRESETS, bytes_and_flops, call_kwargs, floor_ms, load_grid, make_inputs
 
-from gdr_dispatch import GDRGrads, Problem, fused_gdr_bwd, registered_backends  # noqa: E402
-from gdr_dispatch.contract import validate  # noqa: E402
-from gdr_dispatch.dispatch import measure_ms, relative_error  # noqa: E402
-from gdr_dispatch.registry import device_info, library_versions  # noqa: E402
-from gdr_dispatch.shapes import PRESETS, bytes_and_flops, call_kwargs, floor_ms, load_grid, make_inputs  # noqa: E402
+RESULTS = Path(__file__).resolve().parent / "results"
 
 HBM_GBS = 4300.0  # device-to-device copy on the H200 here (KINDS.md, 2026-11-04)
 BF16_TFLOPS = 790.0  # 8192^3 bf16 matmul on the H200 here (KINDS.md)
@@ -195,8 +194,8 @@ def to_markdown(rows, names, device, unverified=()):
         lines += ["", "† kept from an earlier run than the rest of its row (left out of the later one; its time "
                   "stamp is in the JSON): compare across runs with care, launch-bound rows move by up to 30 %"]
     if unverified:
-        lines += ["", "* refused by the dispatcher when this ran (not yet GPU-verified by tests/test_gpu.py, or "
-                  "measured slower on this device), run by --unverified"]
+        lines += ["", "* refused by the dispatcher when this ran (not yet GPU-verified by tests/test_gpu.py), "
+                  "run by --unverified"]
     if notes:
         lines += ["", "Not run:"] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
@@ -214,23 +213,15 @@ def main(argv=None):
     p.add_argument("--match", default=None, help="only the shapes whose label matches this regular expression")
     p.add_argument("--merge", action="store_true",
                    help="add to the rows already in the output JSON (same label and h replaced) instead of starting anew")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--unverified", action="store_true",
                    help="also run backends still refused until their GPU tests pass (their error column then "
-                        "is their first large-shape check against the torch backend) or refused where they "
-                        "measured slower (triton_transposed on sm90); marked * in the table")
+                        "is their first large-shape check against the torch backend); marked * in the table")
     args = p.parse_args(argv)
     unverified = []
     if args.unverified:
-        from gdr_dispatch.backends import tilelang_fused, triton_transposed, triton_wide
-
-        for mod in (tilelang_fused, triton_wide, triton_transposed):
-            if not mod.GPU_VERIFIED:
-                mod.GPU_VERIFIED = True
-                unverified.append(mod.__name__.rsplit(".", 1)[-1])
-        if triton_transposed.SLOWER_THAN_WIDE:  # refused for speed where measured: measure it again
-            triton_transposed.SLOWER_THAN_WIDE = {}
-            unverified.append("triton_transposed")
+        os.environ[ALLOW_UNVERIFIED_ENV] = "1"
+        unverified = [n for n, b in registered_backends().items() if not b.gpu_verified]
     if not torch.cuda.is_available():
         print("bench needs a CUDA device", file=sys.stderr)
         return 2

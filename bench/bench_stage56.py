@@ -27,16 +27,14 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from gdr_dispatch.backends.common.fla_pipeline import fused_stage_args, stages_5_6, state_stages
+from gdr_dispatch.backends.kernels import wy_dqkg_transposed as transposed_mod
+from gdr_dispatch.backends.kernels import wy_dqkg_wide as wide_mod
+from gdr_dispatch.contract import validate
+from gdr_dispatch.dispatch import measure_ms, relative_error
+from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs
 
-from gdr_dispatch.backends.fla_chain import fla_stages_5_6, fla_state_stages  # noqa: E402
-from gdr_dispatch.backends.kernels import wy_dqkg_transposed as transposed_mod  # noqa: E402
-from gdr_dispatch.backends.kernels import wy_dqkg_wide as wide_mod  # noqa: E402
-from gdr_dispatch.backends.triton_wide import fused_stage_args  # noqa: E402
-from gdr_dispatch.contract import validate  # noqa: E402
-from gdr_dispatch.dispatch import measure_ms, relative_error  # noqa: E402
-from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs  # noqa: E402
+RESULTS = Path(__file__).resolve().parent / "results"
 
 # (launcher, its jit kernels) per fused-stage kernel
 KERNELS = {
@@ -44,16 +42,12 @@ KERNELS = {
     "transposed": (transposed_mod.wy_dqkg_transposed,
                    (transposed_mod.wy_dqkg_t_main_kernel, transposed_mod.wy_dqkg_t_side_kernel)),
 }
-# wide, 8 warps only: on the H200 (2026-11-29) every 4-warp configuration (BV 32/64, 1-3
-# stages) spilled 844-888 registers and took 8.9-12.6 ms at B8 T4096 H32, against 4.2-5.4 ms
-# with 8 warps, of which these two were the best and the tested default.
+# wide, 8 warps only (4 warps spilled 844-888 registers and ran 2-3x slower on the H200:
+# docs/measurements.md); these two were the best and the tested default.
 CONFIGS = [dict(kernel="wide", BV=32, num_warps=8, num_stages=3), dict(kernel="wide", BV=64, num_warps=8, num_stages=2)]
 # transposed: the launcher's default (main strips of 16, the side kernel's whole K) and the
-# knobs around it. On the H200 (2026-11-29) side strips of 32 or 64, and 4 side warps, put db
-# and dg off float64 (bench/diag_transposed.py); the launcher refuses them. There, BV 32 /
-# KS 32 / 8 warps / 2 stages ran 7.07 ms: main 255 registers, 0 spilled, 45 KB shared; side
-# 228 registers; capping main at 128 registers (two CTAs per SM) spilled 292 and took 8.85
-# ms, so no caps here.
+# knobs around it; the side settings measured wrong on the H200 are refused by the launcher,
+# and register caps only spilled (docs/measurements.md).
 _T = dict(kernel="transposed", BV=32, KS=16, num_warps=8, num_stages=2)
 CONFIGS += [_T, {**_T, "KS": 32}, {**_T, "num_stages": 3}, {**_T, "BV": 64}, {**_T, "side_KS": 16}]
 NAMES = ("dq", "dk", "dv", "db", "dg")
@@ -79,8 +73,8 @@ def compiled_stats(kernel: str):
 def setup(spec):
     x = make_inputs(spec, "cuda", seed=1)
     call = validate(**call_kwargs(x))
-    st = fla_state_stages(call)
-    fla = lambda: fla_stages_5_6(st, call.scale)  # noqa: E731
+    st = state_stages(call)
+    fla = lambda: stages_5_6(st, call.scale)  # noqa: E731
 
     args = fused_stage_args(call, st)
 
@@ -112,7 +106,7 @@ def errors(got, ref):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--skip-sweep", action="store_true")
     args = p.parse_args()

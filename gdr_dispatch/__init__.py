@@ -3,7 +3,7 @@
     from gdr_dispatch import fused_gdr_bwd
     grads = fused_gdr_bwd(q, k, v, a, g, b, do, dht, h, scale=..., initial_state=h0)
 
-The contract is GDR_MATH.md's; `gdr-dispatch explain` shows which backend a shape gets.
+The contract is docs/contract.md; `gdr-dispatch explain` shows which backend a shape gets.
 """
 
 import importlib.util as _ilu
@@ -45,6 +45,6 @@ __all__ = [
     "fused_gdr_bwd", "select_backend", "GDRGrads", "GDRCall", "Problem", "Backend",
     "registered_backends", "get_backend", "register", "oracle_grads", "prepare_residuals", "recurrent_forward",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from . import backends  # noqa: E402,F401  (registers every backend)

@@ -15,7 +15,7 @@ import torch
 
 from . import tuning_table
 from .contract import validate
-from .dispatch import NoBackendError, autotune, autotune_block_reason, measure_ms, select_backend
+from .dispatch import NO_TENSORS, STATIC, TABLE, NoBackendError, autotune, autotune_block_reason, measure_ms, select_backend
 from .registry import Problem, registered_backends, device_info
 from .shapes import PRESETS, ShapeSpec, call_kwargs, load_grid, make_inputs
 
@@ -31,8 +31,9 @@ def format_table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(headers), sep, *(line(r) for r in rows)])
 
 
-def summarize(results: list[tuple[ShapeSpec, dict]], names: list[str]) -> str:
-    """The tune table: each backend's ms or why not, the winner, its speedup over `fla`."""
+def summarize(results: list[tuple[ShapeSpec, dict, str]], names: list[str]) -> str:
+    """The tune table: each backend's ms or why not, the winner, and its speedup over the
+    backend the static order would run (what an untuned call gets)."""
     notes: dict[str, int] = {}
 
     def note(text: str) -> str:
@@ -40,7 +41,7 @@ def summarize(results: list[tuple[ShapeSpec, dict]], names: list[str]) -> str:
         return f"[{notes[text]}]"
 
     rows = []
-    for spec, entry in results:
+    for spec, entry, static in results:
         cands = entry.get("candidates", {})
         cells = [spec.label()]
         for n in names:
@@ -55,11 +56,11 @@ def summarize(results: list[tuple[ShapeSpec, dict]], names: list[str]) -> str:
                 cells.append("-")
         winner = entry.get("winner") or "none"
         cells.append(winner)
-        fla_ms = cands.get("fla", {}).get("ms") if "failed" not in cands.get("fla", {}) else None
+        static_ms = cands.get(static, {}).get("ms") if "failed" not in cands.get(static, {}) else None
         win_ms = cands.get(winner, {}).get("ms")
-        cells.append(f"{fla_ms / win_ms:.2f}x" if fla_ms and win_ms else "-")
+        cells.append(f"{static_ms / win_ms:.2f}x ({static})" if static_ms and win_ms else "-")
         rows.append(cells)
-    out = format_table(["shape", *[f"{n} ms" for n in names], "winner", "vs fla"], rows)
+    out = format_table(["shape", *[f"{n} ms" for n in names], "winner", "vs static order"], rows)
     if notes:
         out += "\n" + "\n".join(f"[{i}] {text}" for text, i in notes.items())
     return out
@@ -68,10 +69,7 @@ def summarize(results: list[tuple[ShapeSpec, dict]], names: list[str]) -> str:
 def cmd_tune(args) -> int:
     if os.environ.get("GDR_BACKEND"):
         print(f"note: GDR_BACKEND={os.environ['GDR_BACKEND']} is ignored while tuning", file=sys.stderr)
-    device = torch.device(args.device or _default_device())
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("error: --device cuda, but torch sees no CUDA device", file=sys.stderr)
-        return 2
+    device = _device_or_error(args)
     if args.grid:
         shapes = load_grid(args.grid)
         source = args.grid
@@ -81,6 +79,10 @@ def cmd_tune(args) -> int:
         source = f"preset {preset}"
     variants = [v for s in shapes for v in s.variants()]
     dev = device_info(device)
+    if device.type != "cuda":
+        print("note: no CUDA device, so nothing the dispatcher autotunes can be measured here: this sweep times "
+              "the backends that run on the CPU (the torch backend) and writes a cpu table, which checks the "
+              "sweep itself; run it on the GPU you train on for a table that matters", file=sys.stderr)
     out_dir = Path(args.out) if args.out else tuning_table.user_table_dir()
     only = set(args.backends.split(",")) if args.backends else None
     if only:
@@ -93,6 +95,7 @@ def cmd_tune(args) -> int:
           f"{tuning_table.table_path(out_dir, dev.slug)}", file=sys.stderr)
 
     results = []
+    written = 0
     for i, spec in enumerate(variants, 1):
         t0 = time.perf_counter()
         print(f"[{i}/{len(variants)}] {spec.label()} ...", file=sys.stderr, flush=True)
@@ -100,6 +103,7 @@ def cmd_tune(args) -> int:
         call = validate(**call_kwargs(inputs))
         problem = Problem.from_call(call)
         verdicts = {n: b.supported(problem) for n, b in registered_backends().items()}
+        static = next((n for n, (ok, _) in verdicts.items() if ok), "")
         candidates = {n: b for n, b in registered_backends().items() if verdicts[n][0] and (only is None or n in only)}
         try:
             if not candidates:
@@ -114,7 +118,8 @@ def cmd_tune(args) -> int:
                 entry["candidates"][n] = {"unsupported": "left out by --backends"}
         if entry["winner"]:
             tuning_table.record(dev.slug, dev.name, {problem.table_key(): entry}, out_dir)
-        results.append((spec, entry))
+            written += 1
+        results.append((spec, entry, static))
         win = entry["winner"]
         won = f"{win} {entry['candidates'][win]['ms']:.3f} ms" if win else f"no winner ({entry.get('error')})"
         print(f"      -> {won}  [{time.perf_counter() - t0:.1f} s]", file=sys.stderr, flush=True)
@@ -123,8 +128,12 @@ def cmd_tune(args) -> int:
             torch.cuda.empty_cache()
 
     print(summarize(results, list(registered_backends())))
-    print(f"\ntable written: {tuning_table.table_path(out_dir, dev.slug)}")
-    return 0 if all(e["winner"] for _, e in results) else 1
+    path = tuning_table.table_path(out_dir, dev.slug)
+    if written:
+        print(f"\ntable written: {path} ({written} of {len(results)} shapes)")
+    else:
+        print(f"\nnothing written to {path}: no shape had a winner", file=sys.stderr)
+    return 0 if written == len(results) else 1
 
 
 def _spec_from_args(args) -> ShapeSpec:
@@ -136,8 +145,15 @@ def _spec_from_args(args) -> ShapeSpec:
     )
 
 
-def cmd_explain(args) -> int:
+def _device_or_error(args) -> torch.device:
     device = torch.device(args.device or _default_device())
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but torch sees no CUDA device")
+    return device
+
+
+def cmd_explain(args) -> int:
+    device = _device_or_error(args)
     spec = _spec_from_args(args)
     problem = spec.problem(device)
     print(f"shape: {problem.describe()}  [chunks {problem.num_chunks}, CTAs: seq x head {problem.seq_head_ctas}, "
@@ -156,32 +172,54 @@ def cmd_explain(args) -> int:
         print(f"chosen: none -- {e}")
         return 1
     how = choice.how
-    if how.startswith("static order (no tensors"):
-        blocked = autotune_block_reason(problem, call=object())
+    if choice.source == TABLE:
+        hit = choice.table_hit
+        how += f"; entry {hit.key!r}" + ("" if hit.exact else " (other library versions)")
+    elif choice.source == STATIC and choice.detail == NO_TENSORS:
+        blocked = autotune_block_reason(problem, have_tensors=True)
         supported = [n for n, (ok, _) in choice.verdicts.items() if ok]
         how = (f"in no tuning table: the first call autotunes {', '.join(supported)}"
-               if blocked is None else f"in no tuning table; static order ({blocked})")
+               if blocked is None and len(supported) > 1 else
+               f"in no tuning table; static order ({blocked or 'the only supported backend'})")
     print(f"chosen: {choice.backend.name} ({how})")
     return 0
 
 
+def _count(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gdr-dispatch", description=__doc__)
-    p.add_argument("-v", "--verbose", action="store_true", help="log the dispatcher's decisions")
+    # -v is accepted before or after the subcommand (`gdr-dispatch -v explain`, `gdr-dispatch explain -v`)
+    verbose = argparse.ArgumentParser(add_help=False)
+    verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                         help="log the dispatcher's decisions")
+    p = argparse.ArgumentParser(prog="gdr-dispatch", description=__doc__, parents=[verbose])
     sub = p.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("tune", help="measure every supported backend over a grid of shapes and write the table")
+    t = sub.add_parser("tune", parents=[verbose],
+                       help="measure every supported backend over a grid of shapes and write the table")
     src = t.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=sorted(PRESETS), help="default: h200-train on a GPU, cpu without one")
     src.add_argument("--grid", metavar="FILE.yaml", help="shapes to tune (see gdr_dispatch/shapes.py)")
     t.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when available")
     t.add_argument("--out", metavar="DIR", help="table directory (default: $GDR_TUNING_CACHE or ~/.cache/gdr_dispatch)")
     t.add_argument("--backends", metavar="A,B", help="tune only these backends")
-    t.add_argument("--warmup", type=int, default=2, help="untimed runs per backend after the first (default 2)")
-    t.add_argument("--reps", type=int, default=10, help="timed runs per backend, median reported (default 10)")
+    t.add_argument("--warmup", type=_count(0), default=2, help="untimed runs per backend after the first (default 2)")
+    t.add_argument("--reps", type=_count(1), default=10, help="timed runs per backend, median reported (default 10)")
     t.set_defaults(func=cmd_tune)
 
-    e = sub.add_parser("explain", help="for one shape: each backend's verdict and what a call would get")
+    e = sub.add_parser("explain", parents=[verbose],
+                       help="for one shape: each backend's verdict and what a call would get")
     e.add_argument("--B", type=int, default=1)
     e.add_argument("--T", type=int, default=4096)
     e.add_argument("--seqlens", metavar="L1,L2,..", help="varlen batch (then B=1, T=sum)")
@@ -202,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+                        format="%(message)s")
     try:
         return args.func(args)
     except (ValueError, TypeError, OSError) as e:

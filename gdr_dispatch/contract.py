@@ -1,8 +1,8 @@
 """The `fused_gdr_bwd` contract: what a call carries, what it returns, and its validation.
 
-The conventions are those of `GDR_MATH.md` (shared with the team): ungated WY inverse `a`,
-natural-log chunk-local cumsum `g`, chunk-start states `h` (or None), `dg` with respect to
-the raw per-token gate, `dq`/`dk` at the q/k head count.
+The conventions are docs/contract.md's: ungated WY inverse `a`, natural-log chunk-local
+cumsum `g`, chunk-start states `h` (or None), `dg` with respect to the raw per-token gate,
+`dq`/`dk` at the q/k head count.
 
 Validation runs before any work and reads only shapes, dtypes and devices, except for
 `cu_seqlens`, whose values must be read (one device-to-host copy) to check them and to
@@ -24,7 +24,7 @@ GATE_DTYPES = (torch.float32, torch.float64)
 
 
 class GDRGrads(NamedTuple):
-    """Gradients of `<o, do> + <ht, dht>` w.r.t. the forward's inputs (see GDR_MATH.md)."""
+    """Gradients of `<o, do> + <ht, dht>` w.r.t. the forward's inputs (docs/contract.md)."""
 
     dq: torch.Tensor  # [B, T, Hg, K], dtype of q
     dk: torch.Tensor  # [B, T, Hg, K], dtype of k
@@ -55,6 +55,7 @@ class GDRCall:
     # derived
     seq_lens: tuple[int, ...]  # token count of each of the N sequences
     num_chunks: int  # chunks over all sequences (the h tensor's chunk dimension)
+    max_seqlen: Optional[int] = None  # the caller's bound on the longest sequence (varlen), if given
 
     @property
     def B(self) -> int:
@@ -120,9 +121,45 @@ def chunk_counts(seq_lens: Sequence[int], chunk_size: int) -> list[int]:
     return [math.ceil(n / chunk_size) for n in seq_lens]
 
 
+def reduce_value_heads(x: torch.Tensor, Hg: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """`[B, T, H, D]` -> `[B, T, Hg, D]`: the sum over the value heads that share a q/k head
+    (head i uses q/k head i // (H // Hg)), in `x`'s dtype, then cast to `dtype` if given.
+
+    Kernels write dq/dk per value head in fp32 and reduce here, once per call: the one
+    place the contract's GVA reduction is written.
+    """
+    B, T, H, D = x.shape
+    out = x if H == Hg else x.view(B, T, Hg, H // Hg, D).sum(3)
+    return out if dtype is None or out.dtype == dtype else out.to(dtype)
+
+
+def check_sizes(B: int, T: int, H: int, Hg: int, K: int, V: int, chunk_size: int) -> None:
+    """The size rules of a call, without tensors: `validate` and `gdr-dispatch explain` share them.
+
+    Raises ValueError naming the argument (`q` carries B, T, Hg, K; `v` carries H, V).
+    """
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        raise TypeError(f"chunk_size: expected an int, got {type(chunk_size).__name__}")
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size: expected a positive int, got {chunk_size}")
+    if B < 1:
+        raise ValueError(f"q: expected at least one sequence (B >= 1), got B={B}")
+    if T < 1:
+        raise ValueError(f"q: expected at least one token (T >= 1), got T={T}")
+    if Hg < 1 or K < 1:
+        raise ValueError(f"q: the q/k head count and head dim must be >= 1, got Hg={Hg}, K={K}")
+    if H < 1 or V < 1:
+        raise ValueError(f"v: the value head count and head dim must be >= 1, got H={H}, V={V}")
+    if H % Hg != 0:
+        raise ValueError(
+            f"v: its head count H={H} must be a multiple of q/k's head count Hg={Hg} "
+            f"(value head i uses q/k head i // (H // Hg))"
+        )
+
+
 def validate(
     q, k, v, a, g, b, do, dht=None, h=None, *,
-    scale=None, initial_state=None, cu_seqlens=None, chunk_size=64, state_v_first=False,
+    scale=None, initial_state=None, cu_seqlens=None, chunk_size=64, state_v_first=False, max_seqlen=None,
 ) -> GDRCall:
     """Check a `fused_gdr_bwd` call and return it as a `GDRCall`.
 
@@ -137,10 +174,6 @@ def validate(
     b = _expect_tensor("b", b)
     do = _expect_tensor("do", do)
 
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
-        raise TypeError(f"chunk_size: expected an int, got {type(chunk_size).__name__}")
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size: expected a positive int, got {chunk_size}")
     if not isinstance(state_v_first, bool):
         raise TypeError(f"state_v_first: expected a bool, got {type(state_v_first).__name__}")
 
@@ -150,18 +183,10 @@ def validate(
     if v.dim() != 4:
         raise ValueError(f"v: expected 4 dims [B, T, H, V], got {_fmt_shape(v)}")
     H, V = v.shape[2], v.shape[3]
-    if T < 1:
-        raise ValueError(f"q: expected at least one token (T >= 1), got {_fmt_shape(q)}")
-    if min(Hg, K, H, V) < 1:
-        raise ValueError(f"q/v: head counts and head dims must be >= 1, got q {_fmt_shape(q)}, v {_fmt_shape(v)}")
-    _expect_shape("k", k, (B, T, Hg, K), "same as q: [B, T, Hg, K]")
     _expect_shape("v", v, (B, T, H, V), "[B, T, H, V] with B, T of q")
+    check_sizes(B, T, H, Hg, K, V, chunk_size)
+    _expect_shape("k", k, (B, T, Hg, K), "same as q: [B, T, Hg, K]")
     _expect_shape("do", do, (B, T, H, V), "same as v: [B, T, H, V]")
-    if H % Hg != 0:
-        raise ValueError(
-            f"v: its head count H={H} must be a multiple of q/k's head count Hg={Hg} "
-            f"(value head i uses q/k head i // (H // Hg))"
-        )
     _expect_shape("a", a, (B, T, H, chunk_size), "[B, T, H, chunk_size], the ungated WY inverse per chunk row")
     _expect_shape("g", g, (B, T, H), "[B, T, H], the chunk-local cumsum of the log gate")
     _expect_shape("b", b, (B, T, H), "[B, T, H], beta")
@@ -204,6 +229,13 @@ def validate(
         seq_lens = tuple(steps)
     N = len(seq_lens)
     num_chunks = sum(chunk_counts(seq_lens, chunk_size))
+    if max_seqlen is not None:
+        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+            raise TypeError(f"max_seqlen: expected an int or None, got {type(max_seqlen).__name__}")
+        longest = max(seq_lens)
+        if not longest <= max_seqlen <= T:
+            raise ValueError(f"max_seqlen: expected the longest sequence's length ({longest} tokens here) or a bound "
+                             f"on it no larger than T={T}, got {max_seqlen}")
 
     # states
     state = (N, H, V, K) if state_v_first else (N, H, K, V)
@@ -232,5 +264,5 @@ def validate(
     return GDRCall(
         q=q, k=k, v=v, a=a, g=g, b=b, do=do, dht=dht, h=h, scale=float(scale),
         initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-        state_v_first=state_v_first, seq_lens=seq_lens, num_chunks=num_chunks,
+        state_v_first=state_v_first, seq_lens=seq_lens, num_chunks=num_chunks, max_seqlen=max_seqlen,
     )

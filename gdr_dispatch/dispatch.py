@@ -2,11 +2,13 @@
 
 Selection, in order (environment read on every call):
   1. `GDR_BACKEND=<name>` forces that backend; an error if it cannot take the call.
-  2. A tuning-table hit (user table, then the shipped one) whose winner can take the call.
+  2. A tuning-table entry whose winner can take the call: the exact key (user table, then
+     shipped), else the same problem measured under other library versions (logged).
   3. A miss while autotuning is allowed: every supported backend runs on the call's own
      inputs, their gradients are cross-checked, the fastest that agrees wins and is stored.
   4. Otherwise (GDR_AUTOTUNE=0, CPU tensors, CUDA graph capture in progress, or a single
-     supported backend) the first supported backend in `registry.STATIC_PREFERENCE`.
+     supported backend) the first supported backend in the static order (each backend's
+     `static_rank`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 
 from . import tuning_table
 from .contract import GDRCall, GDRGrads, validate
-from .registry import Backend, Problem, registered_backends, get_backend
+from .registry import Backend, Problem, env_flag, get_backend, registered_backends
 
 log = logging.getLogger("gdr_dispatch")
 
@@ -33,12 +35,16 @@ AUTOTUNE_WARMUP = 2
 AUTOTUNE_REPS = 10
 
 #: Largest relative Frobenius difference allowed between two candidates' gradients, per
-#: input dtype. bf16: fla and FlashQLA each land at 3-4e-3 from the fp64 oracle (GDR_MATH.md),
-#: so two correct backends can differ by ~8e-3; a broken kernel is off by O(1).
+#: input dtype. bf16: fla and FlashQLA each land at 3-4e-3 from the fp64 oracle
+#: (docs/measurements.md), so two correct backends can differ by ~8e-3; a broken kernel is
+#: off by O(1).
 AGREEMENT_TOL = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4, "float64": 1e-8}
 
-#: Candidates trusted as the cross-check reference, most trusted first.
-REFERENCE_ORDER = ("torch", "fla")
+#: How a backend was chosen (`Choice.source`).
+FORCED, TABLE, AUTOTUNED, STATIC = "GDR_BACKEND", "table", "autotuned", "static order"
+
+#: Why a call is not autotuned when `select_backend` has no tensors to measure on.
+NO_TENSORS = "no tensors to measure on"
 
 
 class NoBackendError(RuntimeError):
@@ -48,11 +54,20 @@ class NoBackendError(RuntimeError):
 @dataclass
 class Choice:
     backend: Backend
-    how: str  # why this backend: "GDR_BACKEND", "table <path>", "autotuned", "static order (...)"
+    source: str  # FORCED, TABLE, AUTOTUNED or STATIC
+    detail: str = ""  # the table's path, where the autotuned result went, or why the static order
     verdicts: dict[str, tuple[bool, str]] = field(default_factory=dict)
     entry: Optional[dict] = None  # the table entry behind the choice, when there is one
+    table_hit: Optional[tuning_table.TableHit] = None
     grads: Optional[GDRGrads] = None  # the winner's output when autotuning already ran it
     logged: bool = False  # remembered choices are logged once, then cost nothing per call
+
+    @property
+    def how(self) -> str:
+        """One line for logs and `explain`."""
+        if self.source == TABLE and self.table_hit is not None and not self.table_hit.exact:
+            return f"{self.source} {self.detail}, {self.table_hit.versions_note}; run `gdr-dispatch tune` to refresh"
+        return f"{self.source} ({self.detail})" if self.detail else self.source
 
 
 _decided: dict = {}  # table key (or (key, why not autotuned)) -> Choice, this process
@@ -68,16 +83,16 @@ def clear_caches() -> None:
     tuning_table.forget()
 
 
-def autotune_block_reason(problem: Problem, call: Optional[GDRCall]) -> Optional[str]:
+def autotune_block_reason(problem: Problem, have_tensors: bool) -> Optional[str]:
     """Why this call may not be autotuned, or None when it may."""
-    if os.environ.get("GDR_AUTOTUNE", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not env_flag("GDR_AUTOTUNE", True):
         return "GDR_AUTOTUNE=0"
     if problem.device.type != "cuda":
         return f"{problem.device.type} tensors are never autotuned"
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return "CUDA graph capture in progress (nothing may compile or benchmark)"
-    if call is None:
-        return "no tensors to measure on"
+    if not have_tensors:
+        return NO_TENSORS
     return None
 
 
@@ -91,12 +106,12 @@ def select_backend(problem: Problem, call: Optional[GDRCall] = None) -> Choice:
         if not ok:
             raise NoBackendError(f"GDR_BACKEND={forced}, but backend {forced!r} cannot take this call "
                                  f"({problem.describe()}): {reason}")
-        return Choice(backend, "GDR_BACKEND")
+        return Choice(backend, FORCED)
 
     # a decision already made for this key: re-check only that its backend still takes the
     # call (its verdict can depend on the environment), not every backend
     key = problem.table_key()
-    blocked = autotune_block_reason(problem, call)
+    blocked = autotune_block_reason(problem, call is not None)
     memo = _decided.get(key) or _decided.get((key, blocked))
     if memo is not None and memo.backend.supported(problem)[0]:
         return memo
@@ -107,15 +122,14 @@ def select_backend(problem: Problem, call: Optional[GDRCall] = None) -> Choice:
         lines = "\n".join(f"  {n}: {r}" for n, (_, r) in verdicts.items())
         raise NoBackendError(f"no gdr_dispatch backend can take this call ({problem.describe()}):\n{lines}")
 
-    hit = tuning_table.lookup(problem.device.slug, key)
-    if hit is not None:
-        entry, path = hit
-        winner = entry["winner"]
+    for hit in tuning_table.lookup(problem.device.slug, problem.problem_key(), problem.versions_key()):
+        winner = hit.entry["winner"]
         if winner in supported:
-            _decided[key] = Choice(known[winner], f"table {path}", verdicts, entry)
+            _decided[key] = Choice(known[winner], TABLE, str(hit.path), verdicts, hit.entry, hit)
             return _decided[key]
-        log.warning("gdr_dispatch: table %s names %r for %s, which cannot take it now (%s); ignoring the entry",
-                    path, winner, problem.describe(), verdicts.get(winner, (False, "not registered"))[1])
+        if hit.exact:
+            log.warning("gdr_dispatch: table %s names %r for %s, which cannot take it now (%s); ignoring the entry",
+                        hit.path, winner, problem.describe(), verdicts.get(winner, (False, "not registered"))[1])
 
     if blocked is None and len(supported) > 1:
         entry, grads = autotune(call, problem, {n: known[n] for n in supported})
@@ -124,17 +138,17 @@ def select_backend(problem: Problem, call: Optional[GDRCall] = None) -> Choice:
                 entry["candidates"][name] = {"unsupported": reason}
         try:
             path = tuning_table.record(problem.device.slug, problem.device.name, {key: entry})
-            how = f"autotuned, stored in {path}"
+            detail = f"stored in {path}"
         except OSError as e:
             log.warning("gdr_dispatch: could not write the tuning table (%s); keeping the choice in memory", e)
-            how = "autotuned, not stored"
-        _decided[key] = Choice(known[entry["winner"]], how, verdicts, entry)
-        return Choice(known[entry["winner"]], how, verdicts, entry, grads)
+            detail = "not stored"
+        _decided[key] = Choice(known[entry["winner"]], AUTOTUNED, detail, verdicts, entry)
+        return Choice(known[entry["winner"]], AUTOTUNED, detail, verdicts, entry, grads=grads)
 
     # static choices are remembered per reason: a call outside graph capture, or with
     # GDR_AUTOTUNE changed, decides afresh
     why = blocked if blocked is not None else "the only supported backend"
-    _decided[(key, blocked)] = Choice(known[supported[0]], f"static order ({why})", verdicts)
+    _decided[(key, blocked)] = Choice(known[supported[0]], STATIC, why, verdicts)
     return _decided[(key, blocked)]
 
 
@@ -145,7 +159,7 @@ def _log_choice(problem: Problem, choice: Choice) -> None:
     name = choice.backend.name
     # the Problem itself is the key (hashing it is ~4x cheaper than building table_key(),
     # and a forced backend makes a new Choice on every call)
-    tag = (problem, name, choice.how.split(",")[0].split(" ")[0])
+    tag = (problem, name, choice.source)
     if tag in _logged:
         return
     _logged.add(tag)
@@ -161,6 +175,8 @@ def _log_choice(problem: Problem, choice: Choice) -> None:
             others.append(f"{other}: failed ({c['failed']})")
         elif "ms" in c:
             others.append(f"{other}: slower ({c['ms']:.3f} ms vs {cands.get(name, {}).get('ms', float('nan')):.3f} ms)")
+        elif choice.source == TABLE:
+            others.append(f"{other}: not measured in the table entry")
         else:
             others.append(f"{other}: lower in the static order")
     log.info("gdr_dispatch: backend %r for %s (%s)%s", name, problem.describe(), choice.how,
@@ -236,7 +252,11 @@ def autotune(call: GDRCall, problem: Problem, candidates: dict[str, Backend],
                 torch.cuda.empty_cache()  # e.g. the torch backend at a training shape: the others still run
             results[name] = {"failed": f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
 
-    ref_name = next((n for n in (*REFERENCE_ORDER, *outputs) if n in outputs), None)
+    # the cross-check reference: the most trusted candidate that ran (backends declare
+    # `reference_rank`), else the first that ran
+    trusted = sorted((b.reference_rank, n) for n, b in candidates.items()
+                     if b.reference_rank is not None and n in outputs)
+    ref_name = trusted[0][1] if trusted else next(iter(outputs), None)
     tol = AGREEMENT_TOL[problem.dtype]
     if ref_name is not None:
         for name in outputs:
@@ -286,17 +306,20 @@ def check_outputs(call: GDRCall, grads: GDRGrads, backend: str) -> None:
 
 
 def fused_gdr_bwd(q, k, v, a, g, b, do, dht=None, h=None, *, scale=None, initial_state=None,
-                  cu_seqlens=None, chunk_size=64, state_v_first=False) -> GDRGrads:
+                  cu_seqlens=None, chunk_size=64, state_v_first=False, max_seqlen=None) -> GDRGrads:
     """Backward of the chunked gated delta rule: `(dq, dk, dv, dg, db, dh0)`.
 
-    Inputs and outputs are exactly those of GDR_MATH.md: `a` the ungated WY inverse
+    Inputs and outputs are exactly those of docs/contract.md: `a` the ungated WY inverse
     `[B, T, H, BT]`, `g` the natural-log chunk-local cumsum of the gate, `h` the chunk-start
     states or None (then recomputed from `initial_state`); `dg` is w.r.t. the raw gate and
-    `dq`/`dk` are at the q/k head count. No input is written. Raises TypeError/ValueError
-    naming the argument for a bad call, and NoBackendError when no backend can take it.
+    `dq`/`dk` are at the q/k head count. `max_seqlen` (varlen: the longest sequence, as in
+    flash-attn) only sharpens the tuning-table key. No input is written. Raises
+    TypeError/ValueError naming the argument for a bad call, and NoBackendError when no
+    backend can take it.
     """
     call = validate(q, k, v, a, g, b, do, dht, h, scale=scale, initial_state=initial_state,
-                    cu_seqlens=cu_seqlens, chunk_size=chunk_size, state_v_first=state_v_first)
+                    cu_seqlens=cu_seqlens, chunk_size=chunk_size, state_v_first=state_v_first,
+                    max_seqlen=max_seqlen)
     problem = Problem.from_call(call)
     choice = select_backend(problem, call)
     _log_choice(problem, choice)

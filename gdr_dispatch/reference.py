@@ -1,7 +1,7 @@
 """Reference math: the token-by-token recurrence, its autograd (the oracle), and the residuals.
 
 `oracle_grads` is what every backend is tested against: float64 autograd of the recurrence
-in GDR_MATH.md, one token at a time, with no chunking to share a bug with the backends.
+in docs/contract.md, one token at a time, with no chunking to share a bug with the backends.
 `prepare_residuals` makes a backward call's inputs (g, a, h) from forward inputs with the
 chunked torch math, and also returns o and ht so that tests can hold it to the recurrence.
 """
@@ -12,6 +12,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from . import chunked_math as ex
 from .chunk_layout import ChunkLayout
 from .contract import GDRGrads, chunk_counts
 
@@ -93,8 +94,6 @@ def prepare_residuals(q, k, v, g_raw, beta, initial_state=None, cu_seqlens=None,
     Computes in fp32 (fp64 for fp64 inputs). `g`, `h`, `ht` come back in that dtype, `a` and
     `o` in q's dtype; cast `h` to q's dtype to mimic a forward that stores it narrowed.
     """
-    from .backends import exact_torch as ex  # the torch backend's stage functions
-
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, T, Hg, K = q.shape
     H = v.shape[2]

@@ -1,40 +1,66 @@
-"""The backend registry and the `Problem` every backend's `supported` predicate reads.
+"""The backend registry, and the `Problem` every backend's `supported` predicate reads.
 
 A backend says whether it can take a call from the `Problem` alone (shapes, dtypes, flags,
 device, library versions), never from tensor values, so the verdict can be cached and
 printed by `gdr-dispatch explain` for shapes that were never allocated. It lists *every*
-reason it says no, not only the first, so that a user learns at once all that stands in
-the way.
+reason it says no, not only the first. `supported` answers "can it run this correctly
+here"; which supported backend is fastest is for the tables and the static order.
+
+The registry names no backend: each one declares its own place in the static order
+(`static_rank`) and whether the autotuner may use it as the cross-check reference
+(`reference_rank`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib
 import math
 import os
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
 from .contract import GDRCall, GDRGrads
 
-#: Preference when nothing was measured (GDR_AUTOTUNE=0, CPU tensors, CUDA graph capture):
-#: the order of the measurements, not of the hopes. On the H200 (2026-11-29, bf16, K = V =
-#: 128, the h200-train tune of 10 shapes) `fla` won 9; `triton_wide` was 1.10-1.31x slower
-#: than fla at all 10; `tilelang_fused` (not yet warp-specialised) won varlen 8x4096 Hg16
-#: with h given (5.62 against fla's 6.39 ms) and was 1.07-3.8x slower at the other nine;
-#: `triton_transposed` is refused on sm90 (slower than triton_wide at every shape tried),
-#: so it and `tilelang_fused` (sm90 only) never compete. Names not registered are skipped.
-STATIC_PREFERENCE = ("fla", "triton_wide", "triton_transposed", "tilelang_fused", "torch")
+#: Environment switch that lets kernel backends not yet verified on a GPU run (tests, bench).
+ALLOW_UNVERIFIED_ENV = "GDR_ALLOW_UNVERIFIED"
+_allow_unverified: contextvars.ContextVar[bool] = contextvars.ContextVar("gdr_allow_unverified", default=False)
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
 
 
-def unverified_reason(note: str = "") -> str:
-    """The reason a kernel backend whose module says `GPU_VERIFIED = False` gives."""
-    return ("not verified on a GPU in this build (GPU_VERIFIED is False): refused until tests/test_gpu.py "
-            "passes for it" + (f"; {note}" if note else ""))
+def env_flag(name: str, default: bool) -> bool:
+    """A boolean environment variable, read now; anything unrecognised is an error naming it."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}: expected one of 1/0, true/false, yes/no, on/off, got {raw!r}")
+
+
+def unverified_allowed() -> bool:
+    """True inside `allow_unverified()` or with GDR_ALLOW_UNVERIFIED=1 (read per call)."""
+    return _allow_unverified.get() or env_flag(ALLOW_UNVERIFIED_ENV, False)
+
+
+@contextlib.contextmanager
+def allow_unverified() -> Iterator[None]:
+    """Let backends whose GPU tests have not passed yet take calls (for those tests and bench)."""
+    token = _allow_unverified.set(True)
+    try:
+        yield
+    finally:
+        _allow_unverified.reset(token)
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,14 +118,14 @@ def device_info(device: torch.device) -> DeviceInfo:
     return _host_device_info(device.type)
 
 
-def tokens_bucket(tokens: float) -> int:
-    """Round tokens-per-sequence up to a power of two, so varlen batches share table keys."""
-    return 1 << max(0, math.ceil(math.log2(max(tokens, 1.0))))
+def pow2_bucket(x: float) -> int:
+    """Round up to a power of two (1 for anything <= 1)."""
+    return 1 << max(0, math.ceil(math.log2(max(x, 1.0))))
 
 
 @dataclass(frozen=True)
 class Problem:
-    """What the dispatcher knows about a call before running it."""
+    """What the dispatcher knows about a call before running it (shapes, never tensor values)."""
 
     B: int
     T: int
@@ -110,7 +136,7 @@ class Problem:
     N: int  # sequences
     chunk_size: int
     num_chunks: int  # over all sequences
-    max_seq_len: int
+    max_seqlen: Optional[int]  # longest sequence: T for a fixed-length batch, the caller's max_seqlen for varlen
     dtype: str  # of q/k/v/do
     a_dtype: str
     b_dtype: str
@@ -139,10 +165,6 @@ class Problem:
         return self.num_chunks * self.H
 
     @property
-    def tokens_per_seq_bucket(self) -> int:
-        return tokens_bucket(self.B * self.T / self.N)
-
-    @property
     def flags(self) -> tuple[str, ...]:
         names = ("varlen", "grouped", "h_given", "has_dht", "has_initial_state", "state_v_first")
         return tuple(n for n in names if getattr(self, n))
@@ -150,23 +172,37 @@ class Problem:
     def version(self, lib: str) -> Optional[str]:
         return dict(self.versions)[lib]
 
-    def table_key(self) -> str:
-        """The tuning-table key: what decides which backend is fastest, nothing more.
+    def problem_key(self) -> str:
+        """What decides which backend is fastest, bucketed so that training runs reuse keys.
 
-        Tokens per sequence are bucketed to powers of two so varlen training, whose
-        sequence lengths change every step, reuses a handful of keys.
+        Sequences x heads count in waves of the device's SMs (rounded up to a power of two),
+        the total tokens and the longest sequence in powers of two: packed batches with a
+        varying number of sequences share a handful of keys. The longest sequence sets a
+        per-sequence kernel's time; for varlen calls it comes from the caller's `max_seqlen`
+        (never from reading `cu_seqlens`), `-` when not given.
         """
         cap = "cpu" if self.device.capability is None else f"sm{self.device.capability[0]}{self.device.capability[1]}"
-        vers = ",".join(f"{k}={v or '-'}" for k, v in self.versions)
         flags = "+".join(self.flags) or "none"
+        waves = pow2_bucket(self.seq_head_ctas / max(self.device.sm_count, 1))
+        longest = "-" if self.max_seqlen is None else pow2_bucket(self.max_seqlen)
         return (
-            f"{self.device.name}|{cap}|{vers}|{self.dtype}|K{self.K}|V{self.V}|H{self.H}|Hg{self.Hg}"
-            f"|BT{self.chunk_size}|{flags}|NH{self.seq_head_ctas}|tps{self.tokens_per_seq_bucket}"
+            f"{self.device.name}|{cap}|{self.dtype}|K{self.K}|V{self.V}|H{self.H}|Hg{self.Hg}"
+            f"|BT{self.chunk_size}|{flags}|waves{waves}|tokens{pow2_bucket(self.B * self.T)}|max{longest}"
         )
+
+    def versions_key(self) -> str:
+        return ",".join(f"{k}={v or '-'}" for k, v in self.versions)
+
+    def table_key(self) -> str:
+        """The tuning-table key: the problem, then the library versions it was measured with."""
+        return f"{self.problem_key()}|{self.versions_key()}"
 
     def describe(self) -> str:
         """Short human form for logs and tables."""
-        seqs = f"N{self.N} (varlen, max {self.max_seq_len})" if self.varlen else f"B{self.B}"
+        if self.varlen:
+            seqs = f"N{self.N} (varlen" + (f", max {self.max_seqlen})" if self.max_seqlen else ")")
+        else:
+            seqs = f"B{self.B}"
         return (
             f"{seqs} T{self.T} H{self.H} Hg{self.Hg} K{self.K} V{self.V} {self.dtype}"
             f" h={'given' if self.h_given else 'None'}"
@@ -180,11 +216,13 @@ class Problem:
             return None if x is None else str(x.dtype).replace("torch.", "")
 
         state = call.initial_state if call.initial_state is not None else call.dht
+        varlen = call.cu_seqlens is not None
         return Problem(
             B=call.B, T=call.T, H=call.H, Hg=call.Hg, K=call.K, V=call.V, N=call.N,
-            chunk_size=call.chunk_size, num_chunks=call.num_chunks, max_seq_len=max(call.seq_lens),
+            chunk_size=call.chunk_size, num_chunks=call.num_chunks,
+            max_seqlen=call.max_seqlen if varlen else call.T,
             dtype=dt(call.q), a_dtype=dt(call.a), b_dtype=dt(call.b), h_dtype=dt(call.h),
-            state_dtype=dt(state), varlen=call.cu_seqlens is not None, h_given=call.h is not None,
+            state_dtype=dt(state), varlen=varlen, h_given=call.h is not None,
             has_dht=call.dht is not None, has_initial_state=call.initial_state is not None,
             state_v_first=call.state_v_first, device=device_info(call.q.device),
             versions=tuple(library_versions().items()),
@@ -192,16 +230,29 @@ class Problem:
 
 
 class Backend:
-    """One way to compute the contract. Subclasses set `name` and implement the two methods."""
+    """One way to compute the contract.
+
+    Subclasses set `name`, `static_rank` (their place in the static order, lowest first:
+    what runs when nothing was measured) and implement `not_supported_reasons` and `run`.
+    `reference_rank` marks a backend the autotuner may cross-check the others against
+    (lowest first). A GPU kernel backend sets `gpu_verified = False` until its oracle tests
+    (tests/test_gpu.py) pass on a GPU; it is refused until then, unless `allow_unverified()`.
+    """
 
     name: str = ""
+    static_rank: int = 1000
+    reference_rank: Optional[int] = None
+    gpu_verified: bool = True
 
     def not_supported_reasons(self, problem: Problem) -> list[str]:
-        """Every reason this backend cannot take the problem; empty when it can."""
+        """Every reason this backend cannot take the problem correctly here; empty when it can."""
         raise NotImplementedError
 
     def supported(self, problem: Problem) -> tuple[bool, str]:
-        reasons = self.not_supported_reasons(problem)
+        reasons = list(self.not_supported_reasons(problem))
+        if not self.gpu_verified and not unverified_allowed():
+            reasons.insert(0, f"not verified on a GPU yet: refused until tests/test_gpu.py passes for it "
+                              f"(set {ALLOW_UNVERIFIED_ENV}=1 to run it anyway)")
         return (not reasons, "; ".join(reasons))
 
     def run(self, call: GDRCall) -> GDRGrads:
@@ -220,9 +271,9 @@ def register(backend: Backend) -> Backend:
 
 
 def registered_backends() -> dict[str, Backend]:
-    """Registered backends in static preference order (then registration order)."""
+    """Registered backends in static order (`static_rank`, then registration order)."""
     _load_builtin_backends()
-    order = [n for n in STATIC_PREFERENCE if n in _REGISTRY] + [n for n in _REGISTRY if n not in STATIC_PREFERENCE]
+    order = sorted(_REGISTRY, key=lambda n: _REGISTRY[n].static_rank)  # sorted() is stable
     return {n: _REGISTRY[n] for n in order}
 
 

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import yaml
 
-from .contract import chunk_counts
+from .contract import check_sizes, chunk_counts
 from .registry import Problem, device_info, library_versions
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -47,12 +47,17 @@ class ShapeSpec:
         if self.seqlens is not None:
             object.__setattr__(self, "seqlens", tuple(int(s) for s in self.seqlens))
             if self.B != 1:
-                raise ValueError(f"shape {self}: seqlens (varlen) needs B == 1")
+                raise ValueError(f"seqlens: a varlen batch packs its sequences along T and needs B == 1, got B={self.B}")
+            if not self.seqlens or min(self.seqlens) < 0:
+                raise ValueError(f"seqlens: expected one or more lengths >= 0, got {list(self.seqlens)}")
             object.__setattr__(self, "T", sum(self.seqlens))
         if self.T is None:
             raise ValueError("a shape needs T, or seqlens for a varlen batch")
         if self.Hg is None:
             object.__setattr__(self, "Hg", self.H)
+        # the rules a call of this shape would be held to, so that `explain` refuses what
+        # `fused_gdr_bwd` refuses
+        check_sizes(self.B, self.T, self.H, self.Hg, self.K, self.V, self.chunk_size)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {self.dtype!r}")
         object.__setattr__(self, "dtype", str(DTYPES[self.dtype]).replace("torch.", ""))
@@ -83,7 +88,7 @@ class ShapeSpec:
         sdt = "float32" if (self.initial_state or self.dht) else None
         return Problem(
             B=self.B, T=self.T, H=self.H, Hg=self.Hg, K=self.K, V=self.V, N=len(self.seq_lens),
-            chunk_size=self.chunk_size, num_chunks=n_chunks, max_seq_len=max(self.seq_lens),
+            chunk_size=self.chunk_size, num_chunks=n_chunks, max_seqlen=max(self.seq_lens),
             dtype=self.dtype, a_dtype=self.dtype, b_dtype=self.dtype,
             h_dtype=self.dtype if self.h == "given" else None, state_dtype=sdt,
             varlen=self.seqlens is not None, h_given=self.h == "given", has_dht=self.dht,
@@ -169,7 +174,7 @@ def make_inputs(spec: ShapeSpec, device, seed: int = 0) -> dict:
         q=q, k=k, v=v, a=res.a, g=res.g, b=beta, do=do, dht=dht,
         h=res.h.to(dt) if spec.h == "given" else None,
         initial_state=h0, cu_seqlens=cu, chunk_size=spec.chunk_size, state_v_first=spec.state_v_first,
-        scale=K ** -0.5, g_raw=g_raw,
+        max_seqlen=max(spec.seqlens) if spec.seqlens is not None else None, scale=K ** -0.5, g_raw=g_raw,
     )
 
 
@@ -183,7 +188,7 @@ def bytes_and_flops(spec: ShapeSpec) -> tuple[float, float]:
 
     Bytes: read q, k, v, do, a, g, b (+ h when given) once and write dq, dk, dv, dg, db
     once. FLOPs: per chunk and value head, the ~14 BTxBTxD / BTxDxD matmuls of the
-    fused backward (GDR_MATH.md chunk form), counted as 2 FLOPs per multiply-add; with
+    fused backward (docs/contract.md, chunk form), counted as 2 FLOPs per multiply-add; with
     `h=None` the state recompute adds ~4 more. An estimate for the roofline, not a count of
     what any one kernel executes.
     """

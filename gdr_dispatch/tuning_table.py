@@ -5,12 +5,17 @@ Two places are read, the user's first:
     under `$XDG_CACHE_HOME` when set), where the autotuner and `gdr-dispatch tune` write;
   * the tables shipped in the package (`gdr_dispatch.tuning_cache`), read-only.
 
+A key is `<problem>|<library versions>`. A lookup takes the exact key first; failing that,
+an entry for the same problem measured under other library versions (newest first), so
+that a patch release of torch or Triton does not throw the shipped table away.
+
 Each entry keeps every candidate's median time or the reason it was unsupported or failed,
-and the winner, so a table explains itself. Writers take an exclusive `flock` on a lock file
-beside the table, re-read it, merge, write a temporary file and rename it over the table:
-one process per GPU can tune at once, and a reader never sees half a file. A table that
-cannot be read or parsed is reported once (per file version) and ignored, never a crash;
-the next write sets it aside as `<name>.corrupt` and starts a fresh one.
+and the winner, so a table explains itself. Tables are user-editable data: a file that
+cannot be read or parsed, or an entry of the wrong form, is reported once (per file
+version) and ignored, never a crash. Writers take an exclusive `flock` on a lock file beside
+the table, re-read it, merge, write a temporary file and rename it over the table: one
+process per GPU can tune at once, and a reader never sees half a file. The next write sets
+an unusable table aside as `<name>.corrupt-<time>` (never over an earlier one).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import fcntl
 import logging
 import os
 import tempfile
+from dataclasses import dataclass
+from numbers import Real
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -28,7 +35,8 @@ import yaml
 
 log = logging.getLogger("gdr_dispatch")
 
-FORMAT_VERSION = 1
+#: 2: keys `<problem>|<versions>` with bucketed sizes (format 1 put the versions in the middle).
+FORMAT_VERSION = 2
 
 
 def user_table_dir() -> Path:
@@ -49,8 +57,14 @@ def table_path(directory: Path, slug: str) -> Path:
     return Path(directory) / f"{slug}.yaml"
 
 
+def split_key(key: str) -> tuple[str, str]:
+    """`<problem>|<versions>` -> (problem, versions)."""
+    problem, _, versions = key.rpartition("|")
+    return problem, versions
+
+
 _warned: set = set()
-_cache: dict[Path, tuple[tuple[int, int], dict]] = {}
+_cache: dict[Path, tuple[tuple[int, int], dict, dict]] = {}  # path -> (stamp, entries, problem index)
 
 
 def forget() -> None:
@@ -59,8 +73,35 @@ def forget() -> None:
     _warned.clear()
 
 
+def _warn_once(tag, msg: str, *args) -> None:
+    if tag not in _warned:
+        _warned.add(tag)
+        log.warning(msg, *args)
+
+
+def entry_problem(key, entry) -> Optional[str]:
+    """Why a table entry cannot be used as written, or None when it can."""
+    if not isinstance(key, str) or "|" not in key:
+        return f"its key {key!r} is not a gdr_dispatch table key"
+    if not isinstance(entry, dict):
+        return f"expected a mapping, got {type(entry).__name__}"
+    winner = entry.get("winner")
+    if winner is not None and not isinstance(winner, str):
+        return f"winner: expected a backend name, got {winner!r}"
+    cands = entry.get("candidates", {})
+    if not isinstance(cands, dict):
+        return f"candidates: expected a mapping of backend name to result, got {type(cands).__name__}"
+    for name, result in cands.items():
+        if not isinstance(result, dict):
+            return f"candidates.{name}: expected a mapping (ms, failed or unsupported), got {result!r}"
+        ms = result.get("ms")
+        if ms is not None and (isinstance(ms, bool) or not isinstance(ms, Real)):
+            return f"candidates.{name}.ms: expected a number, got {ms!r}"
+    return None
+
+
 def _read_entries(path: Path) -> dict:
-    """Entries of one table file; {} when absent; raises ValueError when unusable."""
+    """Raw entries of one table file; {} when absent; raises ValueError when unusable as a whole."""
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -76,41 +117,82 @@ def _read_entries(path: Path) -> dict:
     if not isinstance(doc, dict) or not isinstance(doc.get("entries", {}), dict):
         raise ValueError("expected a mapping with an 'entries' mapping")
     if doc.get("format", FORMAT_VERSION) != FORMAT_VERSION:
-        raise ValueError(f"format {doc.get('format')!r}, this gdr_dispatch reads format {FORMAT_VERSION}")
+        raise ValueError(f"format {doc.get('format')!r}, this gdr_dispatch reads format {FORMAT_VERSION} "
+                         f"(re-run `gdr-dispatch tune`)")
     return doc.get("entries") or {}
 
 
 def load_entries(path: Path) -> dict:
-    """Entries of a table, cached per file version; an unusable table warns once and reads as empty."""
+    """The usable entries of a table, cached per file version; what is unusable warns once."""
+    return _load(path)[0]
+
+
+def _load(path: Path) -> tuple[dict, dict]:
     try:
         st = path.stat()
     except FileNotFoundError:
-        return {}
+        return {}, {}
     except OSError:
         st = None
     stamp = (st.st_mtime_ns, st.st_size) if st else (0, 0)
     hit = _cache.get(path)
     if hit is not None and hit[0] == stamp:
-        return hit[1]
+        return hit[1], hit[2]
     try:
-        entries = _read_entries(path)
+        raw = _read_entries(path)
     except ValueError as e:
-        if (path, stamp) not in _warned:
-            _warned.add((path, stamp))
-            log.warning("gdr_dispatch: ignoring tuning table %s (%s)", path, e)
-        entries = {}
-    _cache[path] = (stamp, entries)
-    return entries
+        _warn_once((path, stamp), "gdr_dispatch: ignoring tuning table %s (%s)", path, e)
+        raw = {}
+    entries, index = {}, {}
+    for key, entry in raw.items():
+        why = entry_problem(key, entry)
+        if why is not None:
+            _warn_once((path, stamp, str(key)), "gdr_dispatch: ignoring entry %r of tuning table %s (%s)", key, path, why)
+            continue
+        entries[key] = entry
+        problem, versions = split_key(key)
+        index.setdefault(problem, []).append((versions, key))
+    _cache[path] = (stamp, entries, index)
+    return entries, index
 
 
-def lookup(slug: str, key: str) -> Optional[tuple[dict, Path]]:
-    """The entry for `key` and the table it came from: user table first, then shipped."""
-    for directory in (user_table_dir(), shipped_table_dir()):
-        path = table_path(directory, slug)
-        entry = load_entries(path).get(key)
-        if isinstance(entry, dict) and entry.get("winner"):
-            return entry, path
-    return None
+@dataclass(frozen=True)
+class TableHit:
+    entry: dict
+    path: Path
+    key: str
+    exact: bool  # measured with the running library versions
+    measured_with: str  # the versions part of the key
+    running: str = ""  # the running versions (same form)
+
+    @property
+    def versions_note(self) -> str:
+        """`measured with triton 3.6.0, running 3.7.1` for the libraries that differ."""
+        then = dict(kv.split("=", 1) for kv in self.measured_with.split(",") if "=" in kv)
+        now = dict(kv.split("=", 1) for kv in self.running.split(",") if "=" in kv)
+        libs = [k for k in {**then, **now} if then.get(k) != now.get(k)]
+        if not libs:
+            return f"measured with {self.measured_with}"
+        was = ", ".join(f"{k} {then.get(k, '?')}" for k in libs)
+        now_ = ", ".join(f"{now.get(k, '?')}" if len(libs) == 1 else f"{k} {now.get(k, '?')}" for k in libs)
+        return f"measured with {was}, running {now_}"
+
+
+def lookup(slug: str, problem_key: str, versions_key: str) -> Iterator[TableHit]:
+    """Entries for a problem, best first: the exact key (user table, then shipped), then the
+    same problem under other library versions (user table, then shipped; newest first)."""
+    tables = [table_path(d, slug) for d in (user_table_dir(), shipped_table_dir())]
+    exact_key = f"{problem_key}|{versions_key}"
+    for path in tables:
+        entry = load_entries(path).get(exact_key)
+        if entry is not None and entry.get("winner"):
+            yield TableHit(entry, path, exact_key, True, versions_key, versions_key)
+    for path in tables:
+        entries, index = _load(path)
+        others = [(v, k) for v, k in index.get(problem_key, []) if v != versions_key and entries[k].get("winner")]
+        others.sort(key=lambda vk: str(entries[vk[1]].get("measured_at", "")), reverse=True)
+        for versions, key in others:
+            yield TableHit(entries[key], path, key, False, versions, versions_key)
 
 
 @contextlib.contextmanager
@@ -124,6 +206,29 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
 
+def _set_aside(path: Path) -> Path:
+    """Move an unusable table to a fresh `<name>.corrupt-<UTC time>[-n]` beside it."""
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    aside = path.with_name(f"{path.name}.corrupt-{stamp}")
+    n = 1
+    while aside.exists():
+        aside = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
+        n += 1
+    os.replace(path, aside)
+    return aside
+
+
+def _file_mode(path: Path) -> int:
+    """The mode a rewritten table gets: the old file's, else what the umask allows of 0o666
+    (mkstemp's 0o600 would hide a shared cache directory's table from its other users)."""
+    try:
+        return path.stat().st_mode & 0o777
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
 def record(slug: str, device_name: str, new_entries: dict, directory: Optional[Path] = None) -> Path:
     """Merge `new_entries` into the device's table in `directory` (default: the user table)."""
     path = table_path(directory or user_table_dir(), slug)
@@ -131,23 +236,25 @@ def record(slug: str, device_name: str, new_entries: dict, directory: Optional[P
         try:
             entries = dict(_read_entries(path))
         except ValueError as e:
-            aside = path.with_name(path.name + ".corrupt")
+            aside = _set_aside(path)
             log.warning("gdr_dispatch: tuning table %s is unusable (%s); moved to %s", path, e, aside)
-            os.replace(path, aside)
             entries = {}
         entries.update(new_entries)
         doc = {
             "format": FORMAT_VERSION,
             "device": device_name,
-            "note": "written by gdr_dispatch; candidates hold median ms, or why a backend was unsupported or failed",
-            "entries": dict(sorted(entries.items())),
+            "note": "written by gdr_dispatch; keys are <problem>|<library versions>; candidates hold median ms, "
+                    "or why a backend was unsupported or failed",
+            "entries": dict(sorted(entries.items(), key=lambda kv: str(kv[0]))),
         }
+        mode = _file_mode(path)
         fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(fd, "w") as f:
                 yaml.safe_dump(doc, f, sort_keys=False, width=120)
                 f.flush()
                 os.fsync(f.fileno())
+            os.chmod(tmp, mode)
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):

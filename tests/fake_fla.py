@@ -1,6 +1,6 @@
 """fla-core's backward stages re-done with the torch backend's stage functions, for CPU tests.
 
-fla's own kernels do not run in Triton's interpreter (GDR_MATH.md), so on a machine without
+fla's own kernels do not run in Triton's interpreter (docs/contract.md, "Known hazards"), so on a machine without
 a GPU the fla and Triton backends are run against these stand-ins: same signatures (each
 call is bound to the real function's signature, so a wrong keyword fails), same
 conventions (log2 gate, gated A, GVA heads), exact fp64 math. What they test is our
@@ -12,8 +12,9 @@ import math
 
 import torch
 
-from gdr_dispatch.backends import exact_torch as ex
+from gdr_dispatch import chunked_math as ex
 from gdr_dispatch.chunk_layout import ChunkLayout
+from gdr_dispatch.contract import reduce_value_heads
 
 F64 = torch.float64
 LN2 = math.log(2.0)
@@ -95,7 +96,7 @@ def chunk_bwd_dqkwg(q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None, s
     dq, dk, dw, dG = ex.dqkwg(_heads(lay, q, H), _heads(lay, k, H), lay.gather(v, F64), lay.gather(w, F64),
                               lay.gather_gate(g, F64) * LN2, _states_in(lay, h, state_v_first), lay.gather(dv, F64),
                               lay.gather(do, F64), _states_in(lay, dh, state_v_first), scale, lay.chunk_len)
-    return (ex.reduce_heads(lay.scatter(dq, F64), Hg).to(q.dtype), ex.reduce_heads(lay.scatter(dk, F64), Hg).to(k.dtype),
+    return (reduce_value_heads(lay.scatter(dq, F64), Hg, q.dtype), reduce_value_heads(lay.scatter(dk, F64), Hg, k.dtype),
             lay.scatter(dw, w.dtype), lay.scatter(dG, torch.float32))
 
 
@@ -105,7 +106,7 @@ def prepare_wy_repr_bwd(k, v, beta, A, dw, du, g=None, cu_seqlens=None, chunk_in
     dk2, dv, db, dG2 = ex.wy_bwd(_heads(lay, k, H), lay.gather(v, F64), lay.gather(beta, F64), lay.gather(A, F64),
                                  lay.gather_gate(g, F64) * LN2, lay.gather(dw, F64), lay.gather(du, F64),
                                  a_is_gated=True)
-    return (ex.reduce_heads(lay.scatter(dk2, F64), Hg).to(k.dtype), lay.scatter(dv, v.dtype),
+    return (reduce_value_heads(lay.scatter(dk2, F64), Hg, k.dtype), lay.scatter(dv, v.dtype),
             lay.scatter(db, beta.dtype), lay.scatter(dG2, torch.float32))
 
 

@@ -11,7 +11,6 @@ import pytest
 import torch
 import yaml
 
-import gdr_dispatch
 from gdr_dispatch import Backend, Problem, fused_gdr_bwd, registry, tuning_table
 from gdr_dispatch import dispatch as dsp
 from gdr_dispatch.contract import validate
@@ -135,8 +134,8 @@ def test_static_order_on_cpu_never_autotunes(kwargs, fakes, monkeypatch):
     monkeypatch.setattr(dsp, "autotune", lambda *a, **k: pytest.fail("autotuned a CPU call"))
     problem = Problem.from_call(validate(**kwargs))
     choice = dsp.select_backend(problem, validate(**kwargs))
-    assert choice.backend.name == "torch"  # torch is ahead of unknown names in the static order
-    assert "cpu tensors are never autotuned" in choice.how
+    assert choice.backend.name == "torch"  # torch (rank 100) is ahead of the fake (default rank 1000)
+    assert choice.source == dsp.STATIC and "cpu tensors are never autotuned" in choice.detail
 
 
 def test_graph_capture_never_autotunes(kwargs, fakes, monkeypatch):
@@ -146,7 +145,7 @@ def test_graph_capture_never_autotunes(kwargs, fakes, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     call = validate(**kwargs)
     choice = dsp.select_backend(fake_cuda(Problem.from_call(call)), call)
-    assert "CUDA graph capture" in choice.how
+    assert choice.source == dsp.STATIC and "CUDA graph capture" in choice.detail
 
 
 def test_autotune_off_by_env(kwargs, fakes, monkeypatch):
@@ -154,7 +153,8 @@ def test_autotune_off_by_env(kwargs, fakes, monkeypatch):
     monkeypatch.setenv("GDR_AUTOTUNE", "0")
     monkeypatch.setattr(dsp, "autotune", lambda *a, **k: pytest.fail("autotuned with GDR_AUTOTUNE=0"))
     call = validate(**kwargs)
-    assert "GDR_AUTOTUNE=0" in dsp.select_backend(fake_cuda(Problem.from_call(call)), call).how
+    choice = dsp.select_backend(fake_cuda(Problem.from_call(call)), call)
+    assert choice.source == dsp.STATIC and choice.detail == "GDR_AUTOTUNE=0"
 
 
 def _fake_measure(times):
@@ -171,14 +171,14 @@ def test_autotune_miss_picks_fastest_agreeing_and_stores(kwargs, fakes, monkeypa
     fakes("fake_ok")
     order = list(registry.registered_backends())  # torch, then the fakes in registration order
     times = {"torch": 9.0, "fake_fast_wrong": 1.0, "fake_ok": 2.0}
-    monkeypatch.setattr(dsp, "autotune_block_reason", lambda p, c: None)
+    monkeypatch.setattr(dsp, "autotune_block_reason", lambda p, have_tensors: None)
     monkeypatch.setattr(dsp, "measure_ms", _fake_measure([times[n] for n in order if n in times]))
     grads = fused_gdr_bwd(**kwargs)
 
     problem = Problem.from_call(validate(**kwargs))
-    hit = tuning_table.lookup(problem.device.slug, problem.table_key())
-    assert hit is not None, "the autotuned choice was not stored"
-    entry, path = hit
+    hit = next(tuning_table.lookup(problem.device.slug, problem.problem_key(), problem.versions_key()), None)
+    assert hit is not None and hit.exact, "the autotuned choice was not stored"
+    entry, path = hit.entry, hit.path
     assert entry["winner"] == "fake_ok"
     c = entry["candidates"]
     assert c["torch"]["ms"] == 9.0 and c["fake_ok"]["ms"] == 2.0
@@ -235,12 +235,12 @@ def test_logs_the_backend_once_per_key(kwargs, caplog):
 
 # -- the tables -------------------------------------------------------------------------
 def test_table_round_trip(tmp_path):
-    entries = {"k1|x": {"winner": "torch", "candidates": {"torch": {"ms": 1.5}, "fla": {"unsupported": "no CUDA"}}},
-               "k2|y": {"winner": "fla", "candidates": {"fla": {"ms": 0.5}}}}
+    entries = {"k1|x": {"winner": "torch", "candidates": {"torch": {"ms": 1.5}, "other": {"unsupported": "no CUDA"}}},
+               "k2|y": {"winner": "other", "candidates": {"other": {"ms": 0.5}}}}
     path = tuning_table.record("nvidia-h200-sm90", "NVIDIA H200", entries, tmp_path)
     assert path == tmp_path / "nvidia-h200-sm90.yaml"
     doc = yaml.safe_load(path.read_text())
-    assert doc["format"] == 1 and doc["device"] == "NVIDIA H200"
+    assert doc["format"] == tuning_table.FORMAT_VERSION and doc["device"] == "NVIDIA H200"
     assert tuning_table.load_entries(path) == entries
     tuning_table.record("nvidia-h200-sm90", "NVIDIA H200", {"k3|z": {"winner": "torch"}}, tmp_path)
     assert set(tuning_table.load_entries(path)) == {"k1|x", "k2|y", "k3|z"}
@@ -250,17 +250,16 @@ def test_table_round_trip(tmp_path):
 def test_two_processes_write_one_table(tmp_path):
     script = textwrap.dedent(f"""
         import sys
-        sys.path.insert(0, {str(Path(gdr_dispatch.__file__).parent.parent)!r})
-        from gdr_dispatch import tuning_table
+        from gdr_dispatch import tuning_table  # the package under test, wherever it is installed
         from pathlib import Path
         tag = sys.argv[1]
         for i in range(40):
-            tuning_table.record("dev", "Dev", {{f"{{tag}}-{{i}}": {{"winner": "torch"}}}}, Path({str(tmp_path)!r}))
+            tuning_table.record("dev", "Dev", {{f"{{tag}}|{{i}}": {{"winner": "torch"}}}}, Path({str(tmp_path)!r}))
     """)
     procs = [subprocess.Popen([sys.executable, "-c", script, tag]) for tag in ("a", "b")]
     assert all(p.wait(timeout=120) == 0 for p in procs)
     entries = tuning_table.load_entries(tmp_path / "dev.yaml")
-    assert set(entries) == {f"{t}-{i}" for t in "ab" for i in range(40)}
+    assert set(entries) == {f"{t}|{i}" for t in "ab" for i in range(40)}
 
 
 def test_corrupt_table_warns_once_and_is_ignored(kwargs, caplog):
@@ -275,9 +274,9 @@ def test_corrupt_table_warns_once_and_is_ignored(kwargs, caplog):
     assert len(warnings) == 1 and str(path) in warnings[0].message
     # the next write sets the corrupt file aside and starts a fresh table
     with caplog.at_level(logging.WARNING, "gdr_dispatch"):
-        tuning_table.record(problem.device.slug, "cpu", {"k": {"winner": "torch"}})
-    assert path.with_name(path.name + ".corrupt").exists()
-    assert tuning_table.load_entries(path) == {"k": {"winner": "torch"}}
+        tuning_table.record(problem.device.slug, "cpu", {"k|v": {"winner": "torch"}})
+    assert len(list(path.parent.glob(path.name + ".corrupt*"))) == 1
+    assert tuning_table.load_entries(path) == {"k|v": {"winner": "torch"}}
 
 
 @pytest.mark.parametrize("text", ["- just\n- a list\n", "format: 99\nentries: {}\n", "entries: 3\n"])
@@ -287,13 +286,6 @@ def test_wrong_table_structure_is_ignored(text, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, "gdr_dispatch"):
         assert tuning_table.load_entries(path) == {}
     assert "ignoring tuning table" in caplog.text
-
-
-def test_key_buckets_tokens_per_sequence():
-    a = ShapeSpec(seqlens=(3000, 3100), H=4, K=8, V=8).problem(torch.device("cpu"))
-    b = ShapeSpec(seqlens=(2100, 4000), H=4, K=8, V=8).problem(torch.device("cpu"))
-    c = ShapeSpec(seqlens=(5000, 4000), H=4, K=8, V=8).problem(torch.device("cpu"))
-    assert a.table_key() == b.table_key() != c.table_key()
 
 
 def test_spec_problem_matches_call_problem():

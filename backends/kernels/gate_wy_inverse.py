@@ -6,7 +6,7 @@ backend one more launch: at B1 T8192 H16 its backward is launch-bound on the H20
 
 fla's `recompute_w_u_fwd` and `prepare_wy_repr_bwd` take the gated inverse, the contract
 carries the ungated one (gating is exact, un-gating divides by an underflowing exp; see
-GDR_MATH.md). One program per (chunk, batch x head) reads the chunk's [BT, BT] rows of `a`
+docs/contract.md). One program per (chunk, batch x head) reads the chunk's [BT, BT] rows of `a`
 and its BT gate values once. The exponent is masked before `exp`, so entries above the
 diagonal (where G_t - G_j can be large and positive) never overflow.
 """

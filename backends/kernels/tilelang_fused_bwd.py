@@ -3,7 +3,7 @@
 Seed 000's design (FlashQLA, sm90) in its plainest form, before any warp specialisation:
 each CTA walks its sequence's chunks from last to first with the state gradient `dh`
 (`[K, V]` fp32) resident in registers, and per chunk does stages 3-6 of the chain
-(GDR_MATH.md) plus the reverse cumsum of `dg`:
+(docs/contract.md) plus the reverse cumsum of `dg`:
 
     forward recompute   Ag = Gam * a,  W = Ag (b e^G K),  v_new = Ag (b V) - W h
     dU                  scale (Gam * Q K^T)^T dO + (K e^{G_L - G}) dh
@@ -16,18 +16,14 @@ Every call is laid out as packed sequences (`cu_seqlens`; a fixed-length batch i
 sequences of T tokens), so one compiled kernel serves both. dq/dk are written per value
 head in fp32; the launcher reduces them over the heads that share a q/k head.
 
-Shared memory: seven `[64, 128]` bf16 tiles, two `[128, 128]` (h and a bf16 copy of dh)
-and three `[64, 64]`, plus TileLang's reduction workspace: about 219 KiB of the H200's
-227 KiB per block (v is re-read from global/L2 where needed; keeping it too went over),
-hence K = V = 128 and chunk 64 only. Operands of the `[64, 64]` products (P, ds, dAg, Ag^T dAg, dkk) are rounded
-to the input dtype for the tensor cores, as fla and FlashQLA do.
-
-State: compiles for sm_90a (TileLang 0.1.15, nvcc 13: 255 registers, ~260 B of spills);
-correct on the H200 (every case of tests/test_gpu.py) but ~4x slower than FlashQLA: a chunk
-step takes ~51 us per CTA at B8 T4096 H32 (6.59 ms / 128 steps) against FlashQLA's ~12 us,
-since each load, wgmma and row reduction waits for the one before behind a block barrier.
-The next version needs the seed's producer warps and a prefetched next chunk, which means
-finding shared memory first. tests/fused_kernel_emulation.py is this kernel in torch.
+Shared memory: seven `[64, 128]` tiles, two `[128, 128]` (h and a 16-bit copy of dh) and
+three `[64, 64]`, plus TileLang's reduction workspace: about 219 KiB of the H200's 227 KiB
+per block (v is re-read from global/L2 where needed), hence K = V = 128 and chunk 64 only.
+Operands of the `[64, 64]` products (P, ds, dAg, Ag^T dAg, dkk) are rounded to the input
+dtype for the tensor cores, as fla and FlashQLA do. Every load, wgmma and reduction of a
+chunk runs one after another behind block-wide barriers; where its time goes and what
+the warp-specialised version must change: docs/measurements.md.
+tests/fused_kernel_emulation.py is this kernel transcribed into torch.
 """
 
 
@@ -37,28 +33,18 @@ import itertools
 import tilelang
 import tilelang.language as T
 
-
-#: Probe builds for finding where the time goes (bench/probe_tilelang.py); their outputs are
-#: wrong by design and never leave the probe bench: no_stage5 / no_stage6 / no_stage56 drop
-#: those blocks (the loads, the forward recompute, dU and the dh recurrence always run),
-#: loads_twice issues every chunk's loads twice.
-PROBES = ("", "no_stage5", "no_stage6", "no_stage56", "loads_twice")
+from gdr_dispatch.contract import reduce_value_heads
 
 
 @functools.lru_cache(maxsize=None)
 def build_fused_bwd(H: int, Hg: int, K: int, V: int, BT: int, scale: float, dtype: str, h_dtype: str,
-                    b_dtype: str, threads: int = 256, probe: str = ""):
+                    b_dtype: str, threads: int = 256):
     """Compile (once per configuration) the kernel; returns the TileLang kernel object.
 
     Optional inputs and layouts are not compile-time switches (a `dht` of zeros stands for
     none, `dh0` is always written, `state_v_first` states are transposed by the launcher):
     each TileLang compile costs 30-40 s, so fewer variants mean fewer first-call stalls.
     """
-    if probe not in PROBES:
-        raise ValueError(f"probe: expected one of {PROBES}, got {probe!r}")
-    RUN_STAGE5 = probe not in ("no_stage5", "no_stage56")  # noqa: N806 - read by the kernel body
-    RUN_STAGE6 = probe not in ("no_stage6", "no_stage56")  # noqa: N806
-    LOAD_REPEATS = 2 if probe == "loads_twice" else 1  # noqa: N806
     accum = "float32"
     TT = T.dynamic("num_tokens")
     NC = T.dynamic("num_chunks")
@@ -147,18 +133,17 @@ def build_fused_bwd(H: int, Hg: int, K: int, V: int, BT: int, scale: float, dtyp
                     t0 = bos + c * BT
                     L = T.min(BT, eos - t0)
                     # ---- loads (rows past the sequence's end read as 0) ----
-                    for _rep in T.serial(LOAD_REPEATS):  # 1, or 2 in the loads_twice probe
-                        for i, j in T.Parallel(BT, K):
-                            q_s[i, j] = T.if_then_else(i < L, q[t0 + i, hg, j], T.cast(0, dtype))
-                            k_s[i, j] = T.if_then_else(i < L, k[t0 + i, hg, j], T.cast(0, dtype))
-                        for i, j in T.Parallel(BT, V):
-                            do_s[i, j] = T.if_then_else(i < L, do[t0 + i, hh, j], T.cast(0, dtype))
-                        for i in T.Parallel(BT):
-                            G_s[i] = T.if_then_else(i < L, g[t0 + i, hh], T.cast(0, accum))
-                            b_s[i] = T.if_then_else(i < L, T.cast(b[t0 + i, hh], accum), T.cast(0, accum))
-                        for i, j in T.Parallel(K, V):
-                            h_s[i, j] = T.cast(h[c0 + c, hh, i, j], dtype)
-                            dh_s[i, j] = T.cast(dh_f[i, j], dtype)
+                    for i, j in T.Parallel(BT, K):
+                        q_s[i, j] = T.if_then_else(i < L, q[t0 + i, hg, j], T.cast(0, dtype))
+                        k_s[i, j] = T.if_then_else(i < L, k[t0 + i, hg, j], T.cast(0, dtype))
+                    for i, j in T.Parallel(BT, V):
+                        do_s[i, j] = T.if_then_else(i < L, do[t0 + i, hh, j], T.cast(0, dtype))
+                    for i in T.Parallel(BT):
+                        G_s[i] = T.if_then_else(i < L, g[t0 + i, hh], T.cast(0, accum))
+                        b_s[i] = T.if_then_else(i < L, T.cast(b[t0 + i, hh], accum), T.cast(0, accum))
+                    for i, j in T.Parallel(K, V):
+                        h_s[i, j] = T.cast(h[c0 + c, hh, i, j], dtype)
+                        dh_s[i, j] = T.cast(dh_f[i, j], dtype)
                     g_last = G_s[L - 1]
 
                     # ---- Gam, Ag = Gam * a ----
@@ -212,112 +197,108 @@ def build_fused_bwd(H: int, Hg: int, K: int, V: int, BT: int, scale: float, dtyp
                     T.gemm(w_s, du_s, dh_f, transpose_A=True)
 
                     # ---- stage 5 ----
-                    if RUN_STAGE5:
-                        T.gemm(do_s, vn_s, sq2_f, transpose_B=True, clear_accum=True)  # dO v_new^T
-                        for i, j in T.Parallel(BT, BT):
-                            sq2_f[i, j] = scale * sq2_f[i, j] * gam_f[i, j]  # ds_g
-                            t2_s[i, j] = T.cast(sq2_f[i, j], dtype)
-                        for i, j in T.Parallel(BT, BT):
-                            sq_f[i, j] = sq2_f[i, j] * sq_f[i, j]  # ds_g * QK^T
-                        T.reduce_sum(sq_f, r_dsqk, dim=1)
-                        T.reduce_sum(sq_f, c_dsqk, dim=0)
-                        # one fragment per loop: row and column reductions have different layouts
-                        for i in T.Parallel(BT):
-                            dG_s[i] = r_dsqk[i]
-                        for i in T.Parallel(BT):
-                            dG_s[i] = dG_s[i] - c_dsqk[i]
-                        # dq = scale e^G dO h^T + ds_g K
-                        T.gemm(do_s, h_s, big_f, transpose_B=True, clear_accum=True)
-                        for i, j in T.Parallel(BT, K):
-                            big_f[i, j] = big_f[i, j] * scale * T.if_then_else(i < L, T.exp(G_s[i]), T.cast(0, accum))
-                            big2_f[i, j] = big_f[i, j] * T.cast(q_s[i, j], accum)
-                        T.reduce_sum(big2_f, r_dq, dim=1)
-                        for i in T.Parallel(BT):
-                            dG_s[i] = dG_s[i] + r_dq[i]
-                        T.gemm(t2_s, k_s, big_f)
-                        for i, j in T.Parallel(BT, K):
-                            if i < L:
-                                dq[t0 + i, hh, j] = big_f[i, j]
-                        # dk = e^{G_L - G} v_new dh_old^T + ds_g^T Q
-                        T.gemm(vn_s, dh_s, dk_f, transpose_B=True, clear_accum=True)
-                        for i, j in T.Parallel(BT, K):
-                            dk_f[i, j] = dk_f[i, j] * T.if_then_else(i < L, T.exp(g_last - G_s[i]), T.cast(0, accum))
-                            big2_f[i, j] = dk_f[i, j] * T.cast(k_s[i, j], accum)
-                        T.reduce_sum(big2_f, r_dk, dim=1)
-                        for i in T.Parallel(BT):
-                            dG_s[i] = dG_s[i] - r_dk[i]
-                            db_s[i] = r_dk[i]  # parked: the sum of these rows goes to dG_L
-                        T.gemm(t2_s, q_s, dk_f, transpose_A=True)
-                    else:
-                        T.clear(dk_f)
+                    T.gemm(do_s, vn_s, sq2_f, transpose_B=True, clear_accum=True)  # dO v_new^T
+                    for i, j in T.Parallel(BT, BT):
+                        sq2_f[i, j] = scale * sq2_f[i, j] * gam_f[i, j]  # ds_g
+                        t2_s[i, j] = T.cast(sq2_f[i, j], dtype)
+                    for i, j in T.Parallel(BT, BT):
+                        sq_f[i, j] = sq2_f[i, j] * sq_f[i, j]  # ds_g * QK^T
+                    T.reduce_sum(sq_f, r_dsqk, dim=1)
+                    T.reduce_sum(sq_f, c_dsqk, dim=0)
+                    # one fragment per loop: row and column reductions have different layouts
+                    for i in T.Parallel(BT):
+                        dG_s[i] = r_dsqk[i]
+                    for i in T.Parallel(BT):
+                        dG_s[i] = dG_s[i] - c_dsqk[i]
+                    # dq = scale e^G dO h^T + ds_g K
+                    T.gemm(do_s, h_s, big_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(BT, K):
+                        big_f[i, j] = big_f[i, j] * scale * T.if_then_else(i < L, T.exp(G_s[i]), T.cast(0, accum))
+                        big2_f[i, j] = big_f[i, j] * T.cast(q_s[i, j], accum)
+                    T.reduce_sum(big2_f, r_dq, dim=1)
+                    for i in T.Parallel(BT):
+                        dG_s[i] = dG_s[i] + r_dq[i]
+                    T.gemm(t2_s, k_s, big_f)
+                    for i, j in T.Parallel(BT, K):
+                        if i < L:
+                            dq[t0 + i, hh, j] = big_f[i, j]
+                    # dk = e^{G_L - G} v_new dh_old^T + ds_g^T Q
+                    T.gemm(vn_s, dh_s, dk_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(BT, K):
+                        dk_f[i, j] = dk_f[i, j] * T.if_then_else(i < L, T.exp(g_last - G_s[i]), T.cast(0, accum))
+                        big2_f[i, j] = dk_f[i, j] * T.cast(k_s[i, j], accum)
+                    T.reduce_sum(big2_f, r_dk, dim=1)
+                    for i in T.Parallel(BT):
+                        dG_s[i] = dG_s[i] - r_dk[i]
+                        db_s[i] = r_dk[i]  # parked: the sum of these rows goes to dG_L
+                    T.gemm(t2_s, q_s, dk_f, transpose_A=True)
                     # dw = -dU h^T
                     T.gemm(du_s, h_s, big_f, transpose_B=True, clear_accum=True)
                     for i, j in T.Parallel(BT, K):
                         w_s[i, j] = T.cast(-big_f[i, j], dtype)
 
                     # ---- stage 6 ----
-                    if RUN_STAGE6:  # a Python bool: a probe build drops the block (bench/probe_tilelang.py)
-                        for i, j in T.Parallel(BT, K):
-                            kx_s[i, j] = T.cast(T.cast(k_s[i, j], accum) * b_s[i] * T.exp(G_s[i]), dtype)
-                        for i, j in T.Parallel(BT, V):
-                            vn_s[i, j] = T.if_then_else(i < L, T.cast(T.cast(v[t0 + i, hh, j], accum) * b_s[i], dtype),
-                                                        T.cast(0, dtype))
-                        T.gemm(w_s, kx_s, sq_f, transpose_B=True, clear_accum=True)
-                        T.gemm(du_s, vn_s, sq_f, transpose_B=True)  # dAg
-                        T.copy(sq_f, t1_s)
-                        # dkb = Ag^T dw
-                        T.gemm(ag_s, w_s, big_f, transpose_A=True, clear_accum=True)
-                        for i, j in T.Parallel(BT, K):
-                            big2_f[i, j] = big_f[i, j] * T.cast(k_s[i, j], accum)
-                            dk_f[i, j] = dk_f[i, j] + big_f[i, j] * b_s[i] * T.exp(G_s[i])
-                        T.reduce_sum(big2_f, r_kdkb, dim=1)  # rows of K * dkb
-                        # dG_L, parked in db_s, is summed before db_s is reused
-                        for i, j in T.Parallel(BT, BT):
-                            sq2_f[i, j] = db_s[j]
-                        T.reduce_sum(sq2_f, r_last, dim=1)  # every row: the sum over the chunk
-                        for i in T.Parallel(BT):
-                            dG_s[i] = dG_s[i] + b_s[i] * T.exp(G_s[i]) * r_kdkb[i]
-                            db_s[i] = T.exp(G_s[i]) * r_kdkb[i]
-                        for i in T.Parallel(BT):
-                            if i == L - 1:
-                                dG_s[i] = dG_s[i] + r_last[i]
-                        for i in T.Parallel(BT):
-                            if i == L - 1:
-                                dG_s[i] = dG_s[i] + T.exp(g_last) * hdh_tot[i]
-                        # dvb = Ag^T dU; dv = b dvb; db += rows of V * dvb
-                        T.gemm(ag_s, du_s, big_f, transpose_A=True, clear_accum=True)
-                        for i, j in T.Parallel(BT, V):
-                            big2_f[i, j] = big_f[i, j] * T.if_then_else(i < L, T.cast(v[t0 + i, hh, j], accum),
-                                                                        T.cast(0, accum))
-                            if i < L:
-                                dv[t0 + i, hh, j] = T.cast(big_f[i, j] * b_s[i], dtype)
-                        T.reduce_sum(big2_f, r_vdvb, dim=1)
-                        for i in T.Parallel(BT):
-                            db_s[i] = db_s[i] + r_vdvb[i]
-                        # through Ag = M^-1: dM = -Ag^T dAg Ag^T (strict lower)
-                        T.gemm(ag_s, t1_s, sq2_f, transpose_A=True, clear_accum=True)
-                        T.copy(sq2_f, t2_s)
-                        T.gemm(t2_s, ag_s, sq2_f, transpose_B=True, clear_accum=True)
-                        T.gemm(k_s, k_s, sq_f, transpose_B=True, clear_accum=True)  # K K^T
-                        for i, j in T.Parallel(BT, BT):
-                            sq2_f[i, j] = T.if_then_else((j < i) and (i < L), -sq2_f[i, j], T.cast(0, accum))  # dM
-                            sq_f[i, j] = T.if_then_else(j < i, sq_f[i, j] * gam_f[i, j], T.cast(0, accum))  # P
-                        for i, j in T.Parallel(BT, BT):
-                            sq_f[i, j] = sq2_f[i, j] * sq_f[i, j]  # dM * P
-                        T.reduce_sum(sq_f, r_dmp, dim=1)
-                        for i in T.Parallel(BT):
-                            db_s[i] = db_s[i] + r_dmp[i]
-                        for i, j in T.Parallel(BT, BT):
-                            sq_f[i, j] = sq_f[i, j] * b_s[i]  # dP * P
-                            t1_s[i, j] = T.cast(sq2_f[i, j] * b_s[i] * gam_f[i, j], dtype)  # dkk
-                        T.reduce_sum(sq_f, r_dpp, dim=1)
-                        T.reduce_sum(sq_f, c_dpp, dim=0)
-                        for i in T.Parallel(BT):
-                            dG_s[i] = dG_s[i] + r_dpp[i]
-                        for i in T.Parallel(BT):
-                            dG_s[i] = dG_s[i] - c_dpp[i]
-                        T.gemm(t1_s, k_s, dk_f)
-                        T.gemm(t1_s, k_s, dk_f, transpose_A=True)
+                    for i, j in T.Parallel(BT, K):
+                        kx_s[i, j] = T.cast(T.cast(k_s[i, j], accum) * b_s[i] * T.exp(G_s[i]), dtype)
+                    for i, j in T.Parallel(BT, V):
+                        vn_s[i, j] = T.if_then_else(i < L, T.cast(T.cast(v[t0 + i, hh, j], accum) * b_s[i], dtype),
+                                                    T.cast(0, dtype))
+                    T.gemm(w_s, kx_s, sq_f, transpose_B=True, clear_accum=True)
+                    T.gemm(du_s, vn_s, sq_f, transpose_B=True)  # dAg
+                    T.copy(sq_f, t1_s)
+                    # dkb = Ag^T dw
+                    T.gemm(ag_s, w_s, big_f, transpose_A=True, clear_accum=True)
+                    for i, j in T.Parallel(BT, K):
+                        big2_f[i, j] = big_f[i, j] * T.cast(k_s[i, j], accum)
+                        dk_f[i, j] = dk_f[i, j] + big_f[i, j] * b_s[i] * T.exp(G_s[i])
+                    T.reduce_sum(big2_f, r_kdkb, dim=1)  # rows of K * dkb
+                    # dG_L, parked in db_s, is summed before db_s is reused
+                    for i, j in T.Parallel(BT, BT):
+                        sq2_f[i, j] = db_s[j]
+                    T.reduce_sum(sq2_f, r_last, dim=1)  # every row: the sum over the chunk
+                    for i in T.Parallel(BT):
+                        dG_s[i] = dG_s[i] + b_s[i] * T.exp(G_s[i]) * r_kdkb[i]
+                        db_s[i] = T.exp(G_s[i]) * r_kdkb[i]
+                    for i in T.Parallel(BT):
+                        if i == L - 1:
+                            dG_s[i] = dG_s[i] + r_last[i]
+                    for i in T.Parallel(BT):
+                        if i == L - 1:
+                            dG_s[i] = dG_s[i] + T.exp(g_last) * hdh_tot[i]
+                    # dvb = Ag^T dU; dv = b dvb; db += rows of V * dvb
+                    T.gemm(ag_s, du_s, big_f, transpose_A=True, clear_accum=True)
+                    for i, j in T.Parallel(BT, V):
+                        big2_f[i, j] = big_f[i, j] * T.if_then_else(i < L, T.cast(v[t0 + i, hh, j], accum),
+                                                                    T.cast(0, accum))
+                        if i < L:
+                            dv[t0 + i, hh, j] = T.cast(big_f[i, j] * b_s[i], dtype)
+                    T.reduce_sum(big2_f, r_vdvb, dim=1)
+                    for i in T.Parallel(BT):
+                        db_s[i] = db_s[i] + r_vdvb[i]
+                    # through Ag = M^-1: dM = -Ag^T dAg Ag^T (strict lower)
+                    T.gemm(ag_s, t1_s, sq2_f, transpose_A=True, clear_accum=True)
+                    T.copy(sq2_f, t2_s)
+                    T.gemm(t2_s, ag_s, sq2_f, transpose_B=True, clear_accum=True)
+                    T.gemm(k_s, k_s, sq_f, transpose_B=True, clear_accum=True)  # K K^T
+                    for i, j in T.Parallel(BT, BT):
+                        sq2_f[i, j] = T.if_then_else((j < i) and (i < L), -sq2_f[i, j], T.cast(0, accum))  # dM
+                        sq_f[i, j] = T.if_then_else(j < i, sq_f[i, j] * gam_f[i, j], T.cast(0, accum))  # P
+                    for i, j in T.Parallel(BT, BT):
+                        sq_f[i, j] = sq2_f[i, j] * sq_f[i, j]  # dM * P
+                    T.reduce_sum(sq_f, r_dmp, dim=1)
+                    for i in T.Parallel(BT):
+                        db_s[i] = db_s[i] + r_dmp[i]
+                    for i, j in T.Parallel(BT, BT):
+                        sq_f[i, j] = sq_f[i, j] * b_s[i]  # dP * P
+                        t1_s[i, j] = T.cast(sq2_f[i, j] * b_s[i] * gam_f[i, j], dtype)  # dkk
+                    T.reduce_sum(sq_f, r_dpp, dim=1)
+                    T.reduce_sum(sq_f, c_dpp, dim=0)
+                    for i in T.Parallel(BT):
+                        dG_s[i] = dG_s[i] + r_dpp[i]
+                    for i in T.Parallel(BT):
+                        dG_s[i] = dG_s[i] - c_dpp[i]
+                    T.gemm(t1_s, k_s, dk_f)
+                    T.gemm(t1_s, k_s, dk_f, transpose_A=True)
                     for i, j in T.Parallel(BT, K):
                         if i < L:
                             dk[t0 + i, hh, j] = dk_f[i, j]
@@ -339,7 +320,7 @@ def build_fused_bwd(H: int, Hg: int, K: int, V: int, BT: int, scale: float, dtyp
 
 
 def fused_bwd_given_h(q, k, v, do, a, g, b, h, dht, scale: float, seq_lens, chunk_size: int = 64,
-                      cu_seqlens=None, has_h0: bool = False, state_v_first: bool = False, probe: str = ""):
+                      cu_seqlens=None, has_h0: bool = False, state_v_first: bool = False):
     """Run the fused kernel; returns `(dq, dk, dv, dg, db, dh0)` in the contract's form.
 
     Fixed-length batches are passed as B packed sequences of T tokens (one compiled kernel
@@ -364,7 +345,7 @@ def fused_bwd_given_h(q, k, v, do, a, g, b, h, dht, scale: float, seq_lens, chun
     if state_v_first:  # the kernel reads [K, V] states; a copy of h is the price of one variant
         h = h.transpose(-1, -2)
     kern = build_fused_bwd(H, Hg, K, V, chunk_size, float(scale), _tl_dtype(q.dtype), _tl_dtype(h.dtype),
-                           _tl_dtype(b.dtype), probe=probe)
+                           _tl_dtype(b.dtype))
     TT = B * T_
     dq = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
     dk = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
@@ -376,8 +357,8 @@ def fused_bwd_given_h(q, k, v, do, a, g, b, h, dht, scale: float, seq_lens, chun
          do.reshape(TT, H, V).contiguous(), a.reshape(TT, H, chunk_size).to(q.dtype).contiguous(),
          g.reshape(TT, H).float().contiguous(), b.reshape(TT, H).contiguous(),
          h.reshape(-1, *h.shape[2:]).contiguous(), dht_in, cu, offsets, dq, dk, dv, dg, db, dh0)
-    dq = dq.view(B, T_, Hg, H // Hg, K).sum(3).to(q.dtype)
-    dk = dk.view(B, T_, Hg, H // Hg, K).sum(3).to(k.dtype)
+    dq = reduce_value_heads(dq.view(B, T_, H, K), Hg, q.dtype)
+    dk = reduce_value_heads(dk.view(B, T_, H, K), Hg, k.dtype)
     if state_v_first:
         dh0 = dh0.transpose(-1, -2).contiguous()
     return (dq, dk, dv.view(B, T_, H, V), dg.view(B, T_, H), db.view(B, T_, H).to(b.dtype),

@@ -14,22 +14,13 @@ around its occupancy walls:
     cumsum of dG, so it must run after main, exactly once: it is never autotuned.
 
 Why that could pay on Blackwell is tmem: the accumulators leave the register file. On the
-H200 a wgmma accumulator lives in registers either way, so the V loop still holds 96 KiB
-of them at K = 128; what moves is the epilogue's live set. Measured there (2026-11-29,
-bench/results/nvidia-h200-sm90-stage56.md): main 3.2-3.6 ms + side 1.4-1.8 ms + the cast
-0.37 ms at B8 T4096 H32, against 4.1 ms for the wide kernel, which it loses to at every
-grid size; the main kernel still needs 255 registers, so one 8-warp CTA per SM either way.
+H200 a wgmma accumulator lives in registers either way, and the pair is slower than the
+wide kernel at every grid size measured (docs/measurements.md).
 
 Numerics: the same rounding points as the wide kernel (operands of every dot in the input
-dtype, fp32 accumulation). On the H200 with the launcher's defaults it gives the wide
-kernel's dq and dv bit for bit, db within 9e-9, dk within 1.2e-5 and dg within 5e-7
-(relative, B8 T4096 H32).
-No dot takes a transposed accumulator (fla issue 640's pattern), but Hopper + Triton 3.6
-still goes wrong here: with side strips of 32 or 64 (or 4 side warps) db and dg land 1-7e-3
-off float64, 3-20x the wide kernel's error (bench/diag_transposed.py); strips of 16 and the
-whole K are exact. The suspect is `kk += tl.dot(k_strip, tl.trans(k_strip))`, the one
-product of those strips that only db and dg read. The launcher refuses the bad settings and
-tests/test_gpu.py checks the pair against float64 next to the wide kernel.
+dtype, fp32 accumulation). On Hopper + Triton 3.6 the side kernel is wrong with strips of
+32 or 64 (or 4 side warps): db and dg land 1-7e-3 off float64; strips of 16 and the whole
+K are right (docs/measurements.md). The launcher refuses the wrong settings.
 """
 
 from __future__ import annotations
@@ -39,6 +30,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
+from gdr_dispatch.contract import reduce_value_heads
 
 from .chunk_grid import chunk_bounds, chunk_gate_scalars, decay_to_chunk_end, masked_exp, state_strides
 
@@ -239,21 +232,10 @@ def wy_dqkg_transposed(q, k, v, v_new, du, do, a, g, b, h, dh, scale: float, chu
                        allow_measured_wrong: bool = False):
     """`wy_dqkg_wide`'s contract (same arguments and returns) through the main + side pair.
 
-    Configuration, from the H200 (2026-11-29, Triton 3.6.0, bench/bench_stage56.py at
-    B8 T4096 H32, bench/diag_transposed.py for the numerics):
-      * main: BV 32, strips of KS = 16, 8 warps, 2 stages. 255 registers, 8 spilled, 40 KB
-        shared. Its strip width does not change the results (16 / 32 / 64 / 128 all give
-        the wide kernel's db); KS 32 ran the main kernel in 3.16 ms against 3.61 at 16, but
-        only KS 16 has been through the oracle tests. Capping it at 128 registers (two CTAs
-        per SM) spilled 292 and was 25 % slower.
-      * side: BV 64 (not swept: the only side BV run), one strip of the whole K (side_KS
-        None), 8 warps. Strips of 32 or 64 put db and dg 1-7e-3 off float64 (3-20x the
-        wide kernel's error), 16 and 128 do not; of the products in those strips only
-        K K^T feeds db and dg alone, so it is the suspect (dk, which reads the other,
-        matches). The whole K was the faster pair at K = 128 (6.21 ms against 7.51 with
-        16). 4 warps put db 2.5e-3 off the wide kernel's at B8 T4096 H32 (within 4e-6 at
-        B2 T300). Those settings raise, unless `allow_measured_wrong` (only for
-        bench/diag_transposed.py, which reproduces the error).
+    Defaults: main BV 32 with strips of KS = 16, 8 warps, 2 stages; side BV 64 over the
+    whole K (side_KS None), 8 warps: the configuration the GPU oracle tests ran (the sweep
+    and the measured-wrong settings: docs/measurements.md). Those settings raise unless
+    `allow_measured_wrong` (for tools/diag_transposed.py, which reproduces the error).
     The side kernel finalises dk, db and dG in place on the main kernel's partials, so the
     pair is launched once per call and never autotuned.
     """
@@ -262,7 +244,7 @@ def wy_dqkg_transposed(q, k, v, v_new, du, do, a, g, b, h, dh, scale: float, chu
         raise ValueError(
             f"wy_dqkg_transposed: side_KS={side_KS}, side_warps={side_warps}: the side kernel is only "
             f"correct on the H200 with side_KS 16 or K ({q.shape[-1]}) and 8 warps (strips of 32/64 or 4 warps "
-            f"put db and dg 1-7e-3 off float64 there, Triton 3.6; see the docstring)")
+            f"put db and dg 1-7e-3 off float64 there, Triton 3.6; docs/measurements.md)")
     B, T, Hg, K = q.shape
     H, V = v.shape[2], v.shape[3]
     if K & (K - 1) or K < 16:
@@ -291,9 +273,4 @@ def wy_dqkg_transposed(q, k, v, v_new, du, do, a, g, b, h, dh, scale: float, chu
         H=H, Hg=Hg, K=K, V=V, BT=chunk_size, BV=max(16, min(side_BV, triton.next_power_of_2(V))), KS=side_KS,
         IS_VARLEN=varlen, num_warps=side_warps, **({} if side_maxnreg is None else {"maxnreg": side_maxnreg}),
     )
-    if H != Hg:  # the heads that share a q/k head: fp32 sum, then the input dtype
-        dq = dq.view(B, T, Hg, H // Hg, K).sum(3)
-        dk = dk.view(B, T, Hg, H // Hg, K).sum(3)
-    # (without grouping a sum over a size-1 axis still launched a reduction: 0.91 ms of the
-    # pair's 5.9 ms of kernel time at B8 T4096 H32 on the H200, against 0.37 for the cast)
-    return dq.to(q.dtype), dk.to(k.dtype), dv, db, dg
+    return reduce_value_heads(dq, Hg, q.dtype), reduce_value_heads(dk, Hg, k.dtype), dv, db, dg

@@ -2,7 +2,7 @@
 
 fla runs `chunk_bwd_dqkwg` (stage 5, which walks K in slabs of BK and re-reads the V-shaped
 tiles once per slab) and then `prepare_wy_repr_bwd` (stage 6), which reads the same chunk
-tiles again (GDR_MATH.md). Here one program per (chunk, batch x value head) reads each
+tiles again (docs/contract.md). Here one program per (chunk, batch x value head) reads each
 V-shaped tile once, keeps the three `[BT, K]` accumulators (`dO h^T`, `v_new dh^T`,
 `dU h^T`) at full K, and finishes both stages and the reverse chunk-local cumsum of `dg`
 in its epilogue (the cumsum never leaves the chunk). Seed 004's `bwd_wy.py` did the same for
@@ -14,20 +14,12 @@ products of stages 1-4, which carry no convention: `v_new`, `dU` (fla's `dv` aft
 4), and `dh`, the gradient w.r.t. each chunk's end state.
 
 Hopper + Triton [3.4, 3.7.1) miscompiles `tl.dot(tl.trans(acc), ...)` when `acc` comes
-from another `tl.dot` (fla issue 640; GDR_MATH.md). No dot here takes a transposed
-accumulator: `X^T Y` with `X` from a dot is computed as `tl.trans(tl.dot(tl.trans(Y), X))`,
-transposing loaded tiles inside dots and accumulators only outside them. On the H200 with
-Triton 3.6.0 that was enough: the GPU oracle tests pass.
-
-Where its time goes (H200, B8 T4096 H32): 255 registers with 164-206 spilled at 8 warps; it
-runs at 0.71-0.78x of fla's two kernels there and is faster only on small grids
-(bench/results/nvidia-h200-sm90-stage56.md). A two-pass schedule holding two accumulators
-instead of three (commit 7c97465) passed the small GPU oracle tests but hit an illegal
-memory access at B8 T4096 H32 with its first configuration (BV 32, 4 warps, 1 stage); it
-was taken out, not understood — the interpreter finds nothing wrong at K = V = 128.
+from another `tl.dot` (fla issue 640): no dot here takes a transposed accumulator; `X^T Y`
+with `X` from a dot is `tl.trans(tl.dot(tl.trans(Y), X))`. Registers, spills and timings on
+the H200: docs/measurements.md.
 
 Outputs are stored, never accumulated into (autotuning re-runs kernels): `dq`/`dk` per
-value head in fp32, reduced over the heads that share a q/k head by the launcher.
+value head in fp32 when heads are grouped, reduced by the launcher (`reduce_value_heads`).
 """
 
 from __future__ import annotations
@@ -37,6 +29,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
+from gdr_dispatch.contract import reduce_value_heads
 
 from .chunk_grid import chunk_bounds, chunk_gate_scalars, decay_to_chunk_end, masked_exp, state_strides
 
@@ -171,10 +165,8 @@ def wy_dqkg_wide(q, k, v, v_new, du, do, a, g, b, h, dh, scale: float, chunk_siz
     chunk-start states and the gradients w.r.t. chunk-end states. `dq`/`dk` come back at the
     q/k head count in q's dtype, `dv` in v's, `db` in b's, `dg` fp32 w.r.t. the raw gate.
 
-    BV = 64, 8 warps, 2 stages: the configuration the GPU oracle tests ran. The sweep on the
-    H200 (bench/bench_stage56.py) found BV = 32, 3 stages 4-7 % faster (27 % at B1 T512
-    H32) with the same errors against fla's at seven shapes; it is not the default until the
-    oracle tests have run with it. 4 warps spill 844-888 registers and run 2-3x slower.
+    BV = 64, 8 warps, 2 stages: the configuration the GPU oracle tests ran (other
+    configurations measured on the H200: docs/measurements.md).
     """
     B, T, Hg, K = q.shape
     H, V = v.shape[2], v.shape[3]
@@ -196,7 +188,4 @@ def wy_dqkg_wide(q, k, v, v_new, du, do, a, g, b, h, dh, scale: float, chunk_siz
         H=H, Hg=Hg, K=K, V=V, BT=chunk_size, BV=BV, IS_VARLEN=cu_seqlens is not None,
         STATE_V_FIRST=state_v_first, num_warps=num_warps, num_stages=num_stages,
     )
-    if grouped:
-        dq = dq.view(B, T, Hg, H // Hg, K).sum(3).to(q.dtype)
-        dk = dk.view(B, T, Hg, H // Hg, K).sum(3).to(k.dtype)
-    return dq, dk, dv, db, dg
+    return reduce_value_heads(dq, Hg, q.dtype), reduce_value_heads(dk, Hg, k.dtype), dv, db, dg

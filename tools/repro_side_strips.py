@@ -1,6 +1,6 @@
 """Smallest kernels around the side kernel's strip loop, to pin the Hopper + Triton 3.6 error.
 
-    python bench/repro_side_strips.py         # on the GPU machine (CPU: TRITON_INTERPRET=1, fp16)
+    python tools/repro_side_strips.py         # on the GPU machine (CPU: TRITON_INTERPRET=1, fp16)
 
 On the H200 (2026-11-29) `wy_dqkg_t_side_kernel` with strips of 32 or 64 over K = 128 gave
 db and dg 1-7e-3 off float64 while dk was exact; strips of 16 and 128 were exact

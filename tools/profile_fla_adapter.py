@@ -1,6 +1,6 @@
 """Where the fla backend's time goes next to fla's own op: interleaved timings and a kernel profile.
 
-    python bench/profile_fla_adapter.py --B 1 --T 8192 --H 16
+    python tools/profile_fla_adapter.py --B 1 --T 8192 --H 16
 
 Runs `fla` (through fused_gdr_bwd, h given and h=None) and `fla-op` (fla's own backward)
 round-robin, `--rounds` times `--reps` CUDA-event timings each, so clock drift hits all
@@ -19,8 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 from bench_gdr_bwd import fla_op_runner, forced  # noqa: E402
 from gdr_dispatch import GDRGrads, fused_gdr_bwd  # noqa: E402

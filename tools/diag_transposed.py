@@ -1,6 +1,6 @@
 """Numerics of the fused stage-5+6 kernels against the float64 stage functions, per output.
 
-    python bench/diag_transposed.py            # on the GPU machine
+    python tools/diag_transposed.py            # on the GPU machine
 
 Stages 1-4 in float64 by the torch backend's stage functions (on the CPU), rounded to the
 kernels' input dtype; then `wy_dqkg_wide` and the `wy_dqkg_transposed` pair on the GPU
@@ -22,15 +22,11 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-from gdr_dispatch.backends.kernels.wy_dqkg_transposed import wy_dqkg_transposed  # noqa: E402
-from gdr_dispatch.backends.kernels.wy_dqkg_wide import wy_dqkg_wide  # noqa: E402
-from gdr_dispatch.dispatch import relative_error  # noqa: E402
-from gdr_dispatch.shapes import ShapeSpec  # noqa: E402
-from test_triton_wide import stage_inputs_and_expected  # noqa: E402
+from gdr_dispatch.backends.kernels.wy_dqkg_transposed import wy_dqkg_transposed
+from gdr_dispatch.backends.kernels.wy_dqkg_wide import wy_dqkg_wide
+from gdr_dispatch.chunked_math import fused_stage_case
+from gdr_dispatch.dispatch import relative_error
+from gdr_dispatch.shapes import ShapeSpec
 
 NAMES = ("dq", "dk", "dv", "db", "dg")
 
@@ -46,7 +42,7 @@ def main():
     out = {}
     for spec in [ShapeSpec(B=2, T=300, H=8, Hg=4, K=128, V=128)]:
         for dtype in ("float16",) if quick else ("bfloat16", "float16"):
-            x, kin, exp = stage_inputs_and_expected(spec, dtype)
+            x, kin, exp = fused_stage_case(spec, dtype)
             kin = {n: t.to(dev) for n, t in kin.items()}
             kw = dict(kin, scale=x["scale"], state_v_first=spec.state_v_first)
             pair = dict(kw, allow_measured_wrong=True)  # this script reproduces the settings the launcher refuses

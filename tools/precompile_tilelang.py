@@ -1,6 +1,6 @@
 """Compile the TileLang fused kernel for several configurations at once, into TileLang's disk cache.
 
-    python bench/precompile_tilelang.py --config 4,2,bfloat16 --config 32,16,bfloat16 ...
+    python tools/precompile_tilelang.py --config 4,2,bfloat16 --config 32,16,bfloat16 ...
 
 Each compile is one nvcc run of 20-40 s on one core; on the GPU machine (16 cores) the
 tests and the bench would otherwise pay them one after another. Each configuration is
@@ -13,32 +13,28 @@ Scale is K^-0.5, the value the tests and the bench use (it is a compile-time con
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def compile_one(H: int, Hg: int, dtype: str, probe: str = "", K: int = 128, V: int = 128, BT: int = 64) -> float:
+def compile_one(H: int, Hg: int, dtype: str, K: int = 128, V: int = 128, BT: int = 64) -> float:
     from gdr_dispatch.backends.kernels.tilelang_fused_bwd import build_fused_bwd
 
     t0 = time.perf_counter()
-    build_fused_bwd(H, Hg, K, V, BT, float(K ** -0.5), dtype, dtype, dtype, probe=probe)
+    build_fused_bwd(H, Hg, K, V, BT, float(K ** -0.5), dtype, dtype, dtype)
     return time.perf_counter() - t0
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", action="append", required=True,
-                   help="H,Hg,dtype[,probe] (K = V = 128, chunk 64; probe: see tilelang_fused_bwd.PROBES)")
+                   help="H,Hg,dtype (K = V = 128, chunk 64)")
     p.add_argument("--jobs", type=int, default=8)
     args = p.parse_args()
     configs = []
     for c in args.config:
-        h, hg, dt, *probe = c.split(",")
-        configs.append((int(h), int(hg), dt, *probe))
+        h, hg, dt = c.split(",")
+        configs.append((int(h), int(hg), dt))
     t0 = time.perf_counter()
     with ProcessPoolExecutor(max_workers=min(args.jobs, len(configs))) as pool:
         futures = {pool.submit(compile_one, *c): c for c in configs}

@@ -1,0 +1,1 @@
+"""What the backends share: pipelines and checks, never a backend (nothing here registers)."""

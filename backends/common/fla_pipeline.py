@@ -1,0 +1,160 @@
+"""fla-core's backward chain as a pipeline the backends call (docs/contract.md, "fla's chain").
+
+Stages 1-4 (the WY recompute, the state recompute or `v_new` from a given `h`, the local
+dv, the dh recurrence) are shared by the `fla`, `triton_wide` and `triton_transposed`
+backends; stages 1-2 alone recompute `h` for `tilelang_fused`. The contract's inputs are
+converted to fla's conventions here: `a` -> `Gam * a` and `g` -> `g / ln 2` in one pass
+(kernels/gate_wy_inverse.py); a given `h` is not recomputed, `v_new = u - w h` comes from
+one chunk-parallel kernel (kernels/corrected_values.py).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from gdr_dispatch.contract import GDRCall, GDRGrads
+from gdr_dispatch.registry import Problem
+
+from ..kernels.chunk_grid import varlen_chunk_indices
+from ..kernels.corrected_values import corrected_values
+from ..kernels.gate_wy_inverse import gate_wy_inverse
+from .toolchain import version_tuple
+
+#: fla-core 0.6 is the first with the grouped-value-head (GVA) chain this pipeline calls.
+MIN_FLA = (0, 6, 0)
+
+
+def chain_limits(p: Problem) -> list[str]:
+    """What fla's stages take: every backend that runs this pipeline inherits these limits."""
+    reasons = []
+    if p.device.type != "cuda":
+        reasons.append(f"needs a CUDA device (fla-core's kernels are GPU kernels); the tensors are on {p.device.type}")
+    fla_version = p.version("fla")
+    if fla_version is None:
+        reasons.append("fla-core is not installed (pip install 'fla-core>=0.6')")
+    elif version_tuple(fla_version) < MIN_FLA:
+        reasons.append(f"needs fla-core >= 0.6.0 (its GVA-aware chain), found {fla_version}")
+    if p.dtype not in ("bfloat16", "float16"):
+        reasons.append(f"q/k/v/do must be bfloat16 or float16 (fla's training dtypes, the ones tested here), got {p.dtype}")
+    if p.chunk_size != 64:
+        reasons.append(f"chunk_size must be 64 (the one size tested here against the oracle), got {p.chunk_size}")
+    if p.K > 256:
+        reasons.append(f"K must be <= 256 (fla's state kernels assert it), got K={p.K}")
+    if min(p.K, p.V) < 16:
+        reasons.append(f"K and V must be >= 16 (Triton dot tiles), got K={p.K}, V={p.V}")
+    return reasons
+
+
+class FlaStages(NamedTuple):
+    """What stages 1-4 leave for stages 5 + 6 (fla's conventions)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    do: torch.Tensor
+    beta: torch.Tensor
+    A: torch.Tensor  # gated WY inverse, k's dtype
+    g2: torch.Tensor  # g / ln 2
+    w: torch.Tensor
+    h: torch.Tensor  # chunk-start states: the caller's, or recomputed (k's dtype)
+    v_new: torch.Tensor
+    dh: torch.Tensor  # gradient w.r.t. each chunk's end state
+    dh0: Optional[torch.Tensor]  # None when the call has no initial_state
+    du: torch.Tensor  # the full gradient w.r.t. v_new (fla's `dv` after stage 4)
+    common: dict  # cu_seqlens, chunk_indices
+    state: dict  # state_v_first, chunk_size
+
+
+class _Stage1(NamedTuple):
+    k: torch.Tensor
+    v: torch.Tensor
+    beta: torch.Tensor
+    A: torch.Tensor  # gated WY inverse, k's dtype
+    g2: torch.Tensor  # g / ln 2
+    w: torch.Tensor
+    u: torch.Tensor
+    h0: Optional[torch.Tensor]
+    common: dict  # cu_seqlens, chunk_indices
+
+
+def _stage_1(call: GDRCall) -> _Stage1:
+    """The contract's conventions -> fla's, then stage 1 (`w`, `u`)."""
+    from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
+
+    k, v, beta = call.k.contiguous(), call.v.contiguous(), call.b.contiguous()
+    cu = call.cu_seqlens
+    ci = None if cu is None else varlen_chunk_indices(call.seq_lens, call.chunk_size, k.device, cu.dtype)
+    h0 = None if call.initial_state is None else call.initial_state.float().contiguous()
+    common = dict(cu_seqlens=cu, chunk_indices=ci)
+    A, g2 = gate_wy_inverse(call.a, call.g, cu, ci, out_dtype=k.dtype, with_log2_gate=True)
+    w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=g2, **common)
+    return _Stage1(k, v, beta, A, g2, w, u, h0, common)
+
+
+def recompute_states(call: GDRCall) -> torch.Tensor:
+    """Stages 1-2 only: the chunk-start states `h` (k's dtype) from `initial_state`."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+
+    s1 = _stage_1(call)
+    h, _, _ = chunk_gated_delta_rule_fwd_h(k=s1.k, w=s1.w, u=s1.u, g=s1.g2, initial_state=s1.h0,
+                                           output_final_state=False, save_new_value=False, **s1.common,
+                                           state_v_first=call.state_v_first, chunk_size=call.chunk_size)
+    return h
+
+
+def state_stages(call: GDRCall) -> FlaStages:
+    """Stages 1-4 with the conversions."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_o import chunk_bwd_dv_local
+
+    BT = call.chunk_size
+    s1 = _stage_1(call)
+    k, common = s1.k, s1.common
+    q, do = call.q.contiguous(), call.do.contiguous()
+    dht = None if call.dht is None else call.dht.float().contiguous()
+    state = dict(state_v_first=call.state_v_first, chunk_size=BT)
+
+    if call.h is None:
+        h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=k, w=s1.w, u=s1.u, g=s1.g2, initial_state=s1.h0,
+                                                   output_final_state=False, **common, **state)
+    else:
+        v_new = corrected_values(s1.u, s1.w, call.h, BT, common["cu_seqlens"], common["chunk_indices"],
+                                 call.state_v_first)
+        h = call.h.contiguous()
+    dv = chunk_bwd_dv_local(q=q, k=k, g=s1.g2, do=do, scale=call.scale, **common, chunk_size=BT)
+    dh, dh0, du = chunk_gated_delta_rule_bwd_dhu(q=q, k=k, w=s1.w, g=s1.g2, h0=s1.h0, dht=dht, do=do, dv=dv,
+                                                 scale=call.scale, **common, **state)
+    return FlaStages(q, k, s1.v, do, s1.beta, s1.A, s1.g2, s1.w, h, v_new, dh,
+                     dh0 if call.initial_state is not None else None, du, common, state)
+
+
+def stages_5_6(st: FlaStages, scale: float):
+    """fla's stages 5 + 6 and the reverse cumsum -> `(dq, dk, dv, db, dg)`."""
+    from fla.ops.common.chunk_o import chunk_bwd_dqkwg
+    from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd
+    from fla.ops.utils import chunk_local_cumsum
+
+    h = st.h.to(st.q.dtype)  # fla's TileLang chunk_bwd_dqkwg takes h in q's dtype only
+    dq, dk, dw, dg = chunk_bwd_dqkwg(q=st.q, k=st.k, v=st.v_new, w=st.w, g=st.g2, h=h, dv=st.du, do=st.do,
+                                     dh=st.dh, scale=scale, **st.common, **st.state)
+    dk2, dv, db, dg2 = prepare_wy_repr_bwd(k=st.k, v=st.v, beta=st.beta, g=st.g2, A=st.A, dw=dw, du=st.du,
+                                           **st.common)
+    dk.add_(dk2)  # fresh tensors of fla's own: nothing of the caller's is written
+    dg.add_(dg2)
+    dg = chunk_local_cumsum(dg, chunk_size=st.state["chunk_size"], reverse=True, **st.common)
+    return dq, dk, dv, db, dg
+
+
+def fused_stage_args(call: GDRCall, st: FlaStages) -> tuple:
+    """The positional arguments of a fused stage-5+6 launcher (`wy_dqkg_wide`'s signature)."""
+    return (st.q, st.k, st.v, st.v_new, st.du, st.do, call.a, call.g, st.beta, st.h, st.dh, call.scale,
+            call.chunk_size, st.common["cu_seqlens"], st.common["chunk_indices"], call.state_v_first)
+
+
+def run_with_fused_stage(call: GDRCall, fused_stage_5_6) -> GDRGrads:
+    """Stages 1-4, then `fused_stage_5_6` (wy_dqkg_wide's arguments and returns)."""
+    st = state_stages(call)
+    dq, dk, dv, db, dg = fused_stage_5_6(*fused_stage_args(call, st))
+    return GDRGrads(dq, dk, dv, dg, db, st.dh0)
