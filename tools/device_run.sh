@@ -5,15 +5,13 @@
 #   precompile       (PRECOMPILE='H,Hg,dtype ...' to choose) TileLang kernels of the tests and the bench, compiled in parallel in the
 #                    background (tests wait for it before the tilelang_fused cases) -> $OUT/precompile.log
 #   tests[=SECONDS]  tests/test_gpu.py, one line per test, tilelang_fused last -> $OUT/gpu_tests.log
-#   tlprobe[=SECONDS] TileLang probe builds compiled in parallel, then bench/probe_tilelang.py
-#                    -> $OUT/tlprobe.log, bench/tilelang_probes.json
-#   diag[=SECONDS]   bench/diag_transposed.py (fused-stage numerics vs float64) -> $OUT/diag.log, bench/diag_transposed.json
-#   repro[=SECONDS]  bench/repro_side_strips.py (the side kernel's strip products alone) -> $OUT/repro.log, bench/repro_side_strips.json
+#   diag[=SECONDS]   tools/diag_transposed.py (fused-stage numerics vs float64) -> $OUT/diag.log, bench/diag_transposed.json
+#   repro[=SECONDS]  tools/repro_side_strips.py (the side kernel's strip products alone) -> $OUT/repro.log, bench/repro_side_strips.json
 #   stage56[=SECONDS] bench/bench_stage56.py (wide kernel configs, crossover) -> $OUT/stage56.log, bench/stage56.json
 #   bench[=SECONDS]  bench/bench_gdr_bwd.py, h200-train      -> $OUT/bench/<device>.{json,md}
 #   tune[=SECONDS]   gdr-dispatch tune --preset h200-train   -> $OUT/tune.log, $OUT/<device>.yaml
-#   profile[=SECONDS] bench/profile_fla_adapter.py           -> $OUT/profile.log
-# e.g.  bash bench/device_run.sh precompile tests=240 bench=200 tune=120
+#   profile[=SECONDS] tools/profile_fla_adapter.py           -> $OUT/profile.log
+# e.g.  bash tools/device_run.sh precompile tests=240 bench=200 tune=120
 # Env: TESTS_K='<pytest -k expression>' runs only those GPU tests (one pytest, tilelang_fused not
 # held back); BENCH_MATCH='<regex>' benches only the matching shapes and merges them into the
 # committed bench/results/<device>.json; BENCH_SKIP='a,b' leaves those runners out (merged, so
@@ -21,7 +19,7 @@
 # Prepare here first (both ignored by git, named in the run's carry):
 #   mkdir -p .devbundle && cp ../shared/device/site-py312.tar.xz .devbundle/
 #   .devcache/tcache/  <- optional: autotune.tgz of an earlier call, unpacked. Without it the
-#                         committed bench/h200_autotune_cache.tgz is used (fla's autotuner takes
+#                         committed tools/h200_autotune_cache.tgz is used (fla's autotuner takes
 #                         one to two minutes per new head layout without any)
 set -u
 mkdir -p /tmp/site && tar -xJf .devbundle/site-py312.tar.xz -C /tmp/site || exit 1
@@ -29,7 +27,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tcache
        GDR_TUNING_CACHE=/tmp/usertables
 # compiled kernels of an earlier call (Triton's and TileLang's caches), else fla's autotune results only
 if [ -f .devcache/caches.tar.xz ]; then tar -xJf .devcache/caches.tar.xz -C /;
-elif [ -d .devcache/tcache ]; then cp -r .devcache/tcache /tmp/; else tar -xzf bench/h200_autotune_cache.tgz -C /tmp; fi
+elif [ -d .devcache/tcache ]; then cp -r .devcache/tcache /tmp/; else tar -xzf tools/h200_autotune_cache.tgz -C /tmp; fi
 mkdir -p "$OUT/bench" /tmp/tables
 [ -f tuning_cache/nvidia-h200-sm90.yaml ] && cp tuning_cache/nvidia-h200-sm90.yaml /tmp/tables/
 
@@ -39,7 +37,7 @@ for arg in "$@"; do
   case $step in
     precompile)
              configs=${PRECOMPILE:-4,2,bfloat16 4,4,bfloat16 4,2,float16 4,4,float16 16,16,bfloat16 32,32,bfloat16 32,16,bfloat16}
-             python3 bench/precompile_tilelang.py $(printf -- '--config %s ' $configs) > "$OUT/precompile.log" 2>&1 &
+             python3 tools/precompile_tilelang.py $(printf -- '--config %s ' $configs) > "$OUT/precompile.log" 2>&1 &
              precompile_pid=$! ;;
     tests)   if [ -n "${TESTS_K:-}" ]; then
                timeout "$limit" python3 -m pytest -v tests/test_gpu.py -p no:cacheprovider -W ignore -rfEs --durations=8 \
@@ -51,13 +49,8 @@ for arg in "$@"; do
              timeout "$(( limit * 6 / 10 ))" "${pytest_gpu[@]}" -k "not tilelang_fused" > "$OUT/gpu_tests.log" 2>&1
              [ -n "${precompile_pid:-}" ] && wait "$precompile_pid"
              timeout "$(( limit - ($(date +%s) - start) ))" "${pytest_gpu[@]}" -k tilelang_fused >> "$OUT/gpu_tests.log" 2>&1 ;;
-    tlprobe) probes=""
-             for hv in 32,32 16,16; do for pr in "" no_stage5 no_stage6 no_stage56 loads_twice; do
-               probes="$probes --config $hv,bfloat16${pr:+,$pr}"; done; done
-             timeout "$limit" bash -c "python3 bench/precompile_tilelang.py --jobs 10 $probes && \
-               python3 bench/probe_tilelang.py --out $OUT/bench" > "$OUT/tlprobe.log" 2>&1 ;;
-    diag)    timeout "$limit" python3 bench/diag_transposed.py "$OUT/bench/diag_transposed.json" > "$OUT/diag.log" 2>&1 ;;
-    repro)   timeout "$limit" python3 bench/repro_side_strips.py "$OUT/bench/repro_side_strips.json" > "$OUT/repro.log" 2>&1 ;;
+    diag)    timeout "$limit" python3 tools/diag_transposed.py "$OUT/bench/diag_transposed.json" > "$OUT/diag.log" 2>&1 ;;
+    repro)   timeout "$limit" python3 tools/repro_side_strips.py "$OUT/bench/repro_side_strips.json" > "$OUT/repro.log" 2>&1 ;;
     stage56) timeout "$limit" python3 bench/bench_stage56.py --out "$OUT/bench" > "$OUT/stage56.log" 2>&1 ;;
     bench)   if [ -n "${BENCH_MATCH:-}${BENCH_SKIP:-}" ]; then
                cp bench/results/nvidia-h200-sm90.json "$OUT/bench/" 2>/dev/null
@@ -69,7 +62,7 @@ for arg in "$@"; do
              fi ;;
     tune)    timeout "$limit" python3 -m gdr_dispatch tune --preset h200-train --out /tmp/tables \
                > "$OUT/tune.log" 2>&1; cp /tmp/tables/*.yaml "$OUT/" ;;
-    profile) timeout "$limit" python3 bench/profile_fla_adapter.py --B 8 --T 4096 --H 32 --rounds 3 > "$OUT/profile.log" 2>&1 ;;
+    profile) timeout "$limit" python3 tools/profile_fla_adapter.py --B 8 --T 4096 --H 32 --rounds 3 > "$OUT/profile.log" 2>&1 ;;
     *) echo "unknown step $step"; continue ;;
   esac
   echo "$step: exit $? after $(( $(date +%s) - start )) s"
