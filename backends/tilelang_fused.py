@@ -19,7 +19,7 @@ from .common.toolchain import nvcc_found
 
 class TileLangFusedBackend(Backend):
     name = "tilelang_fused"
-    static_rank = 40  # 1.1-3.8x slower than fla at 9 of the 10 h200-train shapes (docs/measurements.md)
+    static_rank = 40  # ties fla with h given on full grids, 1.7-4.5x slower on starved ones (docs/measurements.md)
 
     def not_supported_reasons(self, p: Problem) -> list[str]:
         reasons = []

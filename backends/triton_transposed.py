@@ -22,7 +22,7 @@ TRANSPOSED_K = (128,)
 
 class TritonTransposedBackend(Backend):
     name = "triton_transposed"
-    static_rank = 30  # below triton_wide: 1.12-1.24x slower than it on the H200 (docs/measurements.md)
+    static_rank = 30  # below triton_wide: 1.1-1.4x slower than it on the H200 (docs/measurements.md)
 
     def not_supported_reasons(self, p: Problem) -> list[str]:
         reasons = fla_pipeline.chain_limits(p)

@@ -21,7 +21,7 @@ WIDE_K = (128,)
 
 class TritonWideBackend(Backend):
     name = "triton_wide"
-    static_rank = 20  # 1.1-1.3x slower than fla at the h200-train shapes (docs/measurements.md)
+    static_rank = 20  # 1.1-1.4x slower than fla at every h200-train shape (docs/measurements.md)
 
     def not_supported_reasons(self, p: Problem) -> list[str]:
         reasons = fla_pipeline.chain_limits(p)

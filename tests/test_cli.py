@@ -4,9 +4,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+import torch
 import yaml
 
-from gdr_dispatch import cli
+from gdr_dispatch import cli, registered_backends
+from gdr_dispatch.shapes import ShapeSpec
 
 
 def run_cli(*args, env=None, cwd=None):
@@ -67,3 +70,53 @@ def test_explain_prints_verdicts_and_choice(capsys):
 def test_explain_bad_shape_is_an_error_not_a_traceback(capsys):
     assert cli.main(["explain", "--dtype", "int8", "--device", "cpu"]) == 2
     assert "dtype" in capsys.readouterr().err
+
+
+# -- a call that fused_gdr_bwd refuses is refused by explain, without a traceback -------------
+@pytest.mark.parametrize("args,words", [
+    (["--H", "3", "--Hg", "2"], ["H=3", "Hg=2", "multiple"]),
+    (["--T", "0"], ["T >= 1"]),
+    (["--K", "0"], ["K=0"]),
+    (["--chunk-size", "0"], ["chunk_size", "positive"]),
+    (["--seqlens", "0,0"], ["T >= 1"]),
+])
+def test_explain_refuses_what_a_call_refuses(args, words, capsys):
+    assert cli.main(["explain", "--device", "cpu", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and all(w in err for w in words), err
+
+
+def test_explain_on_a_machine_without_cuda_says_so(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["explain", "--device", "cuda"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_verbose_is_taken_before_or_after_the_subcommand(where, tmp_path):
+    args = ["explain", "--device", "cpu", "--K", "16", "--V", "16"]
+    args = ["-v", *args] if where == "before" else [*args, "-v"]
+    r = run_cli(*args, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "chosen: torch" in r.stdout
+
+
+# -- tune says what it did, and checks its counts -------------------------------------------
+def test_tune_with_only_unsupported_backends_writes_nothing_and_says_so(tmp_path, capsys):
+    gpu_only = next(n for n, b in registered_backends().items()
+                    if not b.supported(ShapeSpec(B=1, T=128, H=2, K=32, V=32).problem(torch.device("cpu")))[0])
+    assert cli.main(["tune", "--backends", gpu_only, "--out", str(tmp_path), "--reps", "1", "--warmup", "0"]) == 1
+    out = capsys.readouterr()
+    assert "table written" not in out.out
+    assert "nothing written" in out.err
+    assert not list(tmp_path.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("flag,value,words", [("--reps", "0", ">= 1"), ("--warmup", "-1", ">= 0"),
+                                              ("--reps", "two", "integer")])
+def test_tune_rejects_counts_it_cannot_use(flag, value, words, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["tune", flag, value])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and words in err

@@ -308,3 +308,67 @@ def test_shipped_tables_parse_and_name_registered_backends(caplog):
                 assert "ms" in won and "failed" not in won, (path, key)
                 assert entry["cross_check"]["reference"] == "torch", (path, key)
     assert "ignoring tuning table" not in caplog.text
+
+
+# -- environment and policy -------------------------------------------------------------
+@pytest.mark.parametrize("value", ["banana", "2", "of"])
+def test_an_unrecognised_gdr_autotune_is_an_error_naming_it(kwargs, monkeypatch, value):
+    monkeypatch.setenv("GDR_AUTOTUNE", value)  # was silently "on"
+    with pytest.raises(ValueError, match=f"GDR_AUTOTUNE: expected one of .*got '{value}'"):
+        fused_gdr_bwd(**kwargs)
+
+
+@pytest.mark.parametrize("value", ["0", "false", "OFF", " no "])
+def test_gdr_autotune_off_spellings(kwargs, monkeypatch, value):
+    monkeypatch.setenv("GDR_AUTOTUNE", value)
+    call = validate(**kwargs)
+    assert dsp.autotune_block_reason(fake_cuda(Problem.from_call(call)), True) == "GDR_AUTOTUNE=0"
+
+
+class Unverified(Fake):
+    gpu_verified = False
+
+
+def test_an_unverified_backend_is_refused_until_switched_on(kwargs, monkeypatch):
+    registry.register(Unverified("fake_unverified"))
+    try:
+        problem = Problem.from_call(validate(**kwargs))
+        backend = registry.get_backend("fake_unverified")
+        ok, reason = backend.supported(problem)
+        assert not ok and "not verified on a GPU" in reason and "GDR_ALLOW_UNVERIFIED=1" in reason
+        with registry.allow_unverified():
+            assert backend.supported(problem) == (True, "")
+        assert not backend.supported(problem)[0]  # the context manager undoes itself
+        monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+        assert backend.supported(problem) == (True, "")
+        monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "maybe")
+        with pytest.raises(ValueError, match="GDR_ALLOW_UNVERIFIED"):
+            backend.supported(problem)
+    finally:
+        registry._REGISTRY.pop("fake_unverified", None)
+
+
+def test_the_static_order_is_what_backends_declare(fakes):
+    first = fakes("fake_first")
+    first.static_rank = -1
+    fakes("fake_last")  # the default rank: after every built-in backend
+    names = list(registry.registered_backends())
+    assert names[0] == "fake_first" and names[-1] == "fake_last"
+    ranks = [b.static_rank for b in registry.registered_backends().values()]
+    assert ranks == sorted(ranks)
+
+
+def test_the_cross_check_reference_is_the_most_trusted_candidate_that_ran(kwargs, fakes):
+    call = validate(**kwargs)
+    problem = Problem.from_call(call)
+    trusted = fakes("fake_trusted")
+    trusted.reference_rank = -1
+    fakes("fake_other")
+    entry, _ = dsp.autotune(call, problem, {n: registry.get_backend(n) for n in ("fake_other", "fake_trusted", "torch")},
+                            measure=lambda fn, dev: 1.0)
+    assert entry["cross_check"]["reference"] == "fake_trusted"
+    broken = fakes("fake_broken_ref", raises=True)
+    broken.reference_rank = -2  # a reference that raised is skipped
+    entry, _ = dsp.autotune(call, problem, {n: registry.get_backend(n) for n in ("fake_broken_ref", "torch")},
+                            measure=lambda fn, dev: 1.0)
+    assert entry["cross_check"]["reference"] == "torch"

@@ -117,3 +117,20 @@ def test_inputs_are_never_written(good_varlen):
         for v in good_varlen.values():
             if isinstance(v, torch.Tensor):
                 assert g.data_ptr() != v.data_ptr(), "an output aliases an input"
+
+
+@pytest.mark.parametrize("h_given", [True, False])
+def test_empty_batch_is_a_clear_error(good, h_given):
+    """B = 0 raised ZeroDivisionError (h given) or `max() arg is an empty sequence` (h=None)."""
+    empty = {k: (v[:0] if isinstance(v, torch.Tensor) and k not in ("initial_state", "dht") else v)
+             for k, v in good.items()}
+    empty.update(initial_state=None, dht=None, h=good["h"][:0] if h_given else None)
+    expect(ValueError, empty, "q:", "B >= 1", "B=0")
+
+
+def test_max_seqlen_must_bound_the_longest_sequence(good_varlen):
+    fused_gdr_bwd(**{**good_varlen, "max_seqlen": 70})
+    fused_gdr_bwd(**{**good_varlen, "max_seqlen": 75})  # a bound, as flash-attn callers pass it
+    expect(ValueError, {**good_varlen, "max_seqlen": 64}, "max_seqlen:", "70 tokens", "got 64")
+    expect(ValueError, {**good_varlen, "max_seqlen": 76}, "max_seqlen:", "T=75")
+    expect(TypeError, {**good_varlen, "max_seqlen": 70.0}, "max_seqlen:", "int")
