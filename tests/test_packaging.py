@@ -8,6 +8,7 @@ the checkout the tests came from.
 
 import importlib
 import importlib.util
+import json
 import re
 from importlib import metadata
 from pathlib import Path
@@ -44,9 +45,12 @@ def test_the_shipped_tables_are_installed():
 
 
 def test_bench_tools_and_tests_do_not_ship():
-    files = metadata.files("gdr-dispatch") or []
-    top = {f.parts[0] for f in files}
-    assert top, "gdr-dispatch is not installed (pip install -e . or the wheel)"
+    dist = metadata.distribution("gdr-dispatch")
+    direct = json.loads(dist.read_text("direct_url.json") or "{}")
+    if not str(getattr(dist, "_path", "")).endswith(".dist-info") or direct.get("dir_info", {}).get("editable"):
+        pytest.skip("not installed from a wheel here (an editable install ships nothing); .ci/run checks the wheel")
+    top = {f.parts[0] for f in dist.files}
+    assert "gdr_dispatch" in top
     assert not top & {"bench", "tools", "tests", "backends", "tuning_cache"}, sorted(top)
 
 
