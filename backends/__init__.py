@@ -7,5 +7,6 @@ registers: its `supported` predicate then says what is missing.
 from . import exact_torch  # noqa: F401
 from . import fla_chain  # noqa: F401
 from . import tilelang_fused  # noqa: F401
+from . import tilelang_ws  # noqa: F401
 from . import triton_wide  # noqa: F401
 from . import triton_transposed  # noqa: F401

@@ -7,7 +7,8 @@ A grid file is a YAML list (or a mapping with a `shapes:` list) of entries such 
 
 Keys: B, T (or seqlens for a varlen batch: then B=1, T=sum), H, Hg (default H), K, V
 (default 128), dtype (bfloat16, float16, float32, float64), h (given | none | both, default both),
-initial_state and dht (default true), state_v_first (default false), chunk_size (64).
+initial_state and dht (default true), state_v_first (default false), chunk_size (64),
+strong_decay (default false: g_raw in [-0.5, 0]; true: in [-5.5, -4.5], near fp32 underflow).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class ShapeSpec:
     dht: bool = True
     state_v_first: bool = False
     chunk_size: int = 64
+    strong_decay: bool = False  # g_raw around -5 per token (decay near fp32 underflow within a chunk)
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -80,7 +82,8 @@ class ShapeSpec:
         else:
             seqs = "varlen " + ",".join(map(str, self.seqlens[:6])) + (",.." if len(self.seqlens) > 6 else "")
         grp = f" Hg{self.Hg}" if self.Hg != self.H else ""
-        return f"{seqs} H{self.H}{grp} K{self.K} V{self.V} {self.dtype} h={self.h}"
+        decay = " strong-decay" if self.strong_decay else ""
+        return f"{seqs} H{self.H}{grp} K{self.K} V{self.V} {self.dtype}{decay} h={self.h}"
 
     def problem(self, device: torch.device) -> Problem:
         """The dispatcher's view of this shape, without allocating it."""
@@ -160,7 +163,8 @@ def make_inputs(spec: ShapeSpec, device, seed: int = 0) -> dict:
     v = rnd(B, T, H, V).to(dt)
     do = rnd(B, T, H, V).to(dt)
     state_dt = torch.float64 if dt == torch.float64 else torch.float32  # g_raw and the states
-    g_raw = -0.5 * torch.rand(B, T, H, generator=gen).to(device, state_dt)
+    u = torch.rand(B, T, H, generator=gen).to(device, state_dt)
+    g_raw = (u - 5.5) if spec.strong_decay else -0.5 * u
     beta = torch.sigmoid(rnd(B, T, H)).to(dt)
     state = (N, H, V, K) if spec.state_v_first else (N, H, K, V)
     h0 = rnd(*state).to(state_dt) if spec.initial_state else None

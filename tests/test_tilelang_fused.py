@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gdr_dispatch import get_backend
-from gdr_dispatch.backends import tilelang_fused
+from gdr_dispatch.backends.common import tilelang_sm90
 from gdr_dispatch.registry import DeviceInfo
 from gdr_dispatch.shapes import ShapeSpec
 
@@ -17,26 +17,55 @@ H200 = DeviceInfo("cuda", "NVIDIA H200", (9, 0), 132)
 B200 = DeviceInfo("cuda", "NVIDIA B200", (10, 0), 148)
 
 
-def reasons(device=H200, **spec):
+SM90_FUSED = ["tilelang_fused", "tilelang_ws"]
+
+
+def reasons(device=H200, backend="tilelang_fused", **spec):
     p = replace(ShapeSpec(**{"B": 2, "T": 4096, "H": 32, **spec}).problem(torch.device("cpu")), device=device)
-    return get_backend("tilelang_fused").not_supported_reasons(p)
+    return get_backend(backend).not_supported_reasons(p)
 
 
-def test_takes_the_training_shapes_on_sm90(monkeypatch):
-    monkeypatch.setattr(tilelang_fused, "nvcc_found", lambda: True)
-    assert reasons() == []
-    assert reasons(h="none", seqlens=(4096,) * 8, B=1, Hg=16) == []
+@pytest.mark.parametrize("backend", SM90_FUSED)
+def test_takes_the_training_shapes_on_sm90(monkeypatch, backend):
+    monkeypatch.setattr(tilelang_sm90, "nvcc_found", lambda: True)
+    assert reasons(backend=backend) == []
+    assert reasons(backend=backend, h="none", seqlens=(4096,) * 8, B=1, Hg=16) == []
 
 
-def test_other_arches_and_shapes_say_why(monkeypatch):
-    monkeypatch.setattr(tilelang_fused, "nvcc_found", lambda: True)
-    text = " | ".join(reasons(device=B200, K=64, chunk_size=32, dtype="float32"))
+@pytest.mark.parametrize("backend", SM90_FUSED)
+def test_other_arches_and_shapes_say_why(monkeypatch, backend):
+    monkeypatch.setattr(tilelang_sm90, "nvcc_found", lambda: True)
+    text = " | ".join(reasons(device=B200, backend=backend, K=64, chunk_size=32, dtype="float32"))
     for words in ("built for sm_90a", "sm_100", "K and V must be 128", "chunk_size must be 64", "bfloat16 or float16"):
         assert words in text
-    monkeypatch.setattr(tilelang_fused, "nvcc_found", lambda: False)
-    assert any("no nvcc" in r for r in reasons())
-    monkeypatch.setattr(tilelang_fused, "nvcc_found", lambda: True)
-    assert any("32-bit integers" in r for r in reasons(B=64, T=32768))
+    monkeypatch.setattr(tilelang_sm90, "nvcc_found", lambda: False)
+    assert any("no nvcc" in r for r in reasons(backend=backend))
+    monkeypatch.setattr(tilelang_sm90, "nvcc_found", lambda: True)
+    assert any("32-bit integers" in r for r in reasons(backend=backend, B=64, T=32768))
+
+
+def test_the_warp_specialised_kernel_is_refused_until_its_gpu_tests_pass(monkeypatch):
+    monkeypatch.setattr(tilelang_sm90, "nvcc_found", lambda: True)
+    p = replace(ShapeSpec(B=2, T=4096, H=32).problem(torch.device("cpu")), device=H200)
+    ok, why = get_backend("tilelang_ws").supported(p)
+    assert not ok and "not verified on a GPU" in why
+    monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+    assert get_backend("tilelang_ws").supported(p) == (True, "")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile for sm_90a")
+def test_ws_kernel_compiles_for_sm90a_with_its_register_split():
+    from gdr_dispatch.backends.kernels.tilelang_ws_bwd import NREG, build_ws_bwd
+
+    src = build_ws_bwd(4, 2, 128 ** -0.5, "bfloat16", "bfloat16", "float32").get_kernel_source()
+    assert sum(NREG) * 128 <= 65536
+    assert "__launch_bounds__(512, 1)" in src
+    for n in NREG[:3]:
+        assert f"warpgroup_reg_alloc<{n}>" in src
+    assert f"warpgroup_reg_dealloc<{NREG[3]}>" in src
+    assert "__syncthreads" not in src.split("warpgroup_reg")[1]  # no block-wide barrier once the roles split
+    assert src.count("tma_load(") >= 6
 
 
 @pytest.mark.slow

@@ -40,7 +40,8 @@ for arg in "$@"; do
              python3 tools/precompile_tilelang.py $(printf -- '--config %s ' $configs) > "$OUT/precompile.log" 2>&1 &
              precompile_pid=$! ;;
     tests)   if [ -n "${TESTS_K:-}" ]; then
-               timeout "$limit" python3 -m pytest -v tests/test_gpu.py -p no:cacheprovider -W ignore -rfEs --durations=8 \
+               [ -n "${precompile_pid:-}" ] && wait "$precompile_pid"
+               timeout "$(( limit - ($(date +%s) - start) ))" python3 -m pytest -v tests/test_gpu.py -p no:cacheprovider -W ignore -rfEs --durations=8 \
                  -n 8 --dist loadgroup -k "$TESTS_K" > "$OUT/gpu_tests.log" 2>&1
                echo "$step: exit $? after $(( $(date +%s) - start )) s"; continue
              fi

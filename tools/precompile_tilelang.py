@@ -17,24 +17,29 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
 
-def compile_one(H: int, Hg: int, dtype: str, K: int = 128, V: int = 128, BT: int = 64) -> float:
-    from gdr_dispatch.backends.kernels.tilelang_fused_bwd import build_fused_bwd
-
+def compile_one(H: int, Hg: int, dtype: str, schedule: str = "plain", K: int = 128, V: int = 128, BT: int = 64) -> float:
     t0 = time.perf_counter()
-    build_fused_bwd(H, Hg, K, V, BT, float(K ** -0.5), dtype, dtype, dtype)
+    if schedule == "ws":
+        from gdr_dispatch.backends.kernels.tilelang_ws_bwd import build_ws_bwd
+
+        build_ws_bwd(H, Hg, float(K ** -0.5), dtype, dtype, dtype if H == Hg else "float32")
+    else:
+        from gdr_dispatch.backends.kernels.tilelang_fused_bwd import build_fused_bwd
+
+        build_fused_bwd(H, Hg, K, V, BT, float(K ** -0.5), dtype, dtype, dtype)
     return time.perf_counter() - t0
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", action="append", required=True,
-                   help="H,Hg,dtype (K = V = 128, chunk 64)")
+                   help="H,Hg,dtype[,ws] (K = V = 128, chunk 64; ws: the warp-specialised kernel)")
     p.add_argument("--jobs", type=int, default=8)
     args = p.parse_args()
     configs = []
     for c in args.config:
-        h, hg, dt = c.split(",")
-        configs.append((int(h), int(hg), dt))
+        h, hg, dt, *schedule = c.split(",")
+        configs.append((int(h), int(hg), dt, *schedule))
     t0 = time.perf_counter()
     with ProcessPoolExecutor(max_workers=min(args.jobs, len(configs))) as pool:
         futures = {pool.submit(compile_one, *c): c for c in configs}

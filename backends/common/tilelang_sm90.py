@@ -1,0 +1,36 @@
+"""What the sm90 TileLang fused kernels take (their shared-memory plans are for K = V = 128)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from gdr_dispatch.registry import Problem
+
+from .toolchain import nvcc_found
+
+
+def fused_sm90_limits(p: Problem, smem_note: str) -> list[str]:
+    """Every reason an sm90 fused TileLang kernel (`smem_note`: its shared-memory use) cannot take `p`."""
+    reasons = []
+    if p.device.type != "cuda":
+        reasons.append(f"needs a CUDA device; the tensors are on {p.device.type}")
+    elif p.device.capability != (9, 0):
+        reasons.append(f"built for sm_90a (Hopper: wgmma, 227 KiB shared memory per block, of which it uses "
+                       f"{smem_note}); this device is sm_{p.device.capability[0]}{p.device.capability[1]}")
+    if p.version("tilelang") is None or importlib.util.find_spec("tilelang") is None:
+        reasons.append("tilelang is not installed (pip install tilelang)")
+    elif p.device.type == "cuda" and not nvcc_found():
+        reasons.append("no nvcc found for TileLang's JIT (set CUDA_HOME or put nvcc on PATH)")
+    if (p.K, p.V) != (128, 128):
+        reasons.append(f"K and V must be 128 (the shared-memory plan is for 128 x 128 states), got K={p.K}, V={p.V}")
+    if p.chunk_size != 64:
+        reasons.append(f"chunk_size must be 64, got {p.chunk_size}")
+    if p.dtype not in ("bfloat16", "float16"):
+        reasons.append(f"q/k/v/do must be bfloat16 or float16, got {p.dtype}")
+    elements = max(p.B * p.T * p.H * max(p.K, p.V, p.chunk_size), p.num_chunks * p.H * p.K * p.V)
+    if elements >= 2 ** 31:
+        reasons.append(f"the kernel indexes with 32-bit integers; this call's largest tensor has {elements} "
+                       f"elements (>= 2^31): split the batch")
+    if not p.h_given and p.version("fla") is None:
+        reasons.append("with h=None the states are recomputed by fla-core's stages 1-2, and fla-core is not installed")
+    return reasons

@@ -1,0 +1,486 @@
+"""The fused GDR backward given `h`, warp-specialised for sm90 (TileLang): seed 000's design.
+
+One CTA of 512 threads per (sequence, value head) walks the chunks backwards. Four
+warpgroups, one role each (one branch of one if/else on the thread index, with
+`set_max_nreg` budgets that add up to the register file):
+
+  * S (threads 0-127): the state gradient `dS` (`[K, V]` fp32) in registers: its decay,
+    `<dS', S>` for dG_L, `dS += K^T dUs + Q^T (scale e^G dO)`, and its 16-bit copy for the
+    others' gemms.
+  * KV (128-255): dV' = e^{G_L-G} K dS' + Pg^T dO, dv = Ag^T dV', dUs = -e^G dv, and dk.
+  * A (256-383): P = Q K^T, Ag = Gam * A * b, U = K S, W = V - e^G U, V' = Ag W, dAg,
+    dP, dq, and the chain through the inverse (dA, dM, db's row part, dkk); then dg (the
+    reverse cumsum inside the chunk) and db.
+  * producer (384-511): TMA loads of the next (earlier) chunk's q, k, v, do, a, h into the
+    single shared buffer of each, each issued as soon as the consumers' last read of that
+    buffer is done; g and b by plain loads.
+
+The math per chunk is the contract's (docs/contract.md) in FlashQLA's arrangement: W and V'
+instead of fla's w and u, so no `[BT, K]` w is formed. The consumer groups move through
+seven phases per chunk, each closed by an mbarrier the three consumer groups arrive at
+(384 threads); the producer waits on the phase after which a buffer is free, never arrives
+there, and publishes a chunk on the `full` barrier (expect-tx of the TMA bytes plus its own
+arrival). The first visited chunk of a sequence (the only partial one) is loaded by every
+thread with masked loads before the roles split. Notes, predictions and measurements:
+docs/tilelang_ws.md.
+
+Outputs: dq/dk per value head (in q's dtype, or fp32 when value heads are grouped, reduced
+by the launcher), dv, dg (w.r.t. the raw gate), db, dh0 (always written).
+"""
+
+import functools
+import itertools
+
+import tilelang
+import tilelang.language as T
+
+from gdr_dispatch.contract import reduce_value_heads
+
+BT, K, V = 64, 128, 128
+
+#: Register caps per warpgroup (S, KV, A, producer): 160 + 160 + 168 + 24 = 512 slots of
+#: 128 threads = the 64K-register file. Seed 000 used 160 / 144 / 184 / 24.
+NREG = (160, 160, 168, 24)
+#: Consumer phases per chunk (each closed by one 384-thread mbarrier).
+PHASES = 7
+
+
+@functools.lru_cache(maxsize=None)
+def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dtype: str):
+    """Compile (once per configuration) the warp-specialised kernel (K = V = 128, chunk 64)."""
+    accum = "float32"
+    TT = T.dynamic("num_tokens")
+    NC = T.dynamic("num_chunks")
+    N = T.dynamic("num_seqs")
+    NP1 = T.dynamic("num_seqs_plus_1")
+    group = H // Hg
+    nreg_s, nreg_kv, nreg_a, nreg_p = NREG
+
+    @tilelang.jit(target={"kind": "cuda", "arch": "sm_90a"}, out_idx=None,
+                  pass_configs={tilelang.PassConfigKey.TL_DISABLE_DATA_RACE_CHECK: True})
+    def kernel_factory():
+        @T.prim_func
+        def gdr_bwd_ws(
+            q: T.Tensor((TT, Hg, K), dtype),
+            k: T.Tensor((TT, Hg, K), dtype),
+            v: T.Tensor((TT, H, V), dtype),
+            do: T.Tensor((TT, H, V), dtype),
+            a: T.Tensor((TT, H, BT), dtype),
+            g: T.Tensor((TT, H), accum),
+            b: T.Tensor((TT, H), b_dtype),
+            h: T.Tensor((NC, H, K, V), dtype),
+            dht: T.Tensor((N, H, K, V), accum),
+            cu_seqlens: T.Tensor((NP1,), "int32"),
+            chunk_offsets: T.Tensor((NP1,), "int32"),
+            dq: T.Tensor((TT, H, K), dq_dtype),
+            dk: T.Tensor((TT, H, K), dq_dtype),
+            dv: T.Tensor((TT, H, V), dtype),
+            dg: T.Tensor((TT, H), accum),
+            db: T.Tensor((TT, H), b_dtype),
+            dh0: T.Tensor((N, H, K, V), accum),
+        ):
+            with T.Kernel(N * H, threads=512) as bx:
+                n = bx // H
+                hh = bx % H
+                hg = hh // group
+                bos = cu_seqlens[n]
+                eos = cu_seqlens[n + 1]
+                n_chunks = T.ceildiv(eos - bos, BT)
+                c0 = chunk_offsets[n]
+
+                # ---- shared memory (~208 KiB) ----
+                # loaded per chunk (producer)
+                q_s = T.alloc_shared((BT, K), dtype)
+                k_s = T.alloc_shared((BT, K), dtype)
+                v_s = T.alloc_shared((BT, V), dtype)
+                do_s = T.alloc_shared((BT, V), dtype)
+                a_s = T.alloc_shared((BT, BT), dtype)
+                h_s = T.alloc_shared((K, V), dtype)
+                G_s = T.alloc_shared((BT,), accum)  # padded with the last valid G
+                b_s = T.alloc_shared((BT,), accum)  # 0 past the end
+                # exchanged between consumer groups
+                pg_s = T.alloc_shared((BT, BT), dtype)  # Pg = scale Gam Q K^T, then dP
+                ag_s = T.alloc_shared((BT, BT), dtype)  # Ag = Gam A b, then dAr, then dkk + dkk^T
+                x3_s = T.alloc_shared((BT, BT), dtype)  # A^T dAr, then dkk
+                dvp_s = T.alloc_shared((BT, V), dtype)  # dV', then scale e^G dO
+                w_s = T.alloc_shared((BT, V), dtype)  # W, then V' (v_new)
+                u_s = T.alloc_shared((BT, V), dtype)  # U = K S, then dUs
+                dh_s = T.alloc_shared((K, V), dtype)  # dS' (the chunk-end state gradient)
+                dGk_s = T.alloc_shared((BT,), accum)  # dG parts: from KV, from A, the G_L terms
+                dGa_s = T.alloc_shared((BT,), accum)
+                dGL_s = T.alloc_shared((2,), accum)  # [0] from S, [1] from KV
+                db_s = T.alloc_shared((BT,), accum)  # db's column part (A, phase 4)
+
+                # ---- registers ----
+                dS_f = T.alloc_fragment((K, V), accum)  # S
+                hrow_f = T.alloc_fragment((K,), accum)
+                hdh_f = T.alloc_fragment((1,), accum)
+                kv1_f = T.alloc_fragment((BT, V), accum)  # KV
+                kv2_f = T.alloc_fragment((BT, K), accum)
+                kvr_f = T.alloc_fragment((BT,), accum)
+                kvl_f = T.alloc_fragment((1,), accum)
+                pg_f = T.alloc_fragment((BT, BT), accum)  # A
+                sq_f = T.alloc_fragment((BT, BT), accum)
+                sq2_f = T.alloc_fragment((BT, BT), accum)
+                a1_f = T.alloc_fragment((BT, V), accum)
+                a2_f = T.alloc_fragment((BT, K), accum)
+                ar_f = T.alloc_fragment((BT,), accum)
+                ac_f = T.alloc_fragment((BT,), accum)
+
+                # ---- barriers ----
+                full = T.alloc_barrier(arrive_count=128)  # the producer publishes a chunk
+                start = T.alloc_barrier(arrive_count=384)  # dS' copy of dht is in dh_s
+                phase = T.alloc_barrier(arrive_count=[384] * PHASES)
+
+                T.annotate_layout({
+                    q_s: tilelang.layout.make_swizzled_layout(q_s),
+                    k_s: tilelang.layout.make_swizzled_layout(k_s),
+                    v_s: tilelang.layout.make_swizzled_layout(v_s),
+                    do_s: tilelang.layout.make_swizzled_layout(do_s),
+                    a_s: tilelang.layout.make_swizzled_layout(a_s),
+                    h_s: tilelang.layout.make_swizzled_layout(h_s),
+                    pg_s: tilelang.layout.make_swizzled_layout(pg_s),
+                    ag_s: tilelang.layout.make_swizzled_layout(ag_s),
+                    x3_s: tilelang.layout.make_swizzled_layout(x3_s),
+                    dvp_s: tilelang.layout.make_swizzled_layout(dvp_s),
+                    w_s: tilelang.layout.make_swizzled_layout(w_s),
+                    u_s: tilelang.layout.make_swizzled_layout(u_s),
+                    dh_s: tilelang.layout.make_swizzled_layout(dh_s),
+                })
+
+                tx = T.get_thread_binding()
+
+                # ---- prologue: the first visited chunk (the sequence's last, maybe partial) ----
+                if n_chunks > 0:
+                    t_first = bos + (n_chunks - 1) * BT
+                    for i, j in T.Parallel(BT, K):
+                        q_s[i, j] = T.if_then_else(t_first + i < eos, q[t_first + i, hg, j], T.cast(0, dtype))
+                        k_s[i, j] = T.if_then_else(t_first + i < eos, k[t_first + i, hg, j], T.cast(0, dtype))
+                    for i, j in T.Parallel(BT, V):
+                        v_s[i, j] = T.if_then_else(t_first + i < eos, v[t_first + i, hh, j], T.cast(0, dtype))
+                        do_s[i, j] = T.if_then_else(t_first + i < eos, do[t_first + i, hh, j], T.cast(0, dtype))
+                    for i, j in T.Parallel(BT, BT):
+                        a_s[i, j] = T.if_then_else(t_first + i < eos, a[t_first + i, hh, j], T.cast(0, dtype))
+                    for i, j in T.Parallel(K, V):
+                        h_s[i, j] = h[c0 + n_chunks - 1, hh, i, j]
+                    for i in T.Parallel(BT):
+                        G_s[i] = g[T.min(t_first + i, eos - 1), hh]
+                        b_s[i] = T.if_then_else(t_first + i < eos, T.cast(b[t_first + i, hh], accum),
+                                                T.cast(0, accum))
+                T.fence_proxy_async()
+                T.sync_threads()
+
+                if tx < 128:
+                    # ================= S: the state gradient =================
+                    T.set_max_nreg(nreg_s, 1)
+                    T.copy(dht[n, hh, :, :], dS_f)
+                    T.copy(dS_f, dh_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(start)
+                    T.barrier_wait(start, 0)
+                    for it in T.serial(n_chunks):
+                        c = n_chunks - 1 - it
+                        t0 = bos + c * BT
+                        L = T.min(BT, eos - t0)
+                        if it > 0:
+                            T.barrier_wait(full, (it - 1) % 2)
+                        # 1: dS <- e^{G_L} dS'; e^{G_L} <dS', S> (from the 16-bit copies, as fla does)
+                        for i, j in T.Parallel(K, V):
+                            dS_f[i, j] = dS_f[i, j] * T.exp(G_s[BT - 1])
+                        for i in T.Parallel(K):
+                            hrow_f[i] = 0
+                            for j in T.serial(V):
+                                hrow_f[i] += T.cast(dh_s[i, j], accum) * T.cast(h_s[i, j], accum)
+                        T.reduce_sum(hrow_f, hdh_f, dim=0)
+                        for i in T.Parallel(1):
+                            dGL_s[0] = hdh_f[0] * T.exp(G_s[BT - 1])
+                        T.barrier_arrive(phase[0])
+                        T.barrier_wait(phase[0], it % 2)
+                        # 2, 3: nothing
+                        T.barrier_arrive(phase[1])
+                        T.barrier_wait(phase[1], it % 2)
+                        T.barrier_arrive(phase[2])
+                        T.barrier_wait(phase[2], it % 2)
+                        # 4: scale e^G dO into dvp_s (dV' is read by now)
+                        for i, j in T.Parallel(BT, V):
+                            dvp_s[i, j] = T.cast(scale * T.exp(G_s[i]) * T.cast(do_s[i, j], accum), dtype)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(phase[3])
+                        T.barrier_wait(phase[3], it % 2)
+                        # 5: dS += K^T dUs + Q^T (scale e^G dO)
+                        T.gemm(k_s, u_s, dS_f, transpose_A=True)
+                        T.gemm(q_s, dvp_s, dS_f, transpose_A=True)
+                        T.barrier_arrive(phase[4])
+                        T.barrier_wait(phase[4], it % 2)
+                        # 6: the 16-bit copy for the next chunk (dh_s was last read in 5)
+                        T.copy(dS_f, dh_s)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(phase[5])
+                        T.barrier_wait(phase[5], it % 2)
+                        # 7: nothing (A stores dg and db)
+                        T.barrier_arrive(phase[6])
+                        T.barrier_wait(phase[6], it % 2)
+                    T.copy(dS_f, dh0[n, hh, :, :])
+
+                elif tx < 256:
+                    # ================= KV: dV', dv, dUs, dk =================
+                    T.set_max_nreg(nreg_kv, 1)
+                    T.barrier_arrive(start)
+                    T.barrier_wait(start, 0)
+                    for it in T.serial(n_chunks):
+                        c = n_chunks - 1 - it
+                        t0 = bos + c * BT
+                        L = T.min(BT, eos - t0)
+                        if it > 0:
+                            T.barrier_wait(full, (it - 1) % 2)
+                        # 1: dV' = e^{G_L - G} K dS'
+                        T.gemm(k_s, dh_s, kv1_f, clear_accum=True)
+                        for i, j in T.Parallel(BT, V):
+                            kv1_f[i, j] = kv1_f[i, j] * T.exp(G_s[BT - 1] - G_s[i])
+                        T.barrier_arrive(phase[0])
+                        T.barrier_wait(phase[0], it % 2)
+                        # 2: dV' += Pg^T dO
+                        T.gemm(pg_s, do_s, kv1_f, transpose_A=True)
+                        T.copy(kv1_f, dvp_s)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(phase[1])
+                        T.barrier_wait(phase[1], it % 2)
+                        # 3: dv = Ag^T dV' (b is inside Ag); dUs = -e^G dv; dG += rows of dUs * U
+                        T.gemm(ag_s, dvp_s, kv1_f, transpose_A=True, clear_accum=True)
+                        for i, j in T.Parallel(BT, V):
+                            if t0 + i < eos:
+                                dv[t0 + i, hh, j] = T.cast(kv1_f[i, j], dtype)
+                        for i, j in T.Parallel(BT, V):
+                            kv1_f[i, j] = -kv1_f[i, j] * T.exp(G_s[i])
+                            kv2_f[i, j] = kv1_f[i, j] * T.cast(u_s[i, j], accum)
+                        T.reduce_sum(kv2_f, kvr_f, dim=1)
+                        for i in T.Parallel(BT):
+                            dGk_s[i] = kvr_f[i]
+                        T.barrier_arrive(phase[2])
+                        T.barrier_wait(phase[2], it % 2)
+                        # 4: dUs into u_s (U is read by now)
+                        T.copy(kv1_f, u_s)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(phase[3])
+                        T.barrier_wait(phase[3], it % 2)
+                        # 5: dk = e^{G_L - G} V' dS'^T (its dG terms), += dUs S^T
+                        T.gemm(w_s, dh_s, kv2_f, transpose_B=True, clear_accum=True)
+                        for i, j in T.Parallel(BT, K):
+                            kv2_f[i, j] = kv2_f[i, j] * T.exp(G_s[BT - 1] - G_s[i])
+                            kv1_f[i, j] = kv2_f[i, j] * T.cast(k_s[i, j], accum)
+                        T.reduce_sum(kv1_f, kvr_f, dim=1)
+                        T.reduce_sum(kvr_f, kvl_f, dim=0)
+                        for i in T.Parallel(BT):
+                            dGk_s[i] = dGk_s[i] - kvr_f[i]
+                        for i in T.Parallel(1):
+                            dGL_s[1] = kvl_f[0]
+                        T.gemm(u_s, h_s, kv2_f, transpose_B=True)
+                        T.barrier_arrive(phase[4])
+                        T.barrier_wait(phase[4], it % 2)
+                        # 6: dk += dP^T Q
+                        T.gemm(pg_s, q_s, kv2_f, transpose_A=True)
+                        T.barrier_arrive(phase[5])
+                        T.barrier_wait(phase[5], it % 2)
+                        # 7: dk += (dkk + dkk^T) K
+                        T.gemm(ag_s, k_s, kv2_f)
+                        for i, j in T.Parallel(BT, K):
+                            if t0 + i < eos:
+                                dk[t0 + i, hh, j] = T.cast(kv2_f[i, j], dq_dtype)
+                        T.barrier_arrive(phase[6])
+                        T.barrier_wait(phase[6], it % 2)
+
+                elif tx < 384:
+                    # ================= A: P, Ag, U, W, V', dAg, dP, dq, the inverse; dg, db =================
+                    T.set_max_nreg(nreg_a, 1)
+                    T.barrier_arrive(start)
+                    T.barrier_wait(start, 0)
+                    for it in T.serial(n_chunks):
+                        c = n_chunks - 1 - it
+                        t0 = bos + c * BT
+                        L = T.min(BT, eos - t0)
+                        if it > 0:
+                            T.barrier_wait(full, (it - 1) % 2)
+                        # 1: Pg = scale Gam Q K^T; Ag = Gam A b; U = K S; W = V - e^G U
+                        T.gemm(q_s, k_s, pg_f, transpose_B=True, clear_accum=True)
+                        for i, j in T.Parallel(BT, BT):
+                            pg_f[i, j] = T.if_then_else(j <= i, scale * pg_f[i, j] * T.exp(G_s[i] - G_s[j]),
+                                                        T.cast(0, accum))
+                        T.copy(pg_f, pg_s)
+                        for i, j in T.Parallel(BT, BT):
+                            ag_s[i, j] = T.cast(T.if_then_else(j <= i, T.exp(G_s[i] - G_s[j]), T.cast(0, accum))
+                                                * T.cast(a_s[i, j], accum) * b_s[j], dtype)
+                        T.gemm(k_s, h_s, a1_f, clear_accum=True)
+                        T.copy(a1_f, u_s)
+                        for i, j in T.Parallel(BT, V):
+                            w_s[i, j] = T.cast(T.cast(v_s[i, j], accum) - T.exp(G_s[i]) * a1_f[i, j], dtype)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(phase[0])
+                        T.barrier_wait(phase[0], it % 2)
+                        # 2: nothing
+                        T.barrier_arrive(phase[1])
+                        T.barrier_wait(phase[1], it % 2)
+                        # 3: dAg = dV' W^T; V' = Ag W
+                        T.gemm(dvp_s, w_s, sq_f, transpose_B=True, clear_accum=True)
+                        T.gemm(ag_s, w_s, a1_f, clear_accum=True)
+                        T.barrier_arrive(phase[2])
+                        T.barrier_wait(phase[2], it % 2)
+                        # 4: V' into w_s; through Ag = Gam A b: dG (rows - columns of dAg Ag), db's
+                        # column part, dAr = Gam b dAg (the ungated inverse's gradient) into ag_s
+                        T.copy(a1_f, w_s)
+                        for i, j in T.Parallel(BT, BT):
+                            sq2_f[i, j] = T.if_then_else(j <= i, T.exp(G_s[i] - G_s[j]), T.cast(0, accum)) \
+                                * sq_f[i, j] * T.cast(a_s[i, j], accum)  # Gam dAg A
+                        T.reduce_sum(sq2_f, ac_f, dim=0)
+                        for j in T.Parallel(BT):
+                            db_s[j] = ac_f[j]
+                        for i, j in T.Parallel(BT, BT):
+                            sq2_f[i, j] = sq2_f[i, j] * b_s[j]  # dAg * Ag
+                        T.reduce_sum(sq2_f, ar_f, dim=1)
+                        T.reduce_sum(sq2_f, ac_f, dim=0)
+                        for i in T.Parallel(BT):
+                            dGa_s[i] = ar_f[i]
+                        for i in T.Parallel(BT):
+                            dGa_s[i] = dGa_s[i] - ac_f[i]
+                        for i, j in T.Parallel(BT, BT):
+                            ag_s[i, j] = T.cast(T.if_then_else(j <= i, T.exp(G_s[i] - G_s[j]), T.cast(0, accum))
+                                                * sq_f[i, j] * b_s[j], dtype)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(phase[3])
+                        T.barrier_wait(phase[3], it % 2)
+                        # 5: dPg = dO V'^T, its dG (rows - columns of dPg Pg), dP = scale Gam dPg;
+                        # dq = scale e^G dO S^T (its dG) + dP K
+                        T.gemm(do_s, w_s, sq_f, transpose_B=True, clear_accum=True)
+                        for i, j in T.Parallel(BT, BT):
+                            sq2_f[i, j] = sq_f[i, j] * T.cast(pg_s[i, j], accum)  # Pg's 16-bit copy, as KV reads it
+                        T.reduce_sum(sq2_f, ar_f, dim=1)
+                        T.reduce_sum(sq2_f, ac_f, dim=0)
+                        for i in T.Parallel(BT):
+                            dGa_s[i] = dGa_s[i] + ar_f[i]
+                        for i in T.Parallel(BT):
+                            dGa_s[i] = dGa_s[i] - ac_f[i]
+                        for i, j in T.Parallel(BT, BT):
+                            pg_s[i, j] = T.cast(T.if_then_else(j <= i, scale * sq_f[i, j] * T.exp(G_s[i] - G_s[j]),
+                                                               T.cast(0, accum)), dtype)
+                        T.gemm(do_s, h_s, a1_f, transpose_B=True, clear_accum=True)
+                        for i, j in T.Parallel(BT, K):
+                            a1_f[i, j] = a1_f[i, j] * scale * T.exp(G_s[i])
+                            a2_f[i, j] = a1_f[i, j] * T.cast(q_s[i, j], accum)
+                        T.reduce_sum(a2_f, ar_f, dim=1)
+                        for i in T.Parallel(BT):
+                            dGa_s[i] = dGa_s[i] + ar_f[i]
+                        T.fence_proxy_async()
+                        T.gemm(pg_s, k_s, a1_f)
+                        T.barrier_arrive(phase[4])
+                        T.barrier_wait(phase[4], it % 2)
+                        # 6: through A = M^-1: dA = A^T dAr A^T, dM = -dA strictly lower,
+                        # db += rows of dM * (K K^T), dkk = b dM; dkk + dkk^T into ag_s
+                        T.gemm(a_s, ag_s, sq_f, transpose_A=True, clear_accum=True)
+                        T.copy(sq_f, x3_s)
+                        T.fence_proxy_async()
+                        T.gemm(x3_s, a_s, sq_f, transpose_B=True, clear_accum=True)
+                        T.gemm(k_s, k_s, sq2_f, transpose_B=True, clear_accum=True)
+                        for i, j in T.Parallel(BT, BT):
+                            sq_f[i, j] = T.if_then_else(j < i, -sq_f[i, j], T.cast(0, accum))  # dM
+                            sq2_f[i, j] = sq_f[i, j] * sq2_f[i, j]
+                        T.reduce_sum(sq2_f, ar_f, dim=1)
+                        for i in T.Parallel(BT):
+                            db_s[i] = db_s[i] + ar_f[i] * 1.0
+                        for i, j in T.Parallel(BT, BT):
+                            x3_s[i, j] = T.cast(sq_f[i, j] * b_s[i], dtype)  # dkk
+                        for i, j in T.Parallel(BT, BT):
+                            ag_s[i, j] = T.cast(sq_f[i, j] * b_s[i] + T.cast(x3_s[j, i], accum), dtype)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(phase[5])
+                        T.barrier_wait(phase[5], it % 2)
+                        # 7: dq; dg = reverse cumsum of dG inside the chunk (the G_L terms on its
+                        # last valid row); db = its two parts
+                        for i, j in T.Parallel(BT, K):
+                            if t0 + i < eos:
+                                dq[t0 + i, hh, j] = T.cast(a1_f[i, j], dq_dtype)
+                        for i, j in T.Parallel(BT, BT):
+                            sq_f[i, j] = T.if_then_else(
+                                (j >= i) and (j < L),
+                                dGk_s[j] + dGa_s[j] + T.if_then_else(j == L - 1, dGL_s[0] + dGL_s[1],
+                                                                     T.cast(0, accum)),
+                                T.cast(0, accum))
+                        T.reduce_sum(sq_f, ar_f, dim=1)
+                        for i in T.Parallel(BT):
+                            if i < L:
+                                dg[t0 + i, hh] = ar_f[i]
+                                db[t0 + i, hh] = T.cast(db_s[i], b_dtype)
+                        T.barrier_arrive(phase[6])
+                        T.barrier_wait(phase[6], it % 2)
+
+                else:
+                    # ================= producer: the next (earlier) chunk =================
+                    T.set_max_nreg(nreg_p, 0)
+                    for it in T.serial(n_chunks - 1):
+                        c = n_chunks - 2 - it  # the chunk the consumers need next
+                        t0 = bos + c * BT
+                        T.barrier_wait(phase[0], it % 2)  # v: read in phase 1
+                        T.tma_copy(v[t0:t0 + BT, hh, 0:V], v_s, barrier=full)
+                        T.barrier_wait(phase[4], it % 2)  # h, do: last read in phase 5
+                        T.tma_copy(h[c0 + c, hh, 0:K, 0:V], h_s, barrier=full)
+                        T.tma_copy(do[t0:t0 + BT, hh, 0:V], do_s, barrier=full)
+                        T.barrier_wait(phase[5], it % 2)  # q, a, G, b: last read in phase 6
+                        T.tma_copy(q[t0:t0 + BT, hg, 0:K], q_s, barrier=full)
+                        T.tma_copy(a[t0:t0 + BT, hh, 0:BT], a_s, barrier=full)
+                        for i in T.Parallel(BT):
+                            G_s[i] = g[t0 + i, hh]
+                            b_s[i] = T.cast(b[t0 + i, hh], accum)
+                        T.barrier_wait(phase[6], it % 2)  # k: last read in phase 7
+                        T.tma_copy(k[t0:t0 + BT, hg, 0:K], k_s, barrier=full)
+                        T.barrier_arrive(full)
+
+        return gdr_bwd_ws
+
+    return kernel_factory()
+
+
+def ws_bwd_given_h(q, k, v, do, a, g, b, h, dht, scale: float, seq_lens, chunk_size: int = 64,
+                   cu_seqlens=None, has_h0: bool = False, state_v_first: bool = False):
+    """Run the warp-specialised kernel; returns `(dq, dk, dv, dg, db, dh0)` in the contract's form."""
+    import torch
+
+    B, T_, Hg, Kd = q.shape
+    H, Vd = v.shape[2], v.shape[3]
+    if (Kd, Vd, chunk_size) != (K, V, BT):
+        raise ValueError(f"ws_bwd_given_h: built for K = V = {K}, chunk {BT}; got K={Kd}, V={Vd}, chunk {chunk_size}")
+    N = len(seq_lens)
+    dev = q.device
+    if cu_seqlens is None:
+        cu = torch.arange(0, (B + 1) * T_, T_, dtype=torch.int32, device=dev)
+    else:
+        cu = cu_seqlens.to(torch.int32)
+    counts = [-(-s // chunk_size) for s in seq_lens]
+    offsets = torch.tensor([0] + list(itertools.accumulate(counts)), dtype=torch.int32).to(dev)
+    if dht is None:
+        dht_in = torch.zeros(N, H, K, V, dtype=torch.float32, device=dev)
+    else:
+        dht_in = (dht.transpose(-1, -2) if state_v_first else dht).float().contiguous()
+    if state_v_first:  # the kernel reads [K, V] states
+        h = h.transpose(-1, -2)
+    h = h.to(q.dtype)  # TMA copies bytes: h_s holds q's dtype
+    grouped = H != Hg
+    dq_dtype = torch.float32 if grouped else q.dtype
+    kern = build_ws_bwd(H, Hg, float(scale), _tl_dtype(q.dtype), _tl_dtype(b.dtype), _tl_dtype(dq_dtype))
+    TT = B * T_
+    dq = torch.empty(TT, H, K, dtype=dq_dtype, device=dev)
+    dk = torch.empty(TT, H, K, dtype=dq_dtype, device=dev)
+    dv = torch.empty(TT, H, V, dtype=v.dtype, device=dev)
+    dg = torch.empty(TT, H, dtype=torch.float32, device=dev)
+    db = torch.empty(TT, H, dtype=b.dtype, device=dev)
+    dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=dev)
+    kern(q.reshape(TT, Hg, K).contiguous(), k.reshape(TT, Hg, K).contiguous(), v.reshape(TT, H, V).contiguous(),
+         do.reshape(TT, H, V).contiguous(), a.reshape(TT, H, chunk_size).to(q.dtype).contiguous(),
+         g.reshape(TT, H).float().contiguous(), b.reshape(TT, H).contiguous(),
+         h.reshape(-1, *h.shape[2:]).contiguous(), dht_in, cu, offsets, dq, dk, dv, dg, db, dh0)
+    dq = reduce_value_heads(dq.view(B, T_, H, K), Hg, q.dtype)
+    dk = reduce_value_heads(dk.view(B, T_, H, K), Hg, k.dtype)
+    if state_v_first:
+        dh0 = dh0.transpose(-1, -2).contiguous()
+    return (dq, dk, dv.view(B, T_, H, V), dg.view(B, T_, H), db.view(B, T_, H), dh0 if has_h0 else None)
+
+
+def _tl_dtype(dt) -> str:
+    return str(dt).replace("torch.", "")

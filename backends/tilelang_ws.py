@@ -1,0 +1,38 @@
+"""Backend `tilelang_ws`: the fused backward given `h`, warp-specialised (sm90, TileLang).
+
+`kernels/tilelang_ws_bwd.py`: seed 000's schedule (four role warpgroups, a TMA producer,
+mbarriers); the successor of `tilelang_fused`'s plain kernel, registered beside it until its
+GPU oracle tests pass and it measures faster (docs/tilelang_ws.md). With `h=None` fla's
+stages 1-2 recompute `h` first.
+"""
+
+from __future__ import annotations
+
+from gdr_dispatch.contract import GDRCall, GDRGrads
+from gdr_dispatch.registry import Backend, Problem, register
+
+from .common import fla_pipeline
+from .common.tilelang_sm90 import fused_sm90_limits
+
+
+class TileLangWSBackend(Backend):
+    name = "tilelang_ws"
+    static_rank = 45  # after tilelang_fused until measured (docs/tilelang_ws.md)
+    gpu_verified = False  # tests/test_gpu.py has not run it yet
+
+    def not_supported_reasons(self, p: Problem) -> list[str]:
+        return fused_sm90_limits(p, "~208 KiB")
+
+    def run(self, call: GDRCall) -> GDRGrads:
+        from .kernels.tilelang_ws_bwd import ws_bwd_given_h
+
+        h = call.h if call.h is not None else fla_pipeline.recompute_states(call)
+        dq, dk, dv, dg, db, dh0 = ws_bwd_given_h(
+            call.q, call.k, call.v, call.do, call.a, call.g, call.b, h, call.dht, call.scale, call.seq_lens,
+            call.chunk_size, call.cu_seqlens, has_h0=call.initial_state is not None,
+            state_v_first=call.state_v_first,
+        )
+        return GDRGrads(dq, dk, dv, dg, db, dh0)
+
+
+register(TileLangWSBackend())
