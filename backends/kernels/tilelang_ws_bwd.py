@@ -37,6 +37,7 @@ import tilelang.language as T
 from gdr_dispatch.contract import reduce_value_heads
 
 BT, K, V = 64, 128, 128
+LOG2E = 1.4426950408889634  # exp(x) = exp2(x log2 e): one MUFU.EX2 under fast math
 
 #: Register caps per warpgroup (S, KV, A, producer): 160 + 160 + 168 + 24 = 512 slots of
 #: 128 threads = the 64K-register file. Seed 000 used 160 / 144 / 184 / 24.
@@ -57,7 +58,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
     nreg_s, nreg_kv, nreg_a, nreg_p = NREG
 
     @tilelang.jit(target={"kind": "cuda", "arch": "sm_90a"}, out_idx=None,
-                  pass_configs={tilelang.PassConfigKey.TL_DISABLE_DATA_RACE_CHECK: True})
+                  pass_configs={tilelang.PassConfigKey.TL_DISABLE_DATA_RACE_CHECK: True,
+                                tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True})
     def kernel_factory():
         @T.prim_func
         def gdr_bwd_ws(
@@ -97,6 +99,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                 a_s = T.alloc_shared((BT, BT), dtype)
                 h_s = T.alloc_shared((K, V), dtype)
                 G_s = T.alloc_shared((BT,), accum)  # padded with the last valid G
+                eG_s = T.alloc_shared((BT,), accum)  # e^G (e^{G_L} on the last row)
+                eGL_s = T.alloc_shared((BT,), accum)  # e^{G_L - G}
                 b_s = T.alloc_shared((BT,), accum)  # 0 past the end
                 # exchanged between consumer groups
                 pg_s = T.alloc_shared((BT, BT), dtype)  # Pg = scale Gam Q K^T, then dP
@@ -115,6 +119,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                 dS_f = T.alloc_fragment((K, V), accum)  # S
                 hrow_f = T.alloc_fragment((K,), accum)
                 hdh_f = T.alloc_fragment((1,), accum)
+                egl = T.alloc_local((1,), accum)
                 kv1_f = T.alloc_fragment((BT, V), accum)  # KV
                 kv2_f = T.alloc_fragment((BT, K), accum)
                 kvr_f = T.alloc_fragment((BT,), accum)
@@ -165,6 +170,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                         h_s[i, j] = h[c0 + n_chunks - 1, hh, i, j]
                     for i in T.Parallel(BT):
                         G_s[i] = g[T.min(t_first + i, eos - 1), hh]
+                        eG_s[i] = T.exp2(g[T.min(t_first + i, eos - 1), hh] * LOG2E)
+                        eGL_s[i] = T.exp2((g[eos - 1, hh] - g[T.min(t_first + i, eos - 1), hh]) * LOG2E)
                         b_s[i] = T.if_then_else(t_first + i < eos, T.cast(b[t_first + i, hh], accum),
                                                 T.cast(0, accum))
                 T.fence_proxy_async()
@@ -185,15 +192,16 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                         if it > 0:
                             T.barrier_wait(full, (it - 1) % 2)
                         # 1: dS <- e^{G_L} dS'; e^{G_L} <dS', S> (from the 16-bit copies, as fla does)
+                        egl[0] = eG_s[BT - 1]
                         for i, j in T.Parallel(K, V):
-                            dS_f[i, j] = dS_f[i, j] * T.exp(G_s[BT - 1])
+                            dS_f[i, j] = dS_f[i, j] * egl[0]
                         for i in T.Parallel(K):
                             hrow_f[i] = 0
-                            for j in T.serial(V):
+                            for j in T.unroll(V):
                                 hrow_f[i] += T.cast(dh_s[i, j], accum) * T.cast(h_s[i, j], accum)
                         T.reduce_sum(hrow_f, hdh_f, dim=0)
                         for i in T.Parallel(1):
-                            dGL_s[0] = hdh_f[0] * T.exp(G_s[BT - 1])
+                            dGL_s[0] = hdh_f[0] * egl[0]
                         T.barrier_arrive(phase[0])
                         T.barrier_wait(phase[0], it % 2)
                         # 2, 3: nothing
@@ -203,7 +211,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                         T.barrier_wait(phase[2], it % 2)
                         # 4: scale e^G dO into dvp_s (dV' is read by now)
                         for i, j in T.Parallel(BT, V):
-                            dvp_s[i, j] = T.cast(scale * T.exp(G_s[i]) * T.cast(do_s[i, j], accum), dtype)
+                            dvp_s[i, j] = T.cast(scale * eG_s[i] * T.cast(do_s[i, j], accum), dtype)
                         T.fence_proxy_async()
                         T.barrier_arrive(phase[3])
                         T.barrier_wait(phase[3], it % 2)
@@ -236,7 +244,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                         # 1: dV' = e^{G_L - G} K dS'
                         T.gemm(k_s, dh_s, kv1_f, clear_accum=True)
                         for i, j in T.Parallel(BT, V):
-                            kv1_f[i, j] = kv1_f[i, j] * T.exp(G_s[BT - 1] - G_s[i])
+                            kv1_f[i, j] = kv1_f[i, j] * eGL_s[i]
                         T.barrier_arrive(phase[0])
                         T.barrier_wait(phase[0], it % 2)
                         # 2: dV' += Pg^T dO
@@ -251,7 +259,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                             if t0 + i < eos:
                                 dv[t0 + i, hh, j] = T.cast(kv1_f[i, j], dtype)
                         for i, j in T.Parallel(BT, V):
-                            kv1_f[i, j] = -kv1_f[i, j] * T.exp(G_s[i])
+                            kv1_f[i, j] = -kv1_f[i, j] * eG_s[i]
                             kv2_f[i, j] = kv1_f[i, j] * T.cast(u_s[i, j], accum)
                         T.reduce_sum(kv2_f, kvr_f, dim=1)
                         for i in T.Parallel(BT):
@@ -266,7 +274,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                         # 5: dk = e^{G_L - G} V' dS'^T (its dG terms), += dUs S^T
                         T.gemm(w_s, dh_s, kv2_f, transpose_B=True, clear_accum=True)
                         for i, j in T.Parallel(BT, K):
-                            kv2_f[i, j] = kv2_f[i, j] * T.exp(G_s[BT - 1] - G_s[i])
+                            kv2_f[i, j] = kv2_f[i, j] * eGL_s[i]
                             kv1_f[i, j] = kv2_f[i, j] * T.cast(k_s[i, j], accum)
                         T.reduce_sum(kv1_f, kvr_f, dim=1)
                         T.reduce_sum(kvr_f, kvl_f, dim=0)
@@ -303,16 +311,16 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                         # 1: Pg = scale Gam Q K^T; Ag = Gam A b; U = K S; W = V - e^G U
                         T.gemm(q_s, k_s, pg_f, transpose_B=True, clear_accum=True)
                         for i, j in T.Parallel(BT, BT):
-                            pg_f[i, j] = T.if_then_else(j <= i, scale * pg_f[i, j] * T.exp(G_s[i] - G_s[j]),
+                            pg_f[i, j] = T.if_then_else(j <= i, scale * pg_f[i, j] * T.exp2((G_s[i] - G_s[j]) * LOG2E),
                                                         T.cast(0, accum))
                         T.copy(pg_f, pg_s)
                         for i, j in T.Parallel(BT, BT):
-                            ag_s[i, j] = T.cast(T.if_then_else(j <= i, T.exp(G_s[i] - G_s[j]), T.cast(0, accum))
+                            ag_s[i, j] = T.cast(T.if_then_else(j <= i, T.exp2((G_s[i] - G_s[j]) * LOG2E), T.cast(0, accum))
                                                 * T.cast(a_s[i, j], accum) * b_s[j], dtype)
                         T.gemm(k_s, h_s, a1_f, clear_accum=True)
                         T.copy(a1_f, u_s)
                         for i, j in T.Parallel(BT, V):
-                            w_s[i, j] = T.cast(T.cast(v_s[i, j], accum) - T.exp(G_s[i]) * a1_f[i, j], dtype)
+                            w_s[i, j] = T.cast(T.cast(v_s[i, j], accum) - eG_s[i] * a1_f[i, j], dtype)
                         T.fence_proxy_async()
                         T.barrier_arrive(phase[0])
                         T.barrier_wait(phase[0], it % 2)
@@ -328,7 +336,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                         # column part, dAr = Gam b dAg (the ungated inverse's gradient) into ag_s
                         T.copy(a1_f, w_s)
                         for i, j in T.Parallel(BT, BT):
-                            sq2_f[i, j] = T.if_then_else(j <= i, T.exp(G_s[i] - G_s[j]), T.cast(0, accum)) \
+                            sq2_f[i, j] = T.if_then_else(j <= i, T.exp2((G_s[i] - G_s[j]) * LOG2E), T.cast(0, accum)) \
                                 * sq_f[i, j] * T.cast(a_s[i, j], accum)  # Gam dAg A
                         T.reduce_sum(sq2_f, ac_f, dim=0)
                         for j in T.Parallel(BT):
@@ -342,7 +350,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                         for i in T.Parallel(BT):
                             dGa_s[i] = dGa_s[i] - ac_f[i]
                         for i, j in T.Parallel(BT, BT):
-                            ag_s[i, j] = T.cast(T.if_then_else(j <= i, T.exp(G_s[i] - G_s[j]), T.cast(0, accum))
+                            ag_s[i, j] = T.cast(T.if_then_else(j <= i, T.exp2((G_s[i] - G_s[j]) * LOG2E), T.cast(0, accum))
                                                 * sq_f[i, j] * b_s[j], dtype)
                         T.fence_proxy_async()
                         T.barrier_arrive(phase[3])
@@ -359,11 +367,11 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                         for i in T.Parallel(BT):
                             dGa_s[i] = dGa_s[i] - ac_f[i]
                         for i, j in T.Parallel(BT, BT):
-                            pg_s[i, j] = T.cast(T.if_then_else(j <= i, scale * sq_f[i, j] * T.exp(G_s[i] - G_s[j]),
+                            pg_s[i, j] = T.cast(T.if_then_else(j <= i, scale * sq_f[i, j] * T.exp2((G_s[i] - G_s[j]) * LOG2E),
                                                                T.cast(0, accum)), dtype)
                         T.gemm(do_s, h_s, a1_f, transpose_B=True, clear_accum=True)
                         for i, j in T.Parallel(BT, K):
-                            a1_f[i, j] = a1_f[i, j] * scale * T.exp(G_s[i])
+                            a1_f[i, j] = a1_f[i, j] * scale * eG_s[i]
                             a2_f[i, j] = a1_f[i, j] * T.cast(q_s[i, j], accum)
                         T.reduce_sum(a2_f, ar_f, dim=1)
                         for i in T.Parallel(BT):
@@ -427,6 +435,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                         T.tma_copy(a[t0:t0 + BT, hh, 0:BT], a_s, barrier=full)
                         for i in T.Parallel(BT):
                             G_s[i] = g[t0 + i, hh]
+                            eG_s[i] = T.exp2(g[t0 + i, hh] * LOG2E)
+                            eGL_s[i] = T.exp2((g[t0 + BT - 1, hh] - g[t0 + i, hh]) * LOG2E)
                             b_s[i] = T.cast(b[t0 + i, hh], accum)
                         T.barrier_wait(phase[6], it % 2)  # k: last read in phase 7
                         T.tma_copy(k[t0:t0 + BT, hg, 0:K], k_s, barrier=full)

@@ -1,0 +1,81 @@
+"""The warp-specialised TileLang kernel against the plain one, kernel launchers only (h given).
+
+    python tools/ws_probe.py                      # times both at the bench shapes, prints a table
+    python tools/ws_probe.py --only B4T4096H16 --once   # one launch of the ws kernel (for ncu)
+
+Prints median ms (CUDA events, gdr_dispatch.dispatch.measure_ms), us per chunk step (a CTA
+walks its sequence's chunks one after another) and the largest relative difference between
+the two kernels' outputs. docs/tilelang_ws.md keeps the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from gdr_dispatch.backends.kernels.tilelang_fused_bwd import fused_bwd_given_h
+from gdr_dispatch.backends.kernels.tilelang_ws_bwd import ws_bwd_given_h
+from gdr_dispatch.dispatch import measure_ms, relative_error
+from gdr_dispatch.shapes import ShapeSpec, make_inputs
+
+SHAPES = {
+    "B1T8192H16": ShapeSpec(B=1, T=8192, H=16, h="given"),
+    "B4T4096H16": ShapeSpec(B=4, T=4096, H=16, h="given"),
+    "B8T4096H32": ShapeSpec(B=8, T=4096, H=32, h="given"),
+    "B16T2048H32": ShapeSpec(B=16, T=2048, H=32, h="given"),
+    "varlen8x4096H32Hg16": ShapeSpec(seqlens=(4096,) * 8, H=32, Hg=16, h="given"),
+}
+
+
+def runner(launch, x):
+    args = (x["q"], x["k"], x["v"], x["do"], x["a"], x["g"], x["b"], x["h"], x["dht"], x["scale"],
+            (x["cu_seqlens"].diff().tolist() if x["cu_seqlens"] is not None else (x["q"].shape[1],) * x["q"].shape[0]),
+            64, x["cu_seqlens"])
+    return lambda: launch(*args, has_h0=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default=None, help="one shape name")
+    p.add_argument("--once", action="store_true", help="one launch of the ws kernel after one warm-up (for ncu)")
+    p.add_argument("--plain", action="store_true", help="also time the plain kernel")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    rows = []
+    for name, spec in SHAPES.items():
+        if args.only and name != args.only:
+            continue
+        x = make_inputs(spec, "cuda", seed=1)
+        ws = runner(ws_bwd_given_h, x)
+        if args.once:
+            ws()
+            torch.cuda.synchronize()
+            ws()
+            torch.cuda.synchronize()
+            return 0
+        steps = max(spec.seq_lens) // 64
+        row = {"shape": name, "ws_ms": round(measure_ms(ws, "cuda", warmup=3, reps=20), 4)}
+        row["ws_us_per_step"] = round(row["ws_ms"] * 1e3 / steps, 2)
+        if args.plain:
+            plain = runner(fused_bwd_given_h, x)
+            row["plain_ms"] = round(measure_ms(plain, "cuda", warmup=3, reps=20), 4)
+            a, b = ws(), plain()
+            row["max_rel_diff"] = float(f"{max(relative_error(u, w) for u, w in zip(a, b) if w is not None):.2e}")
+        rows.append(row)
+        print(row, flush=True)
+        del x
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
