@@ -42,6 +42,9 @@ def main(argv=None) -> int:
     p.add_argument("--only", default=None, help="one shape name")
     p.add_argument("--once", action="store_true", help="one launch of the ws kernel after one warm-up (for ncu)")
     p.add_argument("--plain", action="store_true", help="also time the plain kernel")
+    p.add_argument("--check", action="store_true",
+                   help="per-output errors of both kernels against the torch backend, the ws kernel run twice "
+                        "(a race moves its error between runs)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -59,6 +62,17 @@ def main(argv=None) -> int:
             ws()
             torch.cuda.synchronize()
             return 0
+        if args.check:
+            from gdr_dispatch.chunked_math import chunked_backward
+            from gdr_dispatch.contract import validate
+            from gdr_dispatch.shapes import call_kwargs
+
+            ref = chunked_backward(validate(**call_kwargs(x)))
+            names = ("dq", "dk", "dv", "dg", "db", "dh0")
+            for label, fn in (("ws run 1", ws), ("ws run 2", ws), ("plain", runner(fused_bwd_given_h, x))):
+                out = fn()
+                errs = {n: f"{relative_error(o, r):.2e}" for n, o, r in zip(names, out, ref) if r is not None}
+                print(name, label, errs, flush=True)
         steps = max(spec.seq_lens) // 64
         row = {"shape": name, "ws_ms": round(measure_ms(ws, "cuda", warmup=3, reps=20), 4)}
         row["ws_us_per_step"] = round(row["ws_ms"] * 1e3 / steps, 2)
