@@ -40,9 +40,10 @@ from .contract import GDRCall, GDRGrads  # noqa: E402
 from .dispatch import fused_gdr_bwd, select_backend  # noqa: E402
 from .reference import oracle_grads, prepare_residuals, recurrent_forward  # noqa: E402
 from .registry import Backend, Problem, registered_backends, get_backend, register  # noqa: E402
+from .training import chunk_gated_delta_rule  # noqa: E402
 
 __all__ = [
-    "fused_gdr_bwd", "select_backend", "GDRGrads", "GDRCall", "Problem", "Backend",
+    "fused_gdr_bwd", "chunk_gated_delta_rule", "select_backend", "GDRGrads", "GDRCall", "Problem", "Backend",
     "registered_backends", "get_backend", "register", "oracle_grads", "prepare_residuals", "recurrent_forward",
 ]
 __version__ = "0.2.0"

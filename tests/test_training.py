@@ -1,0 +1,171 @@
+"""The training drop-in `chunk_gated_delta_rule`: forward, autograd through the dispatcher,
+torch.compile. On the CPU in float64 against the token-by-token oracle; GPU cases in test_gpu.py."""
+
+import pytest
+import torch
+
+from gdr_dispatch import Backend, chunk_gated_delta_rule, oracle_grads, registry
+from gdr_dispatch.reference import recurrent_forward
+
+F64 = torch.float64
+
+
+def inputs(B=2, T=100, Hg=2, H=4, K=16, V=8, seqlens=None, h0=True, v_first=False, dtype=F64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    if seqlens is not None:
+        B, T = 1, sum(seqlens)
+    N = B if seqlens is None else len(seqlens)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=F64)
+
+    x = dict(
+        q=rnd(B, T, Hg, K).to(dtype), k=torch.nn.functional.normalize(rnd(B, T, Hg, K), dim=-1).to(dtype),
+        v=rnd(B, T, H, V).to(dtype), g=(-0.5 * torch.rand(B, T, H, generator=gen, dtype=F64)).to(
+            F64 if dtype == F64 else torch.float32),
+        beta=torch.rand(B, T, H, generator=gen, dtype=F64).to(dtype),
+        initial_state=(rnd(N, H, V, K) if v_first else rnd(N, H, K, V)).to(
+            F64 if dtype == F64 else torch.float32) if h0 else None,
+        cu_seqlens=None if seqlens is None else torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()],
+                                                             dtype=torch.int32),
+        state_v_first=v_first,
+    )
+    return x
+
+
+def leaves(x):
+    return {n: (t.clone().requires_grad_(True) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+            for n, t in x.items()}
+
+
+CASES = [
+    dict(),  # T % 64 != 0, grouped heads, both states
+    dict(h0=False),
+    dict(seqlens=(1, 63, 64, 65)),
+    dict(seqlens=(1, 63, 64, 65), v_first=True, Hg=4),
+    dict(T=40, Hg=4, h0=False),
+]
+
+
+@pytest.mark.parametrize("save_states", [False, True])
+@pytest.mark.parametrize("final", [True, False])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
+def test_matches_the_float64_oracle(case, final, save_states):
+    x = leaves(inputs(**case))
+    o, ht = chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                                   output_final_state=final, cu_seqlens=x["cu_seqlens"],
+                                   state_v_first=x["state_v_first"], save_states=save_states)
+    assert (ht is None) == (not final)
+    o_ref, ht_ref = recurrent_forward(*(x[n].detach() for n in ("q", "k", "v", "g", "beta")),
+                                      initial_state=None if x["initial_state"] is None else x["initial_state"].detach(),
+                                      cu_seqlens=x["cu_seqlens"], state_v_first=x["state_v_first"])
+    assert ((o - o_ref).norm() / o_ref.norm()).item() < 1e-10
+    gen = torch.Generator().manual_seed(1)
+    do = torch.randn(o.shape, generator=gen, dtype=F64)
+    loss = (o * do).sum()
+    dht = None
+    if final:
+        assert ((ht - ht_ref).norm() / ht_ref.norm()).item() < 1e-10
+        dht = torch.randn(ht.shape, generator=gen, dtype=F64)
+        loss = loss + (ht * dht).sum()
+    loss.backward()
+    ref = oracle_grads(x["q"], x["k"], x["v"], x["g"], x["beta"], do, dht, initial_state=x["initial_state"],
+                       cu_seqlens=x["cu_seqlens"], state_v_first=x["state_v_first"])
+    got = dict(dq=x["q"].grad, dk=x["k"].grad, dv=x["v"].grad, dg=x["g"].grad, db=x["beta"].grad,
+               dh0=None if x["initial_state"] is None else x["initial_state"].grad)
+    for name in ref._fields:
+        want = getattr(ref, name)
+        if want is None:
+            assert got[name] is None
+            continue
+        assert got[name] is not None and got[name].shape == want.shape, name
+        assert ((got[name] - want).norm() / want.norm()).item() < 1e-10, name
+
+
+class Recorder(Backend):
+    """Runs the torch backend and remembers whether the call carried `h`."""
+
+    name = "fake_recorder"
+
+    def __init__(self):
+        self.h_given = []
+
+    def not_supported_reasons(self, problem):
+        return []
+
+    def run(self, call):
+        self.h_given.append(call.h is not None)
+        return registry.get_backend("torch").run(call)
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    rec = registry.register(Recorder())
+    monkeypatch.setenv("GDR_BACKEND", rec.name)
+    yield rec
+    registry._REGISTRY.pop(rec.name, None)
+
+
+@pytest.mark.parametrize("env,arg,saved", [(None, None, False), ("1", None, True), ("0", True, True),
+                                           ("yes", False, False)])
+def test_the_backward_runs_through_the_dispatcher_with_or_without_states(recorder, monkeypatch, env, arg, saved):
+    if env is not None:
+        monkeypatch.setenv("GDR_SAVE_STATES", env)
+    x = leaves(inputs())
+    o, _ = chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                                  save_states=arg)
+    o.sum().backward()
+    assert recorder.h_given == [saved]
+
+
+def test_a_bad_gdr_save_states_is_an_error(monkeypatch):
+    monkeypatch.setenv("GDR_SAVE_STATES", "sometimes")
+    x = inputs()
+    with pytest.raises(ValueError, match="GDR_SAVE_STATES"):
+        chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"])
+
+
+@pytest.mark.parametrize("change,exc,words", [
+    (dict(g=torch.zeros(2, 100, 3)), ValueError, ["g:", "[2, 100, 4]"]),
+    (dict(beta=torch.zeros(2, 100, 4, 1)), ValueError, ["beta:", "[2, 100, 4]"]),
+    (dict(v=torch.zeros(2, 100, 3, 8, dtype=F64)), ValueError, ["H=3", "Hg=2"]),
+    (dict(k=torch.zeros(2, 100, 2, 16, dtype=torch.float32)), TypeError, ["k:", "dtype of q"]),
+    (dict(initial_state=torch.zeros(3, 4, 16, 8)), ValueError, ["initial_state:", "N=2"]),
+    (dict(cu_seqlens=torch.tensor([0, 100], dtype=torch.int32)), ValueError, ["cu_seqlens:", "B == 1"]),
+])
+def test_bad_calls_name_the_argument(change, exc, words):
+    x = {**inputs(), **change}
+    with pytest.raises(exc) as info:
+        chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                               cu_seqlens=x.get("cu_seqlens"))
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_torch_compile_traces_it_in_one_graph():
+    """fullgraph=True fails on any graph break; aot_eager traces forward and backward through the
+    ops' fake implementations without generating code."""
+    x = inputs(dtype=torch.float32, T=70)
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8, dtype=torch.float32)
+
+        def forward(self, q, k, v, g, beta, h0):
+            o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+            return self.proj(o).sum() + ht.square().sum()
+
+    torch.manual_seed(0)
+    layer = Layer()
+    args = [x[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta", "initial_state")]
+    eager = layer(*args)
+    eager.backward()
+    want = [a.grad.clone() for a in args]
+    for a in args:
+        a.grad = None
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    got_loss = compiled(*args)
+    got_loss.backward()
+    assert torch.allclose(got_loss, eager, rtol=1e-5)
+    for w, a in zip(want, args):
+        assert torch.allclose(a.grad, w, rtol=1e-4, atol=1e-6)
