@@ -15,7 +15,8 @@ import torch
 
 from . import tuning_table
 from .contract import validate
-from .dispatch import NO_TENSORS, STATIC, TABLE, NoBackendError, autotune, autotune_block_reason, measure_ms, select_backend
+from .dispatch import (NO_TENSORS, STATIC, TABLE, NoBackendError, autotune, autotune_block_reason,
+                       context_parallel_segments, measure_ms, select_backend)
 from .registry import Problem, registered_backends, device_info
 from .shapes import PRESETS, ShapeSpec, call_kwargs, load_grid, make_inputs
 
@@ -182,6 +183,10 @@ def cmd_explain(args) -> int:
                if blocked is None and len(supported) > 1 else
                f"in no tuning table; static order ({blocked or 'the only supported backend'})")
     print(f"chosen: {choice.backend.name} ({how})")
+    segments = context_parallel_segments()
+    if segments is not None and segments > 1:
+        print(f"split={segments} (GDR_CP): each sequence runs as {segments} segments of whole chunks in one varlen "
+              f"call, whose own shape then picks the backend")
     return 0
 
 

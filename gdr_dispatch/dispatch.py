@@ -320,6 +320,36 @@ def fused_gdr_bwd(q, k, v, a, g, b, do, dht=None, h=None, *, scale=None, initial
     call = validate(q, k, v, a, g, b, do, dht, h, scale=scale, initial_state=initial_state,
                     cu_seqlens=cu_seqlens, chunk_size=chunk_size, state_v_first=state_v_first,
                     max_seqlen=max_seqlen)
+    segments = context_parallel_segments()
+    if segments is not None and segments > 1:
+        from .context_parallel import split_backward
+
+        key = ("split", Problem.from_call(call), segments)
+        if key not in _logged:
+            _logged.add(key)
+            log.info("gdr_dispatch: split=%d (GDR_CP) for %s: each sequence in %d segments of whole chunks, "
+                     "run as one varlen call", segments, Problem.from_call(call).describe(), segments)
+        return split_backward(call, segments, run=lambda **kw: _run(validate(**kw)))
+    return _run(call)
+
+
+def context_parallel_segments() -> Optional[int]:
+    """`GDR_CP`: None when unset, 0 (off) or the number of segments per sequence."""
+    raw = os.environ.get("GDR_CP")
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"GDR_CP: expected a number of segments per sequence (0 turns the split off), "
+                         f"got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"GDR_CP: expected 0 or more segments per sequence, got {value}")
+    return value
+
+
+def _run(call: GDRCall) -> GDRGrads:
+    """One validated call on the backend the dispatcher picks for it."""
     problem = Problem.from_call(call)
     choice = select_backend(problem, call)
     _log_choice(problem, choice)

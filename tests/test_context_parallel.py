@@ -1,0 +1,108 @@
+"""Exact intra-GPU context parallelism (gdr_dispatch/context_parallel.py), on the CPU in float64:
+the affine chunk maps, the segment plan, and split == unsplit through `fused_gdr_bwd` (GDR_CP)."""
+
+import logging
+from dataclasses import replace
+
+import pytest
+import torch
+
+from gdr_dispatch import chunked_math as cm
+from gdr_dispatch import fused_gdr_bwd
+from gdr_dispatch.context_parallel import chunk_maps, segment_chunks
+from gdr_dispatch.contract import validate
+from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs
+
+
+def test_segment_plan_cuts_whole_chunks_evenly():
+    assert segment_chunks([300], 64, 2) == [[3, 2]]  # 5 chunks
+    assert segment_chunks([300, 64, 0], 64, 3) == [[2, 2, 1], [1], [0]]
+    assert segment_chunks([130], 64, 100) == [[1, 1, 1]]  # never more segments than chunks
+    with pytest.raises(ValueError, match="segments"):
+        segment_chunks([10], 64, 0)
+
+
+def test_chunk_maps_are_the_state_recurrences():
+    """S_{c+1} = M_c S_c + R_c reproduces the forward recurrence; dS_c = M_c^T dS_{c+1} + D_c the
+    backward one (chunked_math's stages 2 and 4)."""
+    x = make_inputs(ShapeSpec(B=2, T=200, H=4, Hg=2, K=16, V=8, dtype="float64", h="given"), "cpu", seed=2)
+    call = validate(**call_kwargs(x))
+    lay, M, R, D = chunk_maps(call)
+    q = cm.expand_heads(lay.gather(call.q, torch.float64), call.H)
+    k = cm.expand_heads(lay.gather(call.k, torch.float64), call.H)
+    G = lay.gather_gate(call.g, torch.float64)
+    w, u = cm.recompute_w_u(k, lay.gather(call.v, torch.float64), lay.gather(call.b, torch.float64),
+                            lay.gather(call.a, torch.float64), G)
+    h, _, ht = cm.chunk_states(k, w, u, G, call.initial_state)
+    S = call.initial_state
+    for c in range(M.shape[1]):
+        assert torch.allclose(S, h[:, c], atol=1e-12)
+        S = M[:, c] @ S + R[:, c]
+    assert torch.allclose(S, ht, atol=1e-12)
+    do = lay.gather(call.do, torch.float64)
+    dvl = cm.dv_local(q, k, G, do, call.scale)
+    dh, dh0, _ = cm.chunk_state_grads(q, k, w, G, call.dht, do, dvl, call.scale)
+    dS = call.dht
+    for c in range(M.shape[1] - 1, -1, -1):
+        assert torch.allclose(dS, dh[:, c], atol=1e-12)
+        dS = M[:, c].transpose(-1, -2) @ dS + D[:, c]
+    assert torch.allclose(dS, dh0, atol=1e-12)
+
+
+SPLIT_SHAPES = [
+    ShapeSpec(B=2, T=300, H=4, Hg=2, K=16, V=8),  # grouped heads, 300 = 4 chunks + 44 tokens
+    ShapeSpec(seqlens=(1, 63, 64, 65, 300), H=2, K=16, V=8, state_v_first=True),
+    ShapeSpec(B=1, T=200, H=2, K=8, V=16, initial_state=False, dht=False),
+    ShapeSpec(B=1, T=256, H=2, K=8, V=8, initial_state=False),
+    ShapeSpec(seqlens=(130, 0, 70), H=2, K=8, V=8, dht=False),  # a sequence of no tokens
+]
+
+
+@pytest.mark.parametrize("segments", [2, 3, 100])
+@pytest.mark.parametrize("h_mode", ["given", "none"])
+@pytest.mark.parametrize("spec", SPLIT_SHAPES, ids=lambda s: s.label())
+def test_split_equals_unsplit_in_float64(spec, h_mode, segments, monkeypatch):
+    kwargs = call_kwargs(make_inputs(replace(spec, dtype="float64", h=h_mode), "cpu", seed=3))
+    whole = fused_gdr_bwd(**kwargs)
+    monkeypatch.setenv("GDR_CP", str(segments))
+    split = fused_gdr_bwd(**kwargs)
+    for name in whole._fields:
+        a, b = getattr(split, name), getattr(whole, name)
+        if b is None:
+            assert a is None, name
+            continue
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert ((a - b).norm() / b.norm()).item() < 1e-10, name
+
+
+@pytest.mark.parametrize("value", ["0", "1", ""])
+def test_gdr_cp_off_runs_the_call_whole(value, monkeypatch):
+    import gdr_dispatch.context_parallel as cp_mod
+
+    monkeypatch.setenv("GDR_CP", value)
+    monkeypatch.setattr(cp_mod, "split_backward", lambda *a, **k: pytest.fail("split although GDR_CP is off"))
+    fused_gdr_bwd(**call_kwargs(make_inputs(ShapeSpec(B=1, T=70, H=2, K=8, V=8, dtype="float32", h="given"), "cpu")))
+
+
+@pytest.mark.parametrize("value", ["two", "-1", "1.5"])
+def test_a_bad_gdr_cp_is_an_error_naming_it(value, monkeypatch):
+    monkeypatch.setenv("GDR_CP", value)
+    with pytest.raises(ValueError, match="GDR_CP"):
+        fused_gdr_bwd(**call_kwargs(make_inputs(ShapeSpec(B=1, T=70, H=2, K=8, V=8, dtype="float32", h="given"),
+                                                "cpu")))
+
+
+def test_the_log_says_split(monkeypatch, caplog):
+    monkeypatch.setenv("GDR_CP", "2")
+    with caplog.at_level(logging.INFO, "gdr_dispatch"):
+        fused_gdr_bwd(**call_kwargs(make_inputs(ShapeSpec(B=1, T=200, H=2, K=8, V=8, dtype="float32", h="none"),
+                                                "cpu")))
+    assert any("split=2" in r.message for r in caplog.records)
+
+
+def test_explain_shows_the_split(monkeypatch, capsys):
+    from gdr_dispatch import cli
+
+    monkeypatch.setenv("GDR_CP", "4")
+    assert cli.main(["explain", "--device", "cpu", "--K", "16", "--V", "16"]) == 0
+    assert "split=4" in capsys.readouterr().out
