@@ -21,9 +21,11 @@ state. So:
 Conditioning: the scan multiplies `M`s whose decay factor `e^{G_L}` is <= 1 and whose rank-64
 update is the delta rule's projection, so products shrink towards zero (underflow), never grow.
 
-This module is the torch version of passes 1 and 2 (any device, fp32 or fp64 accumulation):
-exact, and what the CPU tests hold the split to. GPU kernels for them are still to come
-(issue 15); `GDR_CP=<n>` forces n segments per sequence through `fused_gdr_bwd`.
+Passes 1 and 2 are written here as batched tensor products (any device, fp32 or fp64
+accumulation; the per-chunk maps in one batch, each segment's composition in log2(chunks)
+batched levels, the scan a loop over segments): exact, and what the CPU tests hold the split
+to. Dedicated GPU kernels for them, and the autotuner's (backend, segments) candidates, are
+still to come (issue 15); `GDR_CP=<n>` forces at most n segments per sequence.
 """
 
 from __future__ import annotations
@@ -37,17 +39,12 @@ from .chunk_layout import ChunkLayout
 from .contract import GDRCall, GDRGrads, chunk_counts
 
 
-def segment_chunks(seq_lens, chunk_size: int, segments: int) -> list[list[int]]:
-    """Chunks per segment for each sequence: `segments` near-equal runs of whole chunks (fewer
-    when a sequence has fewer chunks; a sequence of zero tokens keeps one empty segment)."""
+def segment_length(seq_lens, chunk_size: int, segments: int) -> int:
+    """Chunks per segment: the longest sequence's chunks over `segments`, rounded up (shorter
+    sequences then have fewer non-empty segments)."""
     if segments < 1:
         raise ValueError(f"segments: expected >= 1, got {segments}")
-    plan = []
-    for n_chunks in chunk_counts(seq_lens, chunk_size):
-        parts = max(1, min(segments, n_chunks))
-        base, extra = divmod(n_chunks, parts)
-        plan.append([base + (1 if j < extra else 0) for j in range(parts)])
-    return plan
+    return max(1, -(-max(chunk_counts(seq_lens, chunk_size)) // segments))
 
 
 def chunk_maps(call: GDRCall):
@@ -76,78 +73,102 @@ def _states_in(x, v_first):
     return None if x is None else (x.transpose(-1, -2) if v_first else x)
 
 
-def split_backward(call: GDRCall, segments: int, run: Callable[..., GDRGrads]) -> GDRGrads:
-    """The backward of `call` with each sequence cut into `segments` runs of whole chunks.
+def _compose(M, R, D):
+    """Fold the chunk axis (-4 of `[..., s, H, K, *]`) into one map per run of chunks, in
+    log2(s) levels of batched products: (M2, R2) after (M1, R1) is (M2 M1, M2 R1 + R2), and
+    the start gradient of the pair is M1^T D2 + D1."""
+    while M.shape[-4] > 1:
+        if M.shape[-4] % 2:  # pad with an identity chunk (M = I, R = D = 0)
+            eye = torch.eye(M.shape[-1], dtype=M.dtype, device=M.device).expand_as(M[..., :1, :, :, :])
+            M = torch.cat([M, eye], dim=-4)
+            R = torch.cat([R, torch.zeros_like(R[..., :1, :, :, :])], dim=-4)
+            D = torch.cat([D, torch.zeros_like(D[..., :1, :, :, :])], dim=-4)
+        M1, M2 = M[..., 0::2, :, :, :], M[..., 1::2, :, :, :]
+        R1, R2 = R[..., 0::2, :, :, :], R[..., 1::2, :, :, :]
+        D1, D2 = D[..., 0::2, :, :, :], D[..., 1::2, :, :, :]
+        M, R, D = M2 @ M1, M2 @ R1 + R2, M1.transpose(-1, -2) @ D2 + D1
+    return M[..., 0, :, :, :], R[..., 0, :, :, :], D[..., 0, :, :, :]
 
-    `run(**kwargs)` computes one backward call (e.g. `fused_gdr_bwd` or a backend's `run`
-    through `validate`); it receives the segments as one varlen call with `initial_state`
-    and `dht` set.
+
+def split_backward(call: GDRCall, segments: int, run: Callable[..., GDRGrads]) -> GDRGrads:
+    """The backward of `call` with each sequence cut into runs of whole chunks.
+
+    Every sequence is cut at multiples of `segment_length(...)` chunks (at most `segments`
+    runs; shorter sequences get fewer). `run(**kwargs)` computes one backward call (e.g.
+    `fused_gdr_bwd`); it receives the non-empty segments as one varlen call with
+    `initial_state` and `dht` set. Passes 1 and 2 are batched tensor products: no loop over
+    chunks, a loop over the `segments` runs of the scan.
     """
-    plan = segment_chunks(call.seq_lens, call.chunk_size, segments)
     acc = call.acc_dtype
-    lay, M, R, D = chunk_maps(call)
     N, H, K, V, BT = call.N, call.H, call.K, call.V, call.chunk_size
     dev = call.q.device
+    s = segment_length(call.seq_lens, BT, segments)
+    n_seg = -(-max(chunk_counts(call.seq_lens, BT)) // s)
+    lay, M, R, D = chunk_maps(call)  # [N, C, H, ...]; chunks past a sequence's end are not maps yet
+    counts = torch.tensor(chunk_counts(call.seq_lens, BT), device=dev)
+    C = M.shape[1]
+    real = (torch.arange(C, device=dev)[None, :] < counts[:, None])[:, :, None, None, None]  # [N, C, 1, 1, 1]
+    eye = torch.eye(K, dtype=acc, device=dev)
+    M = torch.where(real, M, eye)  # identity past each sequence's end: exact padding
+    R = torch.where(real, R, torch.zeros((), dtype=acc, device=dev))
+    D = torch.where(real, D, torch.zeros((), dtype=acc, device=dev))
+    pad = n_seg * s - C
+    if pad:
+        M = torch.cat([M, eye.expand(N, pad, H, K, K)], dim=1)
+        R = torch.cat([R, R.new_zeros(N, pad, H, K, V)], dim=1)
+        D = torch.cat([D, D.new_zeros(N, pad, H, K, V)], dim=1)
+    # pass 1: one (M, R, D) per segment, [N, n_seg, H, ...]
+    Ms, Rs, Ds = _compose(M.view(N, n_seg, s, H, K, K), R.view(N, n_seg, s, H, K, V), D.view(N, n_seg, s, H, K, V))
+
+    # pass 2: the scan over the segments of every sequence at once
     h0 = _states_in(call.initial_state, call.state_v_first)
     dht = _states_in(call.dht, call.state_v_first)
-    h_rows = None
-    if call.h is not None:
-        h_rows = _states_in(call.h, call.state_v_first).reshape(-1, H, K, V)  # chunk order, all sequences
+    S = torch.zeros(N, H, K, V, dtype=acc, device=dev) if h0 is None else h0.to(acc)
+    starts = []
+    for j in range(n_seg):
+        starts.append(S)
+        S = Ms[:, j] @ S + Rs[:, j]
+    if call.h is not None:  # the caller's states where a segment starts on a real chunk (as unsplit)
+        h_rows = _states_in(call.h, call.state_v_first).reshape(-1, H, K, V)
+        first_chunk = torch.tensor([0] + chunk_counts(call.seq_lens, BT), device=dev).cumsum(0)[:-1]
+        for j in range(n_seg):
+            has = counts > j * s
+            if bool(has.any()):
+                rows = h_rows[(first_chunk + j * s).clamp(max=h_rows.shape[0] - 1)].to(acc)
+                starts[j] = torch.where(has[:, None, None, None], rows, starts[j])
+    dS = torch.zeros(N, H, K, V, dtype=acc, device=dev) if dht is None else dht.to(acc)
+    ends = [None] * n_seg
+    for j in range(n_seg - 1, -1, -1):
+        ends[j] = dS
+        dS = Ms[:, j].transpose(-1, -2) @ dS + Ds[:, j]
+    dh0 = dS  # the first segment's start gradient is the sequence's dh0
 
-    starts, ends, seg_lens, first_seg = [], [], [], []
-    chunk_base = 0
-    for n, sizes in enumerate(plan):
-        # pass 1: each segment's composed maps (a loop over its chunks, vectorised over heads)
-        maps, c = [], 0
-        for size in sizes:
-            Mseg = torch.eye(K, dtype=acc, device=dev).expand(H, K, K).clone()
-            Rseg = torch.zeros(H, K, V, dtype=acc, device=dev)
-            Dseg = torch.zeros(H, K, V, dtype=acc, device=dev)
-            for cc in range(c, c + size):
-                Mseg = M[n, cc] @ Mseg
-                Rseg = M[n, cc] @ Rseg + R[n, cc]
-            for cc in range(c + size - 1, c - 1, -1):
-                Dseg = M[n, cc].transpose(-1, -2) @ Dseg + D[n, cc]
-            maps.append((c, size, Mseg, Rseg, Dseg))
-            c += size
-        # pass 2: the scan over this sequence's segments
-        S = torch.zeros(H, K, V, dtype=acc, device=dev) if h0 is None else h0[n].to(acc)
-        seg_starts = []
-        for c0, size, Mseg, Rseg, _ in maps:
-            if h_rows is not None and size > 0:
-                S = h_rows[chunk_base + c0].to(acc)
-            seg_starts.append(S)
-            S = Mseg @ S + Rseg
-        dS = torch.zeros(H, K, V, dtype=acc, device=dev) if dht is None else dht[n].to(acc)
-        seg_ends = [None] * len(maps)
-        for j in range(len(maps) - 1, -1, -1):
-            seg_ends[j] = dS
-            dS = maps[j][2].transpose(-1, -2) @ dS + maps[j][4]
-        length = call.seq_lens[n]
-        first_seg.append(len(seg_lens))
-        for j, (c0, size, *_rest) in enumerate(maps):
-            seg_lens.append(min(size * BT, max(length - c0 * BT, 0)))
-        starts += seg_starts
-        ends += seg_ends
-        chunk_base += sum(sizes)
-
-    # pass 3: every segment an independent sequence of one varlen call
-    offsets = torch.tensor([0] + seg_lens, dtype=torch.int64).cumsum(0).to(torch.int32).to(dev)
-    init = torch.stack(starts)
-    grad_end = torch.stack(ends)
-    if call.state_v_first:
-        init, grad_end = init.transpose(-1, -2).contiguous(), grad_end.transpose(-1, -2).contiguous()
+    # pass 3: the non-empty segments as the sequences of one varlen call
+    lens = torch.tensor(call.seq_lens, device="cpu")
+    seg_lens, pick = [], []
+    for n in range(N):
+        for j in range(n_seg):
+            length = int((lens[n] - j * s * BT).clamp(0, s * BT))
+            if length > 0:
+                seg_lens.append(length)
+                pick.append((n, j))
     flat = {name: getattr(call, name).reshape(1, call.B * call.T, *getattr(call, name).shape[2:])
             for name in ("q", "k", "v", "a", "g", "b", "do")}
+    out_dt = acc if acc == torch.float64 else torch.float32
+    init = torch.stack([starts[j][n] for n, j in pick]).to(out_dt)
+    grad_end = torch.stack([ends[j][n] for n, j in pick]).to(out_dt)
+    if call.state_v_first:
+        init, grad_end = init.transpose(-1, -2).contiguous(), grad_end.transpose(-1, -2).contiguous()
+    offsets = torch.tensor([0] + seg_lens, dtype=torch.int64).cumsum(0).to(torch.int32).to(dev)
     h = None if call.h is None else call.h.reshape(1, -1, *call.h.shape[2:])
-    grads = run(**flat, dht=grad_end.to(torch.float32 if acc == torch.float32 else acc), h=h,
-                scale=call.scale, initial_state=init.to(torch.float32 if acc == torch.float32 else acc),
-                cu_seqlens=offsets, chunk_size=BT, state_v_first=call.state_v_first)
+    grads = run(**flat, dht=grad_end, h=h, scale=call.scale, initial_state=init, cu_seqlens=offsets,
+                chunk_size=BT, state_v_first=call.state_v_first)
 
     def back(x):
         return x.reshape(call.B, call.T, *x.shape[2:])
 
-    dh0 = None
-    if call.initial_state is not None:
-        dh0 = grads.dh0[torch.tensor(first_seg, device=dev)].contiguous()
+    if call.initial_state is None:
+        dh0 = None
+    else:
+        dh0 = (dh0.transpose(-1, -2) if call.state_v_first else dh0).to(out_dt).contiguous()
     return GDRGrads(back(grads.dq), back(grads.dk), back(grads.dv), back(grads.dg), back(grads.db), dh0)
