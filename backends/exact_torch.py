@@ -15,6 +15,7 @@ class TorchBackend(Backend):
     name = "torch"
     static_rank = 100  # last: every other backend is faster wherever it runs
     reference_rank = 0  # exact: the first choice to cross-check the others against
+    split_candidate = False  # splitting the reference buys nothing but tuning time
 
     def not_supported_reasons(self, problem: Problem) -> list[str]:
         return []  # every valid call; speed is the autotuner's business

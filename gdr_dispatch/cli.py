@@ -183,6 +183,9 @@ def cmd_explain(args) -> int:
                if blocked is None and len(supported) > 1 else
                f"in no tuning table; static order ({blocked or 'the only supported backend'})")
     print(f"chosen: {choice.backend.name} ({how})")
+    if getattr(choice.backend, "segments", 1) > 1:
+        print(f"split={choice.backend.segments} (the table's choice): each sequence runs as runs of whole chunks "
+              f"joined exactly, on {choice.backend.inner.name}")
     segments = context_parallel_segments()
     if segments is not None and segments > 1:
         print(f"split={segments} (GDR_CP): each sequence runs as {segments} segments of whole chunks in one varlen "

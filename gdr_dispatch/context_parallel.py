@@ -24,19 +24,23 @@ update is the delta rule's projection, so products shrink towards zero (underflo
 Passes 1 and 2 are written here as batched tensor products (any device, fp32 or fp64
 accumulation; the per-chunk maps in one batch, each segment's composition in log2(chunks)
 batched levels, the scan a loop over segments): exact, and what the CPU tests hold the split
-to. Dedicated GPU kernels for them, and the autotuner's (backend, segments) candidates, are
-still to come (issue 15); `GDR_CP=<n>` forces at most n segments per sequence.
+to. Dedicated GPU kernels for them are still to come (issue 15). `GDR_CP=<n>` forces at
+most n segments per sequence, `GDR_CP=0` turns the split off; unset, the autotuner tries
+`(backend, segments)` candidates (`SplitBackend`) on grids with fewer sequence x head programs
+than SMs, and a table may store one as `<backend>@split<n>`.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import torch
 
 from . import chunked_math as cm
 from .chunk_layout import ChunkLayout
-from .contract import GDRCall, GDRGrads, chunk_counts
+from .contract import GDRCall, GDRGrads, chunk_counts, validate
+from .registry import Backend, Problem
 
 
 def segment_length(seq_lens, chunk_size: int, segments: int) -> int:
@@ -172,3 +176,40 @@ def split_backward(call: GDRCall, segments: int, run: Callable[..., GDRGrads]) -
     else:
         dh0 = (dh0.transpose(-1, -2) if call.state_v_first else dh0).to(out_dt).contiguous()
     return GDRGrads(back(grads.dq), back(grads.dk), back(grads.dv), back(grads.dg), back(grads.db), dh0)
+
+
+class SplitBackend(Backend):
+    """A registered backend run on the segments of `split_backward`: the autotuner's
+    `(backend, segments)` candidate on grids with fewer sequence x head programs than SMs.
+    Its name, `<backend>@split<n>`, is what a tuning table stores."""
+
+    reference_rank = None
+
+    def __init__(self, inner: Backend, segments: int):
+        self.inner, self.segments = inner, segments
+        self.name = f"{inner.name}{SPLIT_MARK}{segments}"
+        self.static_rank = inner.static_rank
+        self.gpu_verified = True  # the inner backend's own gate applies through its `supported`
+
+    def not_supported_reasons(self, p: Problem) -> list[str]:
+        # the segments are one varlen call with both states given, in the accumulation dtype
+        inner = replace(p, B=1, T=p.B * p.T, varlen=True, has_dht=True, has_initial_state=True,
+                        state_dtype="float64" if p.dtype == "float64" else "float32",
+                        max_seqlen=None, N=p.N * self.segments)
+        ok, why = self.inner.supported(inner)
+        return [] if ok else [f"{self.inner.name} on the segments: {why}"]
+
+    def run(self, call: GDRCall) -> GDRGrads:
+        return split_backward(call, self.segments, run=lambda **kw: self.inner.run(validate(**kw)))
+
+
+#: How a split candidate is written in a table: `<backend>@split<segments>`.
+SPLIT_MARK = "@split"
+
+
+def parse_split(name: str) -> tuple[str, int]:
+    """`fla@split4` -> ("fla", 4); a plain name -> (name, 1)."""
+    base, mark, n = name.partition(SPLIT_MARK)
+    if mark and n.isdigit() and int(n) > 1:
+        return base, int(n)
+    return name, 1

@@ -5,7 +5,9 @@ Selection, in order (environment read on every call):
   2. A tuning-table entry whose winner can take the call: the exact key (user table, then
      shipped), else the same problem measured under other library versions (logged).
   3. A miss while autotuning is allowed: every supported backend runs on the call's own
-     inputs, their gradients are cross-checked, the fastest that agrees wins and is stored.
+     inputs (on grids with fewer sequence x head programs than SMs also as `<backend>@split<n>`,
+     context_parallel.py), their gradients are cross-checked, the fastest that agrees wins and
+     is stored.
   4. Otherwise (GDR_AUTOTUNE=0, CPU tensors, CUDA graph capture in progress, or a single
      supported backend) the first supported backend in the static order (each backend's
      `static_rank`).
@@ -39,6 +41,10 @@ AUTOTUNE_REPS = 10
 #: (docs/measurements.md), so two correct backends can differ by ~8e-3; a broken kernel is
 #: off by O(1).
 AGREEMENT_TOL = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4, "float64": 1e-8}
+
+#: Segments per sequence the autotuner tries on grids with fewer sequence x head programs than
+#: SMs (each with every supported backend that allows it), unless GDR_CP decides.
+SPLIT_SEGMENTS = (2, 4, 8)
 
 #: How a backend was chosen (`Choice.source`).
 FORCED, TABLE, AUTOTUNED, STATIC = "GDR_BACKEND", "table", "autotuned", "static order"
@@ -121,18 +127,22 @@ def select_backend(problem: Problem, call: Optional[GDRCall] = None) -> Choice:
     if not supported:
         lines = "\n".join(f"  {n}: {r}" for n, (_, r) in verdicts.items())
         raise NoBackendError(f"no gdr_dispatch backend can take this call ({problem.describe()}):\n{lines}")
+    options = {n: known[n] for n in supported}
+    options.update(split_candidates(problem, options))
 
     for hit in tuning_table.lookup(problem.device.slug, problem.problem_key(), problem.versions_key()):
-        winner = hit.entry["winner"]
-        if winner in supported:
-            _decided[key] = Choice(known[winner], TABLE, str(hit.path), verdicts, hit.entry, hit)
+        winner = _table_winner(hit.entry, options)
+        if winner is not None:
+            _decided[key] = Choice(options[winner], TABLE, str(hit.path), verdicts, hit.entry, hit)
             return _decided[key]
         if hit.exact:
+            name = hit.entry["winner"]
             log.warning("gdr_dispatch: table %s names %r for %s, which cannot take it now (%s); ignoring the entry",
-                        hit.path, winner, problem.describe(), verdicts.get(winner, (False, "not registered"))[1])
+                        hit.path, name, problem.describe(),
+                        verdicts.get(name, (False, "not registered, or a split that GDR_CP=0 turns off"))[1])
 
-    if blocked is None and len(supported) > 1:
-        entry, grads = autotune(call, problem, {n: known[n] for n in supported})
+    if blocked is None and len(options) > 1:
+        entry, grads = autotune(call, problem, options)
         for name, (ok, reason) in verdicts.items():
             if not ok:
                 entry["candidates"][name] = {"unsupported": reason}
@@ -142,14 +152,53 @@ def select_backend(problem: Problem, call: Optional[GDRCall] = None) -> Choice:
         except OSError as e:
             log.warning("gdr_dispatch: could not write the tuning table (%s); keeping the choice in memory", e)
             detail = "not stored"
-        _decided[key] = Choice(known[entry["winner"]], AUTOTUNED, detail, verdicts, entry)
-        return Choice(known[entry["winner"]], AUTOTUNED, detail, verdicts, entry, grads=grads)
+        _decided[key] = Choice(options[entry["winner"]], AUTOTUNED, detail, verdicts, entry)
+        return Choice(options[entry["winner"]], AUTOTUNED, detail, verdicts, entry, grads=grads)
 
     # static choices are remembered per reason: a call outside graph capture, or with
     # GDR_AUTOTUNE changed, decides afresh
     why = blocked if blocked is not None else "the only supported backend"
     _decided[(key, blocked)] = Choice(known[supported[0]], STATIC, why, verdicts)
     return _decided[(key, blocked)]
+
+
+def split_candidates(problem: Problem, supported: dict) -> dict:
+    """`(backend, segments)` candidates for a starved grid (fewer sequence x head programs than
+    SMs): nothing when GDR_CP decides, on a CPU, or when the grid is full."""
+    from .context_parallel import SplitBackend
+
+    if context_parallel_segments() is not None or problem.device.type != "cuda":
+        return {}
+    if problem.seq_head_ctas >= problem.device.sm_count:
+        return {}
+    longest = problem.max_seqlen if problem.max_seqlen is not None else problem.B * problem.T
+    chunks = -(-longest // problem.chunk_size)
+    out = {}
+    for segments in SPLIT_SEGMENTS:
+        if segments > chunks:
+            break
+        for backend in supported.values():
+            if backend.split_candidate:
+                split = SplitBackend(backend, segments)
+                if split.supported(problem)[0]:
+                    out[split.name] = split
+    return out
+
+
+def _table_winner(entry: dict, options: dict) -> Optional[str]:
+    """The entry's winner when it can run now; with GDR_CP=0 and a split winner, the fastest
+    measured unsplit candidate of the same entry."""
+    from .context_parallel import parse_split
+
+    winner = entry["winner"]
+    if winner in options:
+        return winner
+    if parse_split(winner)[1] > 1 and context_parallel_segments() == 0:
+        measured = {n: c["ms"] for n, c in entry.get("candidates", {}).items()
+                    if n in options and isinstance(c.get("ms"), (int, float)) and "failed" not in c}
+        if measured:
+            return min(measured, key=measured.get)
+    return None
 
 
 def _log_choice(problem: Problem, choice: Choice) -> None:

@@ -235,7 +235,8 @@ class Backend:
     Subclasses set `name`, `static_rank` (their place in the static order, lowest first:
     what runs when nothing was measured) and implement `not_supported_reasons` and `run`.
     `reference_rank` marks a backend the autotuner may cross-check the others against
-    (lowest first). A GPU kernel backend sets `gpu_verified = False` until its oracle tests
+    (lowest first); `split_candidate = False` keeps it out of the autotuner's context-parallel
+    candidates. A GPU kernel backend sets `gpu_verified = False` until its oracle tests
     (tests/test_gpu.py) pass on a GPU; it is refused until then, unless `allow_unverified()`.
     """
 
@@ -243,6 +244,7 @@ class Backend:
     static_rank: int = 1000
     reference_rank: Optional[int] = None
     gpu_verified: bool = True
+    split_candidate: bool = True  # the autotuner may try it on context-parallel segments (starved grids)
 
     def not_supported_reasons(self, problem: Problem) -> list[str]:
         """Every reason this backend cannot take the problem correctly here; empty when it can."""

@@ -118,3 +118,100 @@ def test_split_in_float32_stays_within_rounding(monkeypatch):
     for name in whole._fields:
         a, b = getattr(split, name), getattr(whole, name)
         assert ((a - b).norm() / b.norm()).item() < 1e-5, name
+
+
+# -- the autotuner's (backend, segments) candidates --------------------------------------------
+from gdr_dispatch import Problem, registry, tuning_table  # noqa: E402
+from gdr_dispatch import dispatch as dsp  # noqa: E402
+from gdr_dispatch.context_parallel import SplitBackend, parse_split  # noqa: E402
+from gdr_dispatch.registry import DeviceInfo  # noqa: E402
+
+STARVED = ShapeSpec(B=1, T=600, H=2, K=8, V=8, dtype="float64", h="none")  # 2 programs, 10 chunks
+
+
+class Plain(registry.Backend):
+    """The torch backend's math under another name, allowed on a (faked) GPU and in splits."""
+
+    name = "fake_plain"
+
+    def not_supported_reasons(self, problem):
+        return []
+
+    def run(self, call):
+        return registry.get_backend("torch").run(call)
+
+
+@pytest.fixture
+def gpu_like(monkeypatch):
+    """A Problem on a fake 132-SM GPU that may autotune, with measured times set per candidate."""
+    plain = registry.register(Plain())
+    monkeypatch.setattr(dsp, "autotune_block_reason", lambda p, have_tensors: None)
+    real = Problem.from_call
+
+    def on_gpu(call):
+        return replace(real(call), device=DeviceInfo("cuda", "Fake GPU", (9, 0), 132))
+
+    monkeypatch.setattr(dsp.Problem, "from_call", staticmethod(on_gpu))
+    yield plain
+    registry._REGISTRY.pop(plain.name, None)
+
+
+def _times(monkeypatch, ms):
+    def measure(fn, device_type):
+        fn()
+        return measure.ms.pop(0)
+    order = []
+
+    def autotune(call, problem, candidates, measure_fn=None):
+        order.extend(candidates)
+        measure.ms = [ms(name) for name in candidates]
+        return real_autotune(call, problem, candidates, measure=measure)
+    real_autotune = dsp.autotune
+    monkeypatch.setattr(dsp, "autotune", autotune)
+    return order
+
+
+def test_starved_grids_get_split_candidates_and_a_split_winner_is_stored_and_reused(gpu_like, monkeypatch):
+    order = _times(monkeypatch, lambda name: 1.0 if name == "fake_plain@split4" else 5.0)
+    kwargs = call_kwargs(make_inputs(STARVED, "cpu", seed=6))
+    whole = registry.get_backend("torch").run(validate(**kwargs))
+    grads = fused_gdr_bwd(**kwargs)
+    assert {"fake_plain@split2", "fake_plain@split4", "fake_plain@split8"} <= set(order)
+    assert not any(n.startswith("torch@") for n in order)  # the reference is never split
+    problem = dsp.Problem.from_call(validate(**kwargs))
+    hit = next(tuning_table.lookup(problem.device.slug, problem.problem_key(), problem.versions_key()))
+    assert hit.entry["winner"] == "fake_plain@split4"
+    for name in grads._fields:
+        a, b = getattr(grads, name), getattr(whole, name)
+        assert b is None or ((a - b).norm() / b.norm()).item() < 1e-10, name
+    dsp.clear_caches()
+    choice = dsp.select_backend(problem, validate(**kwargs))
+    assert choice.source == dsp.TABLE and isinstance(choice.backend, SplitBackend) and choice.backend.segments == 4
+
+
+def test_gdr_cp_0_turns_a_stored_split_off(gpu_like, monkeypatch):
+    kwargs = call_kwargs(make_inputs(STARVED, "cpu", seed=6))
+    problem = dsp.Problem.from_call(validate(**kwargs))
+    tuning_table.record(problem.device.slug, "Fake GPU", {problem.table_key(): {
+        "winner": "fake_plain@split2",
+        "candidates": {"fake_plain@split2": {"ms": 1.0}, "fake_plain": {"ms": 3.0}, "torch": {"ms": 9.0}}}})
+    monkeypatch.setenv("GDR_CP", "0")
+    choice = dsp.select_backend(problem, validate(**kwargs))
+    assert choice.backend.name == "fake_plain" and choice.source == dsp.TABLE
+
+
+def test_full_grids_and_gdr_cp_get_no_split_candidates(gpu_like, monkeypatch):
+    kwargs = call_kwargs(make_inputs(STARVED, "cpu", seed=6))
+    problem = dsp.Problem.from_call(validate(**kwargs))
+    options = {"fake_plain": gpu_like}
+    assert dsp.split_candidates(problem, options)
+    full = replace(problem, device=DeviceInfo("cuda", "Fake GPU", (9, 0), 2))  # 2 programs on 2 SMs
+    assert dsp.split_candidates(full, options) == {}
+    monkeypatch.setenv("GDR_CP", "4")
+    assert dsp.split_candidates(problem, options) == {}
+
+
+def test_split_names_parse():
+    assert parse_split("fla@split4") == ("fla", 4)
+    assert parse_split("fla") == ("fla", 1)
+    assert parse_split("odd@splitx") == ("odd@splitx", 1)

@@ -2,7 +2,7 @@
 # One call on the GPU machine (bare, no network): unpack the package bundle, restore the
 # autotune results of earlier calls, run the asked-for steps each under its own time limit,
 # and leave logs and results under $OUT. Steps, in the order given:
-#   precompile       (PRECOMPILE='H,Hg,dtype ...' to choose) TileLang kernels of the tests and the bench, compiled in parallel in the
+#   precompile       (PRECOMPILE='H,Hg,dtype[,ws] ...' to choose; ws: the warp-specialised kernel) TileLang kernels, compiled in parallel in the
 #                    background (tests wait for it before the tilelang_fused cases) -> $OUT/precompile.log
 #   tests[=SECONDS]  tests/test_gpu.py, one line per test, tilelang_fused last -> $OUT/gpu_tests.log
 #   diag[=SECONDS]   tools/diag_transposed.py (fused-stage numerics vs float64) -> $OUT/diag.log, bench/diag_transposed.json
