@@ -7,6 +7,8 @@
 #   tests[=SECONDS]  tests/test_gpu.py, one line per test, tilelang_fused last -> $OUT/gpu_tests.log
 #   diag[=SECONDS]   tools/diag_transposed.py (fused-stage numerics vs float64) -> $OUT/diag.log, bench/diag_transposed.json
 #   repro[=SECONDS]  tools/repro_side_strips.py (the side kernel's strip products alone) -> $OUT/repro.log, bench/repro_side_strips.json
+#   race[=SECONDS]   compute-sanitizer racecheck + synccheck on both TileLang kernels (tiny shape), then
+#                    20 repeated runs of each against the torch backend at B8 T4096 H32 -> $OUT/race.log
 #   stage56[=SECONDS] bench/bench_stage56.py (wide kernel configs, crossover) -> $OUT/stage56.log, bench/stage56.json
 #   bench[=SECONDS]  bench/bench_gdr_bwd.py, h200-train      -> $OUT/bench/<device>.{json,md}
 #   tune[=SECONDS]   gdr-dispatch tune --preset h200-train   -> $OUT/tune.log, $OUT/<device>.yaml
@@ -52,6 +54,12 @@ for arg in "$@"; do
              timeout "$(( limit - ($(date +%s) - start) ))" "${pytest_gpu[@]}" -k tilelang_fused >> "$OUT/gpu_tests.log" 2>&1 ;;
     diag)    timeout "$limit" python3 tools/diag_transposed.py "$OUT/bench/diag_transposed.json" > "$OUT/diag.log" 2>&1 ;;
     repro)   timeout "$limit" python3 tools/repro_side_strips.py "$OUT/bench/repro_side_strips.json" > "$OUT/repro.log" 2>&1 ;;
+    race)    [ -n "${precompile_pid:-}" ] && wait "$precompile_pid"
+             timeout "$limit" bash -c 'for kern in ws plain; do for tool in racecheck synccheck; do
+                 echo "== $tool $kern"; compute-sanitizer --tool $tool --print-limit 20 \
+                   python3 tools/ws_probe.py --only tiny --once --kernel $kern 2>&1 | grep -v TileLang | tail -n 25
+               done; done; python3 tools/ws_probe.py --only B8T4096H32 --check --repeat 20 2>&1 | grep -v TileLang' \
+               > "$OUT/race.log" 2>&1 ;;
     stage56) timeout "$limit" python3 bench/bench_stage56.py --out "$OUT/bench" > "$OUT/stage56.log" 2>&1 ;;
     bench)   if [ -n "${BENCH_MATCH:-}${BENCH_SKIP:-}" ]; then
                cp bench/results/nvidia-h200-sm90.json "$OUT/bench/" 2>/dev/null
