@@ -28,12 +28,11 @@ tests/fused_kernel_emulation.py is this kernel transcribed into torch.
 
 
 import functools
-import itertools
 
 import tilelang
 import tilelang.language as T
 
-from gdr_dispatch.contract import reduce_value_heads
+from .tilelang_launch import launch_packed, tl_dtype
 
 
 @functools.lru_cache(maxsize=None)
@@ -323,47 +322,13 @@ def fused_bwd_given_h(q, k, v, do, a, g, b, h, dht, scale: float, seq_lens, chun
                       cu_seqlens=None, has_h0: bool = False, state_v_first: bool = False):
     """Run the fused kernel; returns `(dq, dk, dv, dg, db, dh0)` in the contract's form.
 
-    Fixed-length batches are passed as B packed sequences of T tokens (one compiled kernel
-    for both layouts); `dq`/`dk` are reduced over the heads that share a q/k head here.
+    The calling convention (packed sequences, dq/dk per value head in fp32) is
+    `tilelang_launch.launch_packed`'s.
     """
     import torch
 
-    B, T_, Hg, K = q.shape
-    H, V = v.shape[2], v.shape[3]
-    N = len(seq_lens)
-    dev = q.device
-    if cu_seqlens is None:
-        cu = torch.arange(0, (B + 1) * T_, T_, dtype=torch.int32, device=dev)
-    else:
-        cu = cu_seqlens.to(torch.int32)
-    counts = [-(-n // chunk_size) for n in seq_lens]
-    offsets = torch.tensor([0] + list(itertools.accumulate(counts)), dtype=torch.int32).to(dev)
-    if dht is None:
-        dht_in = torch.zeros(N, H, K, V, dtype=torch.float32, device=dev)
-    else:
-        dht_in = (dht.transpose(-1, -2) if state_v_first else dht).float().contiguous()
-    if state_v_first:  # the kernel reads [K, V] states; a copy of h is the price of one variant
-        h = h.transpose(-1, -2)
-    kern = build_fused_bwd(H, Hg, K, V, chunk_size, float(scale), _tl_dtype(q.dtype), _tl_dtype(h.dtype),
-                           _tl_dtype(b.dtype))
-    TT = B * T_
-    dq = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
-    dk = torch.empty(TT, H, K, dtype=torch.float32, device=dev)
-    dv = torch.empty(TT, H, V, dtype=v.dtype, device=dev)
-    dg = torch.empty(TT, H, dtype=torch.float32, device=dev)
-    db = torch.empty(TT, H, dtype=torch.float32, device=dev)
-    dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=dev)
-    kern(q.reshape(TT, Hg, K).contiguous(), k.reshape(TT, Hg, K).contiguous(), v.reshape(TT, H, V).contiguous(),
-         do.reshape(TT, H, V).contiguous(), a.reshape(TT, H, chunk_size).to(q.dtype).contiguous(),
-         g.reshape(TT, H).float().contiguous(), b.reshape(TT, H).contiguous(),
-         h.reshape(-1, *h.shape[2:]).contiguous(), dht_in, cu, offsets, dq, dk, dv, dg, db, dh0)
-    dq = reduce_value_heads(dq.view(B, T_, H, K), Hg, q.dtype)
-    dk = reduce_value_heads(dk.view(B, T_, H, K), Hg, k.dtype)
-    if state_v_first:
-        dh0 = dh0.transpose(-1, -2).contiguous()
-    return (dq, dk, dv.view(B, T_, H, V), dg.view(B, T_, H), db.view(B, T_, H).to(b.dtype),
-            dh0 if has_h0 else None)
-
-
-def _tl_dtype(dt) -> str:
-    return str(dt).replace("torch.", "")
+    H, Hg, K, V = v.shape[2], q.shape[2], q.shape[3], v.shape[3]
+    kern = build_fused_bwd(H, Hg, K, V, chunk_size, float(scale), tl_dtype(q.dtype), tl_dtype(h.dtype),
+                           tl_dtype(b.dtype))
+    return launch_packed(kern, q, k, v, do, a, g, b, h, dht, seq_lens, chunk_size, cu_seqlens, has_h0,
+                         state_v_first, dq_dtype=torch.float32, db_dtype=torch.float32)

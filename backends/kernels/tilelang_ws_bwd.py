@@ -29,12 +29,11 @@ by the launcher), dv, dg (w.r.t. the raw gate), db, dh0 (always written).
 """
 
 import functools
-import itertools
 
 import tilelang
 import tilelang.language as T
 
-from gdr_dispatch.contract import reduce_value_heads
+from .tilelang_launch import launch_packed, tl_dtype
 
 BT, K, V = 64, 128, 128
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x log2 e): one MUFU.EX2 under fast math
@@ -449,48 +448,18 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
 
 def ws_bwd_given_h(q, k, v, do, a, g, b, h, dht, scale: float, seq_lens, chunk_size: int = 64,
                    cu_seqlens=None, has_h0: bool = False, state_v_first: bool = False):
-    """Run the warp-specialised kernel; returns `(dq, dk, dv, dg, db, dh0)` in the contract's form."""
+    """Run the warp-specialised kernel; returns `(dq, dk, dv, dg, db, dh0)` in the contract's form.
+
+    `tilelang_launch.launch_packed`'s calling convention; dq/dk come out in q's dtype unless
+    value heads are grouped (fp32, then reduced), db in b's dtype.
+    """
     import torch
 
-    B, T_, Hg, Kd = q.shape
-    H, Vd = v.shape[2], v.shape[3]
+    H, Hg, Kd, Vd = v.shape[2], q.shape[2], q.shape[3], v.shape[3]
     if (Kd, Vd, chunk_size) != (K, V, BT):
         raise ValueError(f"ws_bwd_given_h: built for K = V = {K}, chunk {BT}; got K={Kd}, V={Vd}, chunk {chunk_size}")
-    N = len(seq_lens)
-    dev = q.device
-    if cu_seqlens is None:
-        cu = torch.arange(0, (B + 1) * T_, T_, dtype=torch.int32, device=dev)
-    else:
-        cu = cu_seqlens.to(torch.int32)
-    counts = [-(-s // chunk_size) for s in seq_lens]
-    offsets = torch.tensor([0] + list(itertools.accumulate(counts)), dtype=torch.int32).to(dev)
-    if dht is None:
-        dht_in = torch.zeros(N, H, K, V, dtype=torch.float32, device=dev)
-    else:
-        dht_in = (dht.transpose(-1, -2) if state_v_first else dht).float().contiguous()
-    if state_v_first:  # the kernel reads [K, V] states
-        h = h.transpose(-1, -2)
-    h = h.to(q.dtype)  # TMA copies bytes: h_s holds q's dtype
-    grouped = H != Hg
-    dq_dtype = torch.float32 if grouped else q.dtype
-    kern = build_ws_bwd(H, Hg, float(scale), _tl_dtype(q.dtype), _tl_dtype(b.dtype), _tl_dtype(dq_dtype))
-    TT = B * T_
-    dq = torch.empty(TT, H, K, dtype=dq_dtype, device=dev)
-    dk = torch.empty(TT, H, K, dtype=dq_dtype, device=dev)
-    dv = torch.empty(TT, H, V, dtype=v.dtype, device=dev)
-    dg = torch.empty(TT, H, dtype=torch.float32, device=dev)
-    db = torch.empty(TT, H, dtype=b.dtype, device=dev)
-    dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=dev)
-    kern(q.reshape(TT, Hg, K).contiguous(), k.reshape(TT, Hg, K).contiguous(), v.reshape(TT, H, V).contiguous(),
-         do.reshape(TT, H, V).contiguous(), a.reshape(TT, H, chunk_size).to(q.dtype).contiguous(),
-         g.reshape(TT, H).float().contiguous(), b.reshape(TT, H).contiguous(),
-         h.reshape(-1, *h.shape[2:]).contiguous(), dht_in, cu, offsets, dq, dk, dv, dg, db, dh0)
-    dq = reduce_value_heads(dq.view(B, T_, H, K), Hg, q.dtype)
-    dk = reduce_value_heads(dk.view(B, T_, H, K), Hg, k.dtype)
-    if state_v_first:
-        dh0 = dh0.transpose(-1, -2).contiguous()
-    return (dq, dk, dv.view(B, T_, H, V), dg.view(B, T_, H), db.view(B, T_, H), dh0 if has_h0 else None)
-
-
-def _tl_dtype(dt) -> str:
-    return str(dt).replace("torch.", "")
+    dq_dtype = torch.float32 if H != Hg else q.dtype
+    kern = build_ws_bwd(H, Hg, float(scale), tl_dtype(q.dtype), tl_dtype(b.dtype), tl_dtype(dq_dtype))
+    # TMA copies bytes: h_s holds q's dtype
+    return launch_packed(kern, q, k, v, do, a, g, b, h.to(q.dtype), dht, seq_lens, chunk_size, cu_seqlens, has_h0,
+                         state_v_first, dq_dtype=dq_dtype, db_dtype=b.dtype)

@@ -1,0 +1,63 @@
+"""What the fused TileLang kernels' launchers share: the packed-sequence calling convention.
+
+Both kernels take every call as packed sequences (`cu_seqlens`; a fixed-length batch is B
+sequences of T tokens, so one compiled kernel serves both), per-sequence chunk offsets into
+`h`, states as `[K, V]` (`state_v_first` is transposed here), a `dht` of zeros for none, and
+write dq/dk per value head (reduced here over the heads that share a q/k head).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from gdr_dispatch.contract import reduce_value_heads
+
+
+def tl_dtype(dt) -> str:
+    """`torch.bfloat16` -> "bfloat16" (TileLang's dtype names)."""
+    return str(dt).replace("torch.", "")
+
+
+def launch_packed(kern, q, k, v, do, a, g, b, h, dht, seq_lens, chunk_size: int, cu_seqlens, has_h0: bool,
+                  state_v_first: bool, dq_dtype: torch.dtype, db_dtype: torch.dtype):
+    """Pack the call, run `kern(q, k, v, do, a, g, b, h, dht, cu, offsets, dq, dk, dv, dg, db, dh0)`
+    on fresh outputs and return `(dq, dk, dv, dg, db, dh0)` in the contract's form.
+
+    `h` comes in the contract's layout (transposed here for `state_v_first`); `dq_dtype` and
+    `db_dtype` are the kernel's output dtypes (db is cast to b's dtype on the way out).
+    """
+    B, T_, Hg, K = q.shape
+    H, V = v.shape[2], v.shape[3]
+    N = len(seq_lens)
+    dev = q.device
+    if cu_seqlens is None:
+        cu = torch.arange(0, (B + 1) * T_, T_, dtype=torch.int32, device=dev)
+    else:
+        cu = cu_seqlens.to(torch.int32)
+    counts = [-(-n // chunk_size) for n in seq_lens]
+    offsets = torch.tensor([0] + list(itertools.accumulate(counts)), dtype=torch.int32).to(dev)
+    if dht is None:
+        dht_in = torch.zeros(N, H, K, V, dtype=torch.float32, device=dev)
+    else:
+        dht_in = (dht.transpose(-1, -2) if state_v_first else dht).float().contiguous()
+    if state_v_first:  # the kernels read [K, V] states; a copy of h is the price of one variant
+        h = h.transpose(-1, -2)
+    TT = B * T_
+    dq = torch.empty(TT, H, K, dtype=dq_dtype, device=dev)
+    dk = torch.empty(TT, H, K, dtype=dq_dtype, device=dev)
+    dv = torch.empty(TT, H, V, dtype=v.dtype, device=dev)
+    dg = torch.empty(TT, H, dtype=torch.float32, device=dev)
+    db = torch.empty(TT, H, dtype=db_dtype, device=dev)
+    dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=dev)
+    kern(q.reshape(TT, Hg, K).contiguous(), k.reshape(TT, Hg, K).contiguous(), v.reshape(TT, H, V).contiguous(),
+         do.reshape(TT, H, V).contiguous(), a.reshape(TT, H, chunk_size).to(q.dtype).contiguous(),
+         g.reshape(TT, H).float().contiguous(), b.reshape(TT, H).contiguous(),
+         h.reshape(-1, *h.shape[2:]).contiguous(), dht_in, cu, offsets, dq, dk, dv, dg, db, dh0)
+    dq = reduce_value_heads(dq.view(B, T_, H, K), Hg, q.dtype)
+    dk = reduce_value_heads(dk.view(B, T_, H, K), Hg, k.dtype)
+    if state_v_first:
+        dh0 = dh0.transpose(-1, -2).contiguous()
+    return (dq, dk, dv.view(B, T_, H, V), dg.view(B, T_, H), db.view(B, T_, H).to(b.dtype),
+            dh0 if has_h0 else None)
