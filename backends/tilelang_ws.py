@@ -12,8 +12,7 @@ from __future__ import annotations
 from gdr_dispatch.contract import GDRCall, GDRGrads
 from gdr_dispatch.registry import Backend, Problem, register
 
-from .common import fla_pipeline
-from .common.tilelang_sm90 import fused_sm90_limits
+from .common.tilelang_sm90 import fused_sm90_limits, run_given_h
 
 
 class TileLangWSBackend(Backend):
@@ -27,13 +26,7 @@ class TileLangWSBackend(Backend):
     def run(self, call: GDRCall) -> GDRGrads:
         from .kernels.tilelang_ws_bwd import ws_bwd_given_h
 
-        h = call.h if call.h is not None else fla_pipeline.recompute_states(call)
-        dq, dk, dv, dg, db, dh0 = ws_bwd_given_h(
-            call.q, call.k, call.v, call.do, call.a, call.g, call.b, h, call.dht, call.scale, call.seq_lens,
-            call.chunk_size, call.cu_seqlens, has_h0=call.initial_state is not None,
-            state_v_first=call.state_v_first,
-        )
-        return GDRGrads(dq, dk, dv, dg, db, dh0)
+        return run_given_h(call, ws_bwd_given_h)
 
 
 register(TileLangWSBackend())

@@ -186,7 +186,8 @@ def reverse_chunk_cumsum(dG: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------
 # the whole backward
 # ---------------------------------------------------------------------------------------
-def _states_in(x, v_first):
+def states_in(x, v_first):
+    """A state tensor as `[..., K, V]` (transposed back from `state_v_first`); None stays None."""
     return None if x is None else (x.transpose(-1, -2) if v_first else x)
 
 
@@ -208,16 +209,16 @@ def chunked_backward(call: GDRCall) -> GDRGrads:
     A = lay.gather(call.a, acc)
     b = lay.gather(call.b, acc)
     G = lay.gather_gate(call.g, acc)
-    h0 = _states_in(call.initial_state, call.state_v_first)
+    h0 = states_in(call.initial_state, call.state_v_first)
     h0 = None if h0 is None else h0.to(acc)
-    dht = _states_in(call.dht, call.state_v_first)
+    dht = states_in(call.dht, call.state_v_first)
     dht = None if dht is None else dht.to(acc)
 
     w, u = recompute_w_u(k, v, b, A, G)
     if call.h is None:
         h, v_new, _ = chunk_states(k, w, u, G, h0)
     else:
-        h = lay.gather_chunks(_states_in(call.h, call.state_v_first), acc)
+        h = lay.gather_chunks(states_in(call.h, call.state_v_first), acc)
         v_new = v_new_from_states(w, u, h)
     dv_loc = dv_local(q, k, G, do, call.scale)
     dh, dh0, du = chunk_state_grads(q, k, w, G, dht, do, dv_loc, call.scale)

@@ -73,10 +73,6 @@ def chunk_maps(call: GDRCall):
     return lay, M, R, D
 
 
-def _states_in(x, v_first):
-    return None if x is None else (x.transpose(-1, -2) if v_first else x)
-
-
 def _compose(M, R, D):
     """Fold the chunk axis (-4 of `[..., s, H, K, *]`) into one map per run of chunks, in
     log2(s) levels of batched products: (M2, R2) after (M1, R1) is (M2 M1, M2 R1 + R2), and
@@ -125,15 +121,15 @@ def split_backward(call: GDRCall, segments: int, run: Callable[..., GDRGrads]) -
     Ms, Rs, Ds = _compose(M.view(N, n_seg, s, H, K, K), R.view(N, n_seg, s, H, K, V), D.view(N, n_seg, s, H, K, V))
 
     # pass 2: the scan over the segments of every sequence at once
-    h0 = _states_in(call.initial_state, call.state_v_first)
-    dht = _states_in(call.dht, call.state_v_first)
+    h0 = cm.states_in(call.initial_state, call.state_v_first)
+    dht = cm.states_in(call.dht, call.state_v_first)
     S = torch.zeros(N, H, K, V, dtype=acc, device=dev) if h0 is None else h0.to(acc)
     starts = []
     for j in range(n_seg):
         starts.append(S)
         S = Ms[:, j] @ S + Rs[:, j]
     if call.h is not None:  # the caller's states where a segment starts on a real chunk (as unsplit)
-        h_rows = _states_in(call.h, call.state_v_first).reshape(-1, H, K, V)
+        h_rows = cm.states_in(call.h, call.state_v_first).reshape(-1, H, K, V)
         first_chunk = torch.tensor([0] + chunk_counts(call.seq_lens, BT), device=dev).cumsum(0)[:-1]
         for j in range(n_seg):
             has = counts > j * s

@@ -1,11 +1,14 @@
-"""What the sm90 TileLang fused kernels take (their shared-memory plans are for K = V = 128)."""
+"""What the sm90 TileLang fused backends share: what their kernels take (their shared-memory
+plans are for K = V = 128) and how a call reaches a kernel given `h`."""
 
 from __future__ import annotations
 
 import importlib.util
 
+from gdr_dispatch.contract import GDRCall, GDRGrads
 from gdr_dispatch.registry import Problem
 
+from . import fla_pipeline
 from .toolchain import nvcc_found
 
 
@@ -34,3 +37,14 @@ def fused_sm90_limits(p: Problem, smem_note: str) -> list[str]:
     if not p.h_given and p.version("fla") is None:
         reasons.append("with h=None the states are recomputed by fla-core's stages 1-2, and fla-core is not installed")
     return reasons
+
+
+def run_given_h(call: GDRCall, launcher) -> GDRGrads:
+    """`launcher` (a kernel's `*_given_h`) on the call; with `h=None` fla's stages 1-2 recompute
+    the chunk-start states first."""
+    h = call.h if call.h is not None else fla_pipeline.recompute_states(call)
+    dq, dk, dv, dg, db, dh0 = launcher(
+        call.q, call.k, call.v, call.do, call.a, call.g, call.b, h, call.dht, call.scale, call.seq_lens,
+        call.chunk_size, call.cu_seqlens, has_h0=call.initial_state is not None, state_v_first=call.state_v_first,
+    )
+    return GDRGrads(dq, dk, dv, dg, db, dh0)
