@@ -133,6 +133,23 @@ def reduce_value_heads(x: torch.Tensor, Hg: int, dtype: Optional[torch.dtype] = 
     return out if dtype is None or out.dtype == dtype else out.to(dtype)
 
 
+def check_cu_seqlens_form(cu_seqlens: torch.Tensor, B: int) -> None:
+    """What `cu_seqlens` must be without reading its values: `[N + 1]` integers, with `B == 1`."""
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens: expected a 1-D tensor [N + 1] with N >= 1, got {_fmt_shape(cu_seqlens)}")
+    _expect_dtype("cu_seqlens", cu_seqlens, (torch.int32, torch.int64))
+    if B != 1:
+        raise ValueError(f"cu_seqlens: varlen calls pack sequences along T and need B == 1, got B={B}")
+
+
+def check_state(name: str, x: torch.Tensor, N: int, H: int, K: int, V: int, state_v_first: bool) -> None:
+    """An `initial_state`/`dht`-like tensor: `[N, H, K, V]` (`[N, H, V, K]` with `state_v_first`), a float dtype."""
+    state = (N, H, V, K) if state_v_first else (N, H, K, V)
+    layout = "[N, H, V, K] (state_v_first=True)" if state_v_first else "[N, H, K, V] (state_v_first=False)"
+    _expect_shape(name, x, state, f"{layout}, N={N} sequences")
+    _expect_dtype(name, x, (torch.float32, torch.float64, torch.bfloat16, torch.float16))
+
+
 def check_sizes(B: int, T: int, H: int, Hg: int, K: int, V: int, chunk_size: int) -> None:
     """The size rules of a call, without tensors: `validate` and `gdr-dispatch explain` share them.
 
@@ -212,11 +229,7 @@ def validate(
     if cu_seqlens is None:
         seq_lens = (T,) * B
     else:
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(f"cu_seqlens: expected a 1-D tensor [N + 1] with N >= 1, got {_fmt_shape(cu_seqlens)}")
-        _expect_dtype("cu_seqlens", cu_seqlens, (torch.int32, torch.int64))
-        if B != 1:
-            raise ValueError(f"cu_seqlens: varlen calls pack sequences along T and need B == 1, got B={B}")
+        check_cu_seqlens_form(cu_seqlens, B)
         offsets = cu_seqlens.tolist()  # one device-to-host copy
         if offsets[0] != 0:
             raise ValueError(f"cu_seqlens: expected to start at 0, got {offsets[0]}")
@@ -239,11 +252,9 @@ def validate(
 
     # states
     state = (N, H, V, K) if state_v_first else (N, H, K, V)
-    layout = "[N, H, V, K] (state_v_first=True)" if state_v_first else "[N, H, K, V] (state_v_first=False)"
     for name, x in (("initial_state", initial_state), ("dht", dht)):
         if x is not None:
-            _expect_shape(name, x, state, f"{layout}, N={N} sequences")
-            _expect_dtype(name, x, (torch.float32, torch.float64, torch.bfloat16, torch.float16))
+            check_state(name, x, N, H, K, V, state_v_first)
     if h is not None:
         lead = (1, num_chunks) if cu_seqlens is not None else (B, num_chunks // B)
         hshape = lead + state[1:]

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from .contract import (ACTIVATION_DTYPES, GATE_DTYPES, _expect_dtype, _expect_shape, _expect_tensor,
-                       check_sizes)
+                       check_cu_seqlens_form, check_sizes, check_state)
 from .registry import ALLOW_UNVERIFIED_ENV, env_flag, unverified_allowed
 
 CHUNK = 64
@@ -229,13 +229,7 @@ def _check_forward_call(q, k, v, g, beta, initial_state, cu_seqlens, state_v_fir
         if x is not None and x.device != q.device:
             raise ValueError(f"{name}: expected device {q.device} (the device of q), got {x.device}")
     if cu_seqlens is not None:
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(f"cu_seqlens: expected a 1-D tensor [N + 1] with N >= 1, got {list(cu_seqlens.shape)}")
-        _expect_dtype("cu_seqlens", cu_seqlens, (torch.int32, torch.int64))
-        if B != 1:
-            raise ValueError(f"cu_seqlens: varlen calls pack sequences along T and need B == 1, got B={B}")
+        check_cu_seqlens_form(cu_seqlens, B)
     if initial_state is not None:
         N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-        state = (N, H, V, K) if state_v_first else (N, H, K, V)
-        _expect_shape("initial_state", initial_state, state,
-                      f"[N, H, {'V, K' if state_v_first else 'K, V'}], N={N} sequences")
+        check_state("initial_state", initial_state, N, H, K, V, state_v_first)
