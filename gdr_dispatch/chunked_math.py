@@ -197,18 +197,21 @@ def expand_heads(x: torch.Tensor, H: int) -> torch.Tensor:
     return x if Hg == H else x.repeat_interleave(H // Hg, dim=2)
 
 
+def gather_call(call: GDRCall):
+    """A call's per-token tensors in the padded chunk layout, in its accumulation dtype, q/k
+    expanded to the value heads: `(layout, q, k, v, do, A, b, G)`."""
+    acc = call.acc_dtype
+    lay = ChunkLayout.build(call.B, call.T, call.seq_lens, call.chunk_size, call.q.device)
+    q = expand_heads(lay.gather(call.q, acc), call.H)
+    k = expand_heads(lay.gather(call.k, acc), call.H)
+    v, do, A, b = (lay.gather(x, acc) for x in (call.v, call.do, call.a, call.b))
+    return lay, q, k, v, do, A, b, lay.gather_gate(call.g, acc)
+
+
 def chunked_backward(call: GDRCall) -> GDRGrads:
     """The whole backward of a validated call, in the contract's output form."""
     acc = call.acc_dtype
-    lay = ChunkLayout.build(call.B, call.T, call.seq_lens, call.chunk_size, call.q.device)
-    H = call.H
-    q = expand_heads(lay.gather(call.q, acc), H)
-    k = expand_heads(lay.gather(call.k, acc), H)
-    v = lay.gather(call.v, acc)
-    do = lay.gather(call.do, acc)
-    A = lay.gather(call.a, acc)
-    b = lay.gather(call.b, acc)
-    G = lay.gather_gate(call.g, acc)
+    lay, q, k, v, do, A, b, G = gather_call(call)
     h0 = states_in(call.initial_state, call.state_v_first)
     h0 = None if h0 is None else h0.to(acc)
     dht = states_in(call.dht, call.state_v_first)

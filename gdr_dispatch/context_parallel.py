@@ -38,7 +38,6 @@ from typing import Callable
 import torch
 
 from . import chunked_math as cm
-from .chunk_layout import ChunkLayout
 from .contract import GDRCall, GDRGrads, chunk_counts, validate
 from .registry import Backend, Problem
 
@@ -55,12 +54,7 @@ def chunk_maps(call: GDRCall):
     """Per chunk of every sequence, in the padded layout `[N, C, H, ...]`: `M` (K x K), `R`
     (K x V), `D` (K x V) of the affine state maps, in the call's accumulation dtype."""
     acc = call.acc_dtype
-    lay = ChunkLayout.build(call.B, call.T, call.seq_lens, call.chunk_size, call.q.device)
-    H = call.H
-    q = cm.expand_heads(lay.gather(call.q, acc), H)
-    k = cm.expand_heads(lay.gather(call.k, acc), H)
-    v, do, A, b = (lay.gather(x, acc) for x in (call.v, call.do, call.a, call.b))
-    G = lay.gather_gate(call.g, acc)
+    lay, q, k, v, do, A, b, G = cm.gather_call(call)
     w, u0 = cm.recompute_w_u(k, v, b, A, G)
     gL = G[..., -1]
     kt = k * torch.exp(gL[..., None] - G)[..., None]
