@@ -373,11 +373,11 @@ def fused_gdr_bwd(q, k, v, a, g, b, do, dht=None, h=None, *, scale=None, initial
     if segments is not None and segments > 1:
         from .context_parallel import split_backward
 
-        key = ("split", Problem.from_call(call), segments)
-        if key not in _logged:
-            _logged.add(key)
+        problem = Problem.from_call(call)
+        if ("split", problem, segments) not in _logged:
+            _logged.add(("split", problem, segments))
             log.info("gdr_dispatch: split=%d (GDR_CP) for %s: each sequence in %d segments of whole chunks, "
-                     "run as one varlen call", segments, Problem.from_call(call).describe(), segments)
+                     "run as one varlen call", segments, problem.describe(), segments)
         return split_backward(call, segments, run=lambda **kw: _run(validate(**kw)))
     return _run(call)
 
