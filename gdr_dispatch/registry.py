@@ -244,6 +244,7 @@ class Backend:
     static_rank: int = 1000
     reference_rank: Optional[int] = None
     gpu_verified: bool = True
+    unverified_why: str = "refused until tests/test_gpu.py passes for it"  # said while gpu_verified is False
     split_candidate: bool = True  # the autotuner may try it on context-parallel segments (starved grids)
 
     def not_supported_reasons(self, problem: Problem) -> list[str]:
@@ -253,7 +254,7 @@ class Backend:
     def supported(self, problem: Problem) -> tuple[bool, str]:
         reasons = list(self.not_supported_reasons(problem))
         if not self.gpu_verified and not unverified_allowed():
-            reasons.insert(0, f"not verified on a GPU yet: refused until tests/test_gpu.py passes for it "
+            reasons.insert(0, f"not verified on a GPU yet: {self.unverified_why} "
                               f"(set {ALLOW_UNVERIFIED_ENV}=1 to run it anyway)")
         return (not reasons, "; ".join(reasons))
 
