@@ -11,6 +11,9 @@ For each shape, with `h` given and with `h=None`:
   * `flashqla`: FlashQLA, when importable. With `h` given: its fused kernel plus the
     grouped-head reduction and reverse cumsum it leaves to its caller; with `h=None`: its
     `chunk_gated_delta_rule_bwd(auto_cp=False)`.
+  * with `--splits 2,4,8`: the context-parallel split forced (GDR_CP) around the
+    `--split-backends`, as `<backend>@split<n>`, and FlashQLA's own `auto_cp=True` split
+    (`flashqla-auto_cp`, h=None rows).
 Times are medians of CUDA-event timings after warm-up (gdr_dispatch.dispatch.measure_ms).
 The floor is max(bytes / 4.3 TB/s, FLOPs / 790 TFLOP/s), the copy bandwidth and bf16
 matmul rate measured on an H200, for the estimate in `gdr_dispatch.shapes.bytes_and_flops`.
@@ -63,7 +66,7 @@ def fla_op_runner(x):
     return run
 
 
-def flashqla_runner(x):
+def flashqla_runner(x, auto_cp=False):
     """FlashQLA 0.1.3 (its sm90 kernels), or None when it cannot be imported."""
     try:
         from flash_qla.ops.gated_delta_rule import chunk as fq
@@ -90,18 +93,22 @@ def flashqla_runner(x):
             dq, dk, dv, db, dg, dh0 = fq.chunk_gated_delta_rule_bwd(
                 q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["b"], A=x["a"], do=x["do"], dht=x["dht"],
                 scale=x["scale"], initial_state=h0, cu_seqlens=x["cu_seqlens"],
-                state_v_first=x["state_v_first"], auto_cp=False)
+                state_v_first=x["state_v_first"], auto_cp=auto_cp)
             return GDRGrads(dq, dk, dv, dg, db, dh0 if h0 is not None else None)
     return run
 
 
-def forced(name, kwargs):
+def forced(name, kwargs, segments=None):
+    """`name` forced through GDR_BACKEND; `segments`: the context-parallel split forced (GDR_CP)."""
+    env = {"GDR_BACKEND": name, **({"GDR_CP": str(segments)} if segments else {})}
+
     def run():
-        os.environ["GDR_BACKEND"] = name
+        os.environ.update(env)
         try:
             return fused_gdr_bwd(**kwargs)
         finally:
-            os.environ.pop("GDR_BACKEND", None)
+            for n in env:
+                os.environ.pop(n, None)
     return run
 
 
@@ -109,7 +116,7 @@ def max_error(grads, ref):
     return max(relative_error(getattr(grads, n), getattr(ref, n)) for n in GDRGrads._fields)
 
 
-def bench_shape(spec, warmup, reps, skip):
+def bench_shape(spec, warmup, reps, skip, splits=(), split_backends=()):
     x = make_inputs(spec, "cuda", seed=1)
     kwargs = call_kwargs(x)
     problem = None
@@ -121,10 +128,16 @@ def bench_shape(spec, warmup, reps, skip):
         problem = problem or Problem.from_call(validate(**kwargs))
         ok, reason = backend.supported(problem)
         runners[name] = forced(name, kwargs) if ok else reason
+    for name in split_backends:  # the context-parallel split, forced (docs/measurements.md)
+        if not isinstance(runners.get(name), str) and name in runners:
+            for n in splits:
+                runners[f"{name}@split{n}"] = forced(name, kwargs, segments=n)
     if "fla-op" not in skip:
         runners["fla-op"] = fla_op_runner(x)
     if "flashqla" not in skip:
         runners["flashqla"] = flashqla_runner(x) or "not importable"
+        if splits and x["h"] is None:  # its own (approximate) intra-card split
+            runners["flashqla-auto_cp"] = flashqla_runner(x, auto_cp=True) or "not importable"
     row = {"shape": spec.label(), "h": spec.h, "runs": {}}
     nbytes, flops = bytes_and_flops(spec)
     row["floor_ms"] = round(floor_ms(spec, HBM_GBS, BF16_TFLOPS), 4)
@@ -213,6 +226,9 @@ def main(argv=None):
     p.add_argument("--match", default=None, help="only the shapes whose label matches this regular expression")
     p.add_argument("--merge", action="store_true",
                    help="add to the rows already in the output JSON (same label and h replaced) instead of starting anew")
+    p.add_argument("--splits", default="", help="segment counts of the context-parallel split to time as "
+                   "extra runners `<backend>@split<n>` (e.g. 2,4,8), with FlashQLA's auto_cp beside them")
+    p.add_argument("--split-backends", default="fla,tilelang_fused", help="the backends --splits wraps")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--unverified", action="store_true",
                    help="also run backends still refused until their GPU tests pass (their error column then "
@@ -233,6 +249,8 @@ def main(argv=None):
     if args.match:
         variants = [v for v in variants if re.search(args.match, v.label())]
     skip = set(filter(None, args.skip.split(",")))
+    splits = [int(n) for n in filter(None, args.splits.split(","))]
+    split_backends = [n for n in filter(None, args.split_backends.split(",")) if n not in skip]
     dev = device_info(torch.device("cuda"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -245,7 +263,7 @@ def main(argv=None):
     fresh = []
     for i, spec in enumerate(variants, 1):
         print(f"[{i}/{len(variants)}] {spec.label()}", file=sys.stderr, flush=True)
-        row = bench_shape(spec, args.warmup, args.reps, skip)
+        row = bench_shape(spec, args.warmup, args.reps, skip, splits, split_backends)
         row["measured_at"] = doc["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         fresh.append(row)
         # written after every shape, so a run cut short keeps what it measured

@@ -126,6 +126,9 @@ PRESETS: dict[str, list[ShapeSpec]] = {
         ShapeSpec(B=8, T=4096, H=32),
         ShapeSpec(B=16, T=2048, H=32),
         ShapeSpec(seqlens=(4096,) * 8, H=32, Hg=16),
+        # starved grids (fewer sequence x head programs than SMs): the context-parallel split
+        ShapeSpec(B=1, T=32768, H=4),
+        ShapeSpec(B=2, T=16384, H=8),
     ],
 }
 

@@ -80,6 +80,23 @@ def _check_backend(backend, name, dtype, h_mode, monkeypatch):
     assert not bad, f"{backend} {spec.label()}: {bad} (all: { {n: f'{e:.1e}' for n, e in errs.items()} })"
 
 
+# -- the exact context-parallel split (gdr_dispatch/context_parallel.py) forced on the GPU --------
+SPLIT_CASES = ("T100_grouped_all_optional", "varlen_1_63_64_65_vfirst", "T40_no_states", "T100_grouped_strong_decay")
+
+
+@pytest.mark.parametrize("segments", [2, 4])
+@pytest.mark.parametrize("backend", ["fla", "triton_wide", "tilelang_fused"])
+@pytest.mark.parametrize("name", SPLIT_CASES)
+@pytest.mark.parametrize("h_mode", ["given", "none"])
+def test_split_matches_oracle_on_gpu(name, backend, segments, h_mode, monkeypatch):
+    """GDR_CP forces the split around a backend: the segments run as one varlen call with
+    exact start states and end gradients, so the oracle tolerance is the backend's own."""
+    if backend not in registered_backends():
+        pytest.skip(f"{backend} not registered here")
+    monkeypatch.setenv("GDR_CP", str(segments))
+    _check_backend(backend, name, "bfloat16", h_mode, monkeypatch)
+
+
 def test_autotune_on_gpu_cross_checks_and_stores():
     spec = ShapeSpec(B=1, T=200, H=4, Hg=2, K=128, V=128, h="none")
     kwargs, ref = case(spec, device="cuda")
@@ -221,3 +238,38 @@ def test_training_step_captures_in_a_cuda_graph_on_a_decided_backend(monkeypatch
     torch.cuda.synchronize()
     for n in eager:
         assert dsp.relative_error(captured[n], eager[n]) < 1e-3, n
+
+
+def test_training_op_compiles_in_one_graph_on_gpu(monkeypatch):
+    """torch.compile(fullgraph=True) with the default (inductor) backend around a layer that
+    calls the op: no graph break, and the same loss and gradients as eager."""
+    from gdr_dispatch import chunk_gated_delta_rule
+
+    monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+    monkeypatch.setenv("GDR_BACKEND", "fla")
+    x = _train_inputs(B=2, T=200)
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(128, 128, device="cuda", dtype=torch.bfloat16)
+
+        def forward(self, q, k, v, g, beta, h0):
+            o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+            return self.proj(o).float().square().mean() + ht.square().mean()
+
+    torch.manual_seed(0)
+    layer = Layer()
+
+    def grads_of(fn):
+        leaves = [(x[n].to(torch.bfloat16) if n in ("q", "k", "v", "beta") else x[n]).detach().clone().requires_grad_(True)
+                  for n in ("q", "k", "v", "g", "beta", "initial_state")]
+        loss = fn(*leaves)
+        loss.backward()
+        return loss.detach(), [t.grad for t in leaves]
+
+    loss_e, grads_e = grads_of(layer)
+    loss_c, grads_c = grads_of(torch.compile(layer, fullgraph=True))
+    assert dsp.relative_error(loss_c, loss_e) < 1e-3
+    for n, a, b in zip(("q", "k", "v", "g", "beta", "initial_state"), grads_c, grads_e):
+        assert dsp.relative_error(a, b) < 1e-2, n

@@ -9,6 +9,9 @@
 #   repro[=SECONDS]  tools/repro_side_strips.py (the side kernel's strip products alone) -> $OUT/repro.log, bench/repro_side_strips.json
 #   race[=SECONDS]   compute-sanitizer racecheck + synccheck on both TileLang kernels (tiny shape), then
 #                    20 repeated runs of each against the torch backend at B8 T4096 H32 -> $OUT/race.log
+#   timing[=SECONDS] tools/ws_probe.py --timing (cycles per chunk, per group and phase; TIMING_SHAPES
+#                    names the shapes, default B4T4096H16 B8T4096H32) -> $OUT/timing.log, $OUT/bench/timing.json
+#   wsbench[=SECONDS] tools/ws_probe.py --plain (ws vs plain kernel launchers; WS_SHAPES) -> $OUT/wsbench.log
 #   stage56[=SECONDS] bench/bench_stage56.py (wide kernel configs, crossover) -> $OUT/stage56.log, bench/stage56.json
 #   bench[=SECONDS]  bench/bench_gdr_bwd.py, h200-train      -> $OUT/bench/<device>.{json,md}
 #   tune[=SECONDS]   gdr-dispatch tune --preset h200-train   -> $OUT/tune.log, $OUT/<device>.yaml
@@ -41,8 +44,7 @@ for arg in "$@"; do
              configs=${PRECOMPILE:-4,2,bfloat16 4,4,bfloat16 4,2,float16 4,4,float16 16,16,bfloat16 32,32,bfloat16 32,16,bfloat16}
              python3 tools/precompile_tilelang.py $(printf -- '--config %s ' $configs) > "$OUT/precompile.log" 2>&1 &
              precompile_pid=$! ;;
-    tests)   if [ -n "${TESTS_K:-}" ]; then
-               [ -n "${precompile_pid:-}" ] && wait "$precompile_pid"
+    tests)   if [ -n "${TESTS_K:-}" ]; then  # no wait for precompile: a test compiles what it needs first
                timeout "$(( limit - ($(date +%s) - start) ))" python3 -m pytest -v tests/test_gpu.py -p no:cacheprovider -W ignore -rfEs --durations=8 \
                  -n 8 --dist loadgroup -k "$TESTS_K" > "$OUT/gpu_tests.log" 2>&1
                echo "$step: exit $? after $(( $(date +%s) - start )) s"; continue
@@ -60,6 +62,16 @@ for arg in "$@"; do
                    python3 tools/ws_probe.py --only tiny --once --kernel $kern 2>&1 | grep -v TileLang | tail -n 25
                done; done; python3 tools/ws_probe.py --only B8T4096H32 --check --repeat 20 2>&1 | grep -v TileLang' \
                > "$OUT/race.log" 2>&1 ;;
+    timing)  [ -n "${precompile_pid:-}" ] && wait "$precompile_pid"
+             for shape in ${TIMING_SHAPES:-B4T4096H16 B8T4096H32}; do
+               timeout "$(( limit - ($(date +%s) - start) ))" python3 tools/ws_probe.py --only "$shape" --timing \
+                 --out "$OUT/bench/timing-$shape.json" 2>&1 | grep -v TileLang
+             done > "$OUT/timing.log" 2>&1 ;;
+    wsbench) [ -n "${precompile_pid:-}" ] && wait "$precompile_pid"
+             for shape in ${WS_SHAPES:-B4T4096H16 B8T4096H32}; do
+               timeout "$(( limit - ($(date +%s) - start) ))" python3 tools/ws_probe.py --only "$shape" --plain \
+                 --out "$OUT/bench/wsbench-$shape.json" 2>&1 | grep -v TileLang
+             done > "$OUT/wsbench.log" 2>&1 ;;
     stage56) timeout "$limit" python3 bench/bench_stage56.py --out "$OUT/bench" > "$OUT/stage56.log" 2>&1 ;;
     bench)   if [ -n "${BENCH_MATCH:-}${BENCH_SKIP:-}" ]; then
                cp bench/results/nvidia-h200-sm90.json "$OUT/bench/" 2>/dev/null

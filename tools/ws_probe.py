@@ -4,6 +4,7 @@
     python tools/ws_probe.py --only B4T4096H16 --once   # one launch of the ws kernel (for ncu)
     python tools/ws_probe.py --only B8T4096H32 --check --repeat 20   # the race hunt of docs/tilelang_ws.md
     compute-sanitizer --tool racecheck python3 tools/ws_probe.py --only tiny --once --kernel plain
+    python tools/ws_probe.py --only B4T4096H16 --timing     # cycles per chunk, per group and phase
 
 Prints median ms (CUDA events, gdr_dispatch.dispatch.measure_ms), us per chunk step (a CTA
 walks its sequence's chunks one after another) and the largest relative difference between
@@ -40,6 +41,35 @@ def runner(launch, x):
     return lambda: launch(*args, has_h0=True)
 
 
+def phase_table(name, x, spec) -> dict:
+    """Run the timing build once (after a warm-up) and print the mean cycles per chunk step that
+    each consumer group spends working before, and waiting at, each sync point."""
+    from gdr_dispatch.backends.kernels.tilelang_ws_bwd import PHASES, TIMING_SLOTS
+
+    n_seq = len(spec.seq_lens)
+    clk = torch.zeros(n_seq * spec.H * 3 * TIMING_SLOTS, dtype=torch.int32, device="cuda")
+    fn = runner(lambda *a, **kw: ws_bwd_given_h(*a, **kw, clk=clk), x)
+    fn()
+    clk.zero_()
+    fn()
+    torch.cuda.synchronize()
+    c = clk.view(-1, 3, TIMING_SLOTS).double()
+    steps = c[:, :, TIMING_SLOTS - 1].clamp(min=1)
+    per = (c / steps.unsqueeze(-1)).mean(0)  # [group, slot], cycles per chunk step, mean over CTAs
+    groups = ("S", "KV", "A")
+    print(f"{name}: cycles per chunk step (mean over {c.shape[0]} CTAs), work | wait before each sync point")
+    print("sync point " + "".join(f"{g:>16}" for g in groups))
+    table = {}
+    for slot in range(PHASES + 1):
+        label = "full" if slot == 0 else f"phase {slot}"
+        cells = [(per[g, 2 * slot].item(), per[g, 2 * slot + 1].item()) for g in range(3)]
+        table[label] = {g: {"work": round(w), "wait": round(t)} for g, (w, t) in zip(groups, cells)}
+        print(f"{label:<11}" + "".join(f"{w:>8.0f} |{t:>6.0f}" for w, t in cells))
+    loop = [per[g, TIMING_SLOTS - 2].item() for g in range(3)]
+    print(f"{'loop':<11}" + "".join(f"{v:>16.0f}" for v in loop))
+    return {"shape": name, "cycles_per_step": table, "loop_cycles_per_step": [round(v) for v in loop]}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default=None, help="one shape name")
@@ -50,6 +80,8 @@ def main(argv=None) -> int:
     p.add_argument("--check", action="store_true",
                    help="per-output errors of both kernels against the torch backend, the ws kernel run twice "
                         "(a race moves its error between runs)")
+    p.add_argument("--timing", action="store_true",
+                   help="run the timing build: cycles per chunk each consumer group works / waits per phase")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -68,6 +100,9 @@ def main(argv=None) -> int:
             one()
             torch.cuda.synchronize()
             return 0
+        if args.timing:
+            rows.append(phase_table(name, x, spec))
+            continue
         if args.check:
             from gdr_dispatch.chunked_math import chunked_backward
             from gdr_dispatch.contract import validate

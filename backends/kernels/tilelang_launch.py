@@ -21,12 +21,13 @@ def tl_dtype(dt) -> str:
 
 
 def launch_packed(kern, q, k, v, do, a, g, b, h, dht, seq_lens, chunk_size: int, cu_seqlens, has_h0: bool,
-                  state_v_first: bool, dq_dtype: torch.dtype, db_dtype: torch.dtype):
+                  state_v_first: bool, dq_dtype: torch.dtype, db_dtype: torch.dtype, extra=()):
     """Pack the call, run `kern(q, k, v, do, a, g, b, h, dht, cu, offsets, dq, dk, dv, dg, db, dh0)`
     on fresh outputs and return `(dq, dk, dv, dg, db, dh0)` in the contract's form.
 
     `h` comes in the contract's layout (transposed here for `state_v_first`); `dq_dtype` and
-    `db_dtype` are the kernel's output dtypes (db is cast to b's dtype on the way out).
+    `db_dtype` are the kernel's output dtypes (db is cast to b's dtype on the way out); `extra`
+    are arguments a kernel takes after dh0.
     """
     B, T_, Hg, K = q.shape
     H, V = v.shape[2], v.shape[3]
@@ -54,7 +55,7 @@ def launch_packed(kern, q, k, v, do, a, g, b, h, dht, seq_lens, chunk_size: int,
     kern(q.reshape(TT, Hg, K).contiguous(), k.reshape(TT, Hg, K).contiguous(), v.reshape(TT, H, V).contiguous(),
          do.reshape(TT, H, V).contiguous(), a.reshape(TT, H, chunk_size).to(q.dtype).contiguous(),
          g.reshape(TT, H).float().contiguous(), b.reshape(TT, H).contiguous(),
-         h.reshape(-1, *h.shape[2:]).contiguous(), dht_in, cu, offsets, dq, dk, dv, dg, db, dh0)
+         h.reshape(-1, *h.shape[2:]).contiguous(), dht_in, cu, offsets, dq, dk, dv, dg, db, dh0, *extra)
     dq = reduce_value_heads(dq.view(B, T_, H, K), Hg, q.dtype)
     dk = reduce_value_heads(dk.view(B, T_, H, K), Hg, k.dtype)
     if state_v_first:

@@ -45,16 +45,76 @@ NREG = (160, 160, 168, 24)
 PHASES = 7
 
 
+#: `timing=True` builds: int32 counters per consumer group (S, KV, A), each a sum over the
+#: chunks of clock cycles: [2 s] working before sync point s, [2 s + 1] waiting there (s = 0
+#: the producer's `full` barrier, 1-7 the phase ends), [16] the whole chunk loop, [17] chunks.
+TIMING_SLOTS = 18
+
+
 @functools.lru_cache(maxsize=None)
-def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dtype: str):
-    """Compile (once per configuration) the warp-specialised kernel (K = V = 128, chunk 64)."""
+def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dtype: str, timing: bool = False):
+    """Compile (once per configuration) the warp-specialised kernel (K = V = 128, chunk 64).
+
+    `timing` adds cycle counters at every sync point (written to the `clk` argument, CTA by
+    CTA: `[N * H, 3, TIMING_SLOTS]`); the instrument of docs/tilelang_ws.md's phase table.
+    """
     accum = "float32"
     TT = T.dynamic("num_tokens")
     NC = T.dynamic("num_chunks")
     N = T.dynamic("num_seqs")
     NP1 = T.dynamic("num_seqs_plus_1")
+    NCLK = T.dynamic("num_clk")
     group = H // Hg
     nreg_s, nreg_kv, nreg_a, nreg_p = NREG
+    NS = TIMING_SLOTS
+
+    @T.macro
+    def clock_into(tick, i):
+        tick[i] = T.cast(T.call_extern("int64", "clock64"), "int32")
+
+    @T.macro
+    def account(tick, tm_s, grp, slot):
+        # lane 0 of the group adds the cycles before the sync point (work) and in it (wait)
+        clock_into(tick, 2)
+        if T.get_thread_binding() % 128 == 0:
+            tm_s[grp, 2 * slot] = tm_s[grp, 2 * slot] + (tick[1] - tick[0])
+            tm_s[grp, 2 * slot + 1] = tm_s[grp, 2 * slot + 1] + (tick[2] - tick[1])
+        tick[0] = tick[2]
+
+    @T.macro
+    def phase_sync(bars, p, parity, slot, grp, tick, tm_s):
+        """Close phase `p`: arrive at its barrier and wait for the other consumer groups."""
+        if timing:
+            clock_into(tick, 1)
+        T.barrier_arrive(bars[p])
+        T.barrier_wait(bars[p], parity)
+        if timing:
+            account(tick, tm_s, grp, slot)
+
+    @T.macro
+    def full_wait(bar, parity, grp, tick, tm_s):
+        """Wait for the producer's loads of this chunk."""
+        if timing:
+            clock_into(tick, 1)
+        T.barrier_wait(bar, parity)
+        if timing:
+            account(tick, tm_s, grp, 0)
+
+    @T.macro
+    def loop_start(tick, tm_s, grp):
+        if timing:
+            clock_into(tick, 0)
+            clock_into(tick, 3)
+
+    @T.macro
+    def loop_end(tick, tm_s, grp, n_chunks, clk, bx):
+        if timing:
+            clock_into(tick, 2)
+            if T.get_thread_binding() % 128 == 0:
+                tm_s[grp, NS - 2] = tick[2] - tick[3]
+                tm_s[grp, NS - 1] = n_chunks
+                for j in T.serial(NS):
+                    clk[(bx * 3 + grp) * NS + j] = tm_s[grp, j]
 
     @tilelang.jit(target={"kind": "cuda", "arch": "sm_90a"}, out_idx=None,
                   pass_configs={tilelang.PassConfigKey.TL_DISABLE_DATA_RACE_CHECK: True,
@@ -79,6 +139,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
             dg: T.Tensor((TT, H), accum),
             db: T.Tensor((TT, H), b_dtype),
             dh0: T.Tensor((N, H, K, V), accum),
+            clk: T.Tensor((NCLK,), "int32"),  # timing builds only (one element otherwise)
         ):
             with T.Kernel(N * H, threads=512) as bx:
                 n = bx // H
@@ -111,18 +172,20 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                 dh_s = T.alloc_shared((K, V), dtype)  # dS' (the chunk-end state gradient)
                 dGk_s = T.alloc_shared((BT,), accum)  # dG parts: from KV, from A, the G_L terms
                 dGa_s = T.alloc_shared((BT,), accum)
-                dGL_s = T.alloc_shared((2,), accum)  # [0] from S, [1] from KV
+                gls_s = T.alloc_shared((K,), accum)  # the G_L term: rows of e^{G_L} dS' * S (S, phase 1)
+                glk_s = T.alloc_shared((BT,), accum)  # the G_L term: rows of dk's part * K (KV, phase 5)
                 db_s = T.alloc_shared((BT,), accum)  # db's column part (A, phase 4)
+                tm_s = T.alloc_shared((3, NS), "int32")  # timing builds: the counters
 
                 # ---- registers ----
                 dS_f = T.alloc_fragment((K, V), accum)  # S
                 hrow_f = T.alloc_fragment((K,), accum)
-                hdh_f = T.alloc_fragment((1,), accum)
+                gsum_f = T.alloc_fragment((BT,), accum)
                 egl = T.alloc_local((1,), accum)
+                tick = T.alloc_local((4,), "int32")  # timing builds: clock readings
                 kv1_f = T.alloc_fragment((BT, V), accum)  # KV
                 kv2_f = T.alloc_fragment((BT, K), accum)
                 kvr_f = T.alloc_fragment((BT,), accum)
-                kvl_f = T.alloc_fragment((1,), accum)
                 pg_f = T.alloc_fragment((BT, BT), accum)  # A
                 sq_f = T.alloc_fragment((BT, BT), accum)
                 sq2_f = T.alloc_fragment((BT, BT), accum)
@@ -173,6 +236,9 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                         eGL_s[i] = T.exp2((g[eos - 1, hh] - g[T.min(t_first + i, eos - 1), hh]) * LOG2E)
                         b_s[i] = T.if_then_else(t_first + i < eos, T.cast(b[t_first + i, hh], accum),
                                                 T.cast(0, accum))
+                if timing:
+                    for i, j in T.Parallel(3, NS):
+                        tm_s[i, j] = 0
                 T.fence_proxy_async()
                 T.sync_threads()
 
@@ -184,12 +250,13 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                     T.fence_proxy_async()
                     T.barrier_arrive(start)
                     T.barrier_wait(start, 0)
+                    loop_start(tick, tm_s, 0)
                     for it in T.serial(n_chunks):
                         c = n_chunks - 1 - it
                         t0 = bos + c * BT
                         L = T.min(BT, eos - t0)
                         if it > 0:
-                            T.barrier_wait(full, (it - 1) % 2)
+                            full_wait(full, (it - 1) % 2, 0, tick, tm_s)
                         # 1: dS <- e^{G_L} dS'; e^{G_L} <dS', S> (from the 16-bit copies, as fla does)
                         egl[0] = eG_s[BT - 1]
                         for i, j in T.Parallel(K, V):
@@ -198,35 +265,38 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                             hrow_f[i] = 0
                             for j in T.unroll(V):
                                 hrow_f[i] += T.cast(dh_s[i, j], accum) * T.cast(h_s[i, j], accum)
-                        T.reduce_sum(hrow_f, hdh_f, dim=0)
-                        for i in T.Parallel(1):
-                            dGL_s[0] = hdh_f[0] * egl[0]
-                        T.barrier_arrive(phase[0])
-                        T.barrier_wait(phase[0], it % 2)
+                        for i in T.Parallel(K):  # summed in phase 7 (see NO_CROSS_WARP_REDUCE)
+                            gls_s[i] = hrow_f[i] * egl[0]
+                        phase_sync(phase, 0, it % 2, 1, 0, tick, tm_s)
                         # 2, 3: nothing
-                        T.barrier_arrive(phase[1])
-                        T.barrier_wait(phase[1], it % 2)
-                        T.barrier_arrive(phase[2])
-                        T.barrier_wait(phase[2], it % 2)
+                        phase_sync(phase, 1, it % 2, 2, 0, tick, tm_s)
+                        phase_sync(phase, 2, it % 2, 3, 0, tick, tm_s)
                         # 4: scale e^G dO into dvp_s (dV' is read by now)
                         for i, j in T.Parallel(BT, V):
                             dvp_s[i, j] = T.cast(scale * eG_s[i] * T.cast(do_s[i, j], accum), dtype)
                         T.fence_proxy_async()
-                        T.barrier_arrive(phase[3])
-                        T.barrier_wait(phase[3], it % 2)
+                        phase_sync(phase, 3, it % 2, 4, 0, tick, tm_s)
                         # 5: dS += K^T dUs + Q^T (scale e^G dO)
                         T.gemm(k_s, u_s, dS_f, transpose_A=True)
                         T.gemm(q_s, dvp_s, dS_f, transpose_A=True)
-                        T.barrier_arrive(phase[4])
-                        T.barrier_wait(phase[4], it % 2)
+                        phase_sync(phase, 4, it % 2, 5, 0, tick, tm_s)
                         # 6: the 16-bit copy for the next chunk (dh_s was last read in 5)
                         T.copy(dS_f, dh_s)
                         T.fence_proxy_async()
-                        T.barrier_arrive(phase[5])
-                        T.barrier_wait(phase[5], it % 2)
-                        # 7: nothing (A stores dg and db)
-                        T.barrier_arrive(phase[6])
-                        T.barrier_wait(phase[6], it % 2)
+                        phase_sync(phase, 5, it % 2, 6, 0, tick, tm_s)
+                        # 7: dg = reverse cumsum of dG inside the chunk plus the G_L terms (the chunk
+                        # end's decay reaches every token of it); db = its two parts
+                        for i in T.Parallel(BT):
+                            gsum_f[i] = 0
+                            for r in T.unroll(K):
+                                gsum_f[i] += gls_s[r]
+                            for r in T.unroll(BT):
+                                gsum_f[i] += glk_s[r] + T.if_then_else((r >= i) and (r < L), dGk_s[r] + dGa_s[r], T.cast(0, accum))
+                            if i < L:
+                                dg[t0 + i, hh] = gsum_f[i]
+                                db[t0 + i, hh] = T.cast(db_s[i], b_dtype)
+                        phase_sync(phase, 6, it % 2, 7, 0, tick, tm_s)
+                    loop_end(tick, tm_s, 0, n_chunks, clk, bx)
                     T.copy(dS_f, dh0[n, hh, :, :])
 
                 elif tx < 256:
@@ -234,24 +304,23 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                     T.set_max_nreg(nreg_kv, 1)
                     T.barrier_arrive(start)
                     T.barrier_wait(start, 0)
+                    loop_start(tick, tm_s, 1)
                     for it in T.serial(n_chunks):
                         c = n_chunks - 1 - it
                         t0 = bos + c * BT
                         L = T.min(BT, eos - t0)
                         if it > 0:
-                            T.barrier_wait(full, (it - 1) % 2)
+                            full_wait(full, (it - 1) % 2, 1, tick, tm_s)
                         # 1: dV' = e^{G_L - G} K dS'
                         T.gemm(k_s, dh_s, kv1_f, clear_accum=True)
                         for i, j in T.Parallel(BT, V):
                             kv1_f[i, j] = kv1_f[i, j] * eGL_s[i]
-                        T.barrier_arrive(phase[0])
-                        T.barrier_wait(phase[0], it % 2)
+                        phase_sync(phase, 0, it % 2, 1, 1, tick, tm_s)
                         # 2: dV' += Pg^T dO
                         T.gemm(pg_s, do_s, kv1_f, transpose_A=True)
                         T.copy(kv1_f, dvp_s)
                         T.fence_proxy_async()
-                        T.barrier_arrive(phase[1])
-                        T.barrier_wait(phase[1], it % 2)
+                        phase_sync(phase, 1, it % 2, 2, 1, tick, tm_s)
                         # 3: dv = Ag^T dV' (b is inside Ag); dUs = -e^G dv; dG += rows of dUs * U
                         T.gemm(ag_s, dvp_s, kv1_f, transpose_A=True, clear_accum=True)
                         for i, j in T.Parallel(BT, V):
@@ -263,50 +332,45 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                         T.reduce_sum(kv2_f, kvr_f, dim=1)
                         for i in T.Parallel(BT):
                             dGk_s[i] = kvr_f[i]
-                        T.barrier_arrive(phase[2])
-                        T.barrier_wait(phase[2], it % 2)
+                        phase_sync(phase, 2, it % 2, 3, 1, tick, tm_s)
                         # 4: dUs into u_s (U is read by now)
                         T.copy(kv1_f, u_s)
                         T.fence_proxy_async()
-                        T.barrier_arrive(phase[3])
-                        T.barrier_wait(phase[3], it % 2)
+                        phase_sync(phase, 3, it % 2, 4, 1, tick, tm_s)
                         # 5: dk = e^{G_L - G} V' dS'^T (its dG terms), += dUs S^T
                         T.gemm(w_s, dh_s, kv2_f, transpose_B=True, clear_accum=True)
                         for i, j in T.Parallel(BT, K):
                             kv2_f[i, j] = kv2_f[i, j] * eGL_s[i]
                             kv1_f[i, j] = kv2_f[i, j] * T.cast(k_s[i, j], accum)
                         T.reduce_sum(kv1_f, kvr_f, dim=1)
-                        T.reduce_sum(kvr_f, kvl_f, dim=0)
                         for i in T.Parallel(BT):
                             dGk_s[i] = dGk_s[i] - kvr_f[i]
-                        for i in T.Parallel(1):
-                            dGL_s[1] = kvl_f[0]
+                            glk_s[i] = kvr_f[i]  # the G_L term's rows, summed by S in phase 7
                         T.gemm(u_s, h_s, kv2_f, transpose_B=True)
-                        T.barrier_arrive(phase[4])
-                        T.barrier_wait(phase[4], it % 2)
+                        phase_sync(phase, 4, it % 2, 5, 1, tick, tm_s)
                         # 6: dk += dP^T Q
                         T.gemm(pg_s, q_s, kv2_f, transpose_A=True)
-                        T.barrier_arrive(phase[5])
-                        T.barrier_wait(phase[5], it % 2)
+                        phase_sync(phase, 5, it % 2, 6, 1, tick, tm_s)
                         # 7: dk += (dkk + dkk^T) K
                         T.gemm(ag_s, k_s, kv2_f)
                         for i, j in T.Parallel(BT, K):
                             if t0 + i < eos:
                                 dk[t0 + i, hh, j] = T.cast(kv2_f[i, j], dq_dtype)
-                        T.barrier_arrive(phase[6])
-                        T.barrier_wait(phase[6], it % 2)
+                        phase_sync(phase, 6, it % 2, 7, 1, tick, tm_s)
+                    loop_end(tick, tm_s, 1, n_chunks, clk, bx)
 
                 elif tx < 384:
                     # ================= A: P, Ag, U, W, V', dAg, dP, dq, the inverse; dg, db =================
                     T.set_max_nreg(nreg_a, 1)
                     T.barrier_arrive(start)
                     T.barrier_wait(start, 0)
+                    loop_start(tick, tm_s, 2)
                     for it in T.serial(n_chunks):
                         c = n_chunks - 1 - it
                         t0 = bos + c * BT
                         L = T.min(BT, eos - t0)
                         if it > 0:
-                            T.barrier_wait(full, (it - 1) % 2)
+                            full_wait(full, (it - 1) % 2, 2, tick, tm_s)
                         # 1: Pg = scale Gam Q K^T; Ag = Gam A b; U = K S; W = V - e^G U
                         T.gemm(q_s, k_s, pg_f, transpose_B=True, clear_accum=True)
                         for i, j in T.Parallel(BT, BT):
@@ -321,50 +385,44 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                         for i, j in T.Parallel(BT, V):
                             w_s[i, j] = T.cast(T.cast(v_s[i, j], accum) - eG_s[i] * a1_f[i, j], dtype)
                         T.fence_proxy_async()
-                        T.barrier_arrive(phase[0])
-                        T.barrier_wait(phase[0], it % 2)
+                        phase_sync(phase, 0, it % 2, 1, 2, tick, tm_s)
                         # 2: nothing
-                        T.barrier_arrive(phase[1])
-                        T.barrier_wait(phase[1], it % 2)
-                        # 3: dAg = dV' W^T; V' = Ag W
+                        phase_sync(phase, 1, it % 2, 2, 2, tick, tm_s)
+                        # 3: dAg = dV' W^T and its transpose (for column sums as row sums); V' = Ag W
                         T.gemm(dvp_s, w_s, sq_f, transpose_B=True, clear_accum=True)
+                        T.gemm(w_s, dvp_s, pg_f, transpose_B=True, clear_accum=True)
                         T.gemm(ag_s, w_s, a1_f, clear_accum=True)
-                        T.barrier_arrive(phase[2])
-                        T.barrier_wait(phase[2], it % 2)
+                        phase_sync(phase, 2, it % 2, 3, 2, tick, tm_s)
                         # 4: V' into w_s; through Ag = Gam A b: dG (rows - columns of dAg Ag), db's
                         # column part, dAr = Gam b dAg (the ungated inverse's gradient) into ag_s
                         T.copy(a1_f, w_s)
+                        for i, j in T.Parallel(BT, BT):  # (Gam dAg A)^T from dAg^T: its row sums are the column sums
+                            pg_f[i, j] = T.if_then_else(i <= j, T.exp2((G_s[j] - G_s[i]) * LOG2E), T.cast(0, accum)) \
+                                * pg_f[i, j] * T.cast(a_s[j, i], accum)
+                        T.reduce_sum(pg_f, ac_f, dim=1)
                         for i, j in T.Parallel(BT, BT):
                             sq2_f[i, j] = T.if_then_else(j <= i, T.exp2((G_s[i] - G_s[j]) * LOG2E), T.cast(0, accum)) \
-                                * sq_f[i, j] * T.cast(a_s[i, j], accum)  # Gam dAg A
-                        T.reduce_sum(sq2_f, ac_f, dim=0)
-                        for j in T.Parallel(BT):
-                            db_s[j] = ac_f[j]
-                        for i, j in T.Parallel(BT, BT):
-                            sq2_f[i, j] = sq2_f[i, j] * b_s[j]  # dAg * Ag
+                                * sq_f[i, j] * T.cast(a_s[i, j], accum) * b_s[j]  # dAg * Ag
                         T.reduce_sum(sq2_f, ar_f, dim=1)
-                        T.reduce_sum(sq2_f, ac_f, dim=0)
                         for i in T.Parallel(BT):
-                            dGa_s[i] = ar_f[i]
-                        for i in T.Parallel(BT):
-                            dGa_s[i] = dGa_s[i] - ac_f[i]
+                            db_s[i] = ac_f[i]
+                            dGa_s[i] = ar_f[i] - ac_f[i] * b_s[i]
                         for i, j in T.Parallel(BT, BT):
                             ag_s[i, j] = T.cast(T.if_then_else(j <= i, T.exp2((G_s[i] - G_s[j]) * LOG2E), T.cast(0, accum))
                                                 * sq_f[i, j] * b_s[j], dtype)
                         T.fence_proxy_async()
-                        T.barrier_arrive(phase[3])
-                        T.barrier_wait(phase[3], it % 2)
+                        phase_sync(phase, 3, it % 2, 4, 2, tick, tm_s)
                         # 5: dPg = dO V'^T, its dG (rows - columns of dPg Pg), dP = scale Gam dPg;
                         # dq = scale e^G dO S^T (its dG) + dP K
                         T.gemm(do_s, w_s, sq_f, transpose_B=True, clear_accum=True)
+                        T.gemm(w_s, do_s, pg_f, transpose_B=True, clear_accum=True)  # dPg^T
                         for i, j in T.Parallel(BT, BT):
                             sq2_f[i, j] = sq_f[i, j] * T.cast(pg_s[i, j], accum)  # Pg's 16-bit copy, as KV reads it
+                            pg_f[i, j] = pg_f[i, j] * T.cast(pg_s[j, i], accum)
                         T.reduce_sum(sq2_f, ar_f, dim=1)
-                        T.reduce_sum(sq2_f, ac_f, dim=0)
+                        T.reduce_sum(pg_f, ac_f, dim=1)
                         for i in T.Parallel(BT):
-                            dGa_s[i] = dGa_s[i] + ar_f[i]
-                        for i in T.Parallel(BT):
-                            dGa_s[i] = dGa_s[i] - ac_f[i]
+                            dGa_s[i] = dGa_s[i] + ar_f[i] - ac_f[i]
                         for i, j in T.Parallel(BT, BT):
                             pg_s[i, j] = T.cast(T.if_then_else(j <= i, scale * sq_f[i, j] * T.exp2((G_s[i] - G_s[j]) * LOG2E),
                                                                T.cast(0, accum)), dtype)
@@ -377,8 +435,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                             dGa_s[i] = dGa_s[i] + ar_f[i]
                         T.fence_proxy_async()
                         T.gemm(pg_s, k_s, a1_f)
-                        T.barrier_arrive(phase[4])
-                        T.barrier_wait(phase[4], it % 2)
+                        phase_sync(phase, 4, it % 2, 5, 2, tick, tm_s)
                         # 6: through A = M^-1: dA = A^T dAr A^T, dM = -dA strictly lower,
                         # db += rows of dM * (K K^T), dkk = b dM; dkk + dkk^T into ag_s
                         T.gemm(a_s, ag_s, sq_f, transpose_A=True, clear_accum=True)
@@ -397,26 +454,13 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                         for i, j in T.Parallel(BT, BT):
                             ag_s[i, j] = T.cast(sq_f[i, j] * b_s[i] + T.cast(x3_s[j, i], accum), dtype)
                         T.fence_proxy_async()
-                        T.barrier_arrive(phase[5])
-                        T.barrier_wait(phase[5], it % 2)
-                        # 7: dq; dg = reverse cumsum of dG inside the chunk (the G_L terms on its
-                        # last valid row); db = its two parts
+                        phase_sync(phase, 5, it % 2, 6, 2, tick, tm_s)
+                        # 7: dq (S writes dg and db)
                         for i, j in T.Parallel(BT, K):
                             if t0 + i < eos:
                                 dq[t0 + i, hh, j] = T.cast(a1_f[i, j], dq_dtype)
-                        for i, j in T.Parallel(BT, BT):
-                            sq_f[i, j] = T.if_then_else(
-                                (j >= i) and (j < L),
-                                dGk_s[j] + dGa_s[j] + T.if_then_else(j == L - 1, dGL_s[0] + dGL_s[1],
-                                                                     T.cast(0, accum)),
-                                T.cast(0, accum))
-                        T.reduce_sum(sq_f, ar_f, dim=1)
-                        for i in T.Parallel(BT):
-                            if i < L:
-                                dg[t0 + i, hh] = ar_f[i]
-                                db[t0 + i, hh] = T.cast(db_s[i], b_dtype)
-                        T.barrier_arrive(phase[6])
-                        T.barrier_wait(phase[6], it % 2)
+                        phase_sync(phase, 6, it % 2, 7, 2, tick, tm_s)
+                    loop_end(tick, tm_s, 2, n_chunks, clk, bx)
 
                 else:
                     # ================= producer: the next (earlier) chunk =================
@@ -447,11 +491,12 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
 
 
 def ws_bwd_given_h(q, k, v, do, a, g, b, h, dht, scale: float, seq_lens, chunk_size: int = 64,
-                   cu_seqlens=None, has_h0: bool = False, state_v_first: bool = False):
+                   cu_seqlens=None, has_h0: bool = False, state_v_first: bool = False, clk=None):
     """Run the warp-specialised kernel; returns `(dq, dk, dv, dg, db, dh0)` in the contract's form.
 
     `tilelang_launch.launch_packed`'s calling convention; dq/dk come out in q's dtype unless
-    value heads are grouped (fp32, then reduced), db in b's dtype.
+    value heads are grouped (fp32, then reduced), db in b's dtype. `clk` (int32, `[N * H * 3 *
+    TIMING_SLOTS]`) asks for the timing build and receives its counters (tools/ws_probe.py).
     """
     import torch
 
@@ -459,7 +504,10 @@ def ws_bwd_given_h(q, k, v, do, a, g, b, h, dht, scale: float, seq_lens, chunk_s
     if (Kd, Vd, chunk_size) != (K, V, BT):
         raise ValueError(f"ws_bwd_given_h: built for K = V = {K}, chunk {BT}; got K={Kd}, V={Vd}, chunk {chunk_size}")
     dq_dtype = torch.float32 if H != Hg else q.dtype
-    kern = build_ws_bwd(H, Hg, float(scale), tl_dtype(q.dtype), tl_dtype(b.dtype), tl_dtype(dq_dtype))
+    kern = build_ws_bwd(H, Hg, float(scale), tl_dtype(q.dtype), tl_dtype(b.dtype), tl_dtype(dq_dtype),
+                        timing=clk is not None)
+    if clk is None:
+        clk = torch.zeros(1, dtype=torch.int32, device=q.device)
     # TMA copies bytes: h_s holds q's dtype
     return launch_packed(kern, q, k, v, do, a, g, b, h.to(q.dtype), dht, seq_lens, chunk_size, cu_seqlens, has_h0,
-                         state_v_first, dq_dtype=dq_dtype, db_dtype=b.dtype)
+                         state_v_first, dq_dtype=dq_dtype, db_dtype=b.dtype, extra=(clk,))
