@@ -18,7 +18,7 @@
 #   profile[=SECONDS] tools/profile_fla_adapter.py           -> $OUT/profile.log
 # e.g.  bash tools/device_run.sh precompile tests=240 bench=200 tune=120
 # Env: TESTS_K='<pytest -k expression>' runs only those GPU tests (one pytest, tilelang_fused not
-# held back); BENCH_MATCH='<regex>' benches only the matching shapes and merges them into the
+# held back; TESTS_LOG names its log); RACE_KERNELS='ws' checks only that kernel; BENCH_MATCH='<regex>' benches only the matching shapes and merges them into the
 # committed bench/results/<device>.json; BENCH_SKIP='a,b' leaves those runners out (merged, so
 # their committed numbers stay, marked as from an earlier run).
 # Prepare here first (both ignored by git, named in the run's carry):
@@ -27,7 +27,8 @@
 #                         committed tools/h200_autotune_cache.tgz is used (fla's autotuner takes
 #                         one to two minutes per new head layout without any)
 set -u
-mkdir -p /tmp/site && tar -xJf .devbundle/site-py312.tar.xz -C /tmp/site || exit 1
+# (a second invocation in the same call finds the bundle unpacked)
+[ -f /tmp/site/.unpacked ] || { mkdir -p /tmp/site && tar -xJf .devbundle/site-py312.tar.xz -C /tmp/site && touch /tmp/site/.unpacked; } || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tcache TILELANG_CACHE_DIR=/tmp/tlcache \
        GDR_TUNING_CACHE=/tmp/usertables
 # compiled kernels of an earlier call (Triton's and TileLang's caches), else fla's autotune results only
@@ -46,7 +47,7 @@ for arg in "$@"; do
              precompile_pid=$! ;;
     tests)   if [ -n "${TESTS_K:-}" ]; then  # no wait for precompile: a test compiles what it needs first
                timeout "$(( limit - ($(date +%s) - start) ))" python3 -m pytest -v tests/test_gpu.py -p no:cacheprovider -W ignore -rfEs --durations=8 \
-                 -n 8 --dist loadgroup -k "$TESTS_K" > "$OUT/gpu_tests.log" 2>&1
+                 -n 8 --dist loadgroup -k "$TESTS_K" > "$OUT/${TESTS_LOG:-gpu_tests.log}" 2>&1
                echo "$step: exit $? after $(( $(date +%s) - start )) s"; continue
              fi
              pytest_gpu=(python3 -m pytest -v tests/test_gpu.py -p no:cacheprovider -W ignore -rfEs --durations=8
@@ -57,7 +58,7 @@ for arg in "$@"; do
     diag)    timeout "$limit" python3 tools/diag_transposed.py "$OUT/bench/diag_transposed.json" > "$OUT/diag.log" 2>&1 ;;
     repro)   timeout "$limit" python3 tools/repro_side_strips.py "$OUT/bench/repro_side_strips.json" > "$OUT/repro.log" 2>&1 ;;
     race)    [ -n "${precompile_pid:-}" ] && wait "$precompile_pid"
-             timeout "$limit" bash -c 'for kern in ws plain; do for tool in racecheck synccheck; do
+             RACE_KERNELS=${RACE_KERNELS:-ws plain} timeout "$limit" bash -c 'for kern in $RACE_KERNELS; do for tool in racecheck synccheck; do
                  echo "== $tool $kern"; compute-sanitizer --tool $tool --print-limit 20 \
                    python3 tools/ws_probe.py --only tiny --once --kernel $kern 2>&1 | grep -v TileLang | tail -n 25
                done; done; python3 tools/ws_probe.py --only B8T4096H32 --check --repeat 20 2>&1 | grep -v TileLang' \

@@ -67,6 +67,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
     group = H // Hg
     nreg_s, nreg_kv, nreg_a, nreg_p = NREG
     NS = TIMING_SLOTS
+    staged = dq_dtype == dtype  # 16-bit dq/dk (value heads not grouped) are stored through shared memory
 
     @T.macro
     def clock_into(tick, i):
@@ -174,13 +175,13 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                 dGa_s = T.alloc_shared((BT,), accum)
                 gls_s = T.alloc_shared((K,), accum)  # the G_L term: rows of e^{G_L} dS' * S (S, phase 1)
                 glk_s = T.alloc_shared((BT,), accum)  # the G_L term: rows of dk's part * K (KV, phase 5)
+                gscan_s = T.alloc_shared((2, BT), accum)  # S, phase 7: dG's reverse cumsum, the G_L sum
                 db_s = T.alloc_shared((BT,), accum)  # db's column part (A, phase 4)
                 tm_s = T.alloc_shared((3, NS), "int32")  # timing builds: the counters
 
                 # ---- registers ----
                 dS_f = T.alloc_fragment((K, V), accum)  # S
                 hrow_f = T.alloc_fragment((K,), accum)
-                gsum_f = T.alloc_fragment((BT,), accum)
                 egl = T.alloc_local((1,), accum)
                 tick = T.alloc_local((4,), "int32")  # timing builds: clock readings
                 kv1_f = T.alloc_fragment((BT, V), accum)  # KV
@@ -277,8 +278,10 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                         T.fence_proxy_async()
                         phase_sync(phase, 3, it % 2, 4, 0, tick, tm_s)
                         # 5: dS += K^T dUs + Q^T (scale e^G dO)
-                        T.gemm(k_s, u_s, dS_f, transpose_A=True)
-                        T.gemm(q_s, dvp_s, dS_f, transpose_A=True)
+                        T.wgmma_gemm(k_s, u_s, dS_f, transpose_A=True)
+                        T.wgmma_gemm(q_s, dvp_s, dS_f, transpose_A=True)
+                        T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(dS_f)
                         phase_sync(phase, 4, it % 2, 5, 0, tick, tm_s)
                         # 6: the 16-bit copy for the next chunk (dh_s was last read in 5)
                         T.copy(dS_f, dh_s)
@@ -287,13 +290,12 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                         # 7: dg = reverse cumsum of dG inside the chunk plus the G_L terms (the chunk
                         # end's decay reaches every token of it); db = its two parts
                         for i in T.Parallel(BT):
-                            gsum_f[i] = 0
-                            for r in T.unroll(K):
-                                gsum_f[i] += gls_s[r]
-                            for r in T.unroll(BT):
-                                gsum_f[i] += glk_s[r] + T.if_then_else((r >= i) and (r < L), dGk_s[r] + dGa_s[r], T.cast(0, accum))
+                            gscan_s[0, i] = T.if_then_else(i < L, dGk_s[i] + dGa_s[i], T.cast(0, accum))
+                            gscan_s[1, i] = gls_s[i] + gls_s[i + BT] + glk_s[i]
+                        T.cumsum(gscan_s, dim=1, reverse=True)  # warp shuffles in S's first two warps
+                        for i in T.Parallel(BT):
                             if i < L:
-                                dg[t0 + i, hh] = gsum_f[i]
+                                dg[t0 + i, hh] = gscan_s[0, i] + gscan_s[1, 0]
                                 db[t0 + i, hh] = T.cast(db_s[i], b_dtype)
                         phase_sync(phase, 6, it % 2, 7, 0, tick, tm_s)
                     loop_end(tick, tm_s, 0, n_chunks, clk, bx)
@@ -353,9 +355,15 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                         phase_sync(phase, 5, it % 2, 6, 1, tick, tm_s)
                         # 7: dk += (dkk + dkk^T) K
                         T.gemm(ag_s, k_s, kv2_f)
-                        for i, j in T.Parallel(BT, K):
-                            if t0 + i < eos:
-                                dk[t0 + i, hh, j] = T.cast(kv2_f[i, j], dq_dtype)
+                        if staged:  # through u_s (free after phase 5), as A does dq
+                            T.copy(kv2_f, u_s)
+                            for i, j in T.Parallel(BT, K):
+                                if t0 + i < eos:
+                                    dk[t0 + i, hh, j] = u_s[i, j]
+                        else:
+                            for i, j in T.Parallel(BT, K):
+                                if t0 + i < eos:
+                                    dk[t0 + i, hh, j] = T.cast(kv2_f[i, j], dq_dtype)
                         phase_sync(phase, 6, it % 2, 7, 1, tick, tm_s)
                     loop_end(tick, tm_s, 1, n_chunks, clk, bx)
 
@@ -372,15 +380,20 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                         if it > 0:
                             full_wait(full, (it - 1) % 2, 2, tick, tm_s)
                         # 1: Pg = scale Gam Q K^T; Ag = Gam A b; U = K S; W = V - e^G U
-                        T.gemm(q_s, k_s, pg_f, transpose_B=True, clear_accum=True)
+                        # (both gemms issued at once; Ag is formed while they run)
+                        T.wgmma_gemm(q_s, k_s, pg_f, transpose_B=True, clear_accum=True)
+                        T.wgmma_gemm(k_s, h_s, a1_f, clear_accum=True)
+                        for i, j in T.Parallel(BT, BT):
+                            ag_s[i, j] = T.cast(T.if_then_else(j <= i, T.exp2((G_s[i] - G_s[j]) * LOG2E), T.cast(0, accum))
+                                                * T.cast(a_s[i, j], accum) * b_s[j], dtype)
+                        T.wait_wgmma(1)
+                        T.warpgroup_fence_operand(pg_f)
                         for i, j in T.Parallel(BT, BT):
                             pg_f[i, j] = T.if_then_else(j <= i, scale * pg_f[i, j] * T.exp2((G_s[i] - G_s[j]) * LOG2E),
                                                         T.cast(0, accum))
                         T.copy(pg_f, pg_s)
-                        for i, j in T.Parallel(BT, BT):
-                            ag_s[i, j] = T.cast(T.if_then_else(j <= i, T.exp2((G_s[i] - G_s[j]) * LOG2E), T.cast(0, accum))
-                                                * T.cast(a_s[i, j], accum) * b_s[j], dtype)
-                        T.gemm(k_s, h_s, a1_f, clear_accum=True)
+                        T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(a1_f)
                         T.copy(a1_f, u_s)
                         for i, j in T.Parallel(BT, V):
                             w_s[i, j] = T.cast(T.cast(v_s[i, j], accum) - eG_s[i] * a1_f[i, j], dtype)
@@ -389,9 +402,12 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                         # 2: nothing
                         phase_sync(phase, 1, it % 2, 2, 2, tick, tm_s)
                         # 3: dAg = dV' W^T and its transpose (for column sums as row sums); V' = Ag W
-                        T.gemm(dvp_s, w_s, sq_f, transpose_B=True, clear_accum=True)
-                        T.gemm(w_s, dvp_s, pg_f, transpose_B=True, clear_accum=True)
-                        T.gemm(ag_s, w_s, a1_f, clear_accum=True)
+                        T.wgmma_gemm(dvp_s, w_s, sq_f, transpose_B=True, clear_accum=True)
+                        T.wgmma_gemm(w_s, dvp_s, pg_f, transpose_B=True, clear_accum=True)
+                        T.wgmma_gemm(ag_s, w_s, a1_f, clear_accum=True)
+                        T.wait_wgmma(0)
+                        for f in (sq_f, pg_f, a1_f):
+                            T.warpgroup_fence_operand(f)
                         phase_sync(phase, 2, it % 2, 3, 2, tick, tm_s)
                         # 4: V' into w_s; through Ag = Gam A b: dG (rows - columns of dAg Ag), db's
                         # column part, dAr = Gam b dAg (the ungated inverse's gradient) into ag_s
@@ -414,8 +430,11 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                         phase_sync(phase, 3, it % 2, 4, 2, tick, tm_s)
                         # 5: dPg = dO V'^T, its dG (rows - columns of dPg Pg), dP = scale Gam dPg;
                         # dq = scale e^G dO S^T (its dG) + dP K
-                        T.gemm(do_s, w_s, sq_f, transpose_B=True, clear_accum=True)
-                        T.gemm(w_s, do_s, pg_f, transpose_B=True, clear_accum=True)  # dPg^T
+                        T.wgmma_gemm(do_s, w_s, sq_f, transpose_B=True, clear_accum=True)
+                        T.wgmma_gemm(w_s, do_s, pg_f, transpose_B=True, clear_accum=True)  # dPg^T
+                        T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(sq_f)
+                        T.warpgroup_fence_operand(pg_f)
                         for i, j in T.Parallel(BT, BT):
                             sq2_f[i, j] = sq_f[i, j] * T.cast(pg_s[i, j], accum)  # Pg's 16-bit copy, as KV reads it
                             pg_f[i, j] = pg_f[i, j] * T.cast(pg_s[j, i], accum)
@@ -423,10 +442,12 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                         T.reduce_sum(pg_f, ac_f, dim=1)
                         for i in T.Parallel(BT):
                             dGa_s[i] = dGa_s[i] + ar_f[i] - ac_f[i]
+                        T.wgmma_gemm(do_s, h_s, a1_f, transpose_B=True, clear_accum=True)  # runs while dP is formed
                         for i, j in T.Parallel(BT, BT):
                             pg_s[i, j] = T.cast(T.if_then_else(j <= i, scale * sq_f[i, j] * T.exp2((G_s[i] - G_s[j]) * LOG2E),
                                                                T.cast(0, accum)), dtype)
-                        T.gemm(do_s, h_s, a1_f, transpose_B=True, clear_accum=True)
+                        T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(a1_f)
                         for i, j in T.Parallel(BT, K):
                             a1_f[i, j] = a1_f[i, j] * scale * eG_s[i]
                             a2_f[i, j] = a1_f[i, j] * T.cast(q_s[i, j], accum)
@@ -438,11 +459,14 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                         phase_sync(phase, 4, it % 2, 5, 2, tick, tm_s)
                         # 6: through A = M^-1: dA = A^T dAr A^T, dM = -dA strictly lower,
                         # db += rows of dM * (K K^T), dkk = b dM; dkk + dkk^T into ag_s
-                        T.gemm(a_s, ag_s, sq_f, transpose_A=True, clear_accum=True)
+                        T.wgmma_gemm(k_s, k_s, sq2_f, transpose_B=True, clear_accum=True)
+                        T.wgmma_gemm(a_s, ag_s, sq_f, transpose_A=True, clear_accum=True)
+                        T.wait_wgmma(0)
+                        T.warpgroup_fence_operand(sq2_f)
+                        T.warpgroup_fence_operand(sq_f)
                         T.copy(sq_f, x3_s)
                         T.fence_proxy_async()
                         T.gemm(x3_s, a_s, sq_f, transpose_B=True, clear_accum=True)
-                        T.gemm(k_s, k_s, sq2_f, transpose_B=True, clear_accum=True)
                         for i, j in T.Parallel(BT, BT):
                             sq_f[i, j] = T.if_then_else(j < i, -sq_f[i, j], T.cast(0, accum))  # dM
                             sq2_f[i, j] = sq_f[i, j] * sq2_f[i, j]
@@ -455,10 +479,17 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                             ag_s[i, j] = T.cast(sq_f[i, j] * b_s[i] + T.cast(x3_s[j, i], accum), dtype)
                         T.fence_proxy_async()
                         phase_sync(phase, 5, it % 2, 6, 2, tick, tm_s)
-                        # 7: dq (S writes dg and db)
-                        for i, j in T.Parallel(BT, K):
-                            if t0 + i < eos:
-                                dq[t0 + i, hh, j] = T.cast(a1_f[i, j], dq_dtype)
+                        # 7: dq (S writes dg and db); 16-bit dq goes through dvp_s (free after phase 5) so
+                        # that the global stores are whole rows, not a wgmma fragment's 4-byte pieces
+                        if staged:
+                            T.copy(a1_f, dvp_s)
+                            for i, j in T.Parallel(BT, K):
+                                if t0 + i < eos:
+                                    dq[t0 + i, hh, j] = dvp_s[i, j]
+                        else:
+                            for i, j in T.Parallel(BT, K):
+                                if t0 + i < eos:
+                                    dq[t0 + i, hh, j] = T.cast(a1_f[i, j], dq_dtype)
                         phase_sync(phase, 6, it % 2, 7, 2, tick, tm_s)
                     loop_end(tick, tm_s, 2, n_chunks, clk, bx)
 
