@@ -28,15 +28,10 @@ import torch
 
 from .contract import (ACTIVATION_DTYPES, GATE_DTYPES, _expect_dtype, _expect_shape, _expect_tensor,
                        check_cu_seqlens_form, check_sizes, check_state)
-from .registry import ALLOW_UNVERIFIED_ENV, env_flag, unverified_allowed
+from .registry import env_flag
 
 CHUNK = 64
 SAVE_STATES_ENV = "GDR_SAVE_STATES"
-
-#: The CUDA forward (fla-core's kernels with the contract's residuals) has not run on a GPU yet;
-#: it is refused until tests/test_gpu.py's training tests pass, like an unverified backend.
-CUDA_FORWARD_VERIFIED = False
-
 
 def _empty(ref: torch.Tensor) -> torch.Tensor:
     return ref.new_empty(0)
@@ -90,11 +85,7 @@ def chunk_gdr_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                   output_final_state: bool, state_v_first: bool, save_states: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(o, final_state or [], G, a, h or [])`: the output and the backward's residuals."""
-    if q.device.type == "cuda":
-        if not (CUDA_FORWARD_VERIFIED or unverified_allowed()):
-            raise NotImplementedError(
-                "chunk_gated_delta_rule: the CUDA forward has not passed its GPU tests yet (tests/test_gpu.py); "
-                f"set {ALLOW_UNVERIFIED_ENV}=1 to run it anyway")
+    if q.device.type == "cuda":  # verified on the H200 by tests/test_gpu.py's training tests
         o, ht, G, a, h = _forward_fla(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first,
                                       output_final_state)
     else:

@@ -73,6 +73,16 @@ def test_the_readme_example_runs(capsys):
                                                "torch.Size([2, 4, 32, 32])")
 
 
+def test_the_readme_training_example_runs(capsys):
+    """The drop-in example: forward and backward of the op on a CPU, through fused_gdr_bwd."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    training = [b for b in blocks if "chunk_gated_delta_rule" in b]
+    assert training, "README has no training example"
+    exec(compile(training[0], "README.md", "exec"), {})
+    assert capsys.readouterr().out.strip() == ("torch.Size([1, 80, 4, 32]) torch.Size([1, 4, 32, 32]) "
+                                               "torch.Size([1, 80, 2, 32])")
+
+
 def test_readme_opens_with_the_two_commands():
     lines = (ROOT / "README.md").read_text().splitlines()
     block = lines[lines.index("```") + 1: lines.index("```", lines.index("```") + 1)]
