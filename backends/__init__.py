@@ -1,11 +1,13 @@
 """The backends of gdr_dispatch; installed as `gdr_dispatch.backends` (see pyproject.toml).
 
 Importing a backend module registers it. A backend whose libraries are missing still
-registers: its `supported` predicate then says what is missing.
+registers: its `supported` predicate then says what is missing. The exception is an optional
+peer (`flash_qla`), registered only when installed.
 """
 
 from . import exact_torch  # noqa: F401
 from . import fla_chain  # noqa: F401
+from . import flash_qla  # noqa: F401
 from . import tilelang_fused  # noqa: F401
 from . import tilelang_ws  # noqa: F401
 from . import triton_wide  # noqa: F401

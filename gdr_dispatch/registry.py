@@ -80,7 +80,13 @@ def library_versions() -> dict[str, Optional[str]]:
         "triton": dist("triton", "pytorch-triton"),
         "tilelang": dist("tilelang"),
         "fla": dist("fla-core", "flash-linear-attention"),
+        "flash_qla": dist("flash-qla", "flash_qla"),
     }
+
+
+#: Libraries a table key names only when installed (optional peers): without them every key
+#: stays what it was, so tables measured before a peer existed keep their exact matches.
+OPTIONAL_LIBS = ("flash_qla",)
 
 
 @dataclass(frozen=True)
@@ -170,7 +176,7 @@ class Problem:
         return tuple(n for n in names if getattr(self, n))
 
     def version(self, lib: str) -> Optional[str]:
-        return dict(self.versions)[lib]
+        return dict(self.versions).get(lib)
 
     def problem_key(self) -> str:
         """What decides which backend is fastest, bucketed so that training runs reuse keys.
@@ -191,7 +197,7 @@ class Problem:
         )
 
     def versions_key(self) -> str:
-        return ",".join(f"{k}={v or '-'}" for k, v in self.versions)
+        return ",".join(f"{k}={v or '-'}" for k, v in self.versions if v or k not in OPTIONAL_LIBS)
 
     def table_key(self) -> str:
         """The tuning-table key: the problem, then the library versions it was measured with."""

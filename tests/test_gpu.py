@@ -273,3 +273,21 @@ def test_training_op_compiles_in_one_graph_on_gpu(monkeypatch):
     assert dsp.relative_error(loss_c, loss_e) < 1e-3
     for n, a, b in zip(("q", "k", "v", "g", "beta", "initial_state"), grads_c, grads_e):
         assert dsp.relative_error(a, b) < 1e-2, n
+
+
+def test_flash_qla_stand_ins_keep_the_installed_signatures():
+    """The CPU tests' fake FlashQLA (fake_flash_qla.py) copies 0.1.3's signatures; the installed
+    package must still have them, or those tests check plumbing against a stale API."""
+    pytest.importorskip("flash_qla")
+    import inspect
+    import importlib
+
+    import fake_flash_qla
+
+    chunk = importlib.import_module("flash_qla.ops.gated_delta_rule.chunk")
+    utils = importlib.import_module("flash_qla.ops.utils")
+    real = {"fused_gdr_bwd": chunk.fused_gdr_bwd, "fused_gdr_h": chunk.fused_gdr_h,
+            "chunk_local_cumsum": utils.chunk_local_cumsum}
+    for name, fn in real.items():
+        params = [p.replace(annotation=inspect.Parameter.empty) for p in inspect.signature(fn).parameters.values()]
+        assert str(inspect.Signature(params)) == fake_flash_qla.SIGNATURES[name], name

@@ -1,0 +1,114 @@
+"""Backend `flash_qla`: FlashQLA's fused backward (a peer's TileLang kernels), when installed.
+
+FlashQLA (`pip install 'gdr_dispatch[flashqla]'`) keeps this project's conventions (natural-log
+chunk cumsum `g`, ungated inverse `a`, chunk-start `h`) and has kernels for sm90, sm100/103 and
+sm120/121. Its `fused_gdr_bwd` leaves two things to its caller, done here: dq/dk come per value
+head (summed over the heads that share a q/k head), and its dg is the gradient w.r.t. the
+chunk-local cumsum (its own reverse chunk cumsum turns it into the raw gate's). With `h=None`
+its `fused_gdr_h` recomputes the states first. Its intra-card split (`auto_cp`) is not used:
+the dispatcher's exact split wraps this backend like any other.
+
+Registered when the package is installed (never a hard dependency); it is imported on first
+use, because FlashQLA picks its kernels for the current GPU at import and raises elsewhere: a
+failed import is a refusal reason, not a silent absence. Limits read from flash_qla 0.1.3's
+source (its README is not the reference); the hazards are in docs/contract.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+
+import torch
+
+from gdr_dispatch.contract import GDRCall, GDRGrads, reduce_value_heads
+from gdr_dispatch.registry import Backend, Problem, register
+
+from .common.toolchain import nvcc_found
+
+#: Chunk size of FlashQLA's kernels per compute capability (flash_qla/ops/gated_delta_rule/
+#: chunk/__init__.py: hopper and blackwell 64, blackwell_sm120 32; other GPUs fail its import).
+ARCH_CHUNK = {(9, 0): 64, (10, 0): 64, (10, 3): 64, (12, 0): 32, (12, 1): 32}
+#: The release line whose source these limits were checked against.
+CHECKED_MINOR = "0.1."
+
+
+@functools.lru_cache(maxsize=None)
+def _import_error() -> str:
+    """Why FlashQLA's ops cannot be imported here ("" when they can); imported once."""
+    try:
+        importlib.import_module("flash_qla.ops.gated_delta_rule.chunk")
+        importlib.import_module("flash_qla.ops.utils")
+    except Exception as e:  # noqa: BLE001 - any failure is the reason the backend refuses
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+    return ""
+
+
+class FlashQLABackend(Backend):
+    name = "flash_qla"
+    # FlashQLA's whole backward is 2.8-3.4x faster than fla's op at the saturated h200-train
+    # shapes (bench/results/nvidia-h200-sm90.md); first in the static order once verified
+    static_rank = 5
+    gpu_verified = False
+    unverified_why = "its GPU oracle tests (tests/test_gpu.py) have not run yet"
+
+    def not_supported_reasons(self, p: Problem) -> list[str]:
+        reasons = []
+        version = p.version("flash_qla")
+        if version is None:
+            return ["flash_qla is not installed (pip install 'gdr_dispatch[flashqla]')"]
+        if not version.startswith(CHECKED_MINOR):
+            reasons.append(f"flash_qla {version} is untested here: its limits were read from {CHECKED_MINOR}x")
+        if p.device.type != "cuda":
+            reasons.append(f"needs a CUDA device; the tensors are on {p.device.type}")
+        elif p.device.capability not in ARCH_CHUNK:
+            reasons.append(f"FlashQLA has kernels for sm90, sm100, sm103, sm120 and sm121; this device is "
+                           f"sm_{p.device.capability[0]}{p.device.capability[1]}")
+        elif p.chunk_size != ARCH_CHUNK[p.device.capability]:
+            reasons.append(f"chunk_size must be {ARCH_CHUNK[p.device.capability]} on sm_"
+                           f"{p.device.capability[0]}{p.device.capability[1]} (FlashQLA's kernels there), "
+                           f"got {p.chunk_size}")
+        if (p.K, p.V) != (128, 128):
+            reasons.append(f"K and V must be 128 (FlashQLA asserts K == V == 128), got K={p.K}, V={p.V}")
+        if p.dtype not in ("bfloat16", "float16"):
+            reasons.append(f"q/k/v/do must be bfloat16 or float16, got {p.dtype}")
+        if importlib.util.find_spec("tilelang") is None:
+            reasons.append("tilelang is not installed (FlashQLA's kernels are TileLang)")
+        elif p.device.type == "cuda" and not nvcc_found():
+            reasons.append("no nvcc found for TileLang's JIT (set CUDA_HOME or put nvcc on PATH)")
+        if not reasons and p.device.type == "cuda":
+            why = _import_error()
+            if why:
+                reasons.append(f"flash_qla is installed but does not import here: {why}")
+        return reasons
+
+    def run(self, call: GDRCall) -> GDRGrads:
+        chunk = importlib.import_module("flash_qla.ops.gated_delta_rule.chunk")
+        utils = importlib.import_module("flash_qla.ops.utils")
+        dtype = call.q.dtype
+        a = call.a.to(dtype)  # its kernels read a, and h, in q's dtype (as its own forward makes them)
+        dht = call.dht
+        if dht is None and call.initial_state is not None:
+            # its sm120 kernel writes dh0 only when given a dht
+            dht = torch.zeros(call.initial_state.shape, dtype=torch.float32, device=call.q.device)
+        if call.h is not None:
+            h = call.h.to(dtype)
+        else:
+            h0 = None if call.initial_state is None else call.initial_state.float()
+            h, _, _ = chunk.fused_gdr_h(k=call.k, v=call.v, a=a, g=call.g, b=call.b, initial_state=h0,
+                                        output_final_state=False, output_h=True, cu_seqlens=call.cu_seqlens,
+                                        state_v_first=call.state_v_first)
+        dq, dk, dv, dg, db, dh0 = chunk.fused_gdr_bwd(
+            q=call.q, k=call.k, v=call.v, a=a, g=call.g, b=call.b, do=call.do, dht=dht, h=h, scale=call.scale,
+            cu_seqlens=call.cu_seqlens, chunk_size=call.chunk_size, state_v_first=call.state_v_first)
+        dg = utils.chunk_local_cumsum(dg, chunk_size=call.chunk_size, cu_seqlens=call.cu_seqlens, reverse=True,
+                                      zero_last_chunk=True)
+        if call.Hg != call.H:  # its per-head dq/dk come in v's dtype: sum them in fp32
+            dq, dk = dq.float(), dk.float()
+        return GDRGrads(reduce_value_heads(dq, call.Hg, call.q.dtype), reduce_value_heads(dk, call.Hg, call.k.dtype),
+                        dv, dg, db.to(call.b.dtype), dh0 if call.initial_state is not None else None)
+
+
+if importlib.util.find_spec("flash_qla") is not None:
+    register(FlashQLABackend())

@@ -1,0 +1,113 @@
+"""The FlashQLA peer backend on a machine without a GPU: registration, its refusal reasons
+(FlashQLA 0.1.3's real limits), its plumbing against the oracle with a fake `flash_qla`
+(fake_flash_qla.py), and the table keys it changes. Its GPU oracle tests are in test_gpu.py."""
+
+import importlib.util
+from dataclasses import replace
+
+import pytest
+import torch
+
+from gdr_dispatch import registry
+from gdr_dispatch.backends import flash_qla
+from gdr_dispatch.registry import DeviceInfo, registered_backends
+from gdr_dispatch.shapes import ShapeSpec
+
+H200 = DeviceInfo("cuda", "NVIDIA H200", (9, 0), 132)
+B200 = DeviceInfo("cuda", "NVIDIA B200", (10, 0), 148)
+RTX5090 = DeviceInfo("cuda", "NVIDIA GeForce RTX 5090", (12, 0), 170)
+L40 = DeviceInfo("cuda", "NVIDIA L40S", (8, 9), 142)
+
+
+def problem(device=H200, version="0.1.3", **spec):
+    p = ShapeSpec(**{"B": 2, "T": 4096, "H": 32, **spec}).problem(torch.device("cpu"))
+    versions = tuple((k, v) for k, v in p.versions if k != "flash_qla") + (("flash_qla", version),)
+    return replace(p, device=device, versions=versions)
+
+
+@pytest.fixture
+def importable(monkeypatch):
+    """FlashQLA's import succeeds and nvcc is there (what a GPU machine with the extra has)."""
+    monkeypatch.setattr(flash_qla, "_import_error", lambda: "")
+    monkeypatch.setattr(flash_qla, "nvcc_found", lambda: True)
+
+
+def reasons(p):
+    return flash_qla.FlashQLABackend().not_supported_reasons(p)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_qla") is not None, reason="flash_qla is installed here")
+def test_not_registered_without_the_package():
+    assert "flash_qla" not in registered_backends()
+
+
+def test_takes_the_training_shapes_where_it_has_kernels(importable):
+    assert reasons(problem()) == []
+    assert reasons(problem(device=B200)) == []
+    assert reasons(problem(device=RTX5090, chunk_size=32)) == []
+    assert reasons(problem(B=1, seqlens=(1, 63, 64, 65), H=32, Hg=16, state_v_first=True, h="none")) == []
+
+
+def test_lists_every_reason_it_refuses(importable):
+    text = "; ".join(reasons(problem(device=L40, K=64, dtype="float32")))
+    for words in ("sm90, sm100, sm103, sm120 and sm121", "sm_89", "K and V must be 128", "bfloat16 or float16"):
+        assert words in text, text
+    assert any("chunk_size must be 32 on sm_120" in r for r in reasons(problem(device=RTX5090)))
+    assert any("chunk_size must be 64 on sm_90" in r for r in reasons(problem(chunk_size=32)))
+    assert any("needs a CUDA device" in r for r in reasons(problem(device=DeviceInfo("cpu", "cpu", None, 8))))
+    assert any("untested here" in r for r in reasons(problem(version="0.2.0")))
+    assert reasons(problem(version=None)) == ["flash_qla is not installed (pip install 'gdr_dispatch[flashqla]')"]
+
+
+def test_a_failed_import_is_a_reason_not_a_silent_absence(monkeypatch):
+    monkeypatch.setattr(flash_qla, "nvcc_found", lambda: True)
+    monkeypatch.setattr(flash_qla, "_import_error",
+                        lambda: "ValueError: FlashQLA now support sm90, sm100, sm103, sm120 and sm121 only.")
+    (why,) = reasons(problem())
+    assert "does not import here" in why and "ValueError" in why
+
+
+def test_refused_until_its_gpu_tests_pass(importable, monkeypatch):
+    monkeypatch.delenv("GDR_ALLOW_UNVERIFIED", raising=False)
+    ok, why = flash_qla.FlashQLABackend().supported(problem())
+    assert not ok and "not verified on a GPU" in why
+
+
+PLUMBING = [
+    ShapeSpec(B=2, T=100, H=4, Hg=2, K=32, V=16),
+    ShapeSpec(B=1, T=40, H=2, K=16, V=16, initial_state=False, dht=False),
+    # initial_state without dht: the fake (like FlashQLA's sm120 kernel) leaves dh0 unwritten then
+    ShapeSpec(seqlens=(1, 63, 64, 65), H=4, Hg=2, K=16, V=32, state_v_first=True, dht=False),
+]
+
+
+@pytest.mark.parametrize("h_mode", ["given", "none"])
+@pytest.mark.parametrize("spec", PLUMBING, ids=lambda s: s.label())
+def test_plumbing_against_the_oracle(spec, h_mode, monkeypatch):
+    """The conversions around FlashQLA's two calls (q-dtype a and h, the head reduction, the
+    reverse chunk cumsum, dh0 and dht) with its kernels swapped for exact torch: fp16 inputs,
+    so the result lands within fp16 rounding of the oracle; a missed step is off by O(1)."""
+    import fake_flash_qla
+    from conftest import case, rel_errors
+
+    from gdr_dispatch import fused_gdr_bwd
+
+    calls = fake_flash_qla.install(monkeypatch)
+    monkeypatch.setitem(registry._REGISTRY, "flash_qla", flash_qla.FlashQLABackend())
+    monkeypatch.setattr(flash_qla.FlashQLABackend, "not_supported_reasons", lambda self, p: [])
+    monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+    monkeypatch.setenv("GDR_BACKEND", "flash_qla")
+    kwargs, ref = case(replace(spec, dtype="float16", h=h_mode))
+    grads = fused_gdr_bwd(**kwargs)
+    errs = rel_errors(grads, ref)
+    assert not {n: e for n, e in errs.items() if not e < 5e-3}, errs
+    assert ("fused_gdr_h" in calls) == (h_mode == "none"), "h given must not be recomputed"
+    assert calls[-2:] == ["fused_gdr_bwd", "chunk_local_cumsum"]
+
+
+def test_table_keys_name_it_only_when_installed():
+    """Tables measured before the peer existed keep their exact keys on machines without it."""
+    without = problem(version=None)
+    assert "flash_qla" not in without.versions_key()
+    assert without.versions_key() == ",".join(f"{k}={v or '-'}" for k, v in without.versions if k != "flash_qla")
+    assert problem(version="0.1.3").versions_key().endswith(",flash_qla=0.1.3")
