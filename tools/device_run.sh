@@ -14,6 +14,8 @@
 #   wsbench[=SECONDS] tools/ws_probe.py --plain (ws vs plain kernel launchers; WS_SHAPES) -> $OUT/wsbench.log
 #   stage56[=SECONDS] bench/bench_stage56.py (wide kernel configs, crossover) -> $OUT/stage56.log, bench/stage56.json
 #   bench[=SECONDS]  bench/bench_gdr_bwd.py, h200-train      -> $OUT/bench/<device>.{json,md}
+#   trainbench[=SECONDS] bench/bench_training_op.py (forward + backward of our op vs fla's and FlashQLA's ops;
+#                    TRAIN_MATCH='<regex>' picks shapes) -> $OUT/trainbench.log, $OUT/bench/<device>-training.{json,md}
 #   tune[=SECONDS]   gdr-dispatch tune --preset h200-train (TUNE_ARGS replaces the preset, e.g. '--grid
 #                    tools/tune_saturated.yaml --backends fla,tilelang_ws') -> $OUT/tune.log, $OUT/<device>.yaml
 #   profile[=SECONDS] tools/profile_fla_adapter.py           -> $OUT/profile.log
@@ -83,6 +85,8 @@ for arg in "$@"; do
                timeout "$limit" python3 bench/bench_gdr_bwd.py --preset h200-train --unverified --out "$OUT/bench" \
                  > "$OUT/bench.log" 2>&1
              fi ;;
+    trainbench) timeout "$limit" python3 bench/bench_training_op.py --preset h200-train --match "${TRAIN_MATCH:-.}" \
+               --out "$OUT/bench" > "$OUT/trainbench.log" 2>&1 ;;
     tune)    timeout "$limit" python3 -m gdr_dispatch tune ${TUNE_ARGS:---preset h200-train} --out /tmp/tables \
                > "$OUT/tune.log" 2>&1; cp /tmp/tables/*.yaml "$OUT/" ;;
     profile) timeout "$limit" python3 tools/profile_fla_adapter.py --B 8 --T 4096 --H 32 --rounds 3 > "$OUT/profile.log" 2>&1 ;;

@@ -1,0 +1,166 @@
+"""A training step of the gated delta rule (forward + backward), our op against the peers' ops.
+
+    python bench/bench_training_op.py --preset h200-train     # or --grid FILE.yaml, --match REGEX
+
+For each shape, one process, the same inputs (bf16 q/k/v/beta, fp32 log decay g and initial
+state; loss = <o, do> + <final_state, dht>):
+  * `ours`: `gdr_dispatch.chunk_gated_delta_rule` (fla-core's forward with the contract's
+    residuals, then `fused_gdr_bwd` on whatever backend the dispatcher picks: the log says which);
+  * `fla-op`: fla-core's `chunk_gated_delta_rule`;
+  * `flashqla-op`: FlashQLA's `chunk_gated_delta_rule` as a user calls it (its intra-card split
+    `auto_cp` on), when importable.
+Times are medians of CUDA-event timings of the whole step after warm-up; ratios are fla-op's
+time over each runner's (> 1 is faster than fla's op). The error column is each runner's
+largest relative Frobenius error, over o, the final state and every gradient, against
+fla-op's. Writes bench/results/<device>-training.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from gdr_dispatch.dispatch import measure_ms, relative_error
+from gdr_dispatch.registry import device_info, library_versions
+from gdr_dispatch.shapes import PRESETS, ShapeSpec, load_grid
+
+RESULTS = Path(__file__).resolve().parent / "results"
+LEAVES = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+def step_inputs(spec: ShapeSpec, device, seed: int = 0) -> dict:
+    """Forward inputs of one training step and the gradients flowing into its outputs."""
+    gen = torch.Generator().manual_seed(seed)
+    B, T = (1, spec.T) if spec.seqlens else (spec.B, spec.T)
+    N = len(spec.seq_lens)
+    dt = getattr(torch, spec.dtype)
+    acc = torch.float64 if dt == torch.float64 else torch.float32  # g and the states
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    x = dict(q=rnd(B, T, spec.Hg, spec.K).to(dt),
+             k=torch.nn.functional.normalize(rnd(B, T, spec.Hg, spec.K), dim=-1).to(dt),
+             v=rnd(B, T, spec.H, spec.V).to(dt),
+             g=(-0.5 * torch.rand(B, T, spec.H, generator=gen)).to(acc),
+             beta=torch.sigmoid(rnd(B, T, spec.H)).to(dt),
+             initial_state=rnd(N, spec.H, spec.K, spec.V).to(acc),
+             do=rnd(B, T, spec.H, spec.V).to(dt), dht=rnd(N, spec.H, spec.K, spec.V).to(acc))
+    x = {n: t.to(device) for n, t in x.items()}
+    x["cu_seqlens"] = None if not spec.seqlens else torch.tensor(
+        [0, *torch.tensor(spec.seqlens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return x
+
+
+def step(op, x: dict, **extra) -> dict:
+    """One forward + backward of `op`; returns o, the final state and every gradient."""
+    leaves = {n: x[n].detach().requires_grad_(True) for n in LEAVES}
+    o, ht = op(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
+               initial_state=leaves["initial_state"], output_final_state=True, cu_seqlens=x["cu_seqlens"], **extra)
+    torch.autograd.backward((o, ht), (x["do"], x["dht"].to(ht.dtype)))
+    return {"o": o.detach(), "ht": ht.detach(), **{"d" + n: t.grad for n, t in leaves.items()}}
+
+
+def runners() -> dict:
+    """name -> op (or the reason it is absent)."""
+    from gdr_dispatch import chunk_gated_delta_rule
+
+    out = {"ours": chunk_gated_delta_rule}
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
+        out["fla-op"] = fla_op
+    except Exception as e:  # noqa: BLE001 - a peer that does not import is reported
+        out["fla-op"] = f"not importable: {type(e).__name__}: {e}"
+    try:
+        from flash_qla import chunk_gated_delta_rule as fq_op
+        out["flashqla-op"] = fq_op
+    except Exception as e:  # noqa: BLE001
+        out["flashqla-op"] = f"not importable: {type(e).__name__}: {e}"
+    return out
+
+
+def bench_shape(spec: ShapeSpec, ops: dict, warmup: int, reps: int) -> dict:
+    x = step_inputs(spec, "cuda", seed=1)
+    row = {"shape": spec.label().rsplit(" h=", 1)[0], "runs": {}}
+    ref = step(ops["fla-op"], x) if callable(ops.get("fla-op")) else None
+    for name, op in ops.items():
+        if not callable(op):
+            row["runs"][name] = {"skipped": op}
+            continue
+        t0 = time.perf_counter()
+        try:
+            got = step(op, x)
+            err = max(relative_error(got[n], ref[n]) for n in got) if ref is not None else None
+            ms = measure_ms(lambda: step(op, x), "cuda", warmup=warmup, reps=reps)
+            row["runs"][name] = {"ms": round(ms, 4), **({"max_rel_err_vs_fla_op": float(f"{err:.3e}")} if ref else {})}
+        except Exception as e:  # noqa: BLE001 - a failing runner is reported, the sweep goes on
+            row["runs"][name] = {"failed": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
+        print(f"    {name}: {row['runs'][name]}  [{time.perf_counter() - t0:.1f} s]", file=sys.stderr, flush=True)
+    del x
+    torch.cuda.empty_cache()
+    return row
+
+
+def to_markdown(rows, device) -> str:
+    names = list(dict.fromkeys(n for r in rows for n in r["runs"]))
+    lines = [f"Training step (forward + backward) on {device}, median ms (fla-op ms / this ms in brackets)", "",
+             "| shape | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for r in rows:
+        base = r["runs"].get("fla-op", {}).get("ms")
+        cells = []
+        for n in names:
+            run = r["runs"].get(n, {})
+            cells.append(f"{run['ms']:.3f}" + (f" ({base / run['ms']:.2f}x)" if base else "") if "ms" in run
+                         else ("failed" if "failed" in run else "-"))
+        lines.append(f"| {r['shape']} | " + " | ".join(cells) + " |")
+    errs = {n: max((r["runs"][n].get("max_rel_err_vs_fla_op", 0.0) for r in rows if n in r["runs"]), default=0.0)
+            for n in names}
+    lines += ["", "Largest relative error against fla-op over o, the final state and all gradients: "
+              + ", ".join(f"{n} {e:.1e}" for n, e in errs.items())]
+    notes = sorted({f"{n}: {v.get('skipped') or v.get('failed')}" for r in rows for n, v in r["runs"].items()
+                    if "skipped" in v or "failed" in v})
+    if notes:
+        lines += ["", "Not run:"] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", choices=sorted(PRESETS), default="h200-train")
+    src.add_argument("--grid")
+    p.add_argument("--match", default=None, help="only the shapes whose label matches this regular expression")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench needs a CUDA device", file=sys.stderr)
+        return 2
+    shapes = load_grid(args.grid) if args.grid else PRESETS[args.preset]
+    if args.match:
+        shapes = [s for s in shapes if re.search(args.match, s.label())]
+    ops = runners()
+    dev = device_info(torch.device("cuda"))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"device": dev.name, "versions": library_versions(), "warmup": args.warmup, "reps": args.reps, "rows": []}
+    for i, spec in enumerate(shapes, 1):
+        print(f"[{i}/{len(shapes)}] {spec.label()}", file=sys.stderr, flush=True)
+        doc["rows"].append(bench_shape(spec, ops, args.warmup, args.reps))
+        doc["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        # written after every shape, so a run cut short keeps what it measured
+        (out / f"{dev.slug}-training.json").write_text(json.dumps(doc, indent=1) + "\n")
+        (out / f"{dev.slug}-training.md").write_text(to_markdown(doc["rows"], dev.name))
+    print(to_markdown(doc["rows"], dev.name))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
