@@ -58,3 +58,25 @@ def rel_errors(grads, ref) -> dict:
         x, y = x.double(), y.double()
         out[name] = ((x - y).norm() / y.norm()).item()
     return out
+
+
+# Shapes for the CPU plumbing tests of backends whose kernels need a GPU (their math swapped
+# for exact torch stand-ins: tests/fake_fla.py, tests/fake_flash_qla.py).
+PLUMBING = [
+    ShapeSpec(B=2, T=100, H=4, Hg=2, K=32, V=16),
+    ShapeSpec(B=1, T=40, H=2, K=16, V=16, initial_state=False, dht=False),
+    # initial_state without dht (fake_flash_qla leaves dh0 unwritten then, as FlashQLA's sm120 kernel)
+    ShapeSpec(seqlens=(1, 63, 64, 65), H=4, Hg=2, K=16, V=32, state_v_first=True, dht=False),
+]
+
+
+def plumbing_errors(backend: str, spec: ShapeSpec, h_mode: str, monkeypatch) -> dict:
+    """`backend` forced through `fused_gdr_bwd` on fp16 inputs of `spec`: each gradient's
+    relative error against the float64 oracle (fp16 rounding when the plumbing is right)."""
+    from dataclasses import replace
+
+    from gdr_dispatch import fused_gdr_bwd
+
+    monkeypatch.setenv("GDR_BACKEND", backend)
+    kwargs, ref = case(replace(spec, dtype="float16", h=h_mode))
+    return rel_errors(fused_gdr_bwd(**kwargs), ref)

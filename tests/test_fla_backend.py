@@ -18,6 +18,8 @@ from gdr_dispatch.chunk_layout import ChunkLayout
 from gdr_dispatch.registry import DeviceInfo
 from gdr_dispatch.shapes import ShapeSpec, make_inputs
 
+from conftest import PLUMBING, plumbing_errors
+
 H200 = DeviceInfo("cuda", "NVIDIA H200", (9, 0), 132)
 A100 = DeviceInfo("cuda", "NVIDIA A100-SXM4-80GB", (8, 0), 108)
 
@@ -123,13 +125,6 @@ def test_varlen_chunk_indices():
 
 
 # -- the whole backend on the CPU, fla's stages replaced by exact stand-ins (fake_fla.py) ---
-PLUMBING = [
-    ShapeSpec(B=2, T=100, H=4, Hg=2, K=32, V=16),
-    ShapeSpec(B=1, T=40, H=2, K=16, V=16, initial_state=False, dht=False),
-    ShapeSpec(seqlens=(1, 63, 64, 65), H=4, Hg=2, K=16, V=32, state_v_first=True, dht=False),
-]
-
-
 @pytest.mark.parametrize("h_mode", ["given", "none"])
 @pytest.mark.parametrize("spec", PLUMBING, ids=lambda s: s.label())
 def test_fla_backend_plumbing_against_the_oracle(spec, h_mode, monkeypatch):
@@ -137,15 +132,9 @@ def test_fla_backend_plumbing_against_the_oracle(spec, h_mode, monkeypatch):
     torch (its kernels need a GPU): fp16 inputs, so the result is within fp16 rounding of the
     oracle; a wrong conversion (log2 gate, gating, states, heads) is off by O(1)."""
     import fake_fla
-    from conftest import case, rel_errors
 
     calls = fake_fla.install(monkeypatch)
-    monkeypatch.setenv("GDR_BACKEND", "fla")
     monkeypatch.setattr(fla_chain.FlaBackend, "not_supported_reasons", lambda self, p: [])
-    kwargs, ref = case(replace(spec, dtype="float16", h=h_mode))
-    from gdr_dispatch import fused_gdr_bwd
-
-    grads = fused_gdr_bwd(**kwargs)
-    errs = rel_errors(grads, ref)
+    errs = plumbing_errors("fla", spec, h_mode, monkeypatch)
     assert not {n: e for n, e in errs.items() if not e < 5e-3}, errs
     assert ("chunk_gated_delta_rule_fwd_h" in calls) == (h_mode == "none"), "h given must not be recomputed"

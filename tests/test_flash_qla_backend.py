@@ -13,6 +13,8 @@ from gdr_dispatch.backends import flash_qla
 from gdr_dispatch.registry import DeviceInfo, registered_backends
 from gdr_dispatch.shapes import ShapeSpec
 
+from conftest import PLUMBING, plumbing_errors
+
 H200 = DeviceInfo("cuda", "NVIDIA H200", (9, 0), 132)
 B200 = DeviceInfo("cuda", "NVIDIA B200", (10, 0), 148)
 RTX5090 = DeviceInfo("cuda", "NVIDIA GeForce RTX 5090", (12, 0), 170)
@@ -73,14 +75,6 @@ def test_refused_until_its_gpu_tests_pass(importable, monkeypatch):
     assert not ok and "not verified on a GPU" in why
 
 
-PLUMBING = [
-    ShapeSpec(B=2, T=100, H=4, Hg=2, K=32, V=16),
-    ShapeSpec(B=1, T=40, H=2, K=16, V=16, initial_state=False, dht=False),
-    # initial_state without dht: the fake (like FlashQLA's sm120 kernel) leaves dh0 unwritten then
-    ShapeSpec(seqlens=(1, 63, 64, 65), H=4, Hg=2, K=16, V=32, state_v_first=True, dht=False),
-]
-
-
 @pytest.mark.parametrize("h_mode", ["given", "none"])
 @pytest.mark.parametrize("spec", PLUMBING, ids=lambda s: s.label())
 def test_plumbing_against_the_oracle(spec, h_mode, monkeypatch):
@@ -88,18 +82,12 @@ def test_plumbing_against_the_oracle(spec, h_mode, monkeypatch):
     reverse chunk cumsum, dh0 and dht) with its kernels swapped for exact torch: fp16 inputs,
     so the result lands within fp16 rounding of the oracle; a missed step is off by O(1)."""
     import fake_flash_qla
-    from conftest import case, rel_errors
-
-    from gdr_dispatch import fused_gdr_bwd
 
     calls = fake_flash_qla.install(monkeypatch)
     monkeypatch.setitem(registry._REGISTRY, "flash_qla", flash_qla.FlashQLABackend())
     monkeypatch.setattr(flash_qla.FlashQLABackend, "not_supported_reasons", lambda self, p: [])
     monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
-    monkeypatch.setenv("GDR_BACKEND", "flash_qla")
-    kwargs, ref = case(replace(spec, dtype="float16", h=h_mode))
-    grads = fused_gdr_bwd(**kwargs)
-    errs = rel_errors(grads, ref)
+    errs = plumbing_errors("flash_qla", spec, h_mode, monkeypatch)
     assert not {n: e for n, e in errs.items() if not e < 5e-3}, errs
     assert ("fused_gdr_h" in calls) == (h_mode == "none"), "h given must not be recomputed"
     assert calls[-2:] == ["fused_gdr_bwd", "chunk_local_cumsum"]

@@ -102,6 +102,21 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
             account(tick, tm_s, grp, 0)
 
     @T.macro
+    def store_rows(frag, stage_s, out, t0, eos, hh):
+        """A chunk's dq or dk rows (those before `eos`) from a group's fragment. 16-bit ones go
+        through `stage_s` (a free 64 x 128 buffer), so the global stores are whole rows instead
+        of a wgmma fragment's 4-byte pieces; fp32 ones (grouped heads) straight from registers."""
+        if staged:
+            T.copy(frag, stage_s)
+            for i, j in T.Parallel(BT, K):
+                if t0 + i < eos:
+                    out[t0 + i, hh, j] = stage_s[i, j]
+        else:
+            for i, j in T.Parallel(BT, K):
+                if t0 + i < eos:
+                    out[t0 + i, hh, j] = T.cast(frag[i, j], dq_dtype)
+
+    @T.macro
     def loop_start(tick, tm_s, grp):
         if timing:
             clock_into(tick, 0)
@@ -355,15 +370,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                         phase_sync(phase, 5, it % 2, 6, 1, tick, tm_s)
                         # 7: dk += (dkk + dkk^T) K
                         T.gemm(ag_s, k_s, kv2_f)
-                        if staged:  # through u_s (free after phase 5), as A does dq
-                            T.copy(kv2_f, u_s)
-                            for i, j in T.Parallel(BT, K):
-                                if t0 + i < eos:
-                                    dk[t0 + i, hh, j] = u_s[i, j]
-                        else:
-                            for i, j in T.Parallel(BT, K):
-                                if t0 + i < eos:
-                                    dk[t0 + i, hh, j] = T.cast(kv2_f[i, j], dq_dtype)
+                        store_rows(kv2_f, u_s, dk, t0, eos, hh)  # u_s is free after phase 5
                         phase_sync(phase, 6, it % 2, 7, 1, tick, tm_s)
                     loop_end(tick, tm_s, 1, n_chunks, clk, bx)
 
@@ -479,17 +486,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                             ag_s[i, j] = T.cast(sq_f[i, j] * b_s[i] + T.cast(x3_s[j, i], accum), dtype)
                         T.fence_proxy_async()
                         phase_sync(phase, 5, it % 2, 6, 2, tick, tm_s)
-                        # 7: dq (S writes dg and db); 16-bit dq goes through dvp_s (free after phase 5) so
-                        # that the global stores are whole rows, not a wgmma fragment's 4-byte pieces
-                        if staged:
-                            T.copy(a1_f, dvp_s)
-                            for i, j in T.Parallel(BT, K):
-                                if t0 + i < eos:
-                                    dq[t0 + i, hh, j] = dvp_s[i, j]
-                        else:
-                            for i, j in T.Parallel(BT, K):
-                                if t0 + i < eos:
-                                    dq[t0 + i, hh, j] = T.cast(a1_f[i, j], dq_dtype)
+                        # 7: dq (S writes dg and db)
+                        store_rows(a1_f, dvp_s, dq, t0, eos, hh)  # dvp_s is free after phase 5
                         phase_sync(phase, 6, it % 2, 7, 2, tick, tm_s)
                     loop_end(tick, tm_s, 2, n_chunks, clk, bx)
 
