@@ -21,7 +21,8 @@
 #   profile[=SECONDS] tools/profile_fla_adapter.py           -> $OUT/profile.log
 # e.g.  bash tools/device_run.sh precompile tests=240 bench=200 tune=120
 # Env: TESTS_K='<pytest -k expression>' runs only those GPU tests (one pytest, tilelang_fused not
-# held back; TESTS_LOG names its log); RACE_KERNELS='ws' checks only that kernel; BENCH_MATCH='<regex>' benches only the matching shapes and merges them into the
+# held back; TESTS_LOG names its log); RACE_KERNELS='ws' checks only that kernel; WS_ARGS='--balance'
+# passes flags to tools/ws_probe.py in the timing and wsbench steps; BENCH_MATCH='<regex>' benches only the matching shapes and merges them into the
 # committed bench/results/<device>.json; BENCH_SKIP='a,b' leaves those runners out (merged, so
 # their committed numbers stay, marked as from an earlier run).
 # Prepare here first (both ignored by git, named in the run's carry):
@@ -68,12 +69,12 @@ for arg in "$@"; do
                > "$OUT/race.log" 2>&1 ;;
     timing)  [ -n "${precompile_pid:-}" ] && wait "$precompile_pid"
              for shape in ${TIMING_SHAPES:-B4T4096H16 B8T4096H32}; do
-               timeout "$(( limit - ($(date +%s) - start) ))" python3 tools/ws_probe.py --only "$shape" --timing \
+               timeout "$(( limit - ($(date +%s) - start) ))" python3 tools/ws_probe.py --only "$shape" --timing ${WS_ARGS:-} \
                  --out "$OUT/bench/timing-$shape.json" 2>&1 | grep -v TileLang
              done > "$OUT/timing.log" 2>&1 ;;
     wsbench) [ -n "${precompile_pid:-}" ] && wait "$precompile_pid"
              for shape in ${WS_SHAPES:-B4T4096H16 B8T4096H32}; do
-               timeout "$(( limit - ($(date +%s) - start) ))" python3 tools/ws_probe.py --only "$shape" --plain \
+               timeout "$(( limit - ($(date +%s) - start) ))" python3 tools/ws_probe.py --only "$shape" --plain ${WS_ARGS:-} \
                  --out "$OUT/bench/wsbench-$shape.json" 2>&1 | grep -v TileLang
              done > "$OUT/wsbench.log" 2>&1 ;;
     stage56) timeout "$limit" python3 bench/bench_stage56.py --out "$OUT/bench" > "$OUT/stage56.log" 2>&1 ;;

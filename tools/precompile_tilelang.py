@@ -19,11 +19,11 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 
 def compile_one(H: int, Hg: int, dtype: str, schedule: str = "plain", K: int = 128, V: int = 128, BT: int = 64) -> float:
     t0 = time.perf_counter()
-    if schedule in ("ws", "ws-timing"):
+    if schedule.startswith("ws"):  # ws, ws-timing, ws-balance, ws-balance-timing
         from gdr_dispatch.backends.kernels.tilelang_ws_bwd import build_ws_bwd
 
         build_ws_bwd(H, Hg, float(K ** -0.5), dtype, dtype, dtype if H == Hg else "float32",
-                     timing=schedule == "ws-timing")
+                     timing="timing" in schedule, balance="balance" in schedule)
     else:
         from gdr_dispatch.backends.kernels.tilelang_fused_bwd import build_fused_bwd
 
@@ -34,8 +34,9 @@ def compile_one(H: int, Hg: int, dtype: str, schedule: str = "plain", K: int = 1
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", action="append", required=True,
-                   help="H,Hg,dtype[,ws|ws-timing] (K = V = 128, chunk 64; ws: the warp-specialised kernel, "
-                        "ws-timing: its build with cycle counters)")
+                   help="H,Hg,dtype[,ws|ws-timing|ws-balance|ws-balance-timing] (K = V = 128, chunk 64; ws: the "
+                        "warp-specialised kernel, -timing: its build with cycle counters, -balance: the experimental "
+                        "build where KV forms Ag, U and W)")
     p.add_argument("--jobs", type=int, default=8)
     args = p.parse_args()
     configs = []

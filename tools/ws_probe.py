@@ -5,6 +5,7 @@
     python tools/ws_probe.py --only B8T4096H32 --check --repeat 20   # the race hunt of docs/tilelang_ws.md
     compute-sanitizer --tool racecheck python3 tools/ws_probe.py --only tiny --once --kernel plain
     python tools/ws_probe.py --only B4T4096H16 --timing     # cycles per chunk, per group and phase
+    python tools/ws_probe.py --balance --check ...           # the same for the experimental build (KV forms Ag, U, W)
 
 Prints median ms (CUDA events, gdr_dispatch.dispatch.measure_ms), us per chunk step (a CTA
 walks its sequence's chunks one after another) and the largest relative difference between
@@ -14,6 +15,7 @@ the two kernels' outputs. docs/tilelang_ws.md keeps the results.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
@@ -82,12 +84,18 @@ def main(argv=None) -> int:
                         "(a race moves its error between runs)")
     p.add_argument("--timing", action="store_true",
                    help="run the timing build: cycles per chunk each consumer group works / waits per phase")
+    p.add_argument("--balance", action="store_true",
+                   help="the experimental build in which KV forms Ag, U and W (docs/tilelang_ws.md, 'Next') instead "
+                        "of the shipped one, for every ws run of this invocation")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
     rows = []
+    if args.balance:
+        global ws_bwd_given_h
+        ws_bwd_given_h = functools.partial(ws_bwd_given_h, balance=True)
     for name, spec in SHAPES.items():
         if args.only and name != args.only:
             continue
@@ -133,6 +141,7 @@ def main(argv=None) -> int:
             row["plain_ms"] = round(measure_ms(plain, "cuda", warmup=3, reps=20), 4)
             a, b = ws(), plain()
             row["max_rel_diff"] = float(f"{max(relative_error(u, w) for u, w in zip(a, b) if w is not None):.2e}")
+        row["build"] = "balance" if args.balance else "shipped"
         rows.append(row)
         print(row, flush=True)
         del x

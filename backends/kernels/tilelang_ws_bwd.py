@@ -52,11 +52,14 @@ TIMING_SLOTS = 18
 
 
 @functools.lru_cache(maxsize=None)
-def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dtype: str, timing: bool = False):
+def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dtype: str, timing: bool = False,
+                 balance: bool = False):
     """Compile (once per configuration) the warp-specialised kernel (K = V = 128, chunk 64).
 
     `timing` adds cycle counters at every sync point (written to the `clk` argument, CTA by
     CTA: `[N * H, 3, TIMING_SLOTS]`); the instrument of docs/tilelang_ws.md's phase table.
+    `balance` (an experiment, not yet measured: docs/tilelang_ws.md, "Next") has KV form Ag, U
+    and W in phase 1 instead of A, the critical path.
     """
     accum = "float32"
     TT = T.dynamic("num_tokens")
@@ -329,9 +332,25 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                         if it > 0:
                             full_wait(full, (it - 1) % 2, 1, tick, tm_s)
                         # 1: dV' = e^{G_L - G} K dS'
-                        T.gemm(k_s, dh_s, kv1_f, clear_accum=True)
-                        for i, j in T.Parallel(BT, V):
-                            kv1_f[i, j] = kv1_f[i, j] * eGL_s[i]
+                        if balance:  # and A's U = K S, W = V - e^G U, Ag = Gam A b (KV waits most of phase 1)
+                            T.gemm(k_s, h_s, kv2_f, clear_accum=True)  # one fragment live at a time
+                            T.copy(kv2_f, u_s)
+                            for i, j in T.Parallel(BT, V):
+                                w_s[i, j] = T.cast(T.cast(v_s[i, j], accum) - eG_s[i] * kv2_f[i, j], dtype)
+                            T.wgmma_gemm(k_s, dh_s, kv1_f, clear_accum=True)  # runs while Ag is formed
+                            for i, j in T.Parallel(BT, BT):
+                                ag_s[i, j] = T.cast(T.if_then_else(j <= i, T.exp2((G_s[i] - G_s[j]) * LOG2E),
+                                                                   T.cast(0, accum)) * T.cast(a_s[i, j], accum) * b_s[j],
+                                                    dtype)
+                            T.wait_wgmma(0)
+                            T.warpgroup_fence_operand(kv1_f)
+                            for i, j in T.Parallel(BT, V):
+                                kv1_f[i, j] = kv1_f[i, j] * eGL_s[i]
+                            T.fence_proxy_async()
+                        else:
+                            T.gemm(k_s, dh_s, kv1_f, clear_accum=True)
+                            for i, j in T.Parallel(BT, V):
+                                kv1_f[i, j] = kv1_f[i, j] * eGL_s[i]
                         phase_sync(phase, 0, it % 2, 1, 1, tick, tm_s)
                         # 2: dV' += Pg^T dO
                         T.gemm(pg_s, do_s, kv1_f, transpose_A=True)
@@ -388,22 +407,30 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                             full_wait(full, (it - 1) % 2, 2, tick, tm_s)
                         # 1: Pg = scale Gam Q K^T; Ag = Gam A b; U = K S; W = V - e^G U
                         # (both gemms issued at once; Ag is formed while they run)
-                        T.wgmma_gemm(q_s, k_s, pg_f, transpose_B=True, clear_accum=True)
-                        T.wgmma_gemm(k_s, h_s, a1_f, clear_accum=True)
-                        for i, j in T.Parallel(BT, BT):
-                            ag_s[i, j] = T.cast(T.if_then_else(j <= i, T.exp2((G_s[i] - G_s[j]) * LOG2E), T.cast(0, accum))
-                                                * T.cast(a_s[i, j], accum) * b_s[j], dtype)
-                        T.wait_wgmma(1)
-                        T.warpgroup_fence_operand(pg_f)
-                        for i, j in T.Parallel(BT, BT):
-                            pg_f[i, j] = T.if_then_else(j <= i, scale * pg_f[i, j] * T.exp2((G_s[i] - G_s[j]) * LOG2E),
-                                                        T.cast(0, accum))
-                        T.copy(pg_f, pg_s)
-                        T.wait_wgmma(0)
-                        T.warpgroup_fence_operand(a1_f)
-                        T.copy(a1_f, u_s)
-                        for i, j in T.Parallel(BT, V):
-                            w_s[i, j] = T.cast(T.cast(v_s[i, j], accum) - eG_s[i] * a1_f[i, j], dtype)
+                        if balance:  # KV forms Ag, U and W
+                            T.gemm(q_s, k_s, pg_f, transpose_B=True, clear_accum=True)
+                            for i, j in T.Parallel(BT, BT):
+                                pg_f[i, j] = T.if_then_else(j <= i, scale * pg_f[i, j] * T.exp2((G_s[i] - G_s[j]) * LOG2E),
+                                                            T.cast(0, accum))
+                            T.copy(pg_f, pg_s)
+                        else:
+                            T.wgmma_gemm(q_s, k_s, pg_f, transpose_B=True, clear_accum=True)
+                            T.wgmma_gemm(k_s, h_s, a1_f, clear_accum=True)
+                            for i, j in T.Parallel(BT, BT):
+                                ag_s[i, j] = T.cast(T.if_then_else(j <= i, T.exp2((G_s[i] - G_s[j]) * LOG2E),
+                                                                   T.cast(0, accum)) * T.cast(a_s[i, j], accum) * b_s[j],
+                                                    dtype)
+                            T.wait_wgmma(1)
+                            T.warpgroup_fence_operand(pg_f)
+                            for i, j in T.Parallel(BT, BT):
+                                pg_f[i, j] = T.if_then_else(j <= i, scale * pg_f[i, j] * T.exp2((G_s[i] - G_s[j]) * LOG2E),
+                                                            T.cast(0, accum))
+                            T.copy(pg_f, pg_s)
+                            T.wait_wgmma(0)
+                            T.warpgroup_fence_operand(a1_f)
+                            T.copy(a1_f, u_s)
+                            for i, j in T.Parallel(BT, V):
+                                w_s[i, j] = T.cast(T.cast(v_s[i, j], accum) - eG_s[i] * a1_f[i, j], dtype)
                         T.fence_proxy_async()
                         phase_sync(phase, 0, it % 2, 1, 2, tick, tm_s)
                         # 2: nothing
@@ -520,12 +547,13 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
 
 
 def ws_bwd_given_h(q, k, v, do, a, g, b, h, dht, scale: float, seq_lens, chunk_size: int = 64,
-                   cu_seqlens=None, has_h0: bool = False, state_v_first: bool = False, clk=None):
+                   cu_seqlens=None, has_h0: bool = False, state_v_first: bool = False, clk=None, balance: bool = False):
     """Run the warp-specialised kernel; returns `(dq, dk, dv, dg, db, dh0)` in the contract's form.
 
     `tilelang_launch.launch_packed`'s calling convention; dq/dk come out in q's dtype unless
     value heads are grouped (fp32, then reduced), db in b's dtype. `clk` (int32, `[N * H * 3 *
-    TIMING_SLOTS]`) asks for the timing build and receives its counters (tools/ws_probe.py).
+    TIMING_SLOTS]`) asks for the timing build and receives its counters (tools/ws_probe.py);
+    `balance` picks that experimental build.
     """
     import torch
 
@@ -534,7 +562,7 @@ def ws_bwd_given_h(q, k, v, do, a, g, b, h, dht, scale: float, seq_lens, chunk_s
         raise ValueError(f"ws_bwd_given_h: built for K = V = {K}, chunk {BT}; got K={Kd}, V={Vd}, chunk {chunk_size}")
     dq_dtype = torch.float32 if H != Hg else q.dtype
     kern = build_ws_bwd(H, Hg, float(scale), tl_dtype(q.dtype), tl_dtype(b.dtype), tl_dtype(dq_dtype),
-                        timing=clk is not None)
+                        timing=clk is not None, balance=balance)
     if clk is None:
         clk = torch.zeros(1, dtype=torch.int32, device=q.device)
     # TMA copies bytes: h_s holds q's dtype
