@@ -26,5 +26,12 @@ class TileLangFusedBackend(Backend):
 
         return run_given_h(call, fused_bwd_given_h)
 
+    def compile_jobs(self, call: GDRCall) -> list[tuple[str, str, tuple]]:
+        from .kernels import tilelang_fused_bwd as m
+
+        h_dtype = call.h.dtype if call.h is not None else call.k.dtype  # fla's recompute gives k's dtype
+        return [(m.__name__, m.build_fused_bwd.__name__,
+                 m.fused_config(call.q, call.v, call.b, h_dtype, call.scale, call.chunk_size))]
+
 
 register(TileLangFusedBackend())

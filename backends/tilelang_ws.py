@@ -27,5 +27,10 @@ class TileLangWSBackend(Backend):
 
         return run_given_h(call, ws_bwd_given_h)
 
+    def compile_jobs(self, call: GDRCall) -> list[tuple[str, str, tuple]]:
+        from .kernels import tilelang_ws_bwd as m
+
+        return [(m.__name__, m.build_ws_bwd.__name__, m.ws_config(call.q, call.v, call.b, call.scale))]
+
 
 register(TileLangWSBackend())

@@ -17,7 +17,7 @@ from . import tuning_table
 from .contract import validate
 from .dispatch import (NO_TENSORS, STATIC, TABLE, NoBackendError, autotune, autotune_block_reason,
                        context_parallel_segments, measure_ms, select_backend)
-from .registry import Problem, registered_backends, device_info
+from .registry import Problem, device_info, registered_backends, run_compile_job
 from .shapes import PRESETS, ShapeSpec, call_kwargs, load_grid, make_inputs
 
 
@@ -67,6 +67,41 @@ def summarize(results: list[tuple[ShapeSpec, dict, str]], names: list[str]) -> s
     return out
 
 
+def precompile(variants, device, only, workers: int) -> None:
+    """Compile every kernel the sweep's backends would build on first use, in parallel worker
+    processes (a TileLang build is about a minute on one core; TileLang's disk cache is shared
+    and process-safe), and say how long each took: a user's first-call cost."""
+    jobs: dict[tuple, list[str]] = {}
+    for i, spec in enumerate(variants, 1):
+        inputs = make_inputs(spec, device, seed=i)
+        call = validate(**call_kwargs(inputs))
+        problem = Problem.from_call(call)
+        for name, backend in registered_backends().items():
+            if (only is None or name in only) and backend.supported(problem)[0]:
+                for job in backend.compile_jobs(call):
+                    jobs.setdefault(job, []).append(name)
+        del inputs, call
+    if not jobs:
+        return
+    workers = max(1, min(workers, len(jobs)))
+    print(f"compiling {len(jobs)} kernels in {workers} processes first", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    import multiprocessing
+
+    # spawn: the parent may hold a CUDA context, which a forked child must not inherit
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(run_compile_job, job): job for job in jobs}
+        for fut in as_completed(futures):
+            module, function, cfg = futures[fut]
+            what = f"{'/'.join(sorted(set(jobs[futures[fut]])))}: {function}{cfg}"
+            try:
+                print(f"  compiled {what} in {fut.result():.1f} s", file=sys.stderr, flush=True)
+            except Exception as e:  # noqa: BLE001 - the sweep compiles it again and records the failure
+                print(f"  failed to compile {what}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr, flush=True)
+    print(f"  all {len(jobs)} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+
+
 def cmd_tune(args) -> int:
     if os.environ.get("GDR_BACKEND"):
         print(f"note: GDR_BACKEND={os.environ['GDR_BACKEND']} is ignored while tuning", file=sys.stderr)
@@ -94,6 +129,8 @@ def cmd_tune(args) -> int:
     measure = functools.partial(measure_ms, warmup=args.warmup, reps=args.reps)
     print(f"tuning {len(variants)} shapes ({source}) on {dev.name}; table: "
           f"{tuning_table.table_path(out_dir, dev.slug)}", file=sys.stderr)
+    if args.compile_jobs:
+        precompile(variants, device, only, args.compile_jobs)
 
     results = []
     written = 0
@@ -224,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--backends", metavar="A,B", help="tune only these backends")
     t.add_argument("--warmup", type=_count(0), default=2, help="untimed runs per backend after the first (default 2)")
     t.add_argument("--reps", type=_count(1), default=10, help="timed runs per backend, median reported (default 10)")
+    t.add_argument("--compile-jobs", type=_count(0), default=max(1, (os.cpu_count() or 2) // 2),
+                   help="processes that compile the sweep's kernels in parallel before timing (default: half the "
+                        "CPU cores; 0: each compiles on first use)")
     t.set_defaults(func=cmd_tune)
 
     e = sub.add_parser("explain", parents=[verbose],

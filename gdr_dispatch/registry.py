@@ -268,6 +268,22 @@ class Backend:
         """Compute the gradients into fresh tensors; never write the call's tensors."""
         raise NotImplementedError
 
+    def compile_jobs(self, call: GDRCall) -> list[tuple[str, str, tuple]]:
+        """The kernel builds a first `run(call)` would compile, as picklable `(module, function,
+        args)`: a sweep runs them in parallel processes beforehand (`run_compile_job`), since
+        one TileLang build takes about a minute on one core. Empty: nothing to compile."""
+        return []
+
+
+def run_compile_job(job: tuple[str, str, tuple]) -> float:
+    """Run one `compile_jobs` entry (in a worker process); returns its wall time in seconds."""
+    import time
+
+    module, function, args = job
+    t0 = time.perf_counter()
+    getattr(importlib.import_module(module), function)(*args)
+    return time.perf_counter() - t0
+
 
 _REGISTRY: dict[str, Backend] = {}
 

@@ -120,3 +120,28 @@ def test_tune_rejects_counts_it_cannot_use(flag, value, words, capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert flag in err and words in err
+
+
+def test_tune_compiles_each_kernel_once_in_parallel_processes_first(tmp_path, capsys, monkeypatch):
+    """A sweep collects the builds its backends would make on first use (`compile_jobs`),
+    runs each distinct one once in a worker process before timing, and says how long it took."""
+    from gdr_dispatch import registry
+    from gdr_dispatch.backends.exact_torch import TorchBackend
+
+    class Compiling(TorchBackend):
+        name = "torch_compiling"
+        reference_rank = None
+
+        def compile_jobs(self, call):
+            return [("math", "sqrt", (float(call.K),))]  # the same build for every shape of the grid
+
+    monkeypatch.setitem(registry._REGISTRY, "torch_compiling", Compiling())
+    assert cli.main(["tune", "--out", str(tmp_path), "--backends", "torch,torch_compiling", "--reps", "1",
+                     "--warmup", "0", "--compile-jobs", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "compiling 1 kernels in 1 processes first" in err
+    assert "compiled torch_compiling: sqrt(32.0,) in" in err
+    assert err.index("compiled torch_compiling") < err.index("[1/")  # before any timing
+    assert cli.main(["tune", "--out", str(tmp_path), "--backends", "torch,torch_compiling", "--reps", "1",
+                     "--warmup", "0", "--compile-jobs", "0"]) == 0
+    assert "kernels in" not in capsys.readouterr().err

@@ -123,3 +123,38 @@ def test_kernel_algorithm_matches_the_oracle(spec):
         grads = GDRGrads(*out[:5], out[5] if spec.initial_state else None)
         errs = rel_errors(grads, ref)
         assert all(e < tol for e in errs.values()), (dtype, errs)
+
+
+@pytest.mark.parametrize("h_mode", ["given", "none"])
+@pytest.mark.parametrize("spec", [dict(B=2, T=100, H=4, Hg=2), dict(seqlens=(1, 63, 64, 65), H=4, state_v_first=True)])
+@pytest.mark.parametrize("backend,module,launcher", [
+    ("tilelang_ws", "tilelang_ws_bwd", "ws_bwd_given_h"), ("tilelang_fused", "tilelang_fused_bwd", "fused_bwd_given_h")])
+def test_compile_jobs_are_the_builds_the_launchers_make(backend, module, launcher, spec, h_mode, monkeypatch):
+    """`tune` compiles a backend's `compile_jobs` in worker processes first: each job must be
+    picklable and name the very build (function and arguments) the launcher then asks for, or
+    the sweep compiles twice."""
+    import importlib
+    import pickle
+
+    from gdr_dispatch.backends.common import fla_pipeline
+    from gdr_dispatch.contract import validate
+    from gdr_dispatch.shapes import call_kwargs, make_inputs
+
+    call = validate(**call_kwargs(make_inputs(ShapeSpec(**spec, K=128, V=128, h=h_mode), "cpu")))
+    (job,) = get_backend(backend).compile_jobs(call)
+    pickle.dumps(job)
+    mod = importlib.import_module(job[0])
+    built = []
+
+    def build(*args, **kwargs):
+        built.append(args)
+        raise RuntimeError("stop before launching")
+
+    monkeypatch.setattr(mod, job[1], build)
+    # with h=None the launcher gets fla's recomputed states, in k's dtype
+    monkeypatch.setattr(fla_pipeline, "recompute_states",
+                        lambda c: torch.zeros(c.B, c.num_chunks // c.B if c.cu_seqlens is None else c.num_chunks,
+                                              c.H, c.K, c.V, dtype=c.k.dtype))
+    with pytest.raises(RuntimeError, match="stop before launching"):
+        get_backend(backend).run(call)
+    assert built == [job[2]]

@@ -318,6 +318,13 @@ def build_fused_bwd(H: int, Hg: int, K: int, V: int, BT: int, scale: float, dtyp
     return kernel_factory()
 
 
+def fused_config(q, v, b, h_dtype, scale: float, chunk_size: int) -> tuple:
+    """`build_fused_bwd`'s arguments for a call: one source for the launcher and for
+    precompile jobs (backends' `compile_jobs`)."""
+    H, Hg, K, V = v.shape[2], q.shape[2], q.shape[3], v.shape[3]
+    return (H, Hg, K, V, chunk_size, float(scale), tl_dtype(q.dtype), tl_dtype(h_dtype), tl_dtype(b.dtype))
+
+
 def fused_bwd_given_h(q, k, v, do, a, g, b, h, dht, scale: float, seq_lens, chunk_size: int = 64,
                       cu_seqlens=None, has_h0: bool = False, state_v_first: bool = False):
     """Run the fused kernel; returns `(dq, dk, dv, dg, db, dh0)` in the contract's form.
@@ -327,8 +334,6 @@ def fused_bwd_given_h(q, k, v, do, a, g, b, h, dht, scale: float, seq_lens, chun
     """
     import torch
 
-    H, Hg, K, V = v.shape[2], q.shape[2], q.shape[3], v.shape[3]
-    kern = build_fused_bwd(H, Hg, K, V, chunk_size, float(scale), tl_dtype(q.dtype), tl_dtype(h.dtype),
-                           tl_dtype(b.dtype))
+    kern = build_fused_bwd(*fused_config(q, v, b, h.dtype, scale, chunk_size))
     return launch_packed(kern, q, k, v, do, a, g, b, h, dht, seq_lens, chunk_size, cu_seqlens, has_h0,
                          state_v_first, dq_dtype=torch.float32, db_dtype=torch.float32)

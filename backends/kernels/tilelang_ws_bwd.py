@@ -546,6 +546,13 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
     return kernel_factory()
 
 
+def ws_config(q, v, b, scale: float) -> tuple:
+    """`build_ws_bwd`'s arguments for a call: one source for the launcher and for precompile
+    jobs (backends' `compile_jobs`), so both hit the same compiled kernel."""
+    H, Hg = v.shape[2], q.shape[2]
+    return (H, Hg, float(scale), tl_dtype(q.dtype), tl_dtype(b.dtype), "float32" if H != Hg else tl_dtype(q.dtype))
+
+
 def ws_bwd_given_h(q, k, v, do, a, g, b, h, dht, scale: float, seq_lens, chunk_size: int = 64,
                    cu_seqlens=None, has_h0: bool = False, state_v_first: bool = False, clk=None, balance: bool = False):
     """Run the warp-specialised kernel; returns `(dq, dk, dv, dg, db, dh0)` in the contract's form.
@@ -561,8 +568,7 @@ def ws_bwd_given_h(q, k, v, do, a, g, b, h, dht, scale: float, seq_lens, chunk_s
     if (Kd, Vd, chunk_size) != (K, V, BT):
         raise ValueError(f"ws_bwd_given_h: built for K = V = {K}, chunk {BT}; got K={Kd}, V={Vd}, chunk {chunk_size}")
     dq_dtype = torch.float32 if H != Hg else q.dtype
-    kern = build_ws_bwd(H, Hg, float(scale), tl_dtype(q.dtype), tl_dtype(b.dtype), tl_dtype(dq_dtype),
-                        timing=clk is not None, balance=balance)
+    kern = build_ws_bwd(*ws_config(q, v, b, scale), timing=clk is not None, balance=balance)
     if clk is None:
         clk = torch.zeros(1, dtype=torch.int32, device=q.device)
     # TMA copies bytes: h_s holds q's dtype
