@@ -6,11 +6,10 @@ warpgroups, one role each (one branch of one if/else on the thread index, with
 
   * S (threads 0-127): the state gradient `dS` (`[K, V]` fp32) in registers: its decay,
     `<dS', S>` for dG_L, `dS += K^T dUs + Q^T (scale e^G dO)`, and its 16-bit copy for the
-    others' gemms.
+    others' gemms; then dg (the reverse cumsum inside the chunk, a warp scan) and db.
   * KV (128-255): dV' = e^{G_L-G} K dS' + Pg^T dO, dv = Ag^T dV', dUs = -e^G dv, and dk.
   * A (256-383): P = Q K^T, Ag = Gam * A * b, U = K S, W = V - e^G U, V' = Ag W, dAg,
-    dP, dq, and the chain through the inverse (dA, dM, db's row part, dkk); then dg (the
-    reverse cumsum inside the chunk) and db.
+    dP, dq, and the chain through the inverse (dA, dM, db's row part, dkk).
   * producer (384-511): TMA loads of the next (earlier) chunk's q, k, v, do, a, h into the
     single shared buffer of each, each issued as soon as the consumers' last read of that
     buffer is done; g and b by plain loads.
@@ -21,7 +20,10 @@ seven phases per chunk, each closed by an mbarrier the three consumer groups arr
 (384 threads); the producer waits on the phase after which a buffer is free, never arrives
 there, and publishes a chunk on the `full` barrier (expect-tx of the TMA bytes plus its own
 arrival). The first visited chunk of a sequence (the only partial one) is loaded by every
-thread with masked loads before the roles split. Notes, predictions and measurements:
+thread with masked loads before the roles split. No `reduce_sum` spans warps inside a role
+branch: TileLang's cross-warp all-reduce syncs on the same two hardware barriers in every
+group, so concurrent groups would complete each other's (the race of v1; row sums stay within
+a quad, the rest goes through shared memory). Notes, predictions and measurements:
 docs/tilelang_ws.md.
 
 Outputs: dq/dk per value head (in q's dtype, or fp32 when value heads are grouped, reduced
@@ -189,7 +191,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                 w_s = T.alloc_shared((BT, V), dtype)  # W, then V' (v_new)
                 u_s = T.alloc_shared((BT, V), dtype)  # U = K S, then dUs
                 dh_s = T.alloc_shared((K, V), dtype)  # dS' (the chunk-end state gradient)
-                dGk_s = T.alloc_shared((BT,), accum)  # dG parts: from KV, from A, the G_L terms
+                dGk_s = T.alloc_shared((BT,), accum)  # dG per row: the part from KV, the part from A
                 dGa_s = T.alloc_shared((BT,), accum)
                 gls_s = T.alloc_shared((K,), accum)  # the G_L term: rows of e^{G_L} dS' * S (S, phase 1)
                 glk_s = T.alloc_shared((BT,), accum)  # the G_L term: rows of dk's part * K (KV, phase 5)
