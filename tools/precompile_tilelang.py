@@ -23,7 +23,7 @@ def compile_one(H: int, Hg: int, dtype: str, schedule: str = "plain", K: int = 1
         from gdr_dispatch.backends.kernels.tilelang_ws_bwd import build_ws_bwd
 
         build_ws_bwd(H, Hg, float(K ** -0.5), dtype, dtype, dtype if H == Hg else "float32",
-                     timing="timing" in schedule, balance="balance" in schedule)
+                     timing="timing" in schedule, balance="balance" in schedule, gam_regs="gam" in schedule)
     else:
         from gdr_dispatch.backends.kernels.tilelang_fused_bwd import build_fused_bwd
 
@@ -35,8 +35,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", action="append", required=True,
                    help="H,Hg,dtype[,ws|ws-timing|ws-balance|ws-balance-timing] (K = V = 128, chunk 64; ws: the "
-                        "warp-specialised kernel, -timing: its build with cycle counters, -balance: the experimental "
-                        "build where KV forms Ag, U and W)")
+                        "warp-specialised kernel, -timing: its build with cycle counters, -balance / -gam: the "
+                        "experimental builds (KV forms Ag, U and W / Gam kept in A's registers), combinable)")
     p.add_argument("--jobs", type=int, default=8)
     args = p.parse_args()
     configs = []

@@ -87,15 +87,17 @@ def main(argv=None) -> int:
     p.add_argument("--balance", action="store_true",
                    help="the experimental build in which KV forms Ag, U and W (docs/tilelang_ws.md, 'Next') instead "
                         "of the shipped one, for every ws run of this invocation")
+    p.add_argument("--gam-regs", action="store_true",
+                   help="the experimental build that keeps the decay matrix Gam in A's registers for the chunk")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
     rows = []
-    if args.balance:
+    if args.balance or args.gam_regs:
         global ws_bwd_given_h
-        ws_bwd_given_h = functools.partial(ws_bwd_given_h, balance=True)
+        ws_bwd_given_h = functools.partial(ws_bwd_given_h, balance=args.balance, gam_regs=args.gam_regs)
     for name, spec in SHAPES.items():
         if args.only and name != args.only:
             continue
@@ -141,7 +143,7 @@ def main(argv=None) -> int:
             row["plain_ms"] = round(measure_ms(plain, "cuda", warmup=3, reps=20), 4)
             a, b = ws(), plain()
             row["max_rel_diff"] = float(f"{max(relative_error(u, w) for u, w in zip(a, b) if w is not None):.2e}")
-        row["build"] = "balance" if args.balance else "shipped"
+        row["build"] = "+".join(n for n, on in (("balance", args.balance), ("gam_regs", args.gam_regs)) if on) or "shipped"
         rows.append(row)
         print(row, flush=True)
         del x

@@ -55,13 +55,14 @@ TIMING_SLOTS = 18
 
 @functools.lru_cache(maxsize=None)
 def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dtype: str, timing: bool = False,
-                 balance: bool = False):
+                 balance: bool = False, gam_regs: bool = False):
     """Compile (once per configuration) the warp-specialised kernel (K = V = 128, chunk 64).
 
     `timing` adds cycle counters at every sync point (written to the `clk` argument, CTA by
     CTA: `[N * H, 3, TIMING_SLOTS]`); the instrument of docs/tilelang_ws.md's phase table.
     `balance` (an experiment, not yet measured: docs/tilelang_ws.md, "Next") has KV form Ag, U
-    and W in phase 1 instead of A, the critical path.
+    and W in phase 1 instead of A, the critical path. `gam_regs` (another experiment) keeps the
+    decay matrix Gam in A's registers for the chunk instead of forming it five times.
     """
     accum = "float32"
     TT = T.dynamic("num_tokens")
@@ -105,6 +106,17 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
         T.barrier_wait(bar, parity)
         if timing:
             account(tick, tm_s, grp, 0)
+
+    def gam(gam_f, G_s, i, j):
+        """Gam[i, j] = e^{G_i - G_j} for j <= i, else 0: from A's register copy in `gam_regs`
+        builds, else formed here (two shared loads and an exp2 per element)."""
+        if gam_regs:
+            return gam_f[i, j]
+        return T.if_then_else(j <= i, T.exp2((G_s[i] - G_s[j]) * LOG2E), T.cast(0, accum))
+
+    def gam_in(gam_f, G_s, i, j):
+        """`gam` inside an expression already masked to j <= i."""
+        return gam_f[i, j] if gam_regs else T.exp2((G_s[i] - G_s[j]) * LOG2E)
 
     @T.macro
     def store_rows(frag, stage_s, out, t0, eos, hh):
@@ -213,6 +225,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                 a1_f = T.alloc_fragment((BT, V), accum)
                 a2_f = T.alloc_fragment((BT, K), accum)
                 ar_f = T.alloc_fragment((BT,), accum)
+                gam_f = T.alloc_fragment((BT, BT), accum)  # gam_regs builds: A's copy of Gam
                 ac_f = T.alloc_fragment((BT,), accum)
 
                 # ---- barriers ----
@@ -407,25 +420,26 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                         L = T.min(BT, eos - t0)
                         if it > 0:
                             full_wait(full, (it - 1) % 2, 2, tick, tm_s)
+                        if gam_regs:  # Gam once per chunk, for phases 1, 4 and 5
+                            for i, j in T.Parallel(BT, BT):
+                                gam_f[i, j] = T.if_then_else(j <= i, T.exp2((G_s[i] - G_s[j]) * LOG2E), T.cast(0, accum))
                         # 1: Pg = scale Gam Q K^T; Ag = Gam A b; U = K S; W = V - e^G U
                         # (both gemms issued at once; Ag is formed while they run)
                         if balance:  # KV forms Ag, U and W
                             T.gemm(q_s, k_s, pg_f, transpose_B=True, clear_accum=True)
                             for i, j in T.Parallel(BT, BT):
-                                pg_f[i, j] = T.if_then_else(j <= i, scale * pg_f[i, j] * T.exp2((G_s[i] - G_s[j]) * LOG2E),
+                                pg_f[i, j] = T.if_then_else(j <= i, scale * pg_f[i, j] * gam_in(gam_f, G_s, i, j),
                                                             T.cast(0, accum))
                             T.copy(pg_f, pg_s)
                         else:
                             T.wgmma_gemm(q_s, k_s, pg_f, transpose_B=True, clear_accum=True)
                             T.wgmma_gemm(k_s, h_s, a1_f, clear_accum=True)
                             for i, j in T.Parallel(BT, BT):
-                                ag_s[i, j] = T.cast(T.if_then_else(j <= i, T.exp2((G_s[i] - G_s[j]) * LOG2E),
-                                                                   T.cast(0, accum)) * T.cast(a_s[i, j], accum) * b_s[j],
-                                                    dtype)
+                                ag_s[i, j] = T.cast(gam(gam_f, G_s, i, j) * T.cast(a_s[i, j], accum) * b_s[j], dtype)
                             T.wait_wgmma(1)
                             T.warpgroup_fence_operand(pg_f)
                             for i, j in T.Parallel(BT, BT):
-                                pg_f[i, j] = T.if_then_else(j <= i, scale * pg_f[i, j] * T.exp2((G_s[i] - G_s[j]) * LOG2E),
+                                pg_f[i, j] = T.if_then_else(j <= i, scale * pg_f[i, j] * gam_in(gam_f, G_s, i, j),
                                                             T.cast(0, accum))
                             T.copy(pg_f, pg_s)
                             T.wait_wgmma(0)
@@ -453,15 +467,14 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                                 * pg_f[i, j] * T.cast(a_s[j, i], accum)
                         T.reduce_sum(pg_f, ac_f, dim=1)
                         for i, j in T.Parallel(BT, BT):
-                            sq2_f[i, j] = T.if_then_else(j <= i, T.exp2((G_s[i] - G_s[j]) * LOG2E), T.cast(0, accum)) \
+                            sq2_f[i, j] = gam(gam_f, G_s, i, j) \
                                 * sq_f[i, j] * T.cast(a_s[i, j], accum) * b_s[j]  # dAg * Ag
                         T.reduce_sum(sq2_f, ar_f, dim=1)
                         for i in T.Parallel(BT):
                             db_s[i] = ac_f[i]
                             dGa_s[i] = ar_f[i] - ac_f[i] * b_s[i]
                         for i, j in T.Parallel(BT, BT):
-                            ag_s[i, j] = T.cast(T.if_then_else(j <= i, T.exp2((G_s[i] - G_s[j]) * LOG2E), T.cast(0, accum))
-                                                * sq_f[i, j] * b_s[j], dtype)
+                            ag_s[i, j] = T.cast(gam(gam_f, G_s, i, j) * sq_f[i, j] * b_s[j], dtype)
                         T.fence_proxy_async()
                         phase_sync(phase, 3, it % 2, 4, 2, tick, tm_s)
                         # 5: dPg = dO V'^T, its dG (rows - columns of dPg Pg), dP = scale Gam dPg;
@@ -480,7 +493,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                             dGa_s[i] = dGa_s[i] + ar_f[i] - ac_f[i]
                         T.wgmma_gemm(do_s, h_s, a1_f, transpose_B=True, clear_accum=True)  # runs while dP is formed
                         for i, j in T.Parallel(BT, BT):
-                            pg_s[i, j] = T.cast(T.if_then_else(j <= i, scale * sq_f[i, j] * T.exp2((G_s[i] - G_s[j]) * LOG2E),
+                            pg_s[i, j] = T.cast(T.if_then_else(j <= i, scale * sq_f[i, j] * gam_in(gam_f, G_s, i, j),
                                                                T.cast(0, accum)), dtype)
                         T.wait_wgmma(0)
                         T.warpgroup_fence_operand(a1_f)
@@ -556,13 +569,14 @@ def ws_config(q, v, b, scale: float) -> tuple:
 
 
 def ws_bwd_given_h(q, k, v, do, a, g, b, h, dht, scale: float, seq_lens, chunk_size: int = 64,
-                   cu_seqlens=None, has_h0: bool = False, state_v_first: bool = False, clk=None, balance: bool = False):
+                   cu_seqlens=None, has_h0: bool = False, state_v_first: bool = False, clk=None, balance: bool = False,
+                   gam_regs: bool = False):
     """Run the warp-specialised kernel; returns `(dq, dk, dv, dg, db, dh0)` in the contract's form.
 
     `tilelang_launch.launch_packed`'s calling convention; dq/dk come out in q's dtype unless
     value heads are grouped (fp32, then reduced), db in b's dtype. `clk` (int32, `[N * H * 3 *
     TIMING_SLOTS]`) asks for the timing build and receives its counters (tools/ws_probe.py);
-    `balance` picks that experimental build.
+    `balance` and `gam_regs` pick those experimental builds.
     """
     import torch
 
@@ -570,7 +584,7 @@ def ws_bwd_given_h(q, k, v, do, a, g, b, h, dht, scale: float, seq_lens, chunk_s
     if (Kd, Vd, chunk_size) != (K, V, BT):
         raise ValueError(f"ws_bwd_given_h: built for K = V = {K}, chunk {BT}; got K={Kd}, V={Vd}, chunk {chunk_size}")
     dq_dtype = torch.float32 if H != Hg else q.dtype
-    kern = build_ws_bwd(*ws_config(q, v, b, scale), timing=clk is not None, balance=balance)
+    kern = build_ws_bwd(*ws_config(q, v, b, scale), timing=clk is not None, balance=balance, gam_regs=gam_regs)
     if clk is None:
         clk = torch.zeros(1, dtype=torch.int32, device=q.device)
     # TMA copies bytes: h_s holds q's dtype
