@@ -173,9 +173,12 @@ class TableHit:
         libs = [k for k in {**then, **now} if then.get(k) != now.get(k)]
         if not libs:
             return f"measured with {self.measured_with}"
-        was = ", ".join(f"{k} {then.get(k, '?')}" for k in libs)
-        now_ = ", ".join(f"{now.get(k, '?')}" if len(libs) == 1 else f"{k} {now.get(k, '?')}" for k in libs)
-        return f"measured with {was}, running {now_}"
+        if len(libs) == 1 and libs[0] in then and libs[0] in now:
+            return f"measured with {libs[0]} {then[libs[0]]}, running {now[libs[0]]}"
+        # an optional library (registry.OPTIONAL_LIBS) is in a key only when installed
+        was = " and ".join(f"with {k} {then[k]}" if k in then else f"without {k}" for k in libs)
+        now_ = ", ".join(f"{k} {now[k]}" if k in now else f"without {k}" for k in libs)
+        return f"measured {was}, running {now_}"
 
 
 def lookup(slug: str, problem_key: str, versions_key: str) -> Iterator[TableHit]:

@@ -204,3 +204,18 @@ def test_the_key_takes_the_longest_sequence_from_max_seqlen_never_from_cu_seqlen
     assert "max-|" in unknown.table_key() and unknown.max_seqlen is None
     fixed = Problem.from_call(validate(**call_kwargs(make_inputs(SPEC, "cpu"))))
     assert fixed.max_seqlen == 70 and "max128|" in fixed.table_key()
+
+
+def test_the_versions_note_says_which_library_changed_or_appeared():
+    """A key names an optional peer (flash_qla) only when it is installed: installing one makes
+    the shipped entries inexact, and the note says why instead of printing '?'."""
+    from gdr_dispatch.tuning_table import TableHit
+
+    def note(then, now):
+        return TableHit({}, None, "", False, then, now).versions_note
+
+    base = "torch=2.11.0,triton=3.6.0,tilelang=0.1.15,fla=0.6.0"
+    assert note(base, base.replace("3.6.0", "3.7.1")) == "measured with triton 3.6.0, running 3.7.1"
+    assert note(base, base + ",flash_qla=0.1.3") == "measured without flash_qla, running flash_qla 0.1.3"
+    both = note(base, base.replace("3.6.0", "3.7.1") + ",flash_qla=0.1.3")
+    assert both == "measured with triton 3.6.0 and without flash_qla, running triton 3.7.1, flash_qla 0.1.3"
