@@ -22,7 +22,7 @@
 # e.g.  bash tools/device_run.sh precompile tests=240 bench=200 tune=120
 # Env: TESTS_K='<pytest -k expression>' runs only those GPU tests (one pytest, tilelang_fused not
 # held back; TESTS_LOG names its log); RACE_KERNELS='ws' checks only that kernel; WS_ARGS='--balance'
-# passes flags to tools/ws_probe.py in the timing and wsbench steps; BENCH_MATCH='<regex>' benches only the matching shapes and merges them into the
+# passes flags to tools/ws_probe.py in the race, timing and wsbench steps (its ws builds only); BENCH_MATCH='<regex>' benches only the matching shapes and merges them into the
 # committed bench/results/<device>.json; BENCH_SKIP='a,b' leaves those runners out (merged, so
 # their committed numbers stay, marked as from an earlier run).
 # Prepare here first (both ignored by git, named in the run's carry):
@@ -62,10 +62,10 @@ for arg in "$@"; do
     diag)    timeout "$limit" python3 tools/diag_transposed.py "$OUT/bench/diag_transposed.json" > "$OUT/diag.log" 2>&1 ;;
     repro)   timeout "$limit" python3 tools/repro_side_strips.py "$OUT/bench/repro_side_strips.json" > "$OUT/repro.log" 2>&1 ;;
     race)    [ -n "${precompile_pid:-}" ] && wait "$precompile_pid"
-             RACE_KERNELS=${RACE_KERNELS:-ws plain} timeout "$limit" bash -c 'for kern in $RACE_KERNELS; do for tool in racecheck synccheck; do
+             RACE_KERNELS=${RACE_KERNELS:-ws plain} WS_ARGS=${WS_ARGS:-} timeout "$limit" bash -c 'for kern in $RACE_KERNELS; do for tool in racecheck synccheck; do
                  echo "== $tool $kern"; compute-sanitizer --tool $tool --print-limit 20 \
-                   python3 tools/ws_probe.py --only tiny --once --kernel $kern 2>&1 | grep -v TileLang | tail -n 25
-               done; done; python3 tools/ws_probe.py --only B8T4096H32 --check --repeat 20 2>&1 | grep -v TileLang' \
+                   python3 tools/ws_probe.py --only tiny --once --kernel $kern $WS_ARGS 2>&1 | grep -v TileLang | tail -n 25
+               done; done; python3 tools/ws_probe.py --only B8T4096H32 --check --repeat 20 $WS_ARGS 2>&1 | grep -v TileLang' \
                > "$OUT/race.log" 2>&1 ;;
     timing)  [ -n "${precompile_pid:-}" ] && wait "$precompile_pid"
              for shape in ${TIMING_SHAPES:-B4T4096H16 B8T4096H32}; do
