@@ -107,16 +107,35 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
         if timing:
             account(tick, tm_s, grp, 0)
 
-    def gam(gam_f, G_s, i, j):
-        """Gam[i, j] = e^{G_i - G_j} for j <= i, else 0: from A's register copy in `gam_regs`
-        builds, else formed here (two shared loads and an exp2 per element)."""
-        if gam_regs:
+    def gam(gam_f, G_s, i, j, regs=gam_regs):
+        """Gam[i, j] = e^{G_i - G_j} for j <= i, else 0: from A's register copy `gam_f` in
+        `gam_regs` builds (`regs`; only A has it), else formed here (two shared loads and an
+        exp2 per element)."""
+        if regs:
             return gam_f[i, j]
         return T.if_then_else(j <= i, T.exp2((G_s[i] - G_s[j]) * LOG2E), T.cast(0, accum))
+
+    def ag_value(a_s, b_s, G_s, gam_f, i, j, regs=gam_regs):
+        """Ag[i, j] = Gam[i, j] A[i, j] b[j], in the input dtype."""
+        return T.cast(gam(gam_f, G_s, i, j, regs) * T.cast(a_s[i, j], accum) * b_s[j], dtype)
 
     def gam_in(gam_f, G_s, i, j):
         """`gam` inside an expression already masked to j <= i."""
         return gam_f[i, j] if gam_regs else T.exp2((G_s[i] - G_s[j]) * LOG2E)
+
+    @T.macro
+    def store_u_w(frag, u_s, w_s, v_s, eG_s):
+        """U = K S (in `frag`) and W = V - e^G U into shared memory."""
+        T.copy(frag, u_s)
+        for i, j in T.Parallel(BT, V):
+            w_s[i, j] = T.cast(T.cast(v_s[i, j], accum) - eG_s[i] * frag[i, j], dtype)
+
+    @T.macro
+    def store_pg(pg_f, pg_s, G_s, gam_f):
+        """Pg = scale Gam * (Q K^T) (`pg_f`, masked in place) into shared memory."""
+        for i, j in T.Parallel(BT, BT):
+            pg_f[i, j] = T.if_then_else(j <= i, scale * pg_f[i, j] * gam_in(gam_f, G_s, i, j), T.cast(0, accum))
+        T.copy(pg_f, pg_s)
 
     @T.macro
     def store_rows(frag, stage_s, out, t0, eos, hh):
@@ -343,20 +362,15 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                     for it in T.serial(n_chunks):
                         c = n_chunks - 1 - it
                         t0 = bos + c * BT
-                        L = T.min(BT, eos - t0)
                         if it > 0:
                             full_wait(full, (it - 1) % 2, 1, tick, tm_s)
                         # 1: dV' = e^{G_L - G} K dS'
                         if balance:  # and A's U = K S, W = V - e^G U, Ag = Gam A b (KV waits most of phase 1)
                             T.gemm(k_s, h_s, kv2_f, clear_accum=True)  # one fragment live at a time
-                            T.copy(kv2_f, u_s)
-                            for i, j in T.Parallel(BT, V):
-                                w_s[i, j] = T.cast(T.cast(v_s[i, j], accum) - eG_s[i] * kv2_f[i, j], dtype)
+                            store_u_w(kv2_f, u_s, w_s, v_s, eG_s)
                             T.wgmma_gemm(k_s, dh_s, kv1_f, clear_accum=True)  # runs while Ag is formed
                             for i, j in T.Parallel(BT, BT):
-                                ag_s[i, j] = T.cast(T.if_then_else(j <= i, T.exp2((G_s[i] - G_s[j]) * LOG2E),
-                                                                   T.cast(0, accum)) * T.cast(a_s[i, j], accum) * b_s[j],
-                                                    dtype)
+                                ag_s[i, j] = ag_value(a_s, b_s, G_s, gam_f, i, j, regs=False)  # Gam is A's
                             T.wait_wgmma(0)
                             T.warpgroup_fence_operand(kv1_f)
                             for i, j in T.Parallel(BT, V):
@@ -409,7 +423,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                     loop_end(tick, tm_s, 1, n_chunks, clk, bx)
 
                 elif tx < 384:
-                    # ================= A: P, Ag, U, W, V', dAg, dP, dq, the inverse; dg, db =================
+                    # ================= A: P, Ag, U, W, V', dAg, dP, dq, the inverse =================
                     T.set_max_nreg(nreg_a, 1)
                     T.barrier_arrive(start)
                     T.barrier_wait(start, 0)
@@ -417,7 +431,6 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                     for it in T.serial(n_chunks):
                         c = n_chunks - 1 - it
                         t0 = bos + c * BT
-                        L = T.min(BT, eos - t0)
                         if it > 0:
                             full_wait(full, (it - 1) % 2, 2, tick, tm_s)
                         if gam_regs:  # Gam once per chunk, for phases 1, 4 and 5
@@ -427,26 +440,18 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                         # (both gemms issued at once; Ag is formed while they run)
                         if balance:  # KV forms Ag, U and W
                             T.gemm(q_s, k_s, pg_f, transpose_B=True, clear_accum=True)
-                            for i, j in T.Parallel(BT, BT):
-                                pg_f[i, j] = T.if_then_else(j <= i, scale * pg_f[i, j] * gam_in(gam_f, G_s, i, j),
-                                                            T.cast(0, accum))
-                            T.copy(pg_f, pg_s)
+                            store_pg(pg_f, pg_s, G_s, gam_f)
                         else:
                             T.wgmma_gemm(q_s, k_s, pg_f, transpose_B=True, clear_accum=True)
                             T.wgmma_gemm(k_s, h_s, a1_f, clear_accum=True)
                             for i, j in T.Parallel(BT, BT):
-                                ag_s[i, j] = T.cast(gam(gam_f, G_s, i, j) * T.cast(a_s[i, j], accum) * b_s[j], dtype)
+                                ag_s[i, j] = ag_value(a_s, b_s, G_s, gam_f, i, j)
                             T.wait_wgmma(1)
                             T.warpgroup_fence_operand(pg_f)
-                            for i, j in T.Parallel(BT, BT):
-                                pg_f[i, j] = T.if_then_else(j <= i, scale * pg_f[i, j] * gam_in(gam_f, G_s, i, j),
-                                                            T.cast(0, accum))
-                            T.copy(pg_f, pg_s)
+                            store_pg(pg_f, pg_s, G_s, gam_f)
                             T.wait_wgmma(0)
                             T.warpgroup_fence_operand(a1_f)
-                            T.copy(a1_f, u_s)
-                            for i, j in T.Parallel(BT, V):
-                                w_s[i, j] = T.cast(T.cast(v_s[i, j], accum) - eG_s[i] * a1_f[i, j], dtype)
+                            store_u_w(a1_f, u_s, w_s, v_s, eG_s)
                         T.fence_proxy_async()
                         phase_sync(phase, 0, it % 2, 1, 2, tick, tm_s)
                         # 2: nothing
