@@ -43,14 +43,14 @@ def runner(launch, x):
     return lambda: launch(*args, has_h0=True)
 
 
-def phase_table(name, x, spec) -> dict:
+def phase_table(name, x, spec, launch) -> dict:
     """Run the timing build once (after a warm-up) and print the mean cycles per chunk step that
     each consumer group spends working before, and waiting at, each sync point."""
     from gdr_dispatch.backends.kernels.tilelang_ws_bwd import PHASES, TIMING_SLOTS
 
     n_seq = len(spec.seq_lens)
     clk = torch.zeros(n_seq * spec.H * 3 * TIMING_SLOTS, dtype=torch.int32, device="cuda")
-    fn = runner(lambda *a, **kw: ws_bwd_given_h(*a, **kw, clk=clk), x)
+    fn = runner(lambda *a, **kw: launch(*a, **kw, clk=clk), x)
     fn()
     clk.zero_()
     fn()
@@ -95,14 +95,12 @@ def main(argv=None) -> int:
         print("needs a CUDA device", file=sys.stderr)
         return 2
     rows = []
-    if args.balance or args.gam_regs:
-        global ws_bwd_given_h
-        ws_bwd_given_h = functools.partial(ws_bwd_given_h, balance=args.balance, gam_regs=args.gam_regs)
+    launch = functools.partial(ws_bwd_given_h, balance=args.balance, gam_regs=args.gam_regs)
     for name, spec in SHAPES.items():
         if args.only and name != args.only:
             continue
         x = make_inputs(spec, "cuda", seed=1)
-        ws = runner(ws_bwd_given_h, x)
+        ws = runner(launch, x)
         if args.once:
             one = ws if args.kernel == "ws" else runner(fused_bwd_given_h, x)
             one()
@@ -111,7 +109,7 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             return 0
         if args.timing:
-            rows.append(phase_table(name, x, spec))
+            rows.append(phase_table(name, x, spec, launch))
             continue
         if args.check:
             from gdr_dispatch.chunked_math import chunked_backward
