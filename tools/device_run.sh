@@ -11,7 +11,8 @@
 #                    20 repeated runs of each against the torch backend at B8 T4096 H32 -> $OUT/race.log
 #   timing[=SECONDS] tools/ws_probe.py --timing (cycles per chunk, per group and phase; TIMING_SHAPES
 #                    names the shapes, default B4T4096H16 B8T4096H32) -> $OUT/timing.log, $OUT/bench/timing.json
-#   wsbench[=SECONDS] tools/ws_probe.py --plain (ws vs plain kernel launchers; WS_SHAPES) -> $OUT/wsbench.log
+#   wsbench[=SECONDS] tools/ws_probe.py --plain (ws vs plain kernel launchers; WS_SHAPES; WS_BUILDS='shipped,balance'
+#                    times those ws builds side by side; WS_NO_PLAIN=' ' leaves the plain kernel out) -> $OUT/wsbench.log
 #   stage56[=SECONDS] bench/bench_stage56.py (wide kernel configs, crossover) -> $OUT/stage56.log, bench/stage56.json
 #   bench[=SECONDS]  bench/bench_gdr_bwd.py, h200-train      -> $OUT/bench/<device>.{json,md}
 #   trainbench[=SECONDS] bench/bench_training_op.py (forward + backward of our op vs fla's and FlashQLA's ops;
@@ -20,7 +21,7 @@
 #                    tools/tune_saturated.yaml --backends fla,tilelang_ws') -> $OUT/tune.log, $OUT/<device>.yaml
 #   profile[=SECONDS] tools/profile_fla_adapter.py           -> $OUT/profile.log
 # e.g.  bash tools/device_run.sh precompile tests=240 bench=200 tune=120
-# Env: TESTS_K='<pytest -k expression>' runs only those GPU tests (one pytest, tilelang_fused not
+# Env: PRECOMPILE_JOBS (default 8) compiles in parallel; TESTS_K='<pytest -k expression>' runs only those GPU tests (one pytest, tilelang_fused not
 # held back; TESTS_LOG names its log); RACE_KERNELS='ws' checks only that kernel; WS_ARGS='--balance'
 # passes flags to tools/ws_probe.py in the race, timing and wsbench steps (its ws builds only); BENCH_MATCH='<regex>' benches only the matching shapes and merges them into the
 # committed bench/results/<device>.json; BENCH_SKIP='a,b' leaves those runners out (merged, so
@@ -47,7 +48,7 @@ for arg in "$@"; do
   case $step in
     precompile)
              configs=${PRECOMPILE:-4,2,bfloat16 4,4,bfloat16 4,2,float16 4,4,float16 16,16,bfloat16 32,32,bfloat16 32,16,bfloat16}
-             python3 tools/precompile_tilelang.py $(printf -- '--config %s ' $configs) > "$OUT/precompile.log" 2>&1 &
+             python3 tools/precompile_tilelang.py --jobs "${PRECOMPILE_JOBS:-8}" $(printf -- '--config %s ' $configs) > "$OUT/precompile.log" 2>&1 &
              precompile_pid=$! ;;
     tests)   if [ -n "${TESTS_K:-}" ]; then  # no wait for precompile: a test compiles what it needs first
                timeout "$(( limit - ($(date +%s) - start) ))" python3 -m pytest -v tests/test_gpu.py -p no:cacheprovider -W ignore -rfEs --durations=8 \
@@ -74,7 +75,7 @@ for arg in "$@"; do
              done > "$OUT/timing.log" 2>&1 ;;
     wsbench) [ -n "${precompile_pid:-}" ] && wait "$precompile_pid"
              for shape in ${WS_SHAPES:-B4T4096H16 B8T4096H32}; do
-               timeout "$(( limit - ($(date +%s) - start) ))" python3 tools/ws_probe.py --only "$shape" --plain ${WS_ARGS:-} \
+               timeout "$(( limit - ($(date +%s) - start) ))" python3 tools/ws_probe.py --only "$shape" ${WS_NO_PLAIN:---plain} ${WS_ARGS:-} ${WS_BUILDS:+--builds "$WS_BUILDS"} \
                  --out "$OUT/bench/wsbench-$shape.json" 2>&1 | grep -v TileLang
              done > "$OUT/wsbench.log" 2>&1 ;;
     stage56) timeout "$limit" python3 bench/bench_stage56.py --out "$OUT/bench" > "$OUT/stage56.log" 2>&1 ;;

@@ -89,6 +89,10 @@ def main(argv=None) -> int:
                         "of the shipped one, for every ws run of this invocation")
     p.add_argument("--gam-regs", action="store_true",
                    help="the experimental build that keeps the decay matrix Gam in A's registers for the chunk")
+    p.add_argument("--builds", default=None,
+                   help="comma-separated ws builds to time side by side in this process, each 'shipped' or "
+                        "'+'-joined experiment names (balance, gam_regs), e.g. shipped,balance,balance+gam_regs; "
+                        "replaces --balance/--gam-regs for the timed runs")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -134,16 +138,30 @@ def main(argv=None) -> int:
                 print(name, label, f"{max(2, args.repeat)} runs, worst error against the torch backend:",
                       {n: f"{e:.2e}" for n, e in worst.items()}, flush=True)
         steps = max(spec.seq_lens) // 64
-        row = {"shape": name, "ws_ms": round(measure_ms(ws, "cuda", warmup=3, reps=20), 4)}
-        row["ws_us_per_step"] = round(row["ws_ms"] * 1e3 / steps, 2)
-        if args.plain:
-            plain = runner(fused_bwd_given_h, x)
-            row["plain_ms"] = round(measure_ms(plain, "cuda", warmup=3, reps=20), 4)
-            a, b = ws(), plain()
-            row["max_rel_diff"] = float(f"{max(relative_error(u, w) for u, w in zip(a, b) if w is not None):.2e}")
-        row["build"] = "+".join(n for n, on in (("balance", args.balance), ("gam_regs", args.gam_regs)) if on) or "shipped"
-        rows.append(row)
-        print(row, flush=True)
+        builds = args.builds.split(",") if args.builds else [
+            "+".join(n for n, on in (("balance", args.balance), ("gam_regs", args.gam_regs)) if on) or "shipped"]
+        ref_out = None
+        for build in builds:
+            flags = set(build.split("+")) - {"shipped"}
+            unknown = flags - {"balance", "gam_regs"}
+            if unknown:
+                raise SystemExit(f"--builds: unknown experiment(s) {sorted(unknown)} in {build!r}")
+            fn = runner(functools.partial(ws_bwd_given_h, balance="balance" in flags, gam_regs="gam_regs" in flags), x)
+            row = {"shape": name, "build": build, "ws_ms": round(measure_ms(fn, "cuda", warmup=3, reps=20), 4)}
+            row["ws_us_per_step"] = round(row["ws_ms"] * 1e3 / steps, 2)
+            out = fn()
+            if ref_out is None:  # the first build's outputs: the others must agree to rounding
+                ref_out = out
+            else:
+                row["max_rel_diff_vs_first"] = float(
+                    f"{max(relative_error(u, w) for u, w in zip(out, ref_out) if w is not None):.2e}")
+            if args.plain and build == builds[0]:
+                plain = runner(fused_bwd_given_h, x)
+                row["plain_ms"] = round(measure_ms(plain, "cuda", warmup=3, reps=20), 4)
+                b = plain()
+                row["max_rel_diff"] = float(f"{max(relative_error(u, w) for u, w in zip(out, b) if w is not None):.2e}")
+            rows.append(row)
+            print(row, flush=True)
         del x
         torch.cuda.empty_cache()
     if args.out:
