@@ -50,8 +50,7 @@ class FlashQLABackend(Backend):
     # FlashQLA's whole backward is 2.8-3.4x faster than fla's op at the saturated h200-train
     # shapes (bench/results/nvidia-h200-sm90.md); first in the static order once verified
     static_rank = 5
-    gpu_verified = False
-    unverified_why = "its GPU oracle tests (tests/test_gpu.py) have not run yet"
+    gpu_verified = True  # tests/test_gpu.py on the H200, 2026-11-30 (flash_qla 0.1.3): 29 passed
 
     def not_supported_reasons(self, p: Problem) -> list[str]:
         reasons = []
@@ -108,6 +107,42 @@ class FlashQLABackend(Backend):
             dq, dk = dq.float(), dk.float()
         return GDRGrads(reduce_value_heads(dq, call.Hg, call.q.dtype), reduce_value_heads(dk, call.Hg, call.k.dtype),
                         dv, dg, db.to(call.b.dtype), dh0 if call.initial_state is not None else None)
+
+    def compile_jobs(self, call: GDRCall) -> list[tuple[str, str, tuple]]:
+        # FlashQLA's kernels take their lengths at run time and key their JIT on the head counts,
+        # dtypes, scale and flags: one run on a one-chunk input with the same keys compiles them
+        # (about a minute each on the H200's machine, tests/test_gpu.py durations)
+        def name(t):
+            return None if t is None else str(t.dtype).removeprefix("torch.")
+
+        keys = (call.H, call.Hg, name(call.q), name(call.a), name(call.g), name(call.b), name(call.h),
+                name(call.cu_seqlens), call.initial_state is not None, call.dht is not None, call.scale,
+                call.state_v_first)
+        return [(__name__, warm_up.__name__, keys)]
+
+
+def warm_up(H, Hg, dtype, a_dtype, g_dtype, b_dtype, h_dtype, cu_dtype, has_h0, has_dht, scale, state_v_first,
+            device="cuda"):
+    """Run the backend once on one 64-token chunk with a call's compile-time keys (a compile job)."""
+    from gdr_dispatch.contract import validate
+
+    dev, K, T = torch.device(device), 128, 64
+
+    def rnd(*shape, dt):
+        return (0.1 * torch.randn(*shape, device=dev)).to(getattr(torch, dt))
+
+    state = (1, H, K, K)
+    call = validate(rnd(1, T, Hg, K, dt=dtype), rnd(1, T, Hg, K, dt=dtype), rnd(1, T, H, K, dt=dtype),
+                    rnd(1, T, H, 64, dt=a_dtype), -torch.rand(1, T, H, device=dev).cumsum(1).to(getattr(torch, g_dtype)),
+                    torch.rand(1, T, H, device=dev).to(getattr(torch, b_dtype)), rnd(1, T, H, K, dt=dtype),
+                    rnd(*state, dt="float32") if has_dht else None,
+                    None if h_dtype is None else rnd(1, 1, H, K, K, dt=h_dtype), scale=scale,
+                    initial_state=rnd(*state, dt="float32") if has_h0 else None,
+                    cu_seqlens=None if cu_dtype is None else torch.tensor([0, T], dtype=getattr(torch, cu_dtype), device=dev),
+                    state_v_first=state_v_first)
+    FlashQLABackend().run(call)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
 
 
 if importlib.util.find_spec("flash_qla") is not None:

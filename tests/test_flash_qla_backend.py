@@ -69,10 +69,37 @@ def test_a_failed_import_is_a_reason_not_a_silent_absence(monkeypatch):
     assert "does not import here" in why and "ValueError" in why
 
 
-def test_refused_until_its_gpu_tests_pass(importable, monkeypatch):
+def test_verified_on_a_gpu(importable, monkeypatch):
     monkeypatch.delenv("GDR_ALLOW_UNVERIFIED", raising=False)
-    ok, why = flash_qla.FlashQLABackend().supported(problem())
-    assert not ok and "not verified on a GPU" in why
+    assert flash_qla.FlashQLABackend().supported(problem()) == (True, "")
+
+
+@pytest.mark.parametrize("spec", [ShapeSpec(B=2, T=100, H=4, Hg=2, K=128, V=128, dtype="float16", h="given"),
+                                  ShapeSpec(seqlens=(1, 63, 64, 65), H=4, K=128, V=128, dtype="float16", dht=False,
+                                            state_v_first=True, h="none")], ids=lambda s: s.label())
+def test_compile_job_runs_its_kernels_with_the_calls_keys(spec, monkeypatch):
+    """A sweep compiles FlashQLA's kernels beforehand by running them on one chunk with the
+    call's compile-time keys (head counts, dtypes, scale, flags): the warm-up's call must carry
+    the same keys as the real one, or the real call compiles again."""
+    import fake_flash_qla
+    from gdr_dispatch.contract import validate
+    from gdr_dispatch.shapes import call_kwargs, make_inputs
+
+    seen = []
+    real_run = flash_qla.FlashQLABackend.run
+    monkeypatch.setattr(flash_qla.FlashQLABackend, "run", lambda self, c: seen.append(c) or real_run(self, c))
+    fake_flash_qla.install(monkeypatch)
+    call = validate(**call_kwargs(make_inputs(spec, "cpu")))
+    ((module, function, keys),) = flash_qla.FlashQLABackend().compile_jobs(call)
+    assert module == flash_qla.__name__
+    getattr(flash_qla, function)(*keys, device="cpu")
+    (warm,) = seen
+
+    def key(c):
+        return (c.H, c.Hg, c.scale, c.state_v_first, c.initial_state is not None, c.dht is not None,
+                *(None if t is None else t.dtype for t in (c.q, c.k, c.v, c.do, c.a, c.g, c.b, c.h, c.cu_seqlens)))
+
+    assert key(warm) == key(call)
 
 
 @pytest.mark.parametrize("h_mode", ["given", "none"])
