@@ -229,6 +229,9 @@ def main(argv=None):
     p.add_argument("--splits", default="", help="segment counts of the context-parallel split to time as "
                    "extra runners `<backend>@split<n>` (e.g. 2,4,8), with FlashQLA's auto_cp beside them")
     p.add_argument("--split-backends", default="fla,tilelang_fused", help="the backends --splits wraps")
+    p.add_argument("--compile-jobs", type=int, default=8,
+                   help="compile the backends' kernels for every shape first, in this many processes (0: each on "
+                        "first use, one after another)")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--unverified", action="store_true",
                    help="also run backends still refused until their GPU tests pass (their error column then "
@@ -252,6 +255,10 @@ def main(argv=None):
     splits = [int(n) for n in filter(None, args.splits.split(","))]
     split_backends = [n for n in filter(None, args.split_backends.split(",")) if n not in skip]
     dev = device_info(torch.device("cuda"))
+    if args.compile_jobs:
+        from gdr_dispatch.cli import precompile
+
+        precompile(variants, torch.device("cuda"), set(registered_backends()) - skip, args.compile_jobs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     doc = {"device": dev.name, "capability": list(dev.capability), "versions": library_versions(),

@@ -5,7 +5,10 @@
 For each shape, one process, the same inputs (bf16 q/k/v/beta, fp32 log decay g and initial
 state; loss = <o, do> + <final_state, dht>):
   * `ours`: `gdr_dispatch.chunk_gated_delta_rule` (fla-core's forward with the contract's
-    residuals, then `fused_gdr_bwd` on whatever backend the dispatcher picks: the log says which);
+    residuals, then `fused_gdr_bwd` on whatever backend the dispatcher picks: the JSON's
+    `backend` says which);
+  * `ours@<backend>` for each of `--backends`: the same op with GDR_BACKEND forcing that backend
+    through the forward and the backward;
   * `fla-op`: fla-core's `chunk_gated_delta_rule`;
   * `flashqla-op`: FlashQLA's `chunk_gated_delta_rule` as a user calls it (its intra-card split
     `auto_cp` on), when importable.
@@ -19,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import re
 import sys
 import time
@@ -58,20 +63,50 @@ def step_inputs(spec: ShapeSpec, device, seed: int = 0) -> dict:
     return x
 
 
+class Forced:
+    """Our op with GDR_BACKEND set for the whole step (the backward runs after the forward returns)."""
+
+    def __init__(self, op, backend: str):
+        self.op, self.backend = op, backend
+
+
 def step(op, x: dict, **extra) -> dict:
     """One forward + backward of `op`; returns o, the final state and every gradient."""
-    leaves = {n: x[n].detach().requires_grad_(True) for n in LEAVES}
-    o, ht = op(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
-               initial_state=leaves["initial_state"], output_final_state=True, cu_seqlens=x["cu_seqlens"], **extra)
-    torch.autograd.backward((o, ht), (x["do"], x["dht"].to(ht.dtype)))
+    forced = op.backend if isinstance(op, Forced) else None
+    op = op.op if isinstance(op, Forced) else op
+    before = os.environ.get("GDR_BACKEND")
+    if forced:
+        os.environ["GDR_BACKEND"] = forced
+    try:
+        leaves = {n: x[n].detach().requires_grad_(True) for n in LEAVES}
+        o, ht = op(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
+                   initial_state=leaves["initial_state"], output_final_state=True, cu_seqlens=x["cu_seqlens"],
+                   **extra)
+        torch.autograd.backward((o, ht), (x["do"], x["dht"].to(ht.dtype)))
+    finally:
+        if forced:
+            os.environ.pop("GDR_BACKEND", None) if before is None else os.environ.__setitem__("GDR_BACKEND", before)
     return {"o": o.detach(), "ht": ht.detach(), **{"d" + n: t.grad for n, t in leaves.items()}}
 
 
-def runners() -> dict:
+class ChoiceLog(logging.Handler):
+    """Remembers the backend of the dispatcher's latest 'backend <name> for ...' log line."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.backend = None
+
+    def emit(self, record):
+        if record.getMessage().startswith("gdr_dispatch: backend ") and record.args:
+            self.backend = record.args[0]
+
+
+def runners(forced=()) -> dict:
     """name -> op (or the reason it is absent)."""
     from gdr_dispatch import chunk_gated_delta_rule
 
     out = {"ours": chunk_gated_delta_rule}
+    out.update({f"ours@{name}": Forced(chunk_gated_delta_rule, name) for name in forced})
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
         out["fla-op"] = fla_op
@@ -85,23 +120,59 @@ def runners() -> dict:
     return out
 
 
+def warm_flashqla(H: int, Hg: int, varlen: bool, dtype: str) -> float:
+    """One FlashQLA training step on two 64-token sequences with a shape's head layout (in a
+    worker process): its TileLang kernels take their lengths at run time, so this compiles what
+    the timed step needs (about a minute per kernel, one core each)."""
+    from flash_qla import chunk_gated_delta_rule as fq_op
+
+    t0 = time.perf_counter()
+    spec = ShapeSpec(seqlens=(64, 64), H=H, Hg=Hg, dtype=dtype) if varlen else ShapeSpec(B=2, T=64, H=H, Hg=Hg,
+                                                                                          dtype=dtype)
+    step(fq_op, step_inputs(spec, "cuda"))
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def precompile_flashqla(shapes, workers: int) -> None:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    layouts = sorted({(s.H, s.Hg, bool(s.seqlens), s.dtype) for s in shapes})
+    print(f"compiling FlashQLA's kernels for {len(layouts)} head layouts first", file=sys.stderr, flush=True)
+    with ProcessPoolExecutor(max(1, min(workers, len(layouts))), mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(warm_flashqla, *lay): lay for lay in layouts}
+        for fut in as_completed(futures):
+            try:
+                print(f"  {futures[fut]}: {fut.result():.1f} s", file=sys.stderr, flush=True)
+            except Exception as e:  # noqa: BLE001 - the timed run reports it again
+                print(f"  {futures[fut]}: failed: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr, flush=True)
+
+
 def bench_shape(spec: ShapeSpec, ops: dict, warmup: int, reps: int) -> dict:
     x = step_inputs(spec, "cuda", seed=1)
     row = {"shape": spec.label().rsplit(" h=", 1)[0], "runs": {}}
     ref = step(ops["fla-op"], x) if callable(ops.get("fla-op")) else None
+    choices = ChoiceLog()
+    logging.getLogger("gdr_dispatch").addHandler(choices)
+    logging.getLogger("gdr_dispatch").setLevel(logging.INFO)
     for name, op in ops.items():
-        if not callable(op):
+        if isinstance(op, str):
             row["runs"][name] = {"skipped": op}
             continue
         t0 = time.perf_counter()
         try:
+            choices.backend = None
             got = step(op, x)
             err = max(relative_error(got[n], ref[n]) for n in got) if ref is not None else None
             ms = measure_ms(lambda: step(op, x), "cuda", warmup=warmup, reps=reps)
             row["runs"][name] = {"ms": round(ms, 4), **({"max_rel_err_vs_fla_op": float(f"{err:.3e}")} if ref else {})}
+            if name.startswith("ours"):
+                row["runs"][name]["backend"] = choices.backend
         except Exception as e:  # noqa: BLE001 - a failing runner is reported, the sweep goes on
             row["runs"][name] = {"failed": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
         print(f"    {name}: {row['runs'][name]}  [{time.perf_counter() - t0:.1f} s]", file=sys.stderr, flush=True)
+    logging.getLogger("gdr_dispatch").removeHandler(choices)
     del x
     torch.cuda.empty_cache()
     return row
@@ -109,14 +180,16 @@ def bench_shape(spec: ShapeSpec, ops: dict, warmup: int, reps: int) -> dict:
 
 def to_markdown(rows, device) -> str:
     names = list(dict.fromkeys(n for r in rows for n in r["runs"]))
-    lines = [f"Training step (forward + backward) on {device}, median ms (fla-op ms / this ms in brackets)", "",
+    lines = [f"Training step (forward + backward) on {device}, median ms (fla-op ms / this ms in brackets; "
+             "ours: [the backend the dispatcher ran])", "",
              "| shape | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for r in rows:
         base = r["runs"].get("fla-op", {}).get("ms")
         cells = []
         for n in names:
             run = r["runs"].get(n, {})
-            cells.append(f"{run['ms']:.3f}" + (f" ({base / run['ms']:.2f}x)" if base else "") if "ms" in run
+            cells.append(f"{run['ms']:.3f}" + (f" ({base / run['ms']:.2f}x)" if base else "")
+                         + (f" [{run['backend']}]" if n == "ours" and run.get("backend") else "") if "ms" in run
                          else ("failed" if "failed" in run else "-"))
         lines.append(f"| {r['shape']} | " + " | ".join(cells) + " |")
     errs = {n: max((r["runs"][n].get("max_rel_err_vs_fla_op", 0.0) for r in rows if n in r["runs"]), default=0.0)
@@ -136,6 +209,10 @@ def main(argv=None) -> int:
     src.add_argument("--preset", choices=sorted(PRESETS), default="h200-train")
     src.add_argument("--grid")
     p.add_argument("--match", default=None, help="only the shapes whose label matches this regular expression")
+    p.add_argument("--backends", default="", help="also run our op with each of these backends forced (GDR_BACKEND), "
+                   "as ours@<backend>, comma-separated")
+    p.add_argument("--compile-jobs", type=int, default=8,
+                   help="compile FlashQLA's kernels for the shapes' head layouts first, in this many processes (0: not)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default=str(RESULTS))
@@ -146,7 +223,9 @@ def main(argv=None) -> int:
     shapes = load_grid(args.grid) if args.grid else PRESETS[args.preset]
     if args.match:
         shapes = [s for s in shapes if re.search(args.match, s.label())]
-    ops = runners()
+    ops = runners([n for n in args.backends.split(",") if n])
+    if args.compile_jobs and callable(ops.get("flashqla-op")):
+        precompile_flashqla(shapes, args.compile_jobs)
     dev = device_info(torch.device("cuda"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

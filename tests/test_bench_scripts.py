@@ -68,3 +68,31 @@ def test_training_bench_step_runs_our_op_and_agrees_with_the_oracle(spec):
     assert set(got) == {"o", "ht", *("d" + n for n in bt.LEAVES)}
     for name, want in zip(("o", "ht", *("d" + n for n in bt.LEAVES)), (o, ht, *ref)):
         assert torch.allclose(got[name], want, rtol=1e-8, atol=1e-9), name
+
+
+def test_training_bench_forces_a_backend_through_the_whole_step_and_names_it(monkeypatch):
+    """`ours@<backend>` keeps GDR_BACKEND set until the backward (which runs after the forward
+    returns) and restores the caller's value; the row records the backend the log line named."""
+    import logging
+
+    import bench_training_op as bt
+
+    from gdr_dispatch import chunk_gated_delta_rule
+    from gdr_dispatch import dispatch as dsp
+    from gdr_dispatch.shapes import ShapeSpec
+
+    monkeypatch.setenv("GDR_BACKEND", "callers-own")
+    seen = []
+    real = dsp.select_backend
+    monkeypatch.setattr(dsp, "select_backend", lambda *a, **k: seen.append(bt.os.environ["GDR_BACKEND"]) or real(*a, **k))
+    dsp.clear_caches()
+    handler = bt.ChoiceLog()
+    logging.getLogger("gdr_dispatch").addHandler(handler)
+    logging.getLogger("gdr_dispatch").setLevel(logging.INFO)
+    try:
+        x = bt.step_inputs(ShapeSpec(B=1, T=40, H=2, K=16, V=16, dtype="float64"), "cpu")
+        bt.step(bt.Forced(chunk_gated_delta_rule, "torch"), x)
+    finally:
+        logging.getLogger("gdr_dispatch").removeHandler(handler)
+    assert seen == ["torch"] and handler.backend == "torch"
+    assert bt.os.environ["GDR_BACKEND"] == "callers-own"

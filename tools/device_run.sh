@@ -11,18 +11,19 @@
 #                    20 repeated runs of each against the torch backend at B8 T4096 H32 -> $OUT/race.log
 #   timing[=SECONDS] tools/ws_probe.py --timing (cycles per chunk, per group and phase; TIMING_SHAPES
 #                    names the shapes, default B4T4096H16 B8T4096H32) -> $OUT/timing.log, $OUT/bench/timing.json
-#   wsbench[=SECONDS] tools/ws_probe.py --plain (ws vs plain kernel launchers; WS_SHAPES; WS_BUILDS='shipped,balance'
+#   wsbench[=SECONDS] tools/ws_probe.py --plain (ws vs plain kernel launchers; WS_SHAPES; WS_BUILDS='default,nogam'
 #                    times those ws builds side by side; WS_NO_PLAIN=' ' leaves the plain kernel out) -> $OUT/wsbench.log
 #   stage56[=SECONDS] bench/bench_stage56.py (wide kernel configs, crossover) -> $OUT/stage56.log, bench/stage56.json
 #   bench[=SECONDS]  bench/bench_gdr_bwd.py, h200-train      -> $OUT/bench/<device>.{json,md}
 #   trainbench[=SECONDS] bench/bench_training_op.py (forward + backward of our op vs fla's and FlashQLA's ops;
-#                    TRAIN_MATCH='<regex>' picks shapes) -> $OUT/trainbench.log, $OUT/bench/<device>-training.{json,md}
+#                    TRAIN_MATCH='<regex>' picks shapes, TRAIN_BACKENDS='a,b' adds our op forced to each) -> $OUT/trainbench.log, $OUT/bench/<device>-training.{json,md}
 #   tune[=SECONDS]   gdr-dispatch tune --preset h200-train (TUNE_ARGS replaces the preset, e.g. '--grid
-#                    tools/tune_saturated.yaml --backends fla,tilelang_ws') -> $OUT/tune.log, $OUT/<device>.yaml
+#                    tools/tune_saturated.yaml --backends fla,tilelang_ws') -> $OUT/tune.log (TUNE_LOG), $OUT/<device>.yaml
 #   profile[=SECONDS] tools/profile_fla_adapter.py           -> $OUT/profile.log
 # e.g.  bash tools/device_run.sh precompile tests=240 bench=200 tune=120
-# Env: PRECOMPILE_JOBS (default 8) compiles in parallel; TESTS_K='<pytest -k expression>' runs only those GPU tests (one pytest, tilelang_fused not
-# held back; TESTS_LOG names its log); RACE_KERNELS='ws' checks only that kernel; WS_ARGS='--balance'
+# Env: PRECOMPILE_JOBS (default 8) compiles in parallel; USER_TABLES=/tmp/tables lets the steps after a tune
+# dispatch with its table; TESTS_K='<pytest -k expression>' runs only those GPU tests (one pytest, tilelang_fused not
+# held back; TESTS_LOG names its log); RACE_KERNELS='ws' checks only that kernel; WS_ARGS='--build balance'
 # passes flags to tools/ws_probe.py in the race, timing and wsbench steps (its ws builds only); BENCH_MATCH='<regex>' benches only the matching shapes and merges them into the
 # committed bench/results/<device>.json; BENCH_SKIP='a,b' leaves those runners out (merged, so
 # their committed numbers stay, marked as from an earlier run).
@@ -35,12 +36,13 @@ set -u
 # (a second invocation in the same call finds the bundle unpacked)
 [ -f /tmp/site/.unpacked ] || { mkdir -p /tmp/site && tar -xJf .devbundle/site-py312.tar.xz -C /tmp/site && touch /tmp/site/.unpacked; } || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tcache TILELANG_CACHE_DIR=/tmp/tlcache \
-       GDR_TUNING_CACHE=/tmp/usertables
+       GDR_TUNING_CACHE=${USER_TABLES:-/tmp/usertables}
 # compiled kernels of an earlier call (Triton's and TileLang's caches), else fla's autotune results only
 if [ -f .devcache/caches.tar.xz ]; then tar -xJf .devcache/caches.tar.xz -C /;
 elif [ -d .devcache/tcache ]; then cp -r .devcache/tcache /tmp/; else tar -xzf tools/h200_autotune_cache.tgz -C /tmp; fi
 mkdir -p "$OUT/bench" /tmp/tables
-[ -f tuning_cache/nvidia-h200-sm90.yaml ] && cp tuning_cache/nvidia-h200-sm90.yaml /tmp/tables/
+# (a second invocation keeps the table a first one tuned)
+[ -f tuning_cache/nvidia-h200-sm90.yaml ] && cp -n tuning_cache/nvidia-h200-sm90.yaml /tmp/tables/
 
 for arg in "$@"; do
   step=${arg%%=*}; limit=${arg#*=}; [ "$limit" = "$arg" ] && limit=300
@@ -70,7 +72,7 @@ for arg in "$@"; do
                > "$OUT/race.log" 2>&1 ;;
     timing)  [ -n "${precompile_pid:-}" ] && wait "$precompile_pid"
              for shape in ${TIMING_SHAPES:-B4T4096H16 B8T4096H32}; do
-               timeout "$(( limit - ($(date +%s) - start) ))" python3 tools/ws_probe.py --only "$shape" --timing ${WS_ARGS:-} \
+               timeout "$(( limit - ($(date +%s) - start) ))" python3 tools/ws_probe.py --only "$shape" --timing ${WS_ARGS:-} ${WS_BUILDS:+--builds "$WS_BUILDS"} \
                  --out "$OUT/bench/timing-$shape.json" 2>&1 | grep -v TileLang
              done > "$OUT/timing.log" 2>&1 ;;
     wsbench) [ -n "${precompile_pid:-}" ] && wait "$precompile_pid"
@@ -88,9 +90,9 @@ for arg in "$@"; do
                  > "$OUT/bench.log" 2>&1
              fi ;;
     trainbench) timeout "$limit" python3 bench/bench_training_op.py --preset h200-train --match "${TRAIN_MATCH:-.}" \
-               --out "$OUT/bench" > "$OUT/trainbench.log" 2>&1 ;;
+               --backends "${TRAIN_BACKENDS:-}" --out "$OUT/bench" > "$OUT/trainbench.log" 2>&1 ;;
     tune)    timeout "$limit" python3 -m gdr_dispatch tune ${TUNE_ARGS:---preset h200-train} --out /tmp/tables \
-               > "$OUT/tune.log" 2>&1; cp /tmp/tables/*.yaml "$OUT/" ;;
+               > "$OUT/${TUNE_LOG:-tune.log}" 2>&1; cp /tmp/tables/*.yaml "$OUT/" ;;
     profile) timeout "$limit" python3 tools/profile_fla_adapter.py --B 8 --T 4096 --H 32 --rounds 3 > "$OUT/profile.log" 2>&1 ;;
     *) echo "unknown step $step"; continue ;;
   esac

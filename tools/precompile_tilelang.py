@@ -19,11 +19,12 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 
 def compile_one(H: int, Hg: int, dtype: str, schedule: str = "plain", K: int = 128, V: int = 128, BT: int = 64) -> float:
     t0 = time.perf_counter()
-    if schedule.startswith("ws"):  # ws, ws-timing, ws-balance, ws-balance-timing
-        from gdr_dispatch.backends.kernels.tilelang_ws_bwd import build_ws_bwd
+    if schedule.startswith("ws"):  # ws[-timing][-<switch>...], e.g. ws-nogam-timing
+        from gdr_dispatch.backends.kernels.tilelang_ws_bwd import build_flags, build_ws_bwd
 
+        words = schedule.split("-")[1:]
         build_ws_bwd(H, Hg, float(K ** -0.5), dtype, dtype, dtype if H == Hg else "float32",
-                     timing="timing" in schedule, balance="balance" in schedule, gam_regs="gam" in schedule)
+                     timing="timing" in words, **build_flags("+".join(w for w in words if w != "timing")))
     else:
         from gdr_dispatch.backends.kernels.tilelang_fused_bwd import build_fused_bwd
 
@@ -34,9 +35,9 @@ def compile_one(H: int, Hg: int, dtype: str, schedule: str = "plain", K: int = 1
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", action="append", required=True,
-                   help="H,Hg,dtype[,ws|ws-timing|ws-balance|ws-balance-timing] (K = V = 128, chunk 64; ws: the "
-                        "warp-specialised kernel, -timing: its build with cycle counters, -balance / -gam: the "
-                        "experimental builds (KV forms Ag, U and W / Gam kept in A's registers), combinable)")
+                   help="H,Hg,dtype[,ws[-timing][-<switch>...]] (K = V = 128, chunk 64; ws: the warp-specialised "
+                        "kernel's default build, -timing: with cycle counters, switches balance/nobalance/gam/nogam: "
+                        "other builds, tilelang_ws_bwd.build_flags)")
     p.add_argument("--jobs", type=int, default=8)
     args = p.parse_args()
     configs = []

@@ -5,7 +5,8 @@
     python tools/ws_probe.py --only B8T4096H32 --check --repeat 20   # the race hunt of docs/tilelang_ws.md
     compute-sanitizer --tool racecheck python3 tools/ws_probe.py --only tiny --once --kernel plain
     python tools/ws_probe.py --only B4T4096H16 --timing     # cycles per chunk, per group and phase
-    python tools/ws_probe.py --balance --check ...           # the same for the experimental build (KV forms Ag, U, W)
+    python tools/ws_probe.py --build balance --check ...     # the same for another build (KV forms Ag, U, W)
+    python tools/ws_probe.py --builds default,nogam,balance  # builds side by side (switches: build_flags)
 
 Prints median ms (CUDA events, gdr_dispatch.dispatch.measure_ms), us per chunk step (a CTA
 walks its sequence's chunks one after another) and the largest relative difference between
@@ -22,7 +23,7 @@ import sys
 import torch
 
 from gdr_dispatch.backends.kernels.tilelang_fused_bwd import fused_bwd_given_h
-from gdr_dispatch.backends.kernels.tilelang_ws_bwd import ws_bwd_given_h
+from gdr_dispatch.backends.kernels.tilelang_ws_bwd import build_flags, ws_bwd_given_h
 from gdr_dispatch.dispatch import measure_ms, relative_error
 from gdr_dispatch.shapes import ShapeSpec, make_inputs
 
@@ -84,22 +85,22 @@ def main(argv=None) -> int:
                         "(a race moves its error between runs)")
     p.add_argument("--timing", action="store_true",
                    help="run the timing build: cycles per chunk each consumer group works / waits per phase")
-    p.add_argument("--balance", action="store_true",
-                   help="the experimental build in which KV forms Ag, U and W (docs/tilelang_ws.md, 'Next') instead "
-                        "of the shipped one, for every ws run of this invocation")
-    p.add_argument("--gam-regs", action="store_true",
-                   help="the experimental build that keeps the decay matrix Gam in A's registers for the chunk")
+    p.add_argument("--build", default="default",
+                   help="the ws build of --once, --check and --timing: 'default' or switches joined by '+' (balance, "
+                        "nobalance, gam, nogam; tilelang_ws_bwd.build_flags)")
     p.add_argument("--builds", default=None,
-                   help="comma-separated ws builds to time side by side in this process, each 'shipped' or "
-                        "'+'-joined experiment names (balance, gam_regs), e.g. shipped,balance,balance+gam_regs; "
-                        "replaces --balance/--gam-regs for the timed runs")
+                   help="comma-separated ws builds to time (and --timing) side by side in this process, e.g. "
+                        "default,nogam,balance (default: --build)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
     rows = []
-    launch = functools.partial(ws_bwd_given_h, balance=args.balance, gam_regs=args.gam_regs)
+    launch = functools.partial(ws_bwd_given_h, **build_flags(args.build))
+    builds = args.builds.split(",") if args.builds else [args.build]
+    for build in builds:
+        build_flags(build)  # an unknown switch fails before any kernel runs
     for name, spec in SHAPES.items():
         if args.only and name != args.only:
             continue
@@ -113,7 +114,10 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             return 0
         if args.timing:
-            rows.append(phase_table(name, x, spec, launch))
+            for build in builds:
+                print(f"build {build}: {build_flags(build)}")
+                rows.append({**phase_table(name, x, spec, functools.partial(ws_bwd_given_h, **build_flags(build))),
+                             "build": build})
             continue
         if args.check:
             from gdr_dispatch.chunked_math import chunked_backward
@@ -138,16 +142,11 @@ def main(argv=None) -> int:
                 print(name, label, f"{max(2, args.repeat)} runs, worst error against the torch backend:",
                       {n: f"{e:.2e}" for n, e in worst.items()}, flush=True)
         steps = max(spec.seq_lens) // 64
-        builds = args.builds.split(",") if args.builds else [
-            "+".join(n for n, on in (("balance", args.balance), ("gam_regs", args.gam_regs)) if on) or "shipped"]
         ref_out = None
         for build in builds:
-            flags = set(build.split("+")) - {"shipped"}
-            unknown = flags - {"balance", "gam_regs"}
-            if unknown:
-                raise SystemExit(f"--builds: unknown experiment(s) {sorted(unknown)} in {build!r}")
-            fn = runner(functools.partial(ws_bwd_given_h, balance="balance" in flags, gam_regs="gam_regs" in flags), x)
-            row = {"shape": name, "build": build, "ws_ms": round(measure_ms(fn, "cuda", warmup=3, reps=20), 4)}
+            fn = runner(functools.partial(ws_bwd_given_h, **build_flags(build)), x)
+            row = {"shape": name, "build": build, **build_flags(build),
+                   "ws_ms": round(measure_ms(fn, "cuda", warmup=3, reps=20), 4)}
             row["ws_us_per_step"] = round(row["ws_ms"] * 1e3 / steps, 2)
             out = fn()
             if ref_out is None:  # the first build's outputs: the others must agree to rounding

@@ -31,6 +31,7 @@ by the launcher), dv, dg (w.r.t. the raw gate), db, dh0 (always written).
 """
 
 import functools
+import re
 
 import tilelang
 import tilelang.language as T
@@ -51,18 +52,38 @@ PHASES = 7
 #: chunks of clock cycles: [2 s] working before sync point s, [2 s + 1] waiting there (s = 0
 #: the producer's `full` barrier, 1-7 the phase ends), [16] the whole chunk loop, [17] chunks.
 TIMING_SLOTS = 18
+#: The build `tilelang_ws` runs; the other settings are kept as measured experiments
+#: (docs/tilelang_ws.md, "Steps"). Tools name builds by switches (`build_flags`).
+DEFAULT_BUILD = {"balance": False, "gam_regs": True}
+SWITCHES = {"balance": ("balance", True), "nobalance": ("balance", False),
+            "gam": ("gam_regs", True), "nogam": ("gam_regs", False)}
+
+
+def build_flags(build: str) -> dict:
+    """`'default'` or switches joined by '+' or '-' (e.g. `balance+nogam`) -> `build_ws_bwd`
+    keyword arguments; an unnamed setting keeps `DEFAULT_BUILD`'s value."""
+    flags = dict(DEFAULT_BUILD)
+    for word in re.split(r"[+-]", build):
+        if word in ("", "default"):
+            continue
+        if word not in SWITCHES:
+            raise ValueError(f"unknown build switch {word!r} in {build!r}; known: default, {', '.join(SWITCHES)}")
+        key, value = SWITCHES[word]
+        flags[key] = value
+    return flags
 
 
 @functools.lru_cache(maxsize=None)
 def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dtype: str, timing: bool = False,
-                 balance: bool = False, gam_regs: bool = False):
+                 balance: bool = DEFAULT_BUILD["balance"], gam_regs: bool = DEFAULT_BUILD["gam_regs"]):
     """Compile (once per configuration) the warp-specialised kernel (K = V = 128, chunk 64).
 
     `timing` adds cycle counters at every sync point (written to the `clk` argument, CTA by
     CTA: `[N * H, 3, TIMING_SLOTS]`); the instrument of docs/tilelang_ws.md's phase table.
-    `balance` (an experiment, not yet measured: docs/tilelang_ws.md, "Next") has KV form Ag, U
-    and W in phase 1 instead of A, the critical path. `gam_regs` (another experiment) keeps the
-    decay matrix Gam in A's registers for the chunk instead of forming it five times.
+    `gam_regs` keeps the decay matrix Gam in A's registers for the chunk instead of forming it
+    five times from shared memory (A, the critical path, issues ~20 % fewer instructions).
+    `balance` (an experiment, off) has KV form Ag, U and W in phase 1 instead of A.
+    docs/tilelang_ws.md has both measured.
     """
     accum = "float32"
     TT = T.dynamic("num_tokens")
@@ -574,8 +595,8 @@ def ws_config(q, v, b, scale: float) -> tuple:
 
 
 def ws_bwd_given_h(q, k, v, do, a, g, b, h, dht, scale: float, seq_lens, chunk_size: int = 64,
-                   cu_seqlens=None, has_h0: bool = False, state_v_first: bool = False, clk=None, balance: bool = False,
-                   gam_regs: bool = False):
+                   cu_seqlens=None, has_h0: bool = False, state_v_first: bool = False, clk=None,
+                   balance: bool = DEFAULT_BUILD["balance"], gam_regs: bool = DEFAULT_BUILD["gam_regs"]):
     """Run the warp-specialised kernel; returns `(dq, dk, dv, dg, db, dh0)` in the contract's form.
 
     `tilelang_launch.launch_packed`'s calling convention; dq/dk come out in q's dtype unless
