@@ -103,9 +103,9 @@ class FlashQLABackend(Backend):
             cu_seqlens=call.cu_seqlens, chunk_size=call.chunk_size, state_v_first=call.state_v_first)
         dg = utils.chunk_local_cumsum(dg, chunk_size=call.chunk_size, cu_seqlens=call.cu_seqlens, reverse=True,
                                       zero_last_chunk=True)
-        if call.Hg != call.H:  # its per-head dq/dk come in v's dtype: sum them in fp32
-            dq, dk = dq.float(), dk.float()
-        return GDRGrads(reduce_value_heads(dq, call.Hg, call.q.dtype), reduce_value_heads(dk, call.Hg, call.k.dtype),
+        # its per-head dq/dk come in v's dtype: summed in fp32
+        return GDRGrads(reduce_value_heads(dq, call.Hg, call.q.dtype, accum=torch.float32),
+                        reduce_value_heads(dk, call.Hg, call.k.dtype, accum=torch.float32),
                         dv, dg, db.to(call.b.dtype), dh0 if call.initial_state is not None else None)
 
     def compile_jobs(self, call: GDRCall) -> list[tuple[str, str, tuple]]:

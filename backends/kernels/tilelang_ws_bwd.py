@@ -94,7 +94,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
     group = H // Hg
     nreg_s, nreg_kv, nreg_a, nreg_p = NREG
     NS = TIMING_SLOTS
-    staged = dq_dtype == dtype  # 16-bit dq/dk (value heads not grouped) are stored through shared memory
+    staged = dq_dtype == dtype  # 16-bit dq/dk (per value head) are stored through shared memory as whole rows
 
     @T.macro
     def clock_into(tick, i):
@@ -591,7 +591,10 @@ def ws_config(q, v, b, scale: float) -> tuple:
     """`build_ws_bwd`'s arguments for a call: one source for the launcher and for precompile
     jobs (backends' `compile_jobs`), so both hit the same compiled kernel."""
     H, Hg = v.shape[2], q.shape[2]
-    return (H, Hg, float(scale), tl_dtype(q.dtype), tl_dtype(b.dtype), "float32" if H != Hg else tl_dtype(q.dtype))
+    # dq/dk per value head in q's dtype also when heads are grouped (the launcher sums them in
+    # fp32, as FlashQLA's caller does): fp32 stores plus their reduction cost about 1 ms at
+    # varlen 8x4096 H32 Hg16 (docs/tilelang_ws.md)
+    return (H, Hg, float(scale), tl_dtype(q.dtype), tl_dtype(b.dtype), tl_dtype(q.dtype))
 
 
 def ws_bwd_given_h(q, k, v, do, a, g, b, h, dht, scale: float, seq_lens, chunk_size: int = 64,
@@ -609,7 +612,7 @@ def ws_bwd_given_h(q, k, v, do, a, g, b, h, dht, scale: float, seq_lens, chunk_s
     H, Hg, Kd, Vd = v.shape[2], q.shape[2], q.shape[3], v.shape[3]
     if (Kd, Vd, chunk_size) != (K, V, BT):
         raise ValueError(f"ws_bwd_given_h: built for K = V = {K}, chunk {BT}; got K={Kd}, V={Vd}, chunk {chunk_size}")
-    dq_dtype = torch.float32 if H != Hg else q.dtype
+    dq_dtype = q.dtype
     kern = build_ws_bwd(*ws_config(q, v, b, scale), timing=clk is not None, balance=balance, gam_regs=gam_regs)
     if clk is None:
         clk = torch.zeros(1, dtype=torch.int32, device=q.device)
