@@ -73,5 +73,10 @@ class FlaBackend(Backend):
         dq, dk, dv, db, dg = fla_pipeline.stages_5_6(st, call.scale)
         return GDRGrads(dq, dk, dv, dg, db, st.dh0)
 
+    def split_passes(self, p: Problem):
+        # fla's state kernels compose the segments' maps (stages 1, 2 and 4 only: its stage-5
+        # hazard does not apply)
+        return None if fla_pipeline.chain_limits(p) else fla_pipeline.segment_maps
+
 
 register(FlaBackend())

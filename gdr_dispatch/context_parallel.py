@@ -21,10 +21,12 @@ state. So:
 Conditioning: the scan multiplies `M`s whose decay factor `e^{G_L}` is <= 1 and whose rank-64
 update is the delta rule's projection, so products shrink towards zero (underflow), never grow.
 
-Passes 1 and 2 are written here as batched tensor products (any device, fp32 or fp64
-accumulation; the per-chunk maps in one batch, each segment's composition in log2(chunks)
-batched levels, the scan a loop over segments): exact, and what the CPU tests hold the split
-to. Dedicated GPU kernels for them are still to come (issue 15). `GDR_CP=<n>` forces at
+Pass 1 runs on the kernels of the first registered backend that offers them for the
+segments' call (`Backend.split_passes`; today fla's state kernels, which compose a segment's
+`M` and `R` in one state pass and its `D` in one dh pass), else as batched tensor products here
+(any device, fp32 or fp64 accumulation; the per-chunk maps in one batch, each segment's
+composition in log2(chunks) batched levels): exact, and what the CPU tests hold the split to.
+Pass 2, the scan, is a loop over the segments of batched K x K products. `GDR_CP=<n>` forces at
 most n segments per sequence, `GDR_CP=0` turns the split off; unset, the autotuner tries
 `(backend, segments)` candidates (`SplitBackend`) on grids with fewer sequence x head programs
 than SMs, and a table may store one as `<backend>@split<n>`.
@@ -34,6 +36,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 from typing import Callable
+
+import logging
 
 import torch
 
@@ -84,20 +88,80 @@ def _compose(M, R, D):
     return M[..., 0, :, :, :], R[..., 0, :, :, :], D[..., 0, :, :, :]
 
 
+log = logging.getLogger("gdr_dispatch")
+_logged: set = set()
+
+
+def pass_1_provider(seg_call: GDRCall):
+    """`(backend name, function)` of the first registered backend whose kernels run pass 1 for
+    the segments' call, or `("torch products", None)`."""
+    from .registry import registered_backends
+
+    problem = Problem.from_call(seg_call)
+    for name, backend in registered_backends().items():
+        fn = backend.split_passes(problem)
+        if fn is not None:
+            return name, fn
+    return "torch products", None
+
+
+def segment_plan(call: GDRCall, segments: int):
+    """Chunks per segment `s`, segments per sequence `n_seg`, and the non-empty segments in
+    order: their token counts and `(sequence, segment)` indices."""
+    BT = call.chunk_size
+    s = segment_length(call.seq_lens, BT, segments)
+    n_seg = -(-max(chunk_counts(call.seq_lens, BT)) // s)
+    seg_lens, pick = [], []
+    for n, length in enumerate(call.seq_lens):
+        for j in range(n_seg):
+            piece = min(max(length - j * s * BT, 0), s * BT)
+            if piece > 0:
+                seg_lens.append(piece)
+                pick.append((n, j))
+    return s, n_seg, seg_lens, pick
+
+
 def split_backward(call: GDRCall, segments: int, run: Callable[..., GDRGrads]) -> GDRGrads:
     """The backward of `call` with each sequence cut into runs of whole chunks.
 
     Every sequence is cut at multiples of `segment_length(...)` chunks (at most `segments`
     runs; shorter sequences get fewer). `run(**kwargs)` computes one backward call (e.g.
     `fused_gdr_bwd`); it receives the non-empty segments as one varlen call with
-    `initial_state` and `dht` set. Passes 1 and 2 are batched tensor products: no loop over
-    chunks, a loop over the `segments` runs of the scan.
+    `initial_state` and `dht` set. Pass 1 on a backend's kernels (`pass_1_provider`) or as
+    batched tensor products; pass 2 a loop over the `segments` runs of the scan.
     """
     acc = call.acc_dtype
     N, H, K, V, BT = call.N, call.H, call.K, call.V, call.chunk_size
     dev = call.q.device
-    s = segment_length(call.seq_lens, BT, segments)
-    n_seg = -(-max(chunk_counts(call.seq_lens, BT)) // s)
+    s, n_seg, seg_lens, pick = segment_plan(call, segments)
+    flat = {name: getattr(call, name).reshape(1, call.B * call.T, *getattr(call, name).shape[2:])
+            for name in ("q", "k", "v", "a", "g", "b", "do")}
+    offsets = torch.tensor([0] + seg_lens, dtype=torch.int64).cumsum(0).to(torch.int32).to(dev)
+    seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=BT)  # no states: pass 1's input
+    provider, maps = pass_1_provider(seg_call)
+    tag = (Problem.from_call(call), segments, provider)
+    if tag not in _logged:
+        _logged.add(tag)
+        log.info("gdr_dispatch: split pass 1 (the segments' composed state maps) on %s for %s",
+                 f"{provider}'s kernels" if maps is not None else provider, tag[0].describe())
+    if maps is not None:  # pass 1 on the provider's kernels, scattered to [N, n_seg, H, ...]
+        m, r, d = maps(seg_call)
+        Ms = torch.eye(K, dtype=acc, device=dev).repeat(N, n_seg, H, 1, 1)
+        Rs = torch.zeros(N, n_seg, H, K, V, dtype=acc, device=dev)
+        Ds = torch.zeros(N, n_seg, H, K, V, dtype=acc, device=dev)
+        rows = torch.tensor([n for n, _ in pick], device=dev)
+        cols = torch.tensor([j for _, j in pick], device=dev)
+        Ms[rows, cols], Rs[rows, cols], Ds[rows, cols] = m.to(acc), r.to(acc), d.to(acc)
+    else:
+        Ms, Rs, Ds = _torch_pass_1(call, s, n_seg)
+    return _scan_and_run(call, s, n_seg, seg_lens, pick, flat, offsets, Ms, Rs, Ds, run)
+
+
+def _torch_pass_1(call: GDRCall, s: int, n_seg: int):
+    """Pass 1 as batched tensor products: `(M, R, D)` of every segment, `[N, n_seg, H, ...]`."""
+    acc = call.acc_dtype
+    N, H, K, V, BT = call.N, call.H, call.K, call.V, call.chunk_size
+    dev = call.q.device
     lay, M, R, D = chunk_maps(call)  # [N, C, H, ...]; chunks past a sequence's end are not maps yet
     counts = torch.tensor(chunk_counts(call.seq_lens, BT), device=dev)
     C = M.shape[1]
@@ -111,9 +175,16 @@ def split_backward(call: GDRCall, segments: int, run: Callable[..., GDRGrads]) -
         M = torch.cat([M, eye.expand(N, pad, H, K, K)], dim=1)
         R = torch.cat([R, R.new_zeros(N, pad, H, K, V)], dim=1)
         D = torch.cat([D, D.new_zeros(N, pad, H, K, V)], dim=1)
-    # pass 1: one (M, R, D) per segment, [N, n_seg, H, ...]
-    Ms, Rs, Ds = _compose(M.view(N, n_seg, s, H, K, K), R.view(N, n_seg, s, H, K, V), D.view(N, n_seg, s, H, K, V))
+    return _compose(M.view(N, n_seg, s, H, K, K), R.view(N, n_seg, s, H, K, V), D.view(N, n_seg, s, H, K, V))
 
+
+def _scan_and_run(call, s, n_seg, seg_lens, pick, flat, offsets, Ms, Rs, Ds, run) -> GDRGrads:
+    """Pass 2 (the scan over each sequence's segments) and pass 3 (the segments as one varlen
+    call of `run`)."""
+    acc = call.acc_dtype
+    N, H, K, V, BT = call.N, call.H, call.K, call.V, call.chunk_size
+    dev = call.q.device
+    counts = torch.tensor(chunk_counts(call.seq_lens, BT), device=dev)
     # pass 2: the scan over the segments of every sequence at once
     h0 = cm.states_in(call.initial_state, call.state_v_first)
     dht = cm.states_in(call.dht, call.state_v_first)
@@ -138,22 +209,11 @@ def split_backward(call: GDRCall, segments: int, run: Callable[..., GDRGrads]) -
     dh0 = dS  # the first segment's start gradient is the sequence's dh0
 
     # pass 3: the non-empty segments as the sequences of one varlen call
-    lens = torch.tensor(call.seq_lens, device="cpu")
-    seg_lens, pick = [], []
-    for n in range(N):
-        for j in range(n_seg):
-            length = int((lens[n] - j * s * BT).clamp(0, s * BT))
-            if length > 0:
-                seg_lens.append(length)
-                pick.append((n, j))
-    flat = {name: getattr(call, name).reshape(1, call.B * call.T, *getattr(call, name).shape[2:])
-            for name in ("q", "k", "v", "a", "g", "b", "do")}
     out_dt = acc if acc == torch.float64 else torch.float32
     init = torch.stack([starts[j][n] for n, j in pick]).to(out_dt)
     grad_end = torch.stack([ends[j][n] for n, j in pick]).to(out_dt)
     if call.state_v_first:
         init, grad_end = init.transpose(-1, -2).contiguous(), grad_end.transpose(-1, -2).contiguous()
-    offsets = torch.tensor([0] + seg_lens, dtype=torch.int64).cumsum(0).to(torch.int32).to(dev)
     h = None if call.h is None else call.h.reshape(1, -1, *call.h.shape[2:])
     grads = run(**flat, dht=grad_end, h=h, scale=call.scale, initial_state=init, cu_seqlens=offsets,
                 chunk_size=BT, state_v_first=call.state_v_first)

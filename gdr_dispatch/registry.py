@@ -268,6 +268,13 @@ class Backend:
         """Compute the gradients into fresh tensors; never write the call's tensors."""
         raise NotImplementedError
 
+    def split_passes(self, problem: Problem):
+        """Pass 1 of the exact context-parallel split on this backend's kernels, if it has them
+        for `problem` (the segments' varlen call): a function of that call returning every
+        segment's composed maps `(M, R, D)` (`[segments, H, K, K | V | V]`, fp32, K x V state
+        layout). None: gdr_dispatch/context_parallel.py's batched torch products run it."""
+        return None
+
     def compile_jobs(self, call: GDRCall) -> list[tuple[str, str, tuple]]:
         """The kernel builds a first `run(call)` would compile, as picklable `(module, function,
         args)`: a sweep runs them in parallel processes beforehand (`run_compile_job`), since

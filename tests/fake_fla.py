@@ -62,7 +62,10 @@ def chunk_gated_delta_rule_fwd_h(k, w, u, g=None, gk=None, initial_state=None, o
     H = u.shape[2]
     h, v_new, ht = ex.chunk_states(_heads(lay, k, H), lay.gather(w, F64), lay.gather(u, F64),
                                    lay.gather_gate(g, F64) * LN2, _vec_in(initial_state, state_v_first))
-    return _states_out(lay, h, state_v_first, cu_seqlens is not None, k.dtype), lay.scatter(v_new, u.dtype), None
+    if output_final_state:  # fp32, like fla's
+        ht = (ht.transpose(-1, -2) if state_v_first else ht).float().contiguous()
+    return (_states_out(lay, h, state_v_first, cu_seqlens is not None, k.dtype), lay.scatter(v_new, u.dtype),
+            ht if output_final_state else None)
 
 
 def chunk_bwd_dv_local(q, k, do, g=None, g_gamma=None, A=None, scale=None, cu_seqlens=None, chunk_size=64,

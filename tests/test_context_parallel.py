@@ -215,3 +215,77 @@ def test_split_names_parse():
     assert parse_split("fla@split4") == ("fla", 4)
     assert parse_split("fla") == ("fla", 1)
     assert parse_split("odd@splitx") == ("odd@splitx", 1)
+
+
+# -- pass 1 on fla's state kernels (stand-ins on the CPU) ----------------------------------------
+FLA_PASS_SHAPES = [
+    ShapeSpec(B=2, T=300, H=4, Hg=2, K=16, V=32),  # grouped heads, a partial last chunk
+    ShapeSpec(seqlens=(1, 63, 64, 65, 300), H=2, K=16, V=16, state_v_first=True),
+    ShapeSpec(B=1, T=200, H=2, K=16, V=16, initial_state=False, dht=False),
+]
+
+
+@pytest.fixture
+def fla_pass_1(monkeypatch):
+    """The fla backend offers pass 1 on a CPU (its kernels are fake_fla's exact stand-ins; its
+    own gate needs CUDA), and the calls to its state kernels are counted."""
+    import fake_fla
+
+    from gdr_dispatch.backends import fla_chain
+    from gdr_dispatch.backends.common import fla_pipeline
+
+    calls = fake_fla.install(monkeypatch)
+    monkeypatch.setattr(fla_chain.FlaBackend, "split_passes", lambda self, p: fla_pipeline.segment_maps)
+    return calls
+
+
+@pytest.mark.parametrize("spec", FLA_PASS_SHAPES, ids=lambda s: s.label())
+def test_fla_pass_1_composes_the_same_maps_as_the_torch_products(spec, fla_pass_1):
+    """[M | R] from one state pass over [0 | u] started at [I | 0], D from the dh pass started at
+    zero: the same maps as the batched products, to fp16 rounding (an exchanged or transposed
+    map is off by O(1)). M is measured against the identity's size: composed over chunks it
+    decays towards zero, and what the scan needs is M S for states of order one."""
+    from gdr_dispatch import context_parallel as cp
+
+    call = validate(**call_kwargs(make_inputs(replace(spec, dtype="float16", h="none"), "cpu", seed=4)))
+    s, n_seg, seg_lens, pick = cp.segment_plan(call, 3)
+    flat = {n: getattr(call, n).reshape(1, -1, *getattr(call, n).shape[2:]) for n in ("q", "k", "v", "a", "g", "b", "do")}
+    offsets = torch.tensor([0] + seg_lens).cumsum(0).to(torch.int32)
+    seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=call.chunk_size)
+    name, maps = cp.pass_1_provider(seg_call)
+    assert name == "fla"
+    got = maps(seg_call)
+    want = cp._torch_pass_1(call, s, n_seg)
+    for g, w, what in zip(got, want, "MRD"):
+        w = torch.stack([w[n, j] for n, j in pick]).float()
+        assert g.shape == w.shape, what
+        size = torch.eye(call.K).expand_as(w).norm() if what == "M" else w.norm()
+        assert ((g - w).norm() / size).item() < 5e-3, what
+    assert fla_pass_1.count("chunk_gated_delta_rule_fwd_h") == 1 and fla_pass_1.count("chunk_gated_delta_rule_bwd_dhu") == 1
+
+
+@pytest.mark.parametrize("h_mode", ["given", "none"])
+@pytest.mark.parametrize("spec", FLA_PASS_SHAPES, ids=lambda s: s.label())
+def test_split_with_fla_pass_1_matches_the_oracle(spec, h_mode, fla_pass_1, monkeypatch, caplog):
+    """The whole split with pass 1 on fla's kernels, segments run by the torch backend: every
+    gradient within fp16 rounding of the float64 oracle, and the log names the provider."""
+    from conftest import case, rel_errors
+
+    from gdr_dispatch import context_parallel as cp
+
+    cp._logged.clear()
+    monkeypatch.setenv("GDR_CP", "3")
+    monkeypatch.setenv("GDR_BACKEND", "torch")
+    kwargs, ref = case(replace(spec, dtype="float16", h=h_mode))
+    with caplog.at_level(logging.INFO, "gdr_dispatch"):
+        errs = rel_errors(fused_gdr_bwd(**kwargs), ref)
+    assert not {n: e for n, e in errs.items() if not e < 5e-3}, errs
+    assert "chunk_gated_delta_rule_fwd_h" in fla_pass_1
+    assert any("split pass 1" in r.getMessage() and "fla's kernels" in r.getMessage() for r in caplog.records)
+
+
+def test_without_a_provider_pass_1_is_the_torch_products(caplog):
+    from gdr_dispatch import context_parallel as cp
+
+    call = validate(**call_kwargs(make_inputs(ShapeSpec(B=1, T=200, H=2, K=8, V=8, dtype="float64", h="none"), "cpu")))
+    assert cp.pass_1_provider(call) == ("torch products", None)  # fla's own gate needs CUDA

@@ -104,6 +104,36 @@ def recompute_states(call: GDRCall) -> torch.Tensor:
     return h
 
 
+def segment_maps(seg_call: GDRCall):
+    """Pass 1 of the exact split (gdr_dispatch/context_parallel.py) on fla's state kernels: each
+    sequence of `seg_call` is one segment; returns its composed `(M, R, D)` in fp32, `[N, H, K,
+    K]`, `[N, H, K, V]`, `[N, H, K, V]` (K x V layout whatever `seg_call.state_v_first` says).
+
+    The state recurrence is linear in (state, u): run on the values `[0 | u]` from the start
+    state `[I | 0]` it ends at `[M | R]`, one pass of `V + K` value columns. `D` is the dh
+    recurrence from a zero end gradient: the segment's start gradient, `dh0`. Both kernels keep
+    the state in fp32 and round it to k's dtype for their products, as the unsplit chain does.
+    """
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_o import chunk_bwd_dv_local
+
+    s1 = _stage_1(seg_call)
+    N, H, K, V, BT = seg_call.N, seg_call.H, seg_call.K, seg_call.V, seg_call.chunk_size
+    dev = seg_call.q.device
+    u_aug = torch.cat([s1.u.new_zeros(*s1.u.shape[:-1], K), s1.u], dim=-1).contiguous()
+    start = torch.zeros(N, H, K, K + V, dtype=torch.float32, device=dev)
+    start[..., :K] = torch.eye(K, dtype=torch.float32, device=dev)
+    _, _, end = chunk_gated_delta_rule_fwd_h(k=s1.k, w=s1.w, u=u_aug, g=s1.g2, initial_state=start,
+                                             output_final_state=True, save_new_value=False, **s1.common,
+                                             state_v_first=False, chunk_size=BT)
+    q, do = seg_call.q.contiguous(), seg_call.do.contiguous()
+    dv = chunk_bwd_dv_local(q=q, k=s1.k, g=s1.g2, do=do, scale=seg_call.scale, **s1.common, chunk_size=BT)
+    _, D, _ = chunk_gated_delta_rule_bwd_dhu(q=q, k=s1.k, w=s1.w, g=s1.g2, do=do, dv=dv, scale=seg_call.scale,
+                                             h0=torch.zeros(N, H, K, V, dtype=torch.float32, device=dev), dht=None,
+                                             **s1.common, state_v_first=False, chunk_size=BT)
+    return end[..., :K], end[..., K:], D
+
+
 def state_stages(call: GDRCall) -> FlaStages:
     """Stages 1-4 with the conversions."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
