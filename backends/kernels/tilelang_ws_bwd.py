@@ -54,9 +54,10 @@ PHASES = 7
 TIMING_SLOTS = 18
 #: The build `tilelang_ws` runs; the other settings are kept as measured experiments
 #: (docs/tilelang_ws.md, "Steps"). Tools name builds by switches (`build_flags`).
-DEFAULT_BUILD = {"balance": False, "gam_regs": True}
+DEFAULT_BUILD = {"balance": False, "gam_regs": True, "uw_kv": False}
 SWITCHES = {"balance": ("balance", True), "nobalance": ("balance", False),
-            "gam": ("gam_regs", True), "nogam": ("gam_regs", False)}
+            "gam": ("gam_regs", True), "nogam": ("gam_regs", False),
+            "uwkv": ("uw_kv", True), "nouwkv": ("uw_kv", False)}
 
 
 def build_flags(build: str) -> dict:
@@ -75,15 +76,16 @@ def build_flags(build: str) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dtype: str, timing: bool = False,
-                 balance: bool = DEFAULT_BUILD["balance"], gam_regs: bool = DEFAULT_BUILD["gam_regs"]):
+                 balance: bool = DEFAULT_BUILD["balance"], gam_regs: bool = DEFAULT_BUILD["gam_regs"],
+                 uw_kv: bool = DEFAULT_BUILD["uw_kv"]):
     """Compile (once per configuration) the warp-specialised kernel (K = V = 128, chunk 64).
 
     `timing` adds cycle counters at every sync point (written to the `clk` argument, CTA by
     CTA: `[N * H, 3, TIMING_SLOTS]`); the instrument of docs/tilelang_ws.md's phase table.
     `gam_regs` keeps the decay matrix Gam in A's registers for the chunk instead of forming it
     five times from shared memory (A, the critical path, issues ~20 % fewer instructions).
-    `balance` (an experiment, off) has KV form Ag, U and W in phase 1 instead of A.
-    docs/tilelang_ws.md has both measured.
+    `balance` (an experiment, off) has KV form Ag, U and W in phase 1 instead of A; `uw_kv`
+    (an experiment, off, not yet measured) moves only U and W. docs/tilelang_ws.md has them.
     """
     accum = "float32"
     TT = T.dynamic("num_tokens")
@@ -386,7 +388,18 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                         if it > 0:
                             full_wait(full, (it - 1) % 2, 1, tick, tm_s)
                         # 1: dV' = e^{G_L - G} K dS'
-                        if balance:  # and A's U = K S, W = V - e^G U, Ag = Gam A b (KV waits most of phase 1)
+                        if uw_kv and not balance:  # and U = K S, W = V - e^G U (A forms P, Pg, Ag)
+                            T.wgmma_gemm(k_s, h_s, kv2_f, clear_accum=True)
+                            T.wgmma_gemm(k_s, dh_s, kv1_f, clear_accum=True)
+                            T.wait_wgmma(1)
+                            T.warpgroup_fence_operand(kv2_f)
+                            store_u_w(kv2_f, u_s, w_s, v_s, eG_s)  # while K dS' runs
+                            T.wait_wgmma(0)
+                            T.warpgroup_fence_operand(kv1_f)
+                            for i, j in T.Parallel(BT, V):
+                                kv1_f[i, j] = kv1_f[i, j] * eGL_s[i]
+                            T.fence_proxy_async()
+                        elif balance:  # and A's U = K S, W = V - e^G U, Ag = Gam A b (KV waits most of phase 1)
                             T.gemm(k_s, h_s, kv2_f, clear_accum=True)  # one fragment live at a time
                             store_u_w(kv2_f, u_s, w_s, v_s, eG_s)
                             T.wgmma_gemm(k_s, dh_s, kv1_f, clear_accum=True)  # runs while Ag is formed
@@ -461,6 +474,13 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                         # (both gemms issued at once; Ag is formed while they run)
                         if balance:  # KV forms Ag, U and W
                             T.gemm(q_s, k_s, pg_f, transpose_B=True, clear_accum=True)
+                            store_pg(pg_f, pg_s, G_s, gam_f)
+                        elif uw_kv:  # KV forms U and W
+                            T.wgmma_gemm(q_s, k_s, pg_f, transpose_B=True, clear_accum=True)
+                            for i, j in T.Parallel(BT, BT):
+                                ag_s[i, j] = ag_value(a_s, b_s, G_s, gam_f, i, j)
+                            T.wait_wgmma(0)
+                            T.warpgroup_fence_operand(pg_f)
                             store_pg(pg_f, pg_s, G_s, gam_f)
                         else:
                             T.wgmma_gemm(q_s, k_s, pg_f, transpose_B=True, clear_accum=True)

@@ -1,0 +1,104 @@
+"""Static SASS of the warp-specialised kernel, per role group: the report to read before a
+device call (docs/tilelang_ws.md, "Next").
+
+    python tools/sass_report.py                          # the default build, H = Hg = 2, bf16
+    python tools/sass_report.py --builds default,nogam,uwkv
+
+Compiles each build on this machine (about a minute each with nvcc for sm_90a; no GPU needed),
+then splits its SASS at the `USETMAXREG` instructions that open the role branches and counts
+per group (each region runs to the next branch's opening, so it includes the group's epilogue): instructions, shared loads (LDS/LDSM), MUFU
+(exp2), HGMMA, local-memory (spill) loads and stores, named barriers. A group issuing one
+instruction per few cycles with one warp per scheduler tracks its instruction count (session 3:
+A -20 % instructions -> A -28 % cycles).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+GROUPS = ("S", "KV", "A", "producer")
+COUNTS = {
+    "instr": None,
+    "LDS": re.compile(r"\bLDS(M)?\b"),
+    "MUFU": re.compile(r"\bMUFU\b"),
+    "HGMMA": re.compile(r"\bHGMMA\b"),
+    "spill": re.compile(r"\b(LDL|STL)\b"),
+    "BAR": re.compile(r"\bBAR\b|\bSYNCS\b"),
+}
+
+
+def _cuobjdump_on_path() -> None:
+    """TileLang disassembles with nvdisasm or cuobjdump from PATH; Triton's wheel ships a
+    cuobjdump (the CPU machines have nvcc but no disassembler)."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    if shutil.which("cuobjdump") or shutil.which("nvdisasm"):
+        return
+    import triton
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    if (bin_dir / "cuobjdump").exists():
+        os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+def sass_of(build: str, H: int, Hg: int, dtype: str) -> str:
+    _cuobjdump_on_path()
+    from gdr_dispatch.backends.kernels.tilelang_ws_bwd import build_flags, build_ws_bwd
+
+    kern = build_ws_bwd(H, Hg, 128 ** -0.5, dtype, dtype, dtype, **build_flags(build))
+    return kern._get_sass()
+
+
+def label_regions(caps: list[int]) -> list[str]:
+    """Role of each branch from its register cap (tilelang_ws_bwd.NREG: S, KV, A, producer).
+    nvcc lays the branches out in reverse source order (producer first), so of two groups with
+    the same cap the later one in the SASS is the earlier one in the source."""
+    from gdr_dispatch.backends.kernels.tilelang_ws_bwd import NREG
+
+    order = list(zip(GROUPS, NREG))
+    labels = []
+    for cap in caps:
+        match = [g for g, n in reversed(order) if n == cap and g not in labels]
+        if not match:
+            raise SystemExit(f"a branch with register cap {cap} matches no role of NREG {NREG}")
+        labels.append(match[0])
+    return labels
+
+
+def per_group(sass: str) -> dict:
+    lines = [l for l in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/", l)]
+    starts = [i for i, l in enumerate(lines) if "USETMAXREG" in l]
+    if len(starts) != len(GROUPS):
+        raise SystemExit(f"expected {len(GROUPS)} USETMAXREG instructions (one per role), found {len(starts)}")
+    caps = [int(re.search(r"0x([0-9a-f]+)", lines[i].split("USETMAXREG", 1)[1]).group(1), 16) for i in starts]
+    bounds = starts + [len(lines)]
+    out = {}
+    for g, lo, hi in sorted(zip(label_regions(caps), bounds, bounds[1:]), key=lambda r: GROUPS.index(r[0])):
+        body = lines[lo:hi]
+        out[g] = {name: (len(body) if pat is None else sum(bool(pat.search(l)) for l in body))
+                  for name, pat in COUNTS.items()}
+    out["prologue"] = {"instr": starts[0]}
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--builds", default="default", help="comma-separated builds (tilelang_ws_bwd.build_flags)")
+    p.add_argument("--H", type=int, default=2)
+    p.add_argument("--Hg", type=int, default=2)
+    p.add_argument("--dtype", default="bfloat16")
+    args = p.parse_args(argv)
+    print("build | group | " + " | ".join(COUNTS))
+    for build in args.builds.split(","):
+        for g, c in per_group(sass_of(build, args.H, args.Hg, args.dtype)).items():
+            if g != "prologue":
+                print(f"{build} | {g} | " + " | ".join(str(c[n]) for n in COUNTS), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
