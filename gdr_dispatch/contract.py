@@ -17,6 +17,8 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
+from .graph_safe import offsets_of
+
 #: dtypes accepted for q/k/v/do. fp32 and fp64 exist for the torch backend and the oracle
 #: tests; the GPU backends state in their `supported` reasons that they take bf16/fp16.
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -233,7 +235,7 @@ def validate(
         seq_lens = (T,) * B
     else:
         check_cu_seqlens_form(cu_seqlens, B)
-        offsets = cu_seqlens.tolist()  # one device-to-host copy
+        offsets = offsets_of(cu_seqlens)  # one device-to-host copy per tensor (graph_safe.py)
         if offsets[0] != 0:
             raise ValueError(f"cu_seqlens: expected to start at 0, got {offsets[0]}")
         if offsets[-1] != T:

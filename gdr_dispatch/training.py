@@ -60,11 +60,12 @@ def _forward_fla(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_fir
 
     from .backends.kernels.chunk_grid import varlen_chunk_indices
     from .backends.kernels.gate_wy_inverse import gate_wy_inverse
+    from .graph_safe import offsets_of
 
     ci = None
     if cu_seqlens is not None:
-        lens = cu_seqlens.diff().tolist()
-        ci = varlen_chunk_indices(lens, CHUNK, q.device, cu_seqlens.dtype)
+        off = offsets_of(cu_seqlens)  # read once per tensor: a captured step reads nothing (graph_safe.py)
+        ci = varlen_chunk_indices([e - s for s, e in zip(off[:-1], off[1:])], CHUNK, q.device, cu_seqlens.dtype)
     common = dict(cu_seqlens=cu_seqlens, chunk_indices=ci)
     G = chunk_local_cumsum(g.float(), chunk_size=CHUNK, **common)  # natural log: no scale
     kkt = chunk_scaled_dot_kkt_fwd(k=k, g=None, beta=beta, chunk_size=CHUNK, output_dtype=torch.float32, **common)

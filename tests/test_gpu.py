@@ -208,13 +208,15 @@ def test_training_op_matches_fla_and_the_oracle_on_gpu(name, monkeypatch):
     assert not bad, f"{name}: ours {bad}; fla's op on the same inputs: { {n: f'{e:.1e}' for n, e in fla_vs.items()} }"
 
 
-def test_training_step_captures_in_a_cuda_graph_on_a_decided_backend(monkeypatch):
+@pytest.mark.parametrize("layout", ["fixed", "varlen"])
+def test_training_step_captures_in_a_cuda_graph_on_a_decided_backend(layout, monkeypatch):
     """A whole step (forward + backward) replays from a CUDA graph once the backend is decided
-    (here forced); nothing in it may synchronise with the host or autotune."""
+    (here forced); nothing in it may synchronise with the host or autotune. Varlen: the eager
+    warm-up reads the lengths once (gdr_dispatch/graph_safe.py); the capture reads nothing."""
     from gdr_dispatch import chunk_gated_delta_rule
 
     monkeypatch.setenv("GDR_BACKEND", "fla")
-    x = _train_inputs(B=2, T=256)
+    x = _train_inputs(B=2, T=256) if layout == "fixed" else _train_inputs(seqlens=(1, 63, 64, 65, 200))
     leaves = {n: (x[n].to(torch.bfloat16) if n in ("q", "k", "v", "beta") else x[n]).detach().clone().requires_grad_(True)
               for n in ("q", "k", "v", "g", "beta", "initial_state")}
 
@@ -222,7 +224,8 @@ def test_training_step_captures_in_a_cuda_graph_on_a_decided_backend(monkeypatch
         for t in leaves.values():
             t.grad = None
         o, ht = chunk_gated_delta_rule(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
-                                       initial_state=leaves["initial_state"], output_final_state=True)
+                                       initial_state=leaves["initial_state"], output_final_state=True,
+                                       cu_seqlens=x["cu_seqlens"])
         (o.float().square().sum() + ht.square().sum()).backward()
         return {n: t.grad for n, t in leaves.items()}
 

@@ -15,10 +15,13 @@ import torch
 import triton
 import triton.language as tl
 
+from gdr_dispatch.graph_safe import device_constant
+
 
 def varlen_chunk_indices(seq_lens: Sequence[int], chunk_size: int, device, dtype=torch.int32) -> torch.Tensor:
-    rows = [(n, c) for n, length in enumerate(seq_lens) for c in range(-(-length // chunk_size))]
-    return torch.tensor(rows, dtype=dtype).view(-1, 2).to(device)
+    # built once per content and kept: a CUDA graph capture cannot copy it to the device
+    rows = tuple(x for n, length in enumerate(seq_lens) for c in range(-(-length // chunk_size)) for x in (n, c))
+    return device_constant(rows, dtype, device, shape=(-1, 2))
 
 
 @triton.jit

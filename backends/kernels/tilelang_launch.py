@@ -13,6 +13,7 @@ import itertools
 import torch
 
 from gdr_dispatch.contract import reduce_value_heads
+from gdr_dispatch.graph_safe import device_constant
 
 
 def tl_dtype(dt) -> str:
@@ -38,7 +39,7 @@ def launch_packed(kern, q, k, v, do, a, g, b, h, dht, seq_lens, chunk_size: int,
     else:
         cu = cu_seqlens.to(torch.int32)
     counts = [-(-n // chunk_size) for n in seq_lens]
-    offsets = torch.tensor([0] + list(itertools.accumulate(counts)), dtype=torch.int32).to(dev)
+    offsets = device_constant((0, *itertools.accumulate(counts)), torch.int32, dev)  # kept: graph-capture safe
     if dht is None:
         dht_in = torch.zeros(N, H, K, V, dtype=torch.float32, device=dev)
     else:

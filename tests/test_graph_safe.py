@@ -1,0 +1,67 @@
+"""Host-side bookkeeping that a CUDA graph capture of a varlen step needs (gdr_dispatch/graph_safe.py):
+the lengths of a `cu_seqlens` tensor read once per tensor, index tensors built once per content,
+and a clear error, never a host read, when a capture meets something not seen eagerly. The
+capture itself runs in test_gpu.py; here it is simulated."""
+
+import pytest
+import torch
+
+from gdr_dispatch import fused_gdr_bwd, graph_safe
+from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs
+
+
+@pytest.fixture
+def capture(monkeypatch):
+    """`on()` makes every device look as if its stream were being captured."""
+    state = {"on": False}
+    monkeypatch.setattr(graph_safe, "capturing", lambda device: state["on"])
+    return state
+
+
+def test_offsets_are_read_once_per_tensor_and_again_after_an_in_place_change(capture):
+    cu = torch.tensor([0, 5, 70], dtype=torch.int32)
+    assert graph_safe.offsets_of(cu) == (0, 5, 70)
+    capture["on"] = True
+    assert graph_safe.offsets_of(cu) == (0, 5, 70)  # from memory: no read under capture
+    capture["on"] = False
+    cu[1] = 9  # an in-place change bumps the version: read again
+    assert graph_safe.offsets_of(cu) == (0, 9, 70)
+    other = torch.tensor([0, 1, 70], dtype=torch.int32)  # another tensor is never confused with it
+    assert graph_safe.offsets_of(other) == (0, 1, 70)
+
+
+def test_an_unseen_cu_seqlens_under_capture_is_an_error_that_says_what_to_run(capture):
+    capture["on"] = True
+    with pytest.raises(RuntimeError, match="cu_seqlens: .*eager step"):
+        graph_safe.offsets_of(torch.tensor([0, 64], dtype=torch.int32))
+
+
+def test_index_tensors_are_built_once_and_those_a_capture_used_are_kept(capture, monkeypatch):
+    monkeypatch.setattr(graph_safe, "MAX_CONSTANTS", 2)
+    graph_safe._constants.clear()
+    graph_safe._pinned.clear()
+    a = graph_safe.device_constant((0, 1, 0, 2), torch.int32, "cpu", shape=(-1, 2))
+    assert graph_safe.device_constant((0, 1, 0, 2), torch.int32, "cpu", shape=(-1, 2)) is a
+    assert a.tolist() == [[0, 1], [0, 2]]
+    capture["on"] = True
+    graph_safe.device_constant((0, 1, 0, 2), torch.int32, "cpu", shape=(-1, 2))  # used by a capture: pinned
+    with pytest.raises(RuntimeError, match="eager step"):
+        graph_safe.device_constant((7,), torch.int32, "cpu")
+    capture["on"] = False
+    for n in range(5):  # evictions pass over the pinned one
+        graph_safe.device_constant((n,), torch.int32, "cpu")
+    assert graph_safe.device_constant((0, 1, 0, 2), torch.int32, "cpu", shape=(-1, 2)) is a
+    assert len(graph_safe._constants) <= 3
+
+
+def test_a_varlen_call_repeats_under_capture_without_reading_the_device(capture):
+    """The contract's validation takes the lengths from memory on the second call, and a fresh
+    cu_seqlens under capture names itself."""
+    x = make_inputs(ShapeSpec(seqlens=(1, 63, 64, 65), H=2, K=16, V=16, dtype="float64", h="given"), "cpu")
+    kwargs = call_kwargs(x)
+    eager = fused_gdr_bwd(**kwargs)
+    capture["on"] = True
+    again = fused_gdr_bwd(**kwargs)
+    assert torch.equal(again.dq, eager.dq)
+    with pytest.raises(RuntimeError, match="cu_seqlens"):
+        fused_gdr_bwd(**{**kwargs, "cu_seqlens": kwargs["cu_seqlens"].clone()})
