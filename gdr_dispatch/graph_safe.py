@@ -35,6 +35,8 @@ def offsets_of(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
     """`cu_seqlens`' values on the host: read once per tensor (one device-to-host copy),
     from memory afterwards, and only from memory under graph capture."""
     key = id(cu_seqlens)
+    if cu_seqlens.is_inference():  # no version counter to guard a memory with: read every time
+        return tuple(int(x) for x in cu_seqlens.tolist())
     hit = _offsets.get(key)
     if hit is not None and hit[0]() is cu_seqlens and hit[1] == cu_seqlens._version:
         return hit[2]

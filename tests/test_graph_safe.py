@@ -65,3 +65,12 @@ def test_a_varlen_call_repeats_under_capture_without_reading_the_device(capture)
     assert torch.equal(again.dq, eager.dq)
     with pytest.raises(RuntimeError, match="cu_seqlens"):
         fused_gdr_bwd(**{**kwargs, "cu_seqlens": kwargs["cu_seqlens"].clone()})
+
+
+def test_inference_tensors_are_read_every_time():
+    """They have no version counter to guard a memory with."""
+    with torch.inference_mode():
+        cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+        assert graph_safe.offsets_of(cu) == (0, 3, 8)
+        cu[1] = 4
+        assert graph_safe.offsets_of(cu) == (0, 4, 8)
