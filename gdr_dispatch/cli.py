@@ -16,7 +16,7 @@ import torch
 from . import tuning_table
 from .contract import validate
 from .dispatch import (NO_TENSORS, STATIC, TABLE, NoBackendError, autotune, autotune_block_reason,
-                       context_parallel_segments, measure_ms, select_backend)
+                       context_parallel_segments, measure_ms, select_backend, split_candidates)
 from .registry import Problem, device_info, registered_backends, run_compile_job
 from .shapes import PRESETS, ShapeSpec, call_kwargs, load_grid, make_inputs
 
@@ -143,6 +143,8 @@ def cmd_tune(args) -> int:
         verdicts = {n: b.supported(problem) for n, b in registered_backends().items()}
         static = next((n for n, (ok, _) in verdicts.items() if ok), "")
         candidates = {n: b for n, b in registered_backends().items() if verdicts[n][0] and (only is None or n in only)}
+        if not args.no_splits:  # starved grids: each candidate cut into 2/4/8 segments too, as the dispatcher would
+            candidates.update(split_candidates(problem, candidates))
         try:
             if not candidates:
                 raise NoBackendError("no supported backend among those asked for")
@@ -165,7 +167,8 @@ def cmd_tune(args) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    print(summarize(results, list(registered_backends())))
+    splits = sorted({n for _, e, _ in results for n in e.get("candidates", {}) if n not in registered_backends()})
+    print(summarize(results, [*registered_backends(), *splits]))
     path = tuning_table.table_path(out_dir, dev.slug)
     if written:
         print(f"\ntable written: {path} ({written} of {len(results)} shapes)")
@@ -258,7 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--grid", metavar="FILE.yaml", help="shapes to tune (see gdr_dispatch/shapes.py)")
     t.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when available")
     t.add_argument("--out", metavar="DIR", help="table directory (default: $GDR_TUNING_CACHE or ~/.cache/gdr_dispatch)")
-    t.add_argument("--backends", metavar="A,B", help="tune only these backends")
+    t.add_argument("--backends", metavar="A,B", help="tune only these backends (and their split candidates)")
+    t.add_argument("--no-splits", action="store_true",
+                   help="leave out the context-parallel candidates <backend>@split<n> that grids with fewer sequence x "
+                        "head programs than SMs get (GDR_CP set also leaves them out)")
     t.add_argument("--warmup", type=_count(0), default=2, help="untimed runs per backend after the first (default 2)")
     t.add_argument("--reps", type=_count(1), default=10, help="timed runs per backend, median reported (default 10)")
     t.add_argument("--compile-jobs", type=_count(0), default=max(1, (os.cpu_count() or 2) // 2),

@@ -145,3 +145,42 @@ def test_tune_compiles_each_kernel_once_in_parallel_processes_first(tmp_path, ca
     assert cli.main(["tune", "--out", str(tmp_path), "--backends", "torch,torch_compiling", "--reps", "1",
                      "--warmup", "0", "--compile-jobs", "0"]) == 0
     assert "kernels in" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("no_splits", [False, True])
+def test_tune_measures_split_candidates_on_starved_grids(tmp_path, capsys, monkeypatch, no_splits):
+    """As the dispatcher's own autotuner does, the sweep cuts each candidate into 2/4/8 segments
+    where a (faked) GPU has more SMs than sequence x head programs, and stores the winner; the
+    table printed shows them. `--no-splits` leaves them out."""
+    from dataclasses import replace
+
+    from gdr_dispatch import registry
+    from gdr_dispatch.registry import DeviceInfo
+
+    class Plain(registry.Backend):
+        name = "fake_plain"
+
+        def not_supported_reasons(self, problem):
+            return []
+
+        def run(self, call):
+            return registry.get_backend("torch").run(call)
+
+    monkeypatch.setitem(registry._REGISTRY, "fake_plain", Plain())
+    monkeypatch.setattr(cli, "measure_ms", lambda fn, device_type, warmup, reps: (fn(), 1.0)[1])  # no CUDA timing
+    real = registry.Problem.from_call
+    monkeypatch.setattr(registry.Problem, "from_call",
+                        staticmethod(lambda call: replace(real(call), device=DeviceInfo("cuda", "Fake GPU", (9, 0), 132))))
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("- {B: 1, T: 600, H: 2, K: 8, V: 8, dtype: float64, h: none}\n")
+    out_dir = tmp_path / "tables"
+    args = ["tune", "--grid", str(grid), "--out", str(out_dir), "--backends", "torch,fake_plain", "--reps", "1",
+            "--warmup", "0", "--compile-jobs", "0"] + (["--no-splits"] if no_splits else [])
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    (table,) = out_dir.glob("*.yaml")
+    text = table.read_text()
+    for n in (2, 4, 8):
+        assert (f"fake_plain@split{n}" in text) != no_splits
+        assert (f"fake_plain@split{n} ms" in out) != no_splits
+    assert "torch@split" not in text  # the reference is never split
