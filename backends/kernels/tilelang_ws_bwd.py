@@ -54,10 +54,11 @@ PHASES = 7
 TIMING_SLOTS = 18
 #: The build `tilelang_ws` runs; the other settings are kept as measured experiments
 #: (docs/tilelang_ws.md, "Steps"). Tools name builds by switches (`build_flags`).
-DEFAULT_BUILD = {"balance": False, "gam_regs": True, "uw_kv": False}
+DEFAULT_BUILD = {"balance": False, "gam_regs": True, "uw_kv": False, "a_ahead": False}
 SWITCHES = {"balance": ("balance", True), "nobalance": ("balance", False),
             "gam": ("gam_regs", True), "nogam": ("gam_regs", False),
-            "uwkv": ("uw_kv", True), "nouwkv": ("uw_kv", False)}
+            "uwkv": ("uw_kv", True), "nouwkv": ("uw_kv", False),
+            "aahead": ("a_ahead", True), "noaahead": ("a_ahead", False)}
 
 
 def build_flags(build: str) -> dict:
@@ -77,7 +78,7 @@ def build_flags(build: str) -> dict:
 @functools.lru_cache(maxsize=None)
 def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dtype: str, timing: bool = False,
                  balance: bool = DEFAULT_BUILD["balance"], gam_regs: bool = DEFAULT_BUILD["gam_regs"],
-                 uw_kv: bool = DEFAULT_BUILD["uw_kv"]):
+                 uw_kv: bool = DEFAULT_BUILD["uw_kv"], a_ahead: bool = DEFAULT_BUILD["a_ahead"]):
     """Compile (once per configuration) the warp-specialised kernel (K = V = 128, chunk 64).
 
     `timing` adds cycle counters at every sync point (written to the `clk` argument, CTA by
@@ -85,7 +86,10 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
     `gam_regs` keeps the decay matrix Gam in A's registers for the chunk instead of forming it
     five times from shared memory (A, the critical path, issues ~20 % fewer instructions).
     `balance` (an experiment, off) has KV form Ag, U and W in phase 1 instead of A; `uw_kv`
-    (an experiment, off, not yet measured) moves only U and W. docs/tilelang_ws.md has them.
+    (an experiment, off, not yet measured) moves only U and W. `a_ahead` (an experiment, off,
+    not yet measured) lets A run on at the ends of phases 3 and 4, where it only arrives: its
+    dAr goes to `x3_s`, so nothing A writes there is still read by another group, and it waits
+    for phase 3's end only before reusing `ag_s` in phase 6. docs/tilelang_ws.md has them.
     """
     accum = "float32"
     TT = T.dynamic("num_tokens")
@@ -118,6 +122,16 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
             clock_into(tick, 1)
         T.barrier_arrive(bars[p])
         T.barrier_wait(bars[p], parity)
+        if timing:
+            account(tick, tm_s, grp, slot)
+
+    @T.macro
+    def phase_arrive(bars, p, slot, grp, tick, tm_s):
+        """Close phase `p` without waiting: the group's part is done and nothing it does next
+        depends on the others' part (a_ahead builds)."""
+        if timing:
+            clock_into(tick, 1)
+        T.barrier_arrive(bars[p])
         if timing:
             account(tick, tm_s, grp, slot)
 
@@ -504,7 +518,10 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                         T.wait_wgmma(0)
                         for f in (sq_f, pg_f, a1_f):
                             T.warpgroup_fence_operand(f)
-                        phase_sync(phase, 2, it % 2, 3, 2, tick, tm_s)
+                        if a_ahead:  # phase 4 writes nothing another group still reads (dAr goes to x3_s)
+                            phase_arrive(phase, 2, 3, 2, tick, tm_s)
+                        else:
+                            phase_sync(phase, 2, it % 2, 3, 2, tick, tm_s)
                         # 4: V' into w_s; through Ag = Gam A b: dG (rows - columns of dAg Ag), db's
                         # column part, dAr = Gam b dAg (the ungated inverse's gradient) into ag_s
                         T.copy(a1_f, w_s)
@@ -519,10 +536,17 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                         for i in T.Parallel(BT):
                             db_s[i] = ac_f[i]
                             dGa_s[i] = ar_f[i] - ac_f[i] * b_s[i]
-                        for i, j in T.Parallel(BT, BT):
-                            ag_s[i, j] = T.cast(gam(gam_f, G_s, i, j) * sq_f[i, j] * b_s[j], dtype)
+                        if a_ahead:  # KV may still read Ag in ag_s (its phase 3)
+                            for i, j in T.Parallel(BT, BT):
+                                x3_s[i, j] = T.cast(gam(gam_f, G_s, i, j) * sq_f[i, j] * b_s[j], dtype)
+                        else:
+                            for i, j in T.Parallel(BT, BT):
+                                ag_s[i, j] = T.cast(gam(gam_f, G_s, i, j) * sq_f[i, j] * b_s[j], dtype)
                         T.fence_proxy_async()
-                        phase_sync(phase, 3, it % 2, 4, 2, tick, tm_s)
+                        if a_ahead:  # phase 5 reads and writes only A's own tiles (pg_s: KV read Pg in phase 2)
+                            phase_arrive(phase, 3, 4, 2, tick, tm_s)
+                        else:
+                            phase_sync(phase, 3, it % 2, 4, 2, tick, tm_s)
                         # 5: dPg = dO V'^T, its dG (rows - columns of dPg Pg), dP = scale Gam dPg;
                         # dq = scale e^G dO S^T (its dG) + dP K
                         T.wgmma_gemm(do_s, w_s, sq_f, transpose_B=True, clear_accum=True)
@@ -555,13 +579,22 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                         # 6: through A = M^-1: dA = A^T dAr A^T, dM = -dA strictly lower,
                         # db += rows of dM * (K K^T), dkk = b dM; dkk + dkk^T into ag_s
                         T.wgmma_gemm(k_s, k_s, sq2_f, transpose_B=True, clear_accum=True)
-                        T.wgmma_gemm(a_s, ag_s, sq_f, transpose_A=True, clear_accum=True)
+                        if a_ahead:  # dAr is in x3_s; A^T dAr goes to ag_s once KV's phase 3 is done with Ag
+                            T.wgmma_gemm(a_s, x3_s, sq_f, transpose_A=True, clear_accum=True)
+                            T.barrier_wait(phase[2], it % 2)
+                        else:
+                            T.wgmma_gemm(a_s, ag_s, sq_f, transpose_A=True, clear_accum=True)
                         T.wait_wgmma(0)
                         T.warpgroup_fence_operand(sq2_f)
                         T.warpgroup_fence_operand(sq_f)
-                        T.copy(sq_f, x3_s)
-                        T.fence_proxy_async()
-                        T.gemm(x3_s, a_s, sq_f, transpose_B=True, clear_accum=True)
+                        if a_ahead:
+                            T.copy(sq_f, ag_s)
+                            T.fence_proxy_async()
+                            T.gemm(ag_s, a_s, sq_f, transpose_B=True, clear_accum=True)
+                        else:
+                            T.copy(sq_f, x3_s)
+                            T.fence_proxy_async()
+                            T.gemm(x3_s, a_s, sq_f, transpose_B=True, clear_accum=True)
                         for i, j in T.Parallel(BT, BT):
                             sq_f[i, j] = T.if_then_else(j < i, -sq_f[i, j], T.cast(0, accum))  # dM
                             sq2_f[i, j] = sq_f[i, j] * sq2_f[i, j]
