@@ -80,3 +80,19 @@ def plumbing_errors(backend: str, spec: ShapeSpec, h_mode: str, monkeypatch) -> 
     monkeypatch.setenv("GDR_BACKEND", backend)
     kwargs, ref = case(replace(spec, dtype="float16", h=h_mode))
     return rel_errors(fused_gdr_bwd(**kwargs), ref)
+
+
+from gdr_dispatch import registry as _registry  # noqa: E402
+
+
+class TorchAsPlain(_registry.Backend):
+    """The torch backend's math under another name, allowed anywhere (a faked GPU too) and as a
+    context-parallel split candidate: for dispatch and tune tests."""
+
+    name = "fake_plain"
+
+    def not_supported_reasons(self, problem):
+        return []
+
+    def run(self, call):
+        return _registry.get_backend("torch").run(call)

@@ -154,19 +154,12 @@ def test_tune_measures_split_candidates_on_starved_grids(tmp_path, capsys, monke
     table printed shows them. `--no-splits` leaves them out."""
     from dataclasses import replace
 
+    from conftest import TorchAsPlain
+
     from gdr_dispatch import registry
     from gdr_dispatch.registry import DeviceInfo
 
-    class Plain(registry.Backend):
-        name = "fake_plain"
-
-        def not_supported_reasons(self, problem):
-            return []
-
-        def run(self, call):
-            return registry.get_backend("torch").run(call)
-
-    monkeypatch.setitem(registry._REGISTRY, "fake_plain", Plain())
+    monkeypatch.setitem(registry._REGISTRY, "fake_plain", TorchAsPlain())
     monkeypatch.setattr(cli, "measure_ms", lambda fn, device_type, warmup, reps: (fn(), 1.0)[1])  # no CUDA timing
     real = registry.Problem.from_call
     monkeypatch.setattr(registry.Problem, "from_call",

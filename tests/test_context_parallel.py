@@ -129,16 +129,7 @@ from gdr_dispatch.registry import DeviceInfo  # noqa: E402
 STARVED = ShapeSpec(B=1, T=600, H=2, K=8, V=8, dtype="float64", h="none")  # 2 programs, 10 chunks
 
 
-class Plain(registry.Backend):
-    """The torch backend's math under another name, allowed on a (faked) GPU and in splits."""
-
-    name = "fake_plain"
-
-    def not_supported_reasons(self, problem):
-        return []
-
-    def run(self, call):
-        return registry.get_backend("torch").run(call)
+from conftest import TorchAsPlain as Plain  # noqa: E402
 
 
 @pytest.fixture
