@@ -55,8 +55,9 @@ def test_the_warp_specialised_kernel_takes_h200_calls_since_it_was_verified(monk
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile for sm_90a")
-@pytest.mark.parametrize("experiment", [{}, {"uw_kv": True, "a_ahead": True}, {"balance": True, "gam_regs": False}],
-                         ids=["default", "uwkv-aahead", "balance-nogam"])
+@pytest.mark.parametrize("experiment", [{}, {"uw_kv": True, "a_ahead": True, "tma_dq": True},
+                                        {"balance": True, "gam_regs": False}],
+                         ids=["default", "uwkv-aahead-tmadq", "balance-nogam"])
 def test_ws_kernel_compiles_for_sm90a_with_its_register_split(experiment):
     from gdr_dispatch.backends.kernels.tilelang_ws_bwd import NREG, build_ws_bwd
 
@@ -72,6 +73,8 @@ def test_ws_kernel_compiles_for_sm90a_with_its_register_split(experiment):
     assert f"warpgroup_reg_dealloc<{NREG[3]}>" in src
     assert "__syncthreads" not in src.split("warpgroup_reg")[1]  # no block-wide barrier once the roles split
     assert src.count("tma_load(") >= 6
+    if experiment.get("tma_dq"):  # dq's full tiles leave through TMA, waited for before dvp_s is reused
+        assert "tl::tma_store(dq_desc" in src and src.count("tma_store_wait") >= 2
 
 
 @pytest.mark.slow

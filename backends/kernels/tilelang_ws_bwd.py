@@ -54,11 +54,12 @@ PHASES = 7
 TIMING_SLOTS = 18
 #: The build `tilelang_ws` runs; the other settings are kept as measured experiments
 #: (docs/tilelang_ws.md, "Steps"). Tools name builds by switches (`build_flags`).
-DEFAULT_BUILD = {"balance": False, "gam_regs": True, "uw_kv": False, "a_ahead": False}
+DEFAULT_BUILD = {"balance": False, "gam_regs": True, "uw_kv": False, "a_ahead": False, "tma_dq": False}
 SWITCHES = {"balance": ("balance", True), "nobalance": ("balance", False),
             "gam": ("gam_regs", True), "nogam": ("gam_regs", False),
             "uwkv": ("uw_kv", True), "nouwkv": ("uw_kv", False),
-            "aahead": ("a_ahead", True), "noaahead": ("a_ahead", False)}
+            "aahead": ("a_ahead", True), "noaahead": ("a_ahead", False),
+            "tmadq": ("tma_dq", True), "notmadq": ("tma_dq", False)}
 
 
 def build_flags(build: str) -> dict:
@@ -78,7 +79,8 @@ def build_flags(build: str) -> dict:
 @functools.lru_cache(maxsize=None)
 def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dtype: str, timing: bool = False,
                  balance: bool = DEFAULT_BUILD["balance"], gam_regs: bool = DEFAULT_BUILD["gam_regs"],
-                 uw_kv: bool = DEFAULT_BUILD["uw_kv"], a_ahead: bool = DEFAULT_BUILD["a_ahead"]):
+                 uw_kv: bool = DEFAULT_BUILD["uw_kv"], a_ahead: bool = DEFAULT_BUILD["a_ahead"],
+                 tma_dq: bool = DEFAULT_BUILD["tma_dq"]):
     """Compile (once per configuration) the warp-specialised kernel (K = V = 128, chunk 64).
 
     `timing` adds cycle counters at every sync point (written to the `clk` argument, CTA by
@@ -89,7 +91,9 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
     (an experiment, off, not yet measured) moves only U and W. `a_ahead` (an experiment, off,
     not yet measured) lets A run on at the ends of phases 3 and 4, where it only arrives: its
     dAr goes to `x3_s`, so nothing A writes there is still read by another group, and it waits
-    for phase 3's end only before reusing `ag_s` in phase 6. docs/tilelang_ws.md has them.
+    for phase 3's end only before reusing `ag_s` in phase 6. `tma_dq` (an experiment, off, not
+    yet measured) stores A's full dq tiles with one TMA store instead of a row loop. All in
+    docs/tilelang_ws.md.
     """
     accum = "float32"
     TT = T.dynamic("num_tokens")
@@ -508,6 +512,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                             T.warpgroup_fence_operand(a1_f)
                             store_u_w(a1_f, u_s, w_s, v_s, eG_s)
                         T.fence_proxy_async()
+                        if tma_dq:  # the previous chunk's dq store has read dvp_s (KV writes it in phase 2)
+                            T.tma_store_wait()
                         phase_sync(phase, 0, it % 2, 1, 2, tick, tm_s)
                         # 2: nothing
                         phase_sync(phase, 1, it % 2, 2, 2, tick, tm_s)
@@ -608,8 +614,18 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
                         T.fence_proxy_async()
                         phase_sync(phase, 5, it % 2, 6, 2, tick, tm_s)
                         # 7: dq (S writes dg and db)
-                        store_rows(a1_f, dvp_s, dq, t0, eos, hh)  # dvp_s is free after phase 5
+                        if tma_dq:  # full tiles (every chunk after the first visited) in one TMA store
+                            if it > 0:
+                                T.copy(a1_f, dvp_s)
+                                T.fence_proxy_async()
+                                T.tma_copy(dvp_s, dq[t0:t0 + BT, hh, 0:K])
+                            else:
+                                store_rows(a1_f, dvp_s, dq, t0, eos, hh)
+                        else:
+                            store_rows(a1_f, dvp_s, dq, t0, eos, hh)  # dvp_s is free after phase 5
                         phase_sync(phase, 6, it % 2, 7, 2, tick, tm_s)
+                    if tma_dq:
+                        T.tma_store_wait()
                     loop_end(tick, tm_s, 2, n_chunks, clk, bx)
 
                 else:
