@@ -167,3 +167,20 @@ def test_compile_jobs_are_the_builds_the_launchers_make(backend, module, launche
     with pytest.raises(RuntimeError, match="stop before launching"):
         get_backend(backend).run(call)
     assert built == [job[2]]
+
+
+def test_every_build_switch_reaches_the_ws_kernel_build(monkeypatch):
+    """tools/ws_probe.py and the race step pass `build_flags(...)` to the launcher: each switch
+    must reach `build_ws_bwd` (a dropped one would time the default build under its name)."""
+    from gdr_dispatch.backends.kernels import tilelang_ws_bwd as m
+
+    seen = {}
+    monkeypatch.setattr(m, "build_ws_bwd", lambda *args, **kw: seen.update(kw) or "kernel")
+    monkeypatch.setattr(m, "launch_packed", lambda kern, *args, **kw: kern)
+    x = torch.zeros(1, 64, 1, 128)
+    flags = m.build_flags("uwkv+aahead+tmadq+nogam+balance")
+    assert m.ws_bwd_given_h(x, x, x, x, torch.zeros(1, 64, 1, 64), torch.zeros(1, 64, 1), torch.zeros(1, 64, 1),
+                            torch.zeros(1, 1, 1, 128, 128), None, 0.1, (64,), **flags) == "kernel"
+    assert seen == {"timing": False, **flags}
+    with pytest.raises(TypeError, match="unknown build switch"):
+        m.ws_bwd_given_h(x, x, x, x, x, x, x, x, None, 0.1, (64,), uw_kvv=True)

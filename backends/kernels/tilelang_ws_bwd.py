@@ -667,24 +667,25 @@ def ws_config(q, v, b, scale: float) -> tuple:
 
 
 def ws_bwd_given_h(q, k, v, do, a, g, b, h, dht, scale: float, seq_lens, chunk_size: int = 64,
-                   cu_seqlens=None, has_h0: bool = False, state_v_first: bool = False, clk=None,
-                   balance: bool = DEFAULT_BUILD["balance"], gam_regs: bool = DEFAULT_BUILD["gam_regs"]):
+                   cu_seqlens=None, has_h0: bool = False, state_v_first: bool = False, clk=None, **build):
     """Run the warp-specialised kernel; returns `(dq, dk, dv, dg, db, dh0)` in the contract's form.
 
-    `tilelang_launch.launch_packed`'s calling convention; dq/dk come out in q's dtype unless
-    value heads are grouped (fp32, then reduced), db in b's dtype. `clk` (int32, `[N * H * 3 *
-    TIMING_SLOTS]`) asks for the timing build and receives its counters (tools/ws_probe.py);
-    `balance` and `gam_regs` pick those experimental builds.
+    `tilelang_launch.launch_packed`'s calling convention; dq/dk come out in q's dtype, db in b's
+    dtype. `clk` (int32, `[N * H * 3 * TIMING_SLOTS]`) asks for the timing build and receives
+    its counters (tools/ws_probe.py); `build` holds `build_ws_bwd`'s switches (`DEFAULT_BUILD`'s
+    keys, as `build_flags` makes them) for the experimental builds.
     """
     import torch
 
+    unknown = set(build) - set(DEFAULT_BUILD)
+    if unknown:
+        raise TypeError(f"ws_bwd_given_h: unknown build switch(es) {sorted(unknown)}; known: {sorted(DEFAULT_BUILD)}")
     H, Hg, Kd, Vd = v.shape[2], q.shape[2], q.shape[3], v.shape[3]
     if (Kd, Vd, chunk_size) != (K, V, BT):
         raise ValueError(f"ws_bwd_given_h: built for K = V = {K}, chunk {BT}; got K={Kd}, V={Vd}, chunk {chunk_size}")
-    dq_dtype = q.dtype
-    kern = build_ws_bwd(*ws_config(q, v, b, scale), timing=clk is not None, balance=balance, gam_regs=gam_regs)
+    kern = build_ws_bwd(*ws_config(q, v, b, scale), timing=clk is not None, **build)
     if clk is None:
         clk = torch.zeros(1, dtype=torch.int32, device=q.device)
     # TMA copies bytes: h_s holds q's dtype
     return launch_packed(kern, q, k, v, do, a, g, b, h.to(q.dtype), dht, seq_lens, chunk_size, cu_seqlens, has_h0,
-                         state_v_first, dq_dtype=dq_dtype, db_dtype=b.dtype, extra=(clk,))
+                         state_v_first, dq_dtype=q.dtype, db_dtype=b.dtype, extra=(clk,))
