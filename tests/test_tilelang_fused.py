@@ -61,7 +61,7 @@ def test_the_warp_specialised_kernel_takes_h200_calls_since_it_was_verified(monk
 def test_ws_kernel_compiles_for_sm90a_with_its_register_split(experiment):
     from gdr_dispatch.backends.kernels.tilelang_ws_bwd import NREG, build_ws_bwd
 
-    src = build_ws_bwd(4, 2, 128 ** -0.5, "bfloat16", "bfloat16", "bfloat16", **experiment).get_kernel_source()
+    src = build_ws_bwd(4, 2, 128 ** -0.5, "bfloat16", "bfloat16", **experiment).get_kernel_source()
     # no reduction across warps inside a role branch: TileLang's cross-warp all-reduce (the one
     # that takes a shared workspace) syncs on the same hardware barriers in every group, the race
     # of the first version (docs/tilelang_ws.md, "The race")

@@ -23,7 +23,7 @@ def compile_one(H: int, Hg: int, dtype: str, schedule: str = "plain", K: int = 1
         from gdr_dispatch.backends.kernels.tilelang_ws_bwd import build_flags, build_ws_bwd
 
         words = schedule.split("-")[1:]
-        build_ws_bwd(H, Hg, float(K ** -0.5), dtype, dtype, dtype,
+        build_ws_bwd(H, Hg, float(K ** -0.5), dtype, dtype,
                      timing="timing" in words, **build_flags("+".join(w for w in words if w != "timing")))
     else:
         from gdr_dispatch.backends.kernels.tilelang_fused_bwd import build_fused_bwd

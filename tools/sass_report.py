@@ -49,7 +49,7 @@ def sass_of(build: str, H: int, Hg: int, dtype: str) -> str:
     _cuobjdump_on_path()
     from gdr_dispatch.backends.kernels.tilelang_ws_bwd import build_flags, build_ws_bwd
 
-    kern = build_ws_bwd(H, Hg, 128 ** -0.5, dtype, dtype, dtype, **build_flags(build))
+    kern = build_ws_bwd(H, Hg, 128 ** -0.5, dtype, dtype, **build_flags(build))
     return kern._get_sass()
 
 

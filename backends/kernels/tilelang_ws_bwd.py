@@ -26,8 +26,8 @@ group, so concurrent groups would complete each other's (the race of v1; row sum
 a quad, the rest goes through shared memory). Notes, predictions and measurements:
 docs/tilelang_ws.md.
 
-Outputs: dq/dk per value head (in q's dtype, or fp32 when value heads are grouped, reduced
-by the launcher), dv, dg (w.r.t. the raw gate), db, dh0 (always written).
+Outputs: dq/dk per value head in q's dtype (summed over grouped value heads in fp32 by the
+launcher), dv, dg (w.r.t. the raw gate), db, dh0 (always written).
 """
 
 import functools
@@ -77,7 +77,7 @@ def build_flags(build: str) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dtype: str, timing: bool = False,
+def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing: bool = False,
                  balance: bool = DEFAULT_BUILD["balance"], gam_regs: bool = DEFAULT_BUILD["gam_regs"],
                  uw_kv: bool = DEFAULT_BUILD["uw_kv"], a_ahead: bool = DEFAULT_BUILD["a_ahead"],
                  tma_dq: bool = DEFAULT_BUILD["tma_dq"]):
@@ -104,7 +104,6 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
     group = H // Hg
     nreg_s, nreg_kv, nreg_a, nreg_p = NREG
     NS = TIMING_SLOTS
-    staged = dq_dtype == dtype  # 16-bit dq/dk (per value head) are stored through shared memory as whole rows
 
     @T.macro
     def clock_into(tick, i):
@@ -180,18 +179,13 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
 
     @T.macro
     def store_rows(frag, stage_s, out, t0, eos, hh):
-        """A chunk's dq or dk rows (those before `eos`) from a group's fragment. 16-bit ones go
-        through `stage_s` (a free 64 x 128 buffer), so the global stores are whole rows instead
-        of a wgmma fragment's 4-byte pieces; fp32 ones (grouped heads) straight from registers."""
-        if staged:
-            T.copy(frag, stage_s)
-            for i, j in T.Parallel(BT, K):
-                if t0 + i < eos:
-                    out[t0 + i, hh, j] = stage_s[i, j]
-        else:
-            for i, j in T.Parallel(BT, K):
-                if t0 + i < eos:
-                    out[t0 + i, hh, j] = T.cast(frag[i, j], dq_dtype)
+        """A chunk's dq or dk rows (those before `eos`) from a group's fragment, through `stage_s`
+        (a free 64 x 128 buffer), so the global stores are whole rows instead of a wgmma
+        fragment's 4-byte pieces."""
+        T.copy(frag, stage_s)
+        for i, j in T.Parallel(BT, K):
+            if t0 + i < eos:
+                out[t0 + i, hh, j] = stage_s[i, j]
 
     @T.macro
     def loop_start(tick, tm_s, grp):
@@ -226,8 +220,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
             dht: T.Tensor((N, H, K, V), accum),
             cu_seqlens: T.Tensor((NP1,), "int32"),
             chunk_offsets: T.Tensor((NP1,), "int32"),
-            dq: T.Tensor((TT, H, K), dq_dtype),
-            dk: T.Tensor((TT, H, K), dq_dtype),
+            dq: T.Tensor((TT, H, K), dtype),
+            dk: T.Tensor((TT, H, K), dtype),
             dv: T.Tensor((TT, H, V), dtype),
             dg: T.Tensor((TT, H), accum),
             db: T.Tensor((TT, H), b_dtype),
@@ -659,11 +653,10 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, dq_dty
 def ws_config(q, v, b, scale: float) -> tuple:
     """`build_ws_bwd`'s arguments for a call: one source for the launcher and for precompile
     jobs (backends' `compile_jobs`), so both hit the same compiled kernel."""
-    H, Hg = v.shape[2], q.shape[2]
     # dq/dk per value head in q's dtype also when heads are grouped (the launcher sums them in
     # fp32, as FlashQLA's caller does): fp32 stores plus their reduction cost about 1 ms at
     # varlen 8x4096 H32 Hg16 (docs/tilelang_ws.md)
-    return (H, Hg, float(scale), tl_dtype(q.dtype), tl_dtype(b.dtype), tl_dtype(q.dtype))
+    return (v.shape[2], q.shape[2], float(scale), tl_dtype(q.dtype), tl_dtype(b.dtype))
 
 
 def ws_bwd_given_h(q, k, v, do, a, g, b, h, dht, scale: float, seq_lens, chunk_size: int = 64,
