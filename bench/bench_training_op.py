@@ -84,8 +84,10 @@ def step(op, x: dict, **extra) -> dict:
                    **extra)
         torch.autograd.backward((o, ht), (x["do"], x["dht"].to(ht.dtype)))
     finally:
-        if forced:
-            os.environ.pop("GDR_BACKEND", None) if before is None else os.environ.__setitem__("GDR_BACKEND", before)
+        if forced and before is None:
+            del os.environ["GDR_BACKEND"]
+        elif forced:
+            os.environ["GDR_BACKEND"] = before
     return {"o": o.detach(), "ht": ht.detach(), **{"d" + n: t.grad for n, t in leaves.items()}}
 
 

@@ -167,8 +167,9 @@ def cmd_tune(args) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    splits = sorted({n for _, e, _ in results for n in e.get("candidates", {}) if n not in registered_backends()})
-    print(summarize(results, [*registered_backends(), *splits]))
+    known = list(registered_backends())
+    splits = sorted({n for _, e, _ in results for n in e.get("candidates", {}) if n not in known})
+    print(summarize(results, known + splits))
     path = tuning_table.table_path(out_dir, dev.slug)
     if written:
         print(f"\ntable written: {path} ({written} of {len(results)} shapes)")
