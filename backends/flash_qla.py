@@ -117,29 +117,29 @@ class FlashQLABackend(Backend):
 
         keys = (call.H, call.Hg, name(call.q), name(call.a), name(call.g), name(call.b), name(call.h),
                 name(call.cu_seqlens), call.initial_state is not None, call.dht is not None, call.scale,
-                call.state_v_first)
+                call.state_v_first, call.chunk_size)
         return [(__name__, warm_up.__name__, keys)]
 
 
 def warm_up(H, Hg, dtype, a_dtype, g_dtype, b_dtype, h_dtype, cu_dtype, has_h0, has_dht, scale, state_v_first,
-            device="cuda"):
-    """Run the backend once on one 64-token chunk with a call's compile-time keys (a compile job)."""
+            chunk_size, device="cuda"):
+    """Run the backend once on one chunk with a call's compile-time keys (a compile job)."""
     from gdr_dispatch.contract import validate
 
-    dev, K, T = torch.device(device), 128, 64
+    dev, K, T = torch.device(device), 128, chunk_size
 
     def rnd(*shape, dt):
         return (0.1 * torch.randn(*shape, device=dev)).to(getattr(torch, dt))
 
     state = (1, H, K, K)
     call = validate(rnd(1, T, Hg, K, dt=dtype), rnd(1, T, Hg, K, dt=dtype), rnd(1, T, H, K, dt=dtype),
-                    rnd(1, T, H, 64, dt=a_dtype), -torch.rand(1, T, H, device=dev).cumsum(1).to(getattr(torch, g_dtype)),
+                    rnd(1, T, H, T, dt=a_dtype), -torch.rand(1, T, H, device=dev).cumsum(1).to(getattr(torch, g_dtype)),
                     torch.rand(1, T, H, device=dev).to(getattr(torch, b_dtype)), rnd(1, T, H, K, dt=dtype),
                     rnd(*state, dt="float32") if has_dht else None,
                     None if h_dtype is None else rnd(1, 1, H, K, K, dt=h_dtype), scale=scale,
                     initial_state=rnd(*state, dt="float32") if has_h0 else None,
                     cu_seqlens=None if cu_dtype is None else torch.tensor([0, T], dtype=getattr(torch, cu_dtype), device=dev),
-                    state_v_first=state_v_first)
+                    chunk_size=chunk_size, state_v_first=state_v_first)
     FlashQLABackend().run(call)
     if dev.type == "cuda":
         torch.cuda.synchronize()

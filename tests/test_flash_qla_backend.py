@@ -76,7 +76,9 @@ def test_verified_on_a_gpu(importable, monkeypatch):
 
 @pytest.mark.parametrize("spec", [ShapeSpec(B=2, T=100, H=4, Hg=2, K=128, V=128, dtype="float16", h="given"),
                                   ShapeSpec(seqlens=(1, 63, 64, 65), H=4, K=128, V=128, dtype="float16", dht=False,
-                                            state_v_first=True, h="none")], ids=lambda s: s.label())
+                                            state_v_first=True, h="none"),
+                                  ShapeSpec(B=1, T=70, H=2, K=128, V=128, dtype="float16", h="given", chunk_size=32)],
+                         ids=lambda s: f"{s.label()} chunk{s.chunk_size}")
 def test_compile_job_runs_its_kernels_with_the_calls_keys(spec, monkeypatch):
     """A sweep compiles FlashQLA's kernels beforehand by running them on one chunk with the
     call's compile-time keys (head counts, dtypes, scale, flags): the warm-up's call must carry
@@ -96,7 +98,7 @@ def test_compile_job_runs_its_kernels_with_the_calls_keys(spec, monkeypatch):
     (warm,) = seen
 
     def key(c):
-        return (c.H, c.Hg, c.scale, c.state_v_first, c.initial_state is not None, c.dht is not None,
+        return (c.H, c.Hg, c.scale, c.state_v_first, c.chunk_size, c.initial_state is not None, c.dht is not None,
                 *(None if t is None else t.dtype for t in (c.q, c.k, c.v, c.do, c.a, c.g, c.b, c.h, c.cu_seqlens)))
 
     assert key(warm) == key(call)
