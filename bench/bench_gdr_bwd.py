@@ -14,7 +14,9 @@ For each shape, with `h` given and with `h=None`:
   * with `--splits 2,4,8`: the context-parallel split forced (GDR_CP) around the
     `--split-backends`, as `<backend>@split<n>`, and FlashQLA's own `auto_cp=True` split
     (`flashqla-auto_cp`, h=None rows).
-Times are medians of CUDA-event timings after warm-up (gdr_dispatch.dispatch.measure_ms).
+Times are medians of CUDA-event timings after warm-up (gdr_dispatch.dispatch.measure_ms); with
+`--rounds N` (default 2) each runner is timed N times in alternating order and the least median
+kept (the JSON's `ms_rounds` has all).
 The floor is max(bytes / 4.3 TB/s, FLOPs / 790 TFLOP/s), the copy bandwidth and bf16
 matmul rate measured on an H200, for the estimate in `gdr_dispatch.shapes.bytes_and_flops`.
 Writes bench/results/<device>.json and .md. Runs against the installed gdr_dispatch.
@@ -116,7 +118,7 @@ def max_error(grads, ref):
     return max(relative_error(getattr(grads, n), getattr(ref, n)) for n in GDRGrads._fields)
 
 
-def bench_shape(spec, warmup, reps, skip, splits=(), split_backends=()):
+def bench_shape(spec, warmup, reps, skip, splits=(), split_backends=(), rounds=1):
     x = make_inputs(spec, "cuda", seed=1)
     kwargs = call_kwargs(x)
     problem = None
@@ -154,9 +156,23 @@ def bench_shape(spec, warmup, reps, skip, splits=(), split_backends=()):
         except Exception as e:  # noqa: BLE001 - a failing runner is reported, the sweep goes on
             row["runs"][name] = {"failed": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
         print(f"    {name}: {row['runs'][name]}  [{time.perf_counter() - t0:.1f} s]", file=sys.stderr, flush=True)
+    more_rounds(runners, row["runs"], rounds, lambda fn: measure_ms(fn, "cuda", warmup=warmup, reps=reps))
     del x, kwargs, ref
     torch.cuda.empty_cache()
     return row
+
+
+def more_rounds(runners: dict, runs: dict, rounds: int, measure) -> None:
+    """Time each runner that has a first reading (`runs[name]["ms"]`) `rounds - 1` more times,
+    in alternating order (reversed first), and keep the least median; `ms_rounds` keeps all.
+    Why: flash_qla, the first runner of every row, read 0.1-0.6 ms above FlashQLA called directly
+    in session 4's bench but equal to it in session 3's tune (README, Results)."""
+    timed = [n for n in runners if "ms" in runs.get(n, {})]
+    for r in range(1, rounds):
+        for name in (timed[::-1] if r % 2 else timed):
+            run = runs[name]
+            run.setdefault("ms_rounds", [run["ms"]]).append(round(measure(runners[name]), 4))
+            run["ms"] = min(run["ms_rounds"])
 
 
 def merge_rows(earlier, fresh):
@@ -178,7 +194,7 @@ def merge_rows(earlier, fresh):
 
 
 def to_markdown(rows, names, device, unverified=()):
-    lines = [f"GDR backward on {device}, median ms (ratio = fla-op ms / this ms; >1 is faster than fla's own op)", ""]
+    lines = [f"GDR backward on {device}, median ms, least of the rounds (ratio = fla-op ms / this ms; >1 is faster than fla's own op)", ""]
     head = ["shape", "h", "floor", *(n + ("*" if n in unverified else "") for n in names)]
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "|".join("---" for _ in head) + "|")
@@ -222,6 +238,8 @@ def main(argv=None):
     p.add_argument("--h", choices=["given", "none", "both"], default=None, help="override each shape's h mode")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=2,
+                   help="time every runner this many times per shape, in alternating order; keep the least median")
     p.add_argument("--skip", default="", help="runners to leave out, comma-separated")
     p.add_argument("--match", default=None, help="only the shapes whose label matches this regular expression")
     p.add_argument("--merge", action="store_true",
@@ -270,7 +288,7 @@ def main(argv=None):
     fresh = []
     for i, spec in enumerate(variants, 1):
         print(f"[{i}/{len(variants)}] {spec.label()}", file=sys.stderr, flush=True)
-        row = bench_shape(spec, args.warmup, args.reps, skip, splits, split_backends)
+        row = bench_shape(spec, args.warmup, args.reps, skip, splits, split_backends, args.rounds)
         row["measured_at"] = doc["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         fresh.append(row)
         # written after every shape, so a run cut short keeps what it measured

@@ -9,7 +9,11 @@ state; loss = <o, do> + <final_state, dht>):
     `backend` says which);
   * `ours@<backend>` for each of `--backends`: the same op with GDR_BACKEND forcing that backend
     through the forward and the backward;
-  * `fla-op`: fla-core's `chunk_gated_delta_rule`;
+  * `fla-op`: fla-core's `chunk_gated_delta_rule` on its own Triton kernels. fla-core 0.6
+    dispatches that op to FlashQLA whenever `flash_qla` imports (its backend registry,
+    `FLA_FLASH_QLA` read per call), so this runner sets `FLA_FLASH_QLA=0` around its step: with
+    FlashQLA installed, the op a user calls *is* flashqla-op (measured on the H200: within 2-8 %
+    of it, bench/results/ws_steps/s4call4-trainbench.log);
   * `flashqla-op`: FlashQLA's `chunk_gated_delta_rule` as a user calls it (its intra-card split
     `auto_cp` on), when importable.
 Times are medians of CUDA-event timings of the whole step after warm-up; ratios are fla-op's
@@ -64,19 +68,20 @@ def step_inputs(spec: ShapeSpec, device, seed: int = 0) -> dict:
 
 
 class Forced:
-    """Our op with GDR_BACKEND set for the whole step (the backward runs after the forward returns)."""
+    """An op with environment variables set for the whole step (the backward runs after the
+    forward returns): GDR_BACKEND for `ours@<backend>`, FLA_FLASH_QLA=0 for fla's own kernels."""
 
-    def __init__(self, op, backend: str):
+    def __init__(self, op, backend: str | None = None, env: dict | None = None):
         self.op, self.backend = op, backend
+        self.env = {**(env or {}), **({"GDR_BACKEND": backend} if backend else {})}
 
 
 def step(op, x: dict, **extra) -> dict:
     """One forward + backward of `op`; returns o, the final state and every gradient."""
-    forced = op.backend if isinstance(op, Forced) else None
+    env = op.env if isinstance(op, Forced) else {}
     op = op.op if isinstance(op, Forced) else op
-    before = os.environ.get("GDR_BACKEND")
-    if forced:
-        os.environ["GDR_BACKEND"] = forced
+    before = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
     try:
         leaves = {n: x[n].detach().requires_grad_(True) for n in LEAVES}
         o, ht = op(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
@@ -84,10 +89,11 @@ def step(op, x: dict, **extra) -> dict:
                    **extra)
         torch.autograd.backward((o, ht), (x["do"], x["dht"].to(ht.dtype)))
     finally:
-        if forced and before is None:
-            del os.environ["GDR_BACKEND"]
-        elif forced:
-            os.environ["GDR_BACKEND"] = before
+        for name, value in before.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
     return {"o": o.detach(), "ht": ht.detach(), **{"d" + n: t.grad for n, t in leaves.items()}}
 
 
@@ -111,7 +117,7 @@ def runners(forced=()) -> dict:
     out.update({f"ours@{name}": Forced(chunk_gated_delta_rule, name) for name in forced})
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
-        out["fla-op"] = fla_op
+        out["fla-op"] = Forced(fla_op, env={"FLA_FLASH_QLA": "0"})  # fla's own kernels (module docstring)
     except Exception as e:  # noqa: BLE001 - a peer that does not import is reported
         out["fla-op"] = f"not importable: {type(e).__name__}: {e}"
     try:
@@ -122,15 +128,14 @@ def runners(forced=()) -> dict:
     return out
 
 
-def warm_flashqla(H: int, Hg: int, varlen: bool, dtype: str) -> float:
-    """One FlashQLA training step on two 64-token sequences with a shape's head layout (in a
-    worker process): its TileLang kernels take their lengths at run time, so this compiles what
-    the timed step needs (about a minute per kernel, one core each)."""
+def warm_flashqla(spec: ShapeSpec) -> float:
+    """One FlashQLA training step at a bench shape (in a worker process). A small stand-in
+    with the same head layout is not enough: on the H200 the timed step still compiled about
+    three minutes of kernels at B1 T8192 H16 after such a warm-up (its intra-card split and
+    kernels keyed on more than the layout; bench/results/ws_steps/s4call3-trainbench-cut.log)."""
     from flash_qla import chunk_gated_delta_rule as fq_op
 
     t0 = time.perf_counter()
-    spec = ShapeSpec(seqlens=(64, 64), H=H, Hg=Hg, dtype=dtype) if varlen else ShapeSpec(B=2, T=64, H=H, Hg=Hg,
-                                                                                          dtype=dtype)
     step(fq_op, step_inputs(spec, "cuda"))
     torch.cuda.synchronize()
     return time.perf_counter() - t0
@@ -140,10 +145,9 @@ def precompile_flashqla(shapes, workers: int) -> None:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    layouts = sorted({(s.H, s.Hg, bool(s.seqlens), s.dtype) for s in shapes})
-    print(f"compiling FlashQLA's kernels for {len(layouts)} head layouts first", file=sys.stderr, flush=True)
-    with ProcessPoolExecutor(max(1, min(workers, len(layouts))), mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(warm_flashqla, *lay): lay for lay in layouts}
+    print(f"compiling FlashQLA's kernels for {len(shapes)} shapes first", file=sys.stderr, flush=True)
+    with ProcessPoolExecutor(max(1, min(workers, len(shapes))), mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(warm_flashqla, spec): spec.label() for spec in shapes}
         for fut in as_completed(futures):
             try:
                 print(f"  {futures[fut]}: {fut.result():.1f} s", file=sys.stderr, flush=True)
@@ -154,7 +158,7 @@ def precompile_flashqla(shapes, workers: int) -> None:
 def bench_shape(spec: ShapeSpec, ops: dict, warmup: int, reps: int) -> dict:
     x = step_inputs(spec, "cuda", seed=1)
     row = {"shape": spec.label().rsplit(" h=", 1)[0], "runs": {}}
-    ref = step(ops["fla-op"], x) if callable(ops.get("fla-op")) else None
+    ref = step(ops["fla-op"], x) if not isinstance(ops.get("fla-op", ""), str) else None
     choices = ChoiceLog()
     logging.getLogger("gdr_dispatch").addHandler(choices)
     logging.getLogger("gdr_dispatch").setLevel(logging.INFO)
@@ -214,7 +218,7 @@ def main(argv=None) -> int:
     p.add_argument("--backends", default="", help="also run our op with each of these backends forced (GDR_BACKEND), "
                    "as ours@<backend>, comma-separated")
     p.add_argument("--compile-jobs", type=int, default=8,
-                   help="compile FlashQLA's kernels for the shapes' head layouts first, in this many processes (0: not)")
+                   help="compile FlashQLA's kernels with one step at each shape first, in this many processes (0: not)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default=str(RESULTS))

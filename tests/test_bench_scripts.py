@@ -24,6 +24,19 @@ def test_every_stage56_config_binds_to_its_launcher():
         inspect.signature(launcher).bind_partial(**cfg)  # raises TypeError on an unknown knob
 
 
+def test_bench_rounds_alternate_the_order_and_keep_the_least_median():
+    from bench_gdr_bwd import more_rounds
+
+    order, readings = [], iter([2.0, 1.5, 1.2, 3.0])
+    runners = {"a": "fa", "b": "fb", "skipped": "reason"}
+    runs = {"a": {"ms": 1.0}, "b": {"ms": 2.5}, "skipped": {"skipped": "reason"}}
+    more_rounds(runners, runs, 3, lambda fn: order.append(fn) or next(readings))
+    assert order == ["fb", "fa", "fa", "fb"]  # round 2 reversed, round 3 as given
+    assert runs["a"] == {"ms": 1.0, "ms_rounds": [1.0, 1.5, 1.2]}
+    assert runs["b"] == {"ms": 2.0, "ms_rounds": [2.5, 2.0, 3.0]}
+    assert runs["skipped"] == {"skipped": "reason"}
+
+
 def test_bench_merge_replaces_remeasured_runs_and_keeps_the_rest():
     from bench_gdr_bwd import merge_rows
 
@@ -96,3 +109,24 @@ def test_training_bench_forces_a_backend_through_the_whole_step_and_names_it(mon
         logging.getLogger("gdr_dispatch").removeHandler(handler)
     assert seen == ["torch"] and handler.backend == "torch"
     assert bt.os.environ["GDR_BACKEND"] == "callers-own"
+
+
+def test_training_bench_runs_fla_op_on_fla_own_kernels(monkeypatch):
+    """fla-core 0.6 sends its op to FlashQLA whenever flash_qla imports; the fla-op runner turns
+    that off (FLA_FLASH_QLA=0) for its step only, so the column is fla's own kernels."""
+    import bench_training_op as bt
+
+    from gdr_dispatch.shapes import ShapeSpec
+
+    monkeypatch.delenv("FLA_FLASH_QLA", raising=False)
+    seen = []
+
+    def fake_op(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None):
+        seen.append(bt.os.environ.get("FLA_FLASH_QLA"))
+        return (v * beta[..., None]).sum() * v, initial_state * 1.0
+
+    runner = bt.Forced(fake_op, env={"FLA_FLASH_QLA": "0"})
+    bt.step(runner, bt.step_inputs(ShapeSpec(B=1, T=40, H=2, K=16, V=16, dtype="float64"), "cpu"))
+    assert seen == ["0"] and "FLA_FLASH_QLA" not in bt.os.environ
+    if bt.runners().get("fla-op") is not None and not isinstance(bt.runners()["fla-op"], str):
+        assert bt.runners()["fla-op"].env == {"FLA_FLASH_QLA": "0"}

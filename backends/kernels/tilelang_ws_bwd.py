@@ -54,12 +54,14 @@ PHASES = 7
 TIMING_SLOTS = 18
 #: The build `tilelang_ws` runs; the other settings are kept as measured experiments
 #: (docs/tilelang_ws.md, "Steps"). Tools name builds by switches (`build_flags`).
-DEFAULT_BUILD = {"balance": False, "gam_regs": True, "uw_kv": False, "a_ahead": False, "tma_dq": False}
+DEFAULT_BUILD = {"balance": False, "gam_regs": True, "uw_kv": True, "a_ahead": True, "tma_dq": False,
+                 "dg_early": False}
 SWITCHES = {"balance": ("balance", True), "nobalance": ("balance", False),
             "gam": ("gam_regs", True), "nogam": ("gam_regs", False),
             "uwkv": ("uw_kv", True), "nouwkv": ("uw_kv", False),
             "aahead": ("a_ahead", True), "noaahead": ("a_ahead", False),
-            "tmadq": ("tma_dq", True), "notmadq": ("tma_dq", False)}
+            "tmadq": ("tma_dq", True), "notmadq": ("tma_dq", False),
+            "dg6": ("dg_early", True), "nodg6": ("dg_early", False)}
 
 
 def build_flags(build: str) -> dict:
@@ -80,20 +82,21 @@ def build_flags(build: str) -> dict:
 def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing: bool = False,
                  balance: bool = DEFAULT_BUILD["balance"], gam_regs: bool = DEFAULT_BUILD["gam_regs"],
                  uw_kv: bool = DEFAULT_BUILD["uw_kv"], a_ahead: bool = DEFAULT_BUILD["a_ahead"],
-                 tma_dq: bool = DEFAULT_BUILD["tma_dq"]):
+                 tma_dq: bool = DEFAULT_BUILD["tma_dq"], dg_early: bool = DEFAULT_BUILD["dg_early"]):
     """Compile (once per configuration) the warp-specialised kernel (K = V = 128, chunk 64).
 
     `timing` adds cycle counters at every sync point (written to the `clk` argument, CTA by
     CTA: `[N * H, 3, TIMING_SLOTS]`); the instrument of docs/tilelang_ws.md's phase table.
     `gam_regs` keeps the decay matrix Gam in A's registers for the chunk instead of forming it
     five times from shared memory (A, the critical path, issues ~20 % fewer instructions).
-    `balance` (an experiment, off) has KV form Ag, U and W in phase 1 instead of A; `uw_kv`
-    (an experiment, off, not yet measured) moves only U and W. `a_ahead` (an experiment, off,
-    not yet measured) lets A run on at the ends of phases 3 and 4, where it only arrives: its
-    dAr goes to `x3_s`, so nothing A writes there is still read by another group, and it waits
-    for phase 3's end only before reusing `ag_s` in phase 6. `tma_dq` (an experiment, off, not
-    yet measured) stores A's full dq tiles with one TMA store instead of a row loop. All in
-    docs/tilelang_ws.md.
+    `uw_kv` has KV form U and W in phase 1 beside its own gemms, and `a_ahead` lets A run on at
+    the ends of phases 3 and 4, where it only arrives (its dAr goes to `x3_s`, which no other
+    group reads then): together the loop -15 % at B8 T4096 H32, default since session 4
+    (bench/results/ws_steps/s4call1-*). `balance` (off) moves Ag to KV as well and lengthens
+    KV's phase 1 past A's; `tma_dq` (off) stores A's full dq tiles with one TMA store: -4 % on
+    varlen, +3 % at fixed lengths. `dg_early` (off, not yet measured) has S store dg in phase 6,
+    where it is complete, instead of phase 7, where S's scan and stores (2.2K cycles) outlast A's
+    and KV's tile stores. All in docs/tilelang_ws.md.
     """
     accum = "float32"
     TT = T.dynamic("num_tokens")
@@ -186,6 +189,18 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
         for i, j in T.Parallel(BT, K):
             if t0 + i < eos:
                 out[t0 + i, hh, j] = stage_s[i, j]
+
+    @T.macro
+    def store_dg(gscan_s, dGk_s, dGa_s, gls_s, glk_s, dg, t0, L, hh):
+        """dg = reverse cumsum of dG inside the chunk plus the G_L terms (the chunk end's decay
+        reaches every token of it), by S."""
+        for i in T.Parallel(BT):
+            gscan_s[0, i] = T.if_then_else(i < L, dGk_s[i] + dGa_s[i], T.cast(0, accum))
+            gscan_s[1, i] = gls_s[i] + gls_s[i + BT] + glk_s[i]
+        T.cumsum(gscan_s, dim=1, reverse=True)  # warp shuffles in S's first two warps
+        for i in T.Parallel(BT):
+            if i < L:
+                dg[t0 + i, hh] = gscan_s[0, i] + gscan_s[1, 0]
 
     @T.macro
     def loop_start(tick, tm_s, grp):
@@ -373,16 +388,14 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         # 6: the 16-bit copy for the next chunk (dh_s was last read in 5)
                         T.copy(dS_f, dh_s)
                         T.fence_proxy_async()
+                        if dg_early:  # every dG part is in by the end of phase 5
+                            store_dg(gscan_s, dGk_s, dGa_s, gls_s, glk_s, dg, t0, L, hh)
                         phase_sync(phase, 5, it % 2, 6, 0, tick, tm_s)
-                        # 7: dg = reverse cumsum of dG inside the chunk plus the G_L terms (the chunk
-                        # end's decay reaches every token of it); db = its two parts
-                        for i in T.Parallel(BT):
-                            gscan_s[0, i] = T.if_then_else(i < L, dGk_s[i] + dGa_s[i], T.cast(0, accum))
-                            gscan_s[1, i] = gls_s[i] + gls_s[i + BT] + glk_s[i]
-                        T.cumsum(gscan_s, dim=1, reverse=True)  # warp shuffles in S's first two warps
+                        # 7: dg (unless dg_early) and db = its two parts (A's row part lands in phase 6)
+                        if not dg_early:
+                            store_dg(gscan_s, dGk_s, dGa_s, gls_s, glk_s, dg, t0, L, hh)
                         for i in T.Parallel(BT):
                             if i < L:
-                                dg[t0 + i, hh] = gscan_s[0, i] + gscan_s[1, 0]
                                 db[t0 + i, hh] = T.cast(db_s[i], b_dtype)
                         phase_sync(phase, 6, it % 2, 7, 0, tick, tm_s)
                     loop_end(tick, tm_s, 0, n_chunks, clk, bx)
