@@ -55,13 +55,14 @@ TIMING_SLOTS = 18
 #: The build `tilelang_ws` runs; the other settings are kept as measured experiments
 #: (docs/tilelang_ws.md, "Steps"). Tools name builds by switches (`build_flags`).
 DEFAULT_BUILD = {"balance": False, "gam_regs": True, "uw_kv": True, "a_ahead": True, "tma_dq": False,
-                 "dg_early": False}
+                 "dg_early": False, "transpose": False}
 SWITCHES = {"balance": ("balance", True), "nobalance": ("balance", False),
             "gam": ("gam_regs", True), "nogam": ("gam_regs", False),
             "uwkv": ("uw_kv", True), "nouwkv": ("uw_kv", False),
             "aahead": ("a_ahead", True), "noaahead": ("a_ahead", False),
             "tmadq": ("tma_dq", True), "notmadq": ("tma_dq", False),
-            "dg6": ("dg_early", True), "nodg6": ("dg_early", False)}
+            "dg6": ("dg_early", True), "nodg6": ("dg_early", False),
+            "xpose": ("transpose", True), "noxpose": ("transpose", False)}
 
 
 def build_flags(build: str) -> dict:
@@ -82,7 +83,8 @@ def build_flags(build: str) -> dict:
 def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing: bool = False,
                  balance: bool = DEFAULT_BUILD["balance"], gam_regs: bool = DEFAULT_BUILD["gam_regs"],
                  uw_kv: bool = DEFAULT_BUILD["uw_kv"], a_ahead: bool = DEFAULT_BUILD["a_ahead"],
-                 tma_dq: bool = DEFAULT_BUILD["tma_dq"], dg_early: bool = DEFAULT_BUILD["dg_early"]):
+                 tma_dq: bool = DEFAULT_BUILD["tma_dq"], dg_early: bool = DEFAULT_BUILD["dg_early"],
+                 transpose: bool = DEFAULT_BUILD["transpose"]):
     """Compile (once per configuration) the warp-specialised kernel (K = V = 128, chunk 64).
 
     `timing` adds cycle counters at every sync point (written to the `clk` argument, CTA by
@@ -96,7 +98,9 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     KV's phase 1 past A's; `tma_dq` (off) stores A's full dq tiles with one TMA store: -4 % on
     varlen, +3 % at fixed lengths. `dg_early` (off, not yet measured) has S store dg in phase 6,
     where it is complete, instead of phase 7, where S's scan and stores (2.2K cycles) outlast A's
-    and KV's tile stores. All in docs/tilelang_ws.md.
+    and KV's tile stores. `transpose` (off, not yet measured) takes A's two column sums (dAg's
+    and dPg's dG/db terms) from an exact transpose through a free 16-bit buffer instead of two
+    transposed gemms, 4096 exp2 and transposed loads. All in docs/tilelang_ws.md.
     """
     accum = "float32"
     TT = T.dynamic("num_tokens")
@@ -189,6 +193,25 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
         for i, j in T.Parallel(BT, K):
             if t0 + i < eos:
                 out[t0 + i, hh, j] = stage_s[i, j]
+
+    @T.macro
+    def column_sums(x_f, buf_s, xt_f, out_r):
+        """`out_r` = the column sums of the fp32 fragment `x_f`, as row sums of its transpose
+        `xt_f`: moved through the 16-bit 64 x 64 buffer `buf_s` in two halves of its bits, so
+        the transpose is exact (`transpose` builds; no cross-warp reduction, see the module
+        docstring)."""
+        for i, j in T.Parallel(BT, BT):
+            buf_s[i, j] = T.reinterpret(T.cast(T.shift_right(T.reinterpret(x_f[i, j], "uint32"), T.uint32(16)),
+                                               "uint16"), dtype)
+        for i, j in T.Parallel(BT, BT):
+            xt_f[i, j] = T.reinterpret(T.shift_left(T.cast(T.reinterpret(buf_s[j, i], "uint16"), "uint32"),
+                                                    T.uint32(16)), accum)
+        for i, j in T.Parallel(BT, BT):
+            buf_s[i, j] = T.reinterpret(T.cast(T.reinterpret(x_f[i, j], "uint32"), "uint16"), dtype)
+        for i, j in T.Parallel(BT, BT):
+            xt_f[i, j] = T.reinterpret(T.bitwise_or(T.reinterpret(xt_f[i, j], "uint32"),
+                                                    T.cast(T.reinterpret(buf_s[j, i], "uint16"), "uint32")), accum)
+        T.reduce_sum(xt_f, out_r, dim=1)
 
     @T.macro
     def store_dg(gscan_s, dGk_s, dGa_s, gls_s, glk_s, dg, t0, L, hh):
@@ -526,10 +549,11 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         phase_sync(phase, 1, it % 2, 2, 2, tick, tm_s)
                         # 3: dAg = dV' W^T and its transpose (for column sums as row sums); V' = Ag W
                         T.wgmma_gemm(dvp_s, w_s, sq_f, transpose_B=True, clear_accum=True)
-                        T.wgmma_gemm(w_s, dvp_s, pg_f, transpose_B=True, clear_accum=True)
+                        if not transpose:
+                            T.wgmma_gemm(w_s, dvp_s, pg_f, transpose_B=True, clear_accum=True)
                         T.wgmma_gemm(ag_s, w_s, a1_f, clear_accum=True)
                         T.wait_wgmma(0)
-                        for f in (sq_f, pg_f, a1_f):
+                        for f in ((sq_f, a1_f) if transpose else (sq_f, pg_f, a1_f)):
                             T.warpgroup_fence_operand(f)
                         if a_ahead:  # phase 4 writes nothing another group still reads (dAr goes to x3_s)
                             phase_arrive(phase, 2, 3, 2, tick, tm_s)
@@ -538,13 +562,20 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         # 4: V' into w_s; through Ag = Gam A b: dG (rows - columns of dAg Ag), db's
                         # column part, dAr = Gam b dAg (the ungated inverse's gradient) into ag_s
                         T.copy(a1_f, w_s)
-                        for i, j in T.Parallel(BT, BT):  # (Gam dAg A)^T from dAg^T: its row sums are the column sums
-                            pg_f[i, j] = T.if_then_else(i <= j, T.exp2((G_s[j] - G_s[i]) * LOG2E), T.cast(0, accum)) \
-                                * pg_f[i, j] * T.cast(a_s[j, i], accum)
-                        T.reduce_sum(pg_f, ac_f, dim=1)
-                        for i, j in T.Parallel(BT, BT):
-                            sq2_f[i, j] = gam(gam_f, G_s, i, j) \
-                                * sq_f[i, j] * T.cast(a_s[i, j], accum) * b_s[j]  # dAg * Ag
+                        if transpose:  # x3_s is free until dAr (dkk was last read in phase 6)
+                            for i, j in T.Parallel(BT, BT):
+                                sq2_f[i, j] = gam(gam_f, G_s, i, j) * sq_f[i, j] * T.cast(a_s[i, j], accum)
+                            column_sums(sq2_f, x3_s, pg_f, ac_f)
+                            for i, j in T.Parallel(BT, BT):
+                                sq2_f[i, j] = sq2_f[i, j] * b_s[j]  # dAg * Ag
+                        else:
+                            for i, j in T.Parallel(BT, BT):  # (Gam dAg A)^T from dAg^T: its row sums are the column sums
+                                pg_f[i, j] = T.if_then_else(i <= j, T.exp2((G_s[j] - G_s[i]) * LOG2E), T.cast(0, accum)) \
+                                    * pg_f[i, j] * T.cast(a_s[j, i], accum)
+                            T.reduce_sum(pg_f, ac_f, dim=1)
+                            for i, j in T.Parallel(BT, BT):
+                                sq2_f[i, j] = gam(gam_f, G_s, i, j) \
+                                    * sq_f[i, j] * T.cast(a_s[i, j], accum) * b_s[j]  # dAg * Ag
                         T.reduce_sum(sq2_f, ar_f, dim=1)
                         for i in T.Parallel(BT):
                             db_s[i] = ac_f[i]
@@ -562,19 +593,30 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             phase_sync(phase, 3, it % 2, 4, 2, tick, tm_s)
                         # 5: dPg = dO V'^T, its dG (rows - columns of dPg Pg), dP = scale Gam dPg;
                         # dq = scale e^G dO S^T (its dG) + dP K
-                        T.wgmma_gemm(do_s, w_s, sq_f, transpose_B=True, clear_accum=True)
-                        T.wgmma_gemm(w_s, do_s, pg_f, transpose_B=True, clear_accum=True)  # dPg^T
-                        T.wait_wgmma(0)
-                        T.warpgroup_fence_operand(sq_f)
-                        T.warpgroup_fence_operand(pg_f)
-                        for i, j in T.Parallel(BT, BT):
-                            sq2_f[i, j] = sq_f[i, j] * T.cast(pg_s[i, j], accum)  # Pg's 16-bit copy, as KV reads it
-                            pg_f[i, j] = pg_f[i, j] * T.cast(pg_s[j, i], accum)
-                        T.reduce_sum(sq2_f, ar_f, dim=1)
-                        T.reduce_sum(pg_f, ac_f, dim=1)
+                        if transpose:  # dO S^T runs while dPg's dG terms and dP are formed
+                            T.wgmma_gemm(do_s, w_s, sq_f, transpose_B=True, clear_accum=True)
+                            T.wgmma_gemm(do_s, h_s, a1_f, transpose_B=True, clear_accum=True)
+                            T.wait_wgmma(1)
+                            T.warpgroup_fence_operand(sq_f)
+                            for i, j in T.Parallel(BT, BT):
+                                sq2_f[i, j] = sq_f[i, j] * T.cast(pg_s[i, j], accum)  # Pg's 16-bit copy, as KV reads it
+                            T.reduce_sum(sq2_f, ar_f, dim=1)
+                            column_sums(sq2_f, pg_s, pg_f, ac_f)  # Pg is read; pg_s takes dP next
+                        else:
+                            T.wgmma_gemm(do_s, w_s, sq_f, transpose_B=True, clear_accum=True)
+                            T.wgmma_gemm(w_s, do_s, pg_f, transpose_B=True, clear_accum=True)  # dPg^T
+                            T.wait_wgmma(0)
+                            T.warpgroup_fence_operand(sq_f)
+                            T.warpgroup_fence_operand(pg_f)
+                            for i, j in T.Parallel(BT, BT):
+                                sq2_f[i, j] = sq_f[i, j] * T.cast(pg_s[i, j], accum)  # Pg's 16-bit copy, as KV reads it
+                                pg_f[i, j] = pg_f[i, j] * T.cast(pg_s[j, i], accum)
+                            T.reduce_sum(sq2_f, ar_f, dim=1)
+                            T.reduce_sum(pg_f, ac_f, dim=1)
                         for i in T.Parallel(BT):
                             dGa_s[i] = dGa_s[i] + ar_f[i] - ac_f[i]
-                        T.wgmma_gemm(do_s, h_s, a1_f, transpose_B=True, clear_accum=True)  # runs while dP is formed
+                        if not transpose:
+                            T.wgmma_gemm(do_s, h_s, a1_f, transpose_B=True, clear_accum=True)  # runs while dP is formed
                         for i, j in T.Parallel(BT, BT):
                             pg_s[i, j] = T.cast(T.if_then_else(j <= i, scale * sq_f[i, j] * gam_in(gam_f, G_s, i, j),
                                                                T.cast(0, accum)), dtype)
