@@ -22,10 +22,11 @@ import importlib.util
 
 import torch
 
-from gdr_dispatch.contract import GDRCall, GDRGrads, reduce_value_heads
+from gdr_dispatch.contract import GDRCall, GDRGrads
 from gdr_dispatch.registry import Backend, Problem, register
 
 from .common.toolchain import nvcc_found
+from .kernels.head_sum import sum_value_heads
 
 #: Chunk size of FlashQLA's kernels per compute capability (flash_qla/ops/gated_delta_rule/
 #: chunk/__init__.py: hopper and blackwell 64, blackwell_sm120 32; other GPUs fail its import).
@@ -104,8 +105,7 @@ class FlashQLABackend(Backend):
         dg = utils.chunk_local_cumsum(dg, chunk_size=call.chunk_size, cu_seqlens=call.cu_seqlens, reverse=True,
                                       zero_last_chunk=True)
         # its per-head dq/dk come in v's dtype: summed in fp32
-        return GDRGrads(reduce_value_heads(dq, call.Hg, call.q.dtype, accum=torch.float32),
-                        reduce_value_heads(dk, call.Hg, call.k.dtype, accum=torch.float32),
+        return GDRGrads(sum_value_heads(dq, call.Hg, call.q.dtype), sum_value_heads(dk, call.Hg, call.k.dtype),
                         dv, dg, db.to(call.b.dtype), dh0 if call.initial_state is not None else None)
 
     def compile_jobs(self, call: GDRCall) -> list[tuple[str, str, tuple]]:

@@ -129,9 +129,9 @@ def reduce_value_heads(x: torch.Tensor, Hg: int, dtype: Optional[torch.dtype] = 
     (head i uses q/k head i // (H // Hg)), accumulated in `accum` (default `x`'s dtype), then
     cast to `dtype` if given.
 
-    Kernels write dq/dk per value head and reduce here, once per call: the one place the
-    contract's GVA reduction is written. 16-bit per-head values summed with `accum=float32`
-    skip the fp32 copy of `[B, T, H, D]` (about 1 ms at varlen 8x4096 H32 Hg16 on the H200).
+    The contract's GVA reduction. 16-bit per-head values summed with `accum=float32` skip the
+    fp32 copy of `[B, T, H, D]` (about 1 ms at varlen 8x4096 H32 Hg16 on the H200); the fused
+    launchers on CUDA use `backends/kernels/head_sum.py`, the same sum in one pass.
     """
     B, T, H, D = x.shape
     out = x if H == Hg else x.view(B, T, Hg, H // Hg, D).sum(3, dtype=accum)

@@ -12,8 +12,9 @@ import itertools
 
 import torch
 
-from gdr_dispatch.contract import reduce_value_heads
 from gdr_dispatch.graph_safe import device_constant
+
+from .head_sum import sum_value_heads
 
 
 def tl_dtype(dt) -> str:
@@ -57,8 +58,8 @@ def launch_packed(kern, q, k, v, do, a, g, b, h, dht, seq_lens, chunk_size: int,
          do.reshape(TT, H, V).contiguous(), a.reshape(TT, H, chunk_size).to(q.dtype).contiguous(),
          g.reshape(TT, H).float().contiguous(), b.reshape(TT, H).contiguous(),
          h.reshape(-1, *h.shape[2:]).contiguous(), dht_in, cu, offsets, dq, dk, dv, dg, db, dh0, *extra)
-    dq = reduce_value_heads(dq.view(B, T_, H, K), Hg, q.dtype, accum=torch.float32)
-    dk = reduce_value_heads(dk.view(B, T_, H, K), Hg, k.dtype, accum=torch.float32)
+    dq = sum_value_heads(dq.view(B, T_, H, K), Hg, q.dtype)
+    dk = sum_value_heads(dk.view(B, T_, H, K), Hg, k.dtype)
     if state_v_first:
         dh0 = dh0.transpose(-1, -2).contiguous()
     return (dq, dk, dv.view(B, T_, H, V), dg.view(B, T_, H), db.view(B, T_, H).to(b.dtype),
