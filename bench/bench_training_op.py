@@ -218,7 +218,8 @@ def main(argv=None) -> int:
     p.add_argument("--backends", default="", help="also run our op with each of these backends forced (GDR_BACKEND), "
                    "as ours@<backend>, comma-separated")
     p.add_argument("--compile-jobs", type=int, default=8,
-                   help="compile FlashQLA's kernels with one step at each shape first, in this many processes (0: not)")
+                   help="compile our backends' kernels and FlashQLA's op (one step at each shape) first, in this "
+                        "many processes (0: not)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default=str(RESULTS))
@@ -230,6 +231,14 @@ def main(argv=None) -> int:
     if args.match:
         shapes = [s for s in shapes if re.search(args.match, s.label())]
     ops = runners([n for n in args.backends.split(",") if n])
+    if args.compile_jobs:
+        # our op's backward (h=None by default): the backends' kernels for these shapes, in
+        # parallel (on the H200 each forced TileLang backend compiled ~50 s inside its first row)
+        from dataclasses import replace
+
+        from gdr_dispatch.cli import precompile
+
+        precompile([replace(s, h="none") for s in shapes], torch.device("cuda"), None, args.compile_jobs)
     if args.compile_jobs and callable(ops.get("flashqla-op")):
         precompile_flashqla(shapes, args.compile_jobs)
     dev = device_info(torch.device("cuda"))
