@@ -27,7 +27,8 @@
 # passes flags to tools/ws_probe.py in the race, timing and wsbench steps (its ws builds only); BENCH_MATCH='<regex>' benches only the matching shapes and merges them into the
 # committed bench/results/<device>.json; BENCH_SKIP='a,b' leaves those runners out (merged, so
 # their committed numbers stay, marked as from an earlier run).
-# Prepare here first (both ignored by git, named in the run's carry):
+# Prepare here first (both ignored by git, named in the run's carry; optional: the kernels' cubins
+# built on this machine, tools/prebuild_cubins.sh -> .devcache/cubins.tar.xz):
 #   mkdir -p .devbundle && cp ../shared/device/site-py312.tar.xz .devbundle/
 #   .devcache/tcache/  <- optional: autotune.tgz of an earlier call, unpacked. Without it the
 #                         committed tools/h200_autotune_cache.tgz is used (fla's autotuner takes
@@ -37,6 +38,10 @@ set -u
 [ -f /tmp/site/.unpacked ] || { mkdir -p /tmp/site && tar -xJf .devbundle/site-py312.tar.xz -C /tmp/site && touch /tmp/site/.unpacked; } || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tcache TILELANG_CACHE_DIR=/tmp/tlcache \
        GDR_TUNING_CACHE=${USER_TABLES:-/tmp/usertables}
+# the include paths TileLang passes nvcc, spelled out: its cubin cache keys on them, and
+# tools/prebuild_cubins.sh builds cubins here with the same spelling (unpacked below)
+export TL_TEMPLATE_PATH=/tmp/site/tilelang/3rdparty/../src TL_CUTLASS_PATH=/tmp/site/tilelang/3rdparty/cutlass/include
+[ -f .devcache/cubins.tar.xz ] && mkdir -p /tmp/tlcache && tar -xJf .devcache/cubins.tar.xz -C /tmp/tlcache
 # compiled kernels of an earlier call (Triton's and TileLang's caches), else fla's autotune results only
 if [ -f .devcache/caches.tar.xz ]; then tar -xJf .devcache/caches.tar.xz -C /;
 elif [ -d .devcache/tcache ]; then cp -r .devcache/tcache /tmp/; else tar -xzf tools/h200_autotune_cache.tgz -C /tmp; fi
