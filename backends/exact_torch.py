@@ -16,12 +16,21 @@ class TorchBackend(Backend):
     static_rank = 100  # last: every other backend is faster wherever it runs
     reference_rank = 0  # exact: the first choice to cross-check the others against
     split_candidate = False  # splitting the reference buys nothing but tuning time
+    forward_rank = 100  # the training op's forward where no kernel forward takes the call (the CPU)
 
     def not_supported_reasons(self, problem: Problem) -> list[str]:
         return []  # every valid call; speed is the autotuner's business
 
     def run(self, call: GDRCall) -> GDRGrads:
         return chunked_backward(call)
+
+    def forward(self, q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, need_final, chunk_size,
+                need_states=True):
+        from gdr_dispatch.reference import prepare_residuals
+
+        res = prepare_residuals(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                                chunk_size=chunk_size, state_v_first=state_v_first, scale=scale)
+        return res.o, res.ht, res.g, res.a, res.h
 
 
 register(TorchBackend())

@@ -65,8 +65,18 @@ class FlaBackend(Backend):
     static_rank = 10  # fastest of the GPU backends at most h200-train shapes (docs/measurements.md)
     reference_rank = 1  # fla-core's own chain: the cross-check reference when torch cannot run
 
+    forward_rank = 20  # the training op's forward on a GPU (tests/test_gpu.py's op tests, H200)
+
     def not_supported_reasons(self, p: Problem) -> list[str]:
         return fla_pipeline.chain_limits(p) + dqkwg_hazard_reasons(p)
+
+    def forward_not_supported_reasons(self, p: Problem) -> list[str]:
+        return fla_pipeline.chain_limits(p)  # no stage 5 in the forward, so not its hazard
+
+    def forward(self, q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, need_final, chunk_size,
+                need_states=True):
+        return fla_pipeline.forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, need_final,
+                                    chunk_size)
 
     def run(self, call: GDRCall) -> GDRGrads:
         st = fla_pipeline.state_stages(call)

@@ -268,6 +268,30 @@ class Backend:
         """Compute the gradients into fresh tensors; never write the call's tensors."""
         raise NotImplementedError
 
+    #: The training op's forward (`gdr_dispatch.training`): backends that offer one set a rank
+    #: (lowest first) and implement `forward`; `forward_verified = False` until the op's GPU
+    #: tests pass with it (refused until then, unless `allow_unverified()`).
+    forward_rank: Optional[int] = None
+    forward_verified: bool = True
+
+    def forward_not_supported_reasons(self, problem: Problem) -> list[str]:
+        """Every reason this backend's forward cannot take the problem (`h_given` False, no dht)."""
+        return [] if self.forward_rank is not None else [f"{self.name} offers no forward"]
+
+    def forward_supported(self, problem: Problem) -> tuple[bool, str]:
+        reasons = list(self.forward_not_supported_reasons(problem))
+        if self.forward_rank is not None and not self.forward_verified and not unverified_allowed():
+            reasons.insert(0, f"its forward is not verified on a GPU yet: refused until tests/test_gpu.py's op tests "
+                              f"pass with it (set {ALLOW_UNVERIFIED_ENV}=1 to run it anyway)")
+        return (not reasons, "; ".join(reasons))
+
+    def forward(self, q, k, v, g, beta, scale: float, initial_state, cu_seqlens, state_v_first: bool,
+                need_final: bool, chunk_size: int, need_states: bool = True):
+        """The training forward: `(o, final_state or None, G, a, h)` in the contract's forms (G the
+        natural-log chunk cumsum in fp32, `a` the ungated inverse, `h` the chunk-start states; a
+        backend may return `h=None` when `need_states` is False)."""
+        raise NotImplementedError
+
     def split_passes(self, problem: Problem):
         """Pass 1 of the exact context-parallel split on this backend's kernels, if it has them
         for `problem` (the segments' varlen call): a function of that call returning every

@@ -7,7 +7,10 @@ fla-core 0.6's semantics for the arguments it shares with fla's op (`g` the per-
 decay, not cumulated; `beta` already in (0, 1); varlen through `cu_seqlens` with `B == 1`).
 The forward saves exactly the contract's residuals (docs/contract.md: the chunk cumsum `G`, the
 ungated inverse `a`, and `h` or not) and the backward is `fused_gdr_bwd`, so the tuning tables and
-`GDR_BACKEND` decide which backend runs it.
+`GDR_BACKEND` decide which backend runs it. The forward comes from a backend that offers one
+(`Backend.forward`): `GDR_FORWARD=<name>` picks it, else the lowest `forward_rank` that takes the
+call (fla-core's kernels on a GPU, the torch reference elsewhere; FlashQLA's fused forward ranks
+first once its GPU tests pass); a log line names it.
 
 Both halves are `torch.library` custom ops with fake implementations, so `torch.compile(...,
 fullgraph=True)` traces a model that uses them without a graph break.
@@ -21,63 +24,78 @@ about a fifth of the backward's time at the h200-train shapes; docs/measurements
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 from typing import Optional
 
 import torch
 
 from .contract import (ACTIVATION_DTYPES, GATE_DTYPES, _expect_dtype, _expect_shape, _expect_tensor,
                        check_cu_seqlens_form, check_sizes, check_state)
-from .registry import env_flag
+from .graph_safe import offsets_of
+from .registry import Problem, device_info, env_flag, get_backend, library_versions, registered_backends
 
 CHUNK = 64
 SAVE_STATES_ENV = "GDR_SAVE_STATES"
+FORWARD_ENV = "GDR_FORWARD"
+log = logging.getLogger("gdr_dispatch")
+_LOGGED: set = set()
 
 def _empty(ref: torch.Tensor) -> torch.Tensor:
     return ref.new_empty(0)
 
 
 # ---------------------------------------------------------------------------------------
-# forward: the residuals and o, on the CPU (torch) or the GPU (fla-core's kernels)
+# forward: the residuals and o, from the backend that offers the forward for this call
 # ---------------------------------------------------------------------------------------
-def _forward_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first):
-    from .reference import prepare_residuals
-
-    res = prepare_residuals(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                            chunk_size=CHUNK, state_v_first=state_v_first, scale=scale)
-    return res.o, res.ht, res.g, res.a, res.h
-
-
-def _forward_fla(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, need_final):
-    """fla-core's forward, with the ungated inverse built directly (never by dividing fla's gated
-    `A` by the decay, which underflows to 0/0 under strong decay)."""
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
-    from fla.ops.common.chunk_o import chunk_fwd_o
-    from fla.ops.common.chunk_scaled_dot_kkt import chunk_scaled_dot_kkt_fwd
-    from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
-    from fla.ops.utils import chunk_local_cumsum
-    from fla.ops.utils.solve_tril import solve_tril
-
-    from .backends.kernels.chunk_grid import varlen_chunk_indices
-    from .backends.kernels.gate_wy_inverse import gate_wy_inverse
-    from .graph_safe import offsets_of
-
-    ci = None
-    if cu_seqlens is not None:
+def forward_problem(q, v, beta, initial_state, cu_seqlens, state_v_first) -> Problem:
+    """What a forward provider's `forward_supported` reads (no `h`, no `dht`)."""
+    B, T, Hg, K = q.shape
+    H, V = v.shape[2], v.shape[3]
+    if cu_seqlens is None:
+        lens = [T] * B
+    else:
         off = offsets_of(cu_seqlens)  # read once per tensor: a captured step reads nothing (graph_safe.py)
-        ci = varlen_chunk_indices([e - s for s, e in zip(off[:-1], off[1:])], CHUNK, q.device, cu_seqlens.dtype)
-    common = dict(cu_seqlens=cu_seqlens, chunk_indices=ci)
-    G = chunk_local_cumsum(g.float(), chunk_size=CHUNK, **common)  # natural log: no scale
-    kkt = chunk_scaled_dot_kkt_fwd(k=k, g=None, beta=beta, chunk_size=CHUNK, output_dtype=torch.float32, **common)
-    a = solve_tril(kkt, output_dtype=k.dtype, **common)  # ungated (I + StrictLower(diag(b) K K^T))^-1
-    A, g2 = gate_wy_inverse(a, G, cu_seqlens, ci, out_dtype=k.dtype, with_log2_gate=True)
-    w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=g2, **common)
-    h0 = None if initial_state is None else initial_state.float().contiguous()
-    h, v_new, ht = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g2, initial_state=h0, output_final_state=need_final,
-                                                state_v_first=state_v_first, chunk_size=CHUNK, **common)
-    o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g2, scale=scale, state_v_first=state_v_first, chunk_size=CHUNK,
-                    **common)
-    return o, ht, G, a, h
+        lens = [e - s for s, e in zip(off[:-1], off[1:])]
+
+    def dt(x):
+        return None if x is None else str(x.dtype).replace("torch.", "")
+
+    return Problem(B=B, T=T, H=H, Hg=Hg, K=K, V=V, N=len(lens), chunk_size=CHUNK,
+                   num_chunks=sum(-(-n // CHUNK) for n in lens), max_seqlen=max(lens, default=0),
+                   dtype=dt(q), a_dtype=dt(q), b_dtype=dt(beta), h_dtype=None, state_dtype=dt(initial_state),
+                   varlen=cu_seqlens is not None, h_given=False, has_dht=False,
+                   has_initial_state=initial_state is not None, state_v_first=state_v_first,
+                   device=device_info(q.device), versions=tuple(library_versions().items()))
+
+
+def select_forward(problem: Problem):
+    """The backend whose `forward` runs: the one `GDR_FORWARD` names (an error, with its
+    reasons, if it cannot take the call), else the lowest `forward_rank` that can. Read per call."""
+    forced = os.environ.get(FORWARD_ENV, "").strip()
+    if forced:
+        backend = get_backend(forced)
+        ok, why = backend.forward_supported(problem)
+        if not ok:
+            raise ValueError(f"{FORWARD_ENV}={forced}: its forward cannot take {problem.describe()}: {why}")
+        return backend
+    refusals = []
+    offers = [b for b in registered_backends().values() if b.forward_rank is not None]
+    for backend in sorted(offers, key=lambda b: b.forward_rank):
+        ok, why = backend.forward_supported(problem)
+        if ok:
+            return backend
+        refusals.append(f"{backend.name}: {why}")
+    raise RuntimeError(f"no backend's forward takes {problem.describe()}: " + "; ".join(refusals))
+
+
+def _log_forward(problem: Problem, backend, forced: bool) -> None:
+    tag = (problem, backend.name)
+    if tag not in _LOGGED:
+        _LOGGED.add(tag)
+        log.info("gdr_dispatch: forward %s for %s (%s)", backend.name, problem.describe(),
+                 f"{FORWARD_ENV}" if forced else "lowest forward_rank that takes it")
 
 
 @torch.library.custom_op("gdr_dispatch::chunk_gdr_fwd", mutates_args=())
@@ -86,11 +104,11 @@ def chunk_gdr_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                   output_final_state: bool, state_v_first: bool, save_states: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(o, final_state or [], G, a, h or [])`: the output and the backward's residuals."""
-    if q.device.type == "cuda":  # verified on the H200 by tests/test_gpu.py's training tests
-        o, ht, G, a, h = _forward_fla(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first,
-                                      output_final_state)
-    else:
-        o, ht, G, a, h = _forward_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
+    problem = forward_problem(q, v, beta, initial_state, cu_seqlens, state_v_first)
+    backend = select_forward(problem)
+    _log_forward(problem, backend, bool(os.environ.get(FORWARD_ENV, "").strip()))
+    o, ht, G, a, h = backend.forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first,
+                                     output_final_state, CHUNK, need_states=save_states)
     if save_states:
         h = h.to(q.dtype) if h.dtype != q.dtype and q.dtype in (torch.bfloat16, torch.float16) else h
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32

@@ -27,6 +27,9 @@ SIGNATURES = {
     "fused_gdr_h": "(k, v, a, g, b, initial_state=None, output_final_state=True, output_h=True, cu_seqlens=None, "
                    "num_warmup_chunks=None, state_v_first=False)",
     "chunk_local_cumsum": "(g, chunk_size=64, cu_seqlens=None, reverse=False, zero_last_chunk=False)",
+    "chunk_gated_delta_rule_fwd": "(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, "
+                                  "output_final_state=True, output_h=False, auto_cp=True, state_v_first=False, "
+                                  "enable_fwd_cp_cache=False, cp_context=None, is_train=None)",
 }
 
 
@@ -69,6 +72,20 @@ def fused_gdr_bwd(q, k, v, a, g, b, do, dht, h, scale=None, cu_seqlens=None, chu
             lay.scatter(dG + dG2, torch.float32), lay.scatter(db, b.dtype), dh0)
 
 
+def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None,
+                               output_final_state=True, output_h=False, auto_cp=True, state_v_first=False,
+                               enable_fwd_cp_cache=False, cp_context=None, is_train=None):
+    """(g cumsum, A, o, h, final_state, cp_cache) in 0.1.3's conventions, from the torch reference."""
+    from gdr_dispatch.reference import prepare_residuals
+
+    assert not auto_cp, "auto_cp's intra-card split is approximate; the backend must turn it off"
+    res = prepare_residuals(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                            state_v_first=state_v_first, scale=scale)
+    h = res.h.to(k.dtype) if output_h else None
+    ht = res.ht.float() if output_final_state else None
+    return res.g.float(), res.a.to(k.dtype), res.o.to(q.dtype), h, ht, None
+
+
 def chunk_local_cumsum(g, chunk_size=64, cu_seqlens=None, reverse=False, zero_last_chunk=False):
     assert reverse, "the backend only asks for the reverse cumsum"
     lay = _layout(g, cu_seqlens, chunk_size)
@@ -96,6 +113,7 @@ def install(monkeypatch):
     mods["flash_qla"].__version__ = VERSION
     chunk = mods["flash_qla.ops.gated_delta_rule.chunk"]
     chunk.fused_gdr_bwd, chunk.fused_gdr_h = tracked(fused_gdr_bwd), tracked(fused_gdr_h)
+    chunk.chunk_gated_delta_rule_fwd = tracked(chunk_gated_delta_rule_fwd)
     chunk.CHUNK_SIZE = 64
     mods["flash_qla.ops.utils"].chunk_local_cumsum = tracked(chunk_local_cumsum)
     for name, mod in mods.items():

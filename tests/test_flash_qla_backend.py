@@ -128,3 +128,36 @@ def test_table_keys_name_it_only_when_installed():
     assert "flash_qla" not in without.versions_key()
     assert without.versions_key() == ",".join(f"{k}={v or '-'}" for k, v in without.versions if k != "flash_qla")
     assert problem(version="0.1.3").versions_key().endswith(",flash_qla=0.1.3")
+
+
+@pytest.mark.parametrize("v_first", [False, True])
+@pytest.mark.parametrize("seqlens", [None, (1, 63, 64, 65)])
+def test_the_op_forward_on_flash_qla_plumbing_against_the_oracle(seqlens, v_first, monkeypatch):
+    """The training op with GDR_FORWARD=flash_qla, FlashQLA's forward swapped for exact torch
+    (fp32 inputs): o, the final state and every gradient within fp32 rounding of the float64
+    oracle; its intra-card split must be off (the stand-in asserts it), and the states are
+    asked for only when they are saved."""
+    import fake_flash_qla
+    from test_training import inputs, leaves
+
+    from gdr_dispatch import chunk_gated_delta_rule, oracle_grads
+
+    calls = fake_flash_qla.install(monkeypatch)
+    monkeypatch.setitem(registry._REGISTRY, "flash_qla", flash_qla.FlashQLABackend())
+    monkeypatch.setattr(flash_qla.FlashQLABackend, "not_supported_reasons", lambda self, p: [])
+    monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+    monkeypatch.setenv("GDR_FORWARD", "flash_qla")
+    monkeypatch.setenv("GDR_BACKEND", "torch")
+    x = leaves(inputs(seqlens=seqlens, v_first=v_first, dtype=torch.float32))
+    o, ht = chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                                   output_final_state=True, cu_seqlens=x["cu_seqlens"], state_v_first=v_first)
+    assert calls == ["chunk_gated_delta_rule_fwd"]
+    gen = torch.Generator().manual_seed(3)
+    do, dht = torch.randn(o.shape, generator=gen), torch.randn(ht.shape, generator=gen)
+    ((o * do).sum() + (ht * dht).sum()).backward()
+    ref = oracle_grads(*(x[n].detach().double() for n in ("q", "k", "v", "g", "beta")), do.double(), dht.double(),
+                       initial_state=x["initial_state"].detach().double(), cu_seqlens=x["cu_seqlens"],
+                       state_v_first=v_first)
+    for n, r in zip(("q", "k", "v", "g", "beta", "initial_state"), ref):
+        err = (x[n].grad.double() - r).norm() / r.norm()
+        assert err < 1e-4, (n, float(err))

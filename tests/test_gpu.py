@@ -179,8 +179,9 @@ def _train_step(fn, x, dtype, do, dht):
     return o, ht, {n: t.grad for n, t in leaves.items()}
 
 
+@pytest.mark.parametrize("forward", ["fla", "flash_qla"])
 @pytest.mark.parametrize("name", list(TRAIN_SHAPES))
-def test_training_op_matches_fla_and_the_oracle_on_gpu(name, monkeypatch):
+def test_training_op_matches_fla_and_the_oracle_on_gpu(name, forward, monkeypatch):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
 
     from gdr_dispatch import chunk_gated_delta_rule, oracle_grads
@@ -189,6 +190,12 @@ def test_training_op_matches_fla_and_the_oracle_on_gpu(name, monkeypatch):
     # the op's glue is under test here, not the backends (test_backend_matches_oracle_on_gpu
     # checks each): a forced backward backend keeps the test from autotuning (TileLang compiles)
     monkeypatch.setenv("GDR_BACKEND", "fla")
+    # the forward provider under test (flash_qla's forward verifies here: GDR_ALLOW_UNVERIFIED)
+    if forward not in registered_backends():
+        pytest.skip(f"{forward} is not installed")
+    monkeypatch.setenv("GDR_FORWARD", forward)
+    monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+    monkeypatch.setenv("FLA_FLASH_QLA", "0")  # fla's op on its own kernels (it sends itself to FlashQLA otherwise)
     x = _train_inputs(**TRAIN_SHAPES[name])
     gen = torch.Generator().manual_seed(1)
     do = torch.randn(x["v"].shape, generator=gen).cuda()
@@ -290,7 +297,8 @@ def test_flash_qla_stand_ins_keep_the_installed_signatures():
     chunk = importlib.import_module("flash_qla.ops.gated_delta_rule.chunk")
     utils = importlib.import_module("flash_qla.ops.utils")
     real = {"fused_gdr_bwd": chunk.fused_gdr_bwd, "fused_gdr_h": chunk.fused_gdr_h,
-            "chunk_local_cumsum": utils.chunk_local_cumsum}
+            "chunk_local_cumsum": utils.chunk_local_cumsum,
+            "chunk_gated_delta_rule_fwd": chunk.chunk_gated_delta_rule_fwd}
     for name, fn in real.items():
         params = [p.replace(annotation=inspect.Parameter.empty) for p in inspect.signature(fn).parameters.values()]
         assert str(inspect.Signature(params)) == fake_flash_qla.SIGNATURES[name], name

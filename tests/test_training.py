@@ -169,3 +169,58 @@ def test_torch_compile_traces_it_in_one_graph():
     assert torch.allclose(got_loss, eager, rtol=1e-5)
     for w, a in zip(want, args):
         assert torch.allclose(a.grad, w, rtol=1e-4, atol=1e-6)
+
+
+def test_the_forward_comes_from_the_lowest_ranked_backend_that_takes_it_and_is_named(caplog):
+    """On a CPU only the torch reference offers a forward (fla's and FlashQLA's need a GPU)."""
+    import logging
+
+    from gdr_dispatch import training
+
+    x = inputs()
+    p = training.forward_problem(x["q"], x["v"], x["beta"], x["initial_state"], None, False)
+    assert training.select_forward(p).name == "torch"
+    with caplog.at_level(logging.INFO, logger="gdr_dispatch"):
+        training._LOGGED.clear()
+        chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"])
+    assert any(r.getMessage().startswith("gdr_dispatch: forward torch for") for r in caplog.records)
+
+
+def test_gdr_forward_forces_one_and_says_why_it_cannot(monkeypatch):
+    x = inputs()
+    monkeypatch.setenv("GDR_FORWARD", "fla")
+    with pytest.raises(ValueError, match="GDR_FORWARD=fla: its forward cannot take .*needs a CUDA device"):
+        chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"])
+    monkeypatch.setenv("GDR_FORWARD", "no-such")
+    with pytest.raises(ValueError, match="unknown backend 'no-such'"):
+        chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"])
+
+
+def test_an_unverified_forward_is_refused_with_its_reason(monkeypatch):
+    """A backend whose forward has not passed the GPU tests is skipped by the ranking and refused
+    when forced, unless GDR_ALLOW_UNVERIFIED; one that offers no forward says so."""
+    from gdr_dispatch import training
+
+    class Fresh(Backend):
+        name = "fresh-forward"
+        forward_rank = 0
+        forward_verified = False
+
+        def not_supported_reasons(self, problem):
+            return []
+
+        def forward(self, *args, **kwargs):
+            return registry.get_backend("torch").forward(*args, **kwargs)
+
+    monkeypatch.setitem(registry._REGISTRY, Fresh.name, Fresh())
+    x = inputs()
+    p = training.forward_problem(x["q"], x["v"], x["beta"], x["initial_state"], None, False)
+    assert training.select_forward(p).name == "torch"
+    monkeypatch.setenv("GDR_FORWARD", Fresh.name)
+    with pytest.raises(ValueError, match="not verified on a GPU yet"):
+        training.select_forward(p)
+    monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+    assert training.select_forward(p).name == Fresh.name
+    monkeypatch.delenv("GDR_FORWARD")
+    assert training.select_forward(p).name == Fresh.name  # rank 0, now allowed
+    assert registry.get_backend("triton_wide").forward_supported(p) == (False, "triton_wide offers no forward")

@@ -188,3 +188,36 @@ def run_with_fused_stage(call: GDRCall, fused_stage_5_6) -> GDRGrads:
     st = state_stages(call)
     dq, dk, dv, db, dg = fused_stage_5_6(*fused_stage_args(call, st))
     return GDRGrads(dq, dk, dv, dg, db, st.dh0)
+
+
+def forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, need_final, chunk_size):
+    """The training op's forward on fla-core's kernels: `(o, final_state or None, G, a, h)`.
+
+    The ungated inverse `a` is built directly (fla's KK^T stage without the gate, then its
+    triangular solve), never by dividing fla's gated `A` by the decay: under strong decay that
+    decay underflows in fp32 and the division gives 0/0 (docs/contract.md, "Known hazards")."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_o import chunk_fwd_o
+    from fla.ops.common.chunk_scaled_dot_kkt import chunk_scaled_dot_kkt_fwd
+    from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.solve_tril import solve_tril
+
+    from gdr_dispatch.graph_safe import offsets_of
+
+    ci = None
+    if cu_seqlens is not None:
+        off = offsets_of(cu_seqlens)  # read once per tensor: a captured step reads nothing (graph_safe.py)
+        ci = varlen_chunk_indices([e - s for s, e in zip(off[:-1], off[1:])], chunk_size, q.device, cu_seqlens.dtype)
+    common = dict(cu_seqlens=cu_seqlens, chunk_indices=ci)
+    G = chunk_local_cumsum(g.float(), chunk_size=chunk_size, **common)  # natural log: no scale
+    kkt = chunk_scaled_dot_kkt_fwd(k=k, g=None, beta=beta, chunk_size=chunk_size, output_dtype=torch.float32, **common)
+    a = solve_tril(kkt, output_dtype=k.dtype, **common)  # ungated (I + StrictLower(diag(b) K K^T))^-1
+    A, g2 = gate_wy_inverse(a, G, cu_seqlens, ci, out_dtype=k.dtype, with_log2_gate=True)
+    w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=g2, **common)
+    h0 = None if initial_state is None else initial_state.float().contiguous()
+    h, v_new, ht = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g2, initial_state=h0, output_final_state=need_final,
+                                                state_v_first=state_v_first, chunk_size=chunk_size, **common)
+    o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g2, scale=scale, state_v_first=state_v_first, chunk_size=chunk_size,
+                    **common)
+    return o, ht, G, a, h
