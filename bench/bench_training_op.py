@@ -8,7 +8,8 @@ state; loss = <o, do> + <final_state, dht>):
     residuals, then `fused_gdr_bwd` on whatever backend the dispatcher picks: the JSON's
     `backend` says which);
   * `ours@<backend>` for each of `--backends`: the same op with GDR_BACKEND forcing that backend
-    through the forward and the backward;
+    through the forward and the backward; `ours/fwd=<backend>` for each of `--forwards`: the op
+    with GDR_FORWARD forcing its forward provider;
   * `fla-op`: fla-core's `chunk_gated_delta_rule` on its own Triton kernels. fla-core 0.6
     dispatches that op to FlashQLA whenever `flash_qla` imports (its backend registry,
     `FLA_FLASH_QLA` read per call), so this runner sets `FLA_FLASH_QLA=0` around its step: with
@@ -109,12 +110,17 @@ class ChoiceLog(logging.Handler):
             self.backend = record.args[0]
 
 
-def runners(forced=()) -> dict:
+def runners(forced=(), forwards=()) -> dict:
     """name -> op (or the reason it is absent)."""
     from gdr_dispatch import chunk_gated_delta_rule
 
     out = {"ours": chunk_gated_delta_rule}
     out.update({f"ours@{name}": Forced(chunk_gated_delta_rule, name) for name in forced})
+    # a forward provider forced (GDR_FORWARD), the backward dispatched as usual; unverified
+    # forwards are what this measures before their GPU tests pass, hence GDR_ALLOW_UNVERIFIED
+    out.update({f"ours/fwd={name}": Forced(chunk_gated_delta_rule, env={"GDR_FORWARD": name,
+                                                                       "GDR_ALLOW_UNVERIFIED": "1"})
+                for name in forwards})
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
         out["fla-op"] = Forced(fla_op, env={"FLA_FLASH_QLA": "0"})  # fla's own kernels (module docstring)
@@ -217,6 +223,8 @@ def main(argv=None) -> int:
     p.add_argument("--match", default=None, help="only the shapes whose label matches this regular expression")
     p.add_argument("--backends", default="", help="also run our op with each of these backends forced (GDR_BACKEND), "
                    "as ours@<backend>, comma-separated")
+    p.add_argument("--forwards", default="", help="also run our op with each of these forward providers forced "
+                   "(GDR_FORWARD), as ours/fwd=<backend>, comma-separated")
     p.add_argument("--compile-jobs", type=int, default=8,
                    help="compile our backends' kernels and FlashQLA's op (one step at each shape) first, in this "
                         "many processes (0: not)")
@@ -230,7 +238,7 @@ def main(argv=None) -> int:
     shapes = load_grid(args.grid) if args.grid else PRESETS[args.preset]
     if args.match:
         shapes = [s for s in shapes if re.search(args.match, s.label())]
-    ops = runners([n for n in args.backends.split(",") if n])
+    ops = runners([n for n in args.backends.split(",") if n], [n for n in args.forwards.split(",") if n])
     if args.compile_jobs:
         # our op's backward (h=None by default): the backends' kernels for these shapes, in
         # parallel (on the H200 each forced TileLang backend compiled ~50 s inside its first row)

@@ -130,3 +130,18 @@ def test_training_bench_runs_fla_op_on_fla_own_kernels(monkeypatch):
     assert seen == ["0"] and "FLA_FLASH_QLA" not in bt.os.environ
     if bt.runners().get("fla-op") is not None and not isinstance(bt.runners()["fla-op"], str):
         assert bt.runners()["fla-op"].env == {"FLA_FLASH_QLA": "0"}
+
+
+def test_training_bench_forces_a_forward_provider_for_the_step(monkeypatch):
+    import bench_training_op as bt
+
+    from gdr_dispatch import training
+    from gdr_dispatch.shapes import ShapeSpec
+
+    monkeypatch.delenv("GDR_FORWARD", raising=False)
+    seen = []
+    real = training.select_forward
+    monkeypatch.setattr(training, "select_forward", lambda p: seen.append(bt.os.environ.get("GDR_FORWARD")) or real(p))
+    runner = bt.runners(forwards=["torch"])["ours/fwd=torch"]
+    bt.step(runner, bt.step_inputs(ShapeSpec(B=1, T=40, H=2, K=16, V=16, dtype="float64"), "cpu"))
+    assert seen == ["torch"] and "GDR_FORWARD" not in bt.os.environ
