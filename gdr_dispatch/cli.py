@@ -231,7 +231,30 @@ def cmd_explain(args) -> int:
     if segments is not None and segments > 1:
         print(f"split={segments} (GDR_CP): each sequence runs as {segments} segments of whole chunks in one varlen "
               f"call, whose own shape then picks the backend")
+    _explain_forward(problem)
     return 0
+
+
+def _explain_forward(problem) -> None:
+    """Which backend's forward the training op would run for this shape, and the providers
+    ranked before it that refuse it."""
+    from dataclasses import replace
+
+    from .training import FORWARD_ENV, select_forward
+
+    fp = replace(problem, h_given=False, h_dtype=None, has_dht=False, a_dtype=problem.dtype)
+    try:
+        chosen = select_forward(fp)
+    except (ValueError, RuntimeError) as e:
+        print(f"training op forward: none -- {e}")
+        return
+    forced = bool(os.environ.get(FORWARD_ENV, "").strip())
+    ranked = sorted((b for b in registered_backends().values() if b.forward_rank is not None),
+                    key=lambda b: b.forward_rank)
+    passed = [f"{b.name}: {b.forward_supported(fp)[1]}" for b in ranked
+              if not forced and b.forward_rank < chosen.forward_rank]
+    print(f"training op forward: {chosen.name} (" + (FORWARD_ENV if forced else "lowest forward_rank that takes it")
+          + (f"; passed over {'; '.join(passed)}" if passed else "") + ")")
 
 
 def _count(minimum: int):

@@ -65,6 +65,17 @@ def test_explain_prints_verdicts_and_choice(capsys):
     assert "| torch" in out and "yes" in out
     assert "chosen: torch" in out and "cpu tensors are never autotuned" in out
     assert "table key:" in out
+    # the training op's forward: only the torch reference takes CPU tensors; fla's says why not
+    assert "training op forward: torch (lowest forward_rank that takes it; passed over fla: needs a CUDA device" in out
+
+
+def test_explain_names_a_forced_forward_or_why_it_cannot(capsys, monkeypatch):
+    monkeypatch.setenv("GDR_FORWARD", "fla")
+    assert cli.main(["explain", "--device", "cpu"]) == 0
+    assert "training op forward: none -- GDR_FORWARD=fla: its forward cannot take" in capsys.readouterr().out
+    monkeypatch.setenv("GDR_FORWARD", "torch")
+    assert cli.main(["explain", "--device", "cpu"]) == 0
+    assert "training op forward: torch (GDR_FORWARD)" in capsys.readouterr().out
 
 
 def test_explain_bad_shape_is_an_error_not_a_traceback(capsys):
