@@ -10,7 +10,8 @@
 
 Prints median ms (CUDA events, gdr_dispatch.dispatch.measure_ms), us per chunk step (a CTA
 walks its sequence's chunks one after another) and the largest relative difference between
-the two kernels' outputs. docs/tilelang_ws.md keeps the results.
+the two kernels' outputs; at grouped-head shapes also the launcher's head sum alone (one of
+dq/dk), one-pass Triton against torch. docs/tilelang_ws.md keeps the results.
 """
 
 from __future__ import annotations
@@ -42,6 +43,26 @@ def runner(launch, x):
             (x["cu_seqlens"].diff().tolist() if x["cu_seqlens"] is not None else (x["q"].shape[1],) * x["q"].shape[0]),
             64, x["cu_seqlens"])
     return lambda: launch(*args, has_h0=True)
+
+
+def head_sum_row(name, x) -> dict:
+    """The launcher's grouped-head sum alone, for one of dq/dk (it runs twice per call): the
+    one-pass Triton kernel against the torch sum into fp32 and cast it replaced (docs/tilelang_ws.md,
+    "Next" 3)."""
+    from gdr_dispatch.backends.kernels.head_sum import head_sum_triton
+    from gdr_dispatch.contract import reduce_value_heads
+
+    B, T, Hg, K = x["q"].shape
+    H = x["v"].shape[2]
+    per_head = torch.randn(B, T, H, K, device="cuda").to(x["q"].dtype)
+    fused = head_sum_triton(per_head, Hg, per_head.dtype)
+    ref = reduce_value_heads(per_head, Hg, per_head.dtype, accum=torch.float32)
+    return {"shape": name, "head_sum_triton_ms": round(measure_ms(lambda: head_sum_triton(per_head, Hg, per_head.dtype),
+                                                                  "cuda", warmup=3, reps=20), 4),
+            "head_sum_torch_ms": round(measure_ms(lambda: reduce_value_heads(per_head, Hg, per_head.dtype,
+                                                                             accum=torch.float32),
+                                                  "cuda", warmup=3, reps=20), 4),
+            "max_abs_diff": float((fused.float() - ref.float()).abs().max())}
 
 
 def phase_table(name, x, spec, launch) -> dict:
@@ -161,6 +182,9 @@ def main(argv=None) -> int:
                 row["max_rel_diff"] = float(f"{max(relative_error(u, w) for u, w in zip(out, b) if w is not None):.2e}")
             rows.append(row)
             print(row, flush=True)
+        if spec.Hg is not None and spec.Hg < spec.H and not (args.timing or args.check):
+            rows.append(head_sum_row(name, x))
+            print(rows[-1], flush=True)
         del x
         torch.cuda.empty_cache()
     if args.out:
