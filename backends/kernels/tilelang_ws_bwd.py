@@ -7,9 +7,11 @@ warpgroups, one role each (one branch of one if/else on the thread index, with
   * S (threads 0-127): the state gradient `dS` (`[K, V]` fp32) in registers: its decay,
     `<dS', S>` for dG_L, `dS += K^T dUs + Q^T (scale e^G dO)`, and its 16-bit copy for the
     others' gemms; then dg (the reverse cumsum inside the chunk, a warp scan) and db.
-  * KV (128-255): dV' = e^{G_L-G} K dS' + Pg^T dO, dv = Ag^T dV', dUs = -e^G dv, and dk.
-  * A (256-383): P = Q K^T, Ag = Gam * A * b, U = K S, W = V - e^G U, V' = Ag W, dAg,
-    dP, dq, and the chain through the inverse (dA, dM, db's row part, dkk).
+  * KV (128-255): U = K S and W = V - e^G U (v5, `uw_kv`), dV' = e^{G_L-G} K dS' + Pg^T dO,
+    dv = Ag^T dV', dUs = -e^G dv, and dk.
+  * A (256-383): P = Q K^T, Ag = Gam * A * b, V' = Ag W, dAg, dP, dq, and the chain through
+    the inverse (dA, dM, db's row part, dkk); it only arrives at the ends of phases 3 and 4
+    (v5, `a_ahead`). It works ~88 % of a chunk step: the critical path.
   * producer (384-511): TMA loads of the next (earlier) chunk's q, k, v, do, a, h into the
     single shared buffer of each, each issued as soon as the consumers' last read of that
     buffer is done; g and b by plain loads.
