@@ -85,7 +85,7 @@ SPLIT_CASES = ("T100_grouped_all_optional", "varlen_1_63_64_65_vfirst", "T40_no_
 
 
 @pytest.mark.parametrize("segments", [2, 4])
-@pytest.mark.parametrize("backend", ["fla", "triton_wide", "tilelang_fused"])
+@pytest.mark.parametrize("backend", ["fla", "triton_wide", "tilelang_fused", "tilelang_ws", "flash_qla"])
 @pytest.mark.parametrize("name", SPLIT_CASES)
 @pytest.mark.parametrize("h_mode", ["given", "none"])
 def test_split_matches_oracle_on_gpu(name, backend, segments, h_mode, monkeypatch):
