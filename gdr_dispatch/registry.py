@@ -258,11 +258,8 @@ class Backend:
         raise NotImplementedError
 
     def supported(self, problem: Problem) -> tuple[bool, str]:
-        reasons = list(self.not_supported_reasons(problem))
-        if not self.gpu_verified and not unverified_allowed():
-            reasons.insert(0, f"not verified on a GPU yet: {self.unverified_why} "
-                              f"(set {ALLOW_UNVERIFIED_ENV}=1 to run it anyway)")
-        return (not reasons, "; ".join(reasons))
+        return _verdict(self.not_supported_reasons(problem), self.gpu_verified,
+                        f"not verified on a GPU yet: {self.unverified_why}")
 
     def run(self, call: GDRCall) -> GDRGrads:
         """Compute the gradients into fresh tensors; never write the call's tensors."""
@@ -279,11 +276,9 @@ class Backend:
         return [] if self.forward_rank is not None else [f"{self.name} offers no forward"]
 
     def forward_supported(self, problem: Problem) -> tuple[bool, str]:
-        reasons = list(self.forward_not_supported_reasons(problem))
-        if self.forward_rank is not None and not self.forward_verified and not unverified_allowed():
-            reasons.insert(0, f"its forward is not verified on a GPU yet: refused until tests/test_gpu.py's op tests "
-                              f"pass with it (set {ALLOW_UNVERIFIED_ENV}=1 to run it anyway)")
-        return (not reasons, "; ".join(reasons))
+        return _verdict(self.forward_not_supported_reasons(problem), self.forward_rank is None or self.forward_verified,
+                        "its forward is not verified on a GPU yet: refused until tests/test_gpu.py's op tests pass "
+                        "with it")
 
     def forward(self, q, k, v, g, beta, scale: float, initial_state, cu_seqlens, state_v_first: bool,
                 need_final: bool, chunk_size: int, need_states: bool = True):
@@ -304,6 +299,14 @@ class Backend:
         args)`: a sweep runs them in parallel processes beforehand (`run_compile_job`), since
         one TileLang build takes about a minute on one core. Empty: nothing to compile."""
         return []
+
+
+def _verdict(reasons, verified: bool, unverified: str) -> tuple[bool, str]:
+    """`(ok, reasons joined)`; a GPU path not verified yet is refused first, unless allowed."""
+    reasons = list(reasons)
+    if not verified and not unverified_allowed():
+        reasons.insert(0, f"{unverified} (set {ALLOW_UNVERIFIED_ENV}=1 to run it anyway)")
+    return (not reasons, "; ".join(reasons))
 
 
 def run_compile_job(job: tuple[str, str, tuple]) -> float:
