@@ -238,23 +238,14 @@ def cmd_explain(args) -> int:
 def _explain_forward(problem) -> None:
     """Which backend's forward the training op would run for this shape, and the providers
     ranked before it that refuse it."""
-    from dataclasses import replace
+    from .training import forward_choice, forward_view
 
-    from .training import FORWARD_ENV, select_forward
-
-    fp = replace(problem, h_given=False, h_dtype=None, has_dht=False, a_dtype=problem.dtype)
     try:
-        chosen = select_forward(fp)
+        chosen, how = forward_choice(forward_view(problem))
     except (ValueError, RuntimeError) as e:
         print(f"training op forward: none -- {e}")
         return
-    forced = bool(os.environ.get(FORWARD_ENV, "").strip())
-    ranked = sorted((b for b in registered_backends().values() if b.forward_rank is not None),
-                    key=lambda b: b.forward_rank)
-    passed = [f"{b.name}: {b.forward_supported(fp)[1]}" for b in ranked
-              if not forced and b.forward_rank < chosen.forward_rank]
-    print(f"training op forward: {chosen.name} (" + (FORWARD_ENV if forced else "lowest forward_rank that takes it")
-          + (f"; passed over {'; '.join(passed)}" if passed else "") + ")")
+    print(f"training op forward: {chosen.name} ({how})")
 
 
 def _count(minimum: int):

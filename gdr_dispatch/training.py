@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -70,32 +71,38 @@ def forward_problem(q, v, beta, initial_state, cu_seqlens, state_v_first) -> Pro
                    device=device_info(q.device), versions=tuple(library_versions().items()))
 
 
-def select_forward(problem: Problem):
-    """The backend whose `forward` runs: the one `GDR_FORWARD` names (an error, with its
-    reasons, if it cannot take the call), else the lowest `forward_rank` that can. Read per call."""
+def forward_choice(problem: Problem):
+    """`(backend, how)`: the backend whose `forward` runs and how it was chosen. The one
+    `GDR_FORWARD` names (an error, with its reasons, if it cannot take the call), else the lowest
+    `forward_rank` that can; `how` names the ones ranked before it and why they refused. Read
+    per call."""
     forced = os.environ.get(FORWARD_ENV, "").strip()
     if forced:
         backend = get_backend(forced)
         ok, why = backend.forward_supported(problem)
         if not ok:
             raise ValueError(f"{FORWARD_ENV}={forced}: its forward cannot take {problem.describe()}: {why}")
-        return backend
+        return backend, FORWARD_ENV
     refusals = []
     offers = [b for b in registered_backends().values() if b.forward_rank is not None]
     for backend in sorted(offers, key=lambda b: b.forward_rank):
         ok, why = backend.forward_supported(problem)
         if ok:
-            return backend
+            return backend, "lowest forward_rank that takes it" + (
+                f"; passed over {'; '.join(refusals)}" if refusals else "")
         refusals.append(f"{backend.name}: {why}")
     raise RuntimeError(f"no backend's forward takes {problem.describe()}: " + "; ".join(refusals))
 
 
-def _log_forward(problem: Problem, backend, forced: bool) -> None:
-    tag = (problem, backend.name)
-    if tag not in _LOGGED:
-        _LOGGED.add(tag)
-        log.info("gdr_dispatch: forward %s for %s (%s)", backend.name, problem.describe(),
-                 f"{FORWARD_ENV}" if forced else "lowest forward_rank that takes it")
+def select_forward(problem: Problem):
+    """The backend whose `forward` runs for `problem` (`forward_choice`)."""
+    return forward_choice(problem)[0]
+
+
+def forward_view(problem: Problem) -> Problem:
+    """A backward call's problem as the training op's forward sees it: no `h`, no `dht`, `a`
+    still to be made (in q's dtype)."""
+    return replace(problem, h_given=False, h_dtype=None, has_dht=False, a_dtype=problem.dtype)
 
 
 @torch.library.custom_op("gdr_dispatch::chunk_gdr_fwd", mutates_args=())
@@ -105,8 +112,10 @@ def chunk_gdr_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(o, final_state or [], G, a, h or [])`: the output and the backward's residuals."""
     problem = forward_problem(q, v, beta, initial_state, cu_seqlens, state_v_first)
-    backend = select_forward(problem)
-    _log_forward(problem, backend, bool(os.environ.get(FORWARD_ENV, "").strip()))
+    backend, how = forward_choice(problem)
+    if (problem, backend.name) not in _LOGGED:
+        _LOGGED.add((problem, backend.name))
+        log.info("gdr_dispatch: forward %s for %s (%s)", backend.name, problem.describe(), how)
     o, ht, G, a, h = backend.forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first,
                                      output_final_state, CHUNK, need_states=save_states)
     if save_states:
