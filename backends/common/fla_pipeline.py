@@ -79,17 +79,24 @@ class _Stage1(NamedTuple):
     common: dict  # cu_seqlens, chunk_indices
 
 
-def _stage_1(call: GDRCall) -> _Stage1:
-    """The contract's conventions -> fla's, then stage 1 (`w`, `u`)."""
+def _wy(k, v, beta, a, G, common: dict):
+    """Stage 1 from the contract's `a` and `G`: fla's gated inverse `A`, its log2 gate, `w`, `u`."""
     from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
 
+    A, g2 = gate_wy_inverse(a, G, common["cu_seqlens"], common["chunk_indices"], out_dtype=k.dtype,
+                            with_log2_gate=True)
+    w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=g2, **common)
+    return A, g2, w, u
+
+
+def _stage_1(call: GDRCall) -> _Stage1:
+    """The contract's conventions -> fla's, then stage 1 (`w`, `u`)."""
     k, v, beta = call.k.contiguous(), call.v.contiguous(), call.b.contiguous()
     cu = call.cu_seqlens
     ci = None if cu is None else varlen_chunk_indices(call.seq_lens, call.chunk_size, k.device, cu.dtype)
     h0 = None if call.initial_state is None else call.initial_state.float().contiguous()
     common = dict(cu_seqlens=cu, chunk_indices=ci)
-    A, g2 = gate_wy_inverse(call.a, call.g, cu, ci, out_dtype=k.dtype, with_log2_gate=True)
-    w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=g2, **common)
+    A, g2, w, u = _wy(k, v, beta, call.a, call.g, common)
     return _Stage1(k, v, beta, A, g2, w, u, h0, common)
 
 
@@ -199,7 +206,6 @@ def forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, n
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_o import chunk_fwd_o
     from fla.ops.common.chunk_scaled_dot_kkt import chunk_scaled_dot_kkt_fwd
-    from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.solve_tril import solve_tril
 
@@ -213,8 +219,7 @@ def forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, n
     G = chunk_local_cumsum(g.float(), chunk_size=chunk_size, **common)  # natural log: no scale
     kkt = chunk_scaled_dot_kkt_fwd(k=k, g=None, beta=beta, chunk_size=chunk_size, output_dtype=torch.float32, **common)
     a = solve_tril(kkt, output_dtype=k.dtype, **common)  # ungated (I + StrictLower(diag(b) K K^T))^-1
-    A, g2 = gate_wy_inverse(a, G, cu_seqlens, ci, out_dtype=k.dtype, with_log2_gate=True)
-    w, u = recompute_w_u_fwd(k=k, v=v, beta=beta, A=A, g=g2, **common)
+    _, g2, w, u = _wy(k, v, beta, a, G, common)
     h0 = None if initial_state is None else initial_state.float().contiguous()
     h, v_new, ht = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g2, initial_state=h0, output_final_state=need_final,
                                                 state_v_first=state_v_first, chunk_size=chunk_size, **common)
