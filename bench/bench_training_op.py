@@ -73,7 +73,7 @@ class Forced:
     forward returns): GDR_BACKEND for `ours@<backend>`, FLA_FLASH_QLA=0 for fla's own kernels."""
 
     def __init__(self, op, backend: str | None = None, env: dict | None = None):
-        self.op, self.backend = op, backend
+        self.op = op
         self.env = {**(env or {}), **({"GDR_BACKEND": backend} if backend else {})}
 
 
