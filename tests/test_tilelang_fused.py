@@ -55,9 +55,9 @@ def test_the_warp_specialised_kernel_takes_h200_calls_since_it_was_verified(monk
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile for sm_90a")
-@pytest.mark.parametrize("experiment", [{}, {"tma_dq": True, "dg_early": True, "transpose": True}, {"uw_kv": False, "a_ahead": False},
-                                        {"balance": True, "gam_regs": False}],
-                         ids=["default", "tmadq-dg6-xpose", "v4", "balance-nogam"])
+@pytest.mark.parametrize("experiment", [{}, {"tma_dq": True}, {"dg_early": False, "transpose": False},
+                                        {"uw_kv": False, "a_ahead": False}, {"balance": True, "gam_regs": False}],
+                         ids=["default", "tmadq", "v5", "nouwkv-noaahead", "balance-nogam"])
 def test_ws_kernel_compiles_for_sm90a_with_its_register_split(experiment):
     from gdr_dispatch.backends.kernels.tilelang_ws_bwd import NREG, build_ws_bwd
 

@@ -57,7 +57,7 @@ TIMING_SLOTS = 18
 #: The build `tilelang_ws` runs; the other settings are kept as measured experiments
 #: (docs/tilelang_ws.md, "Steps"). Tools name builds by switches (`build_flags`).
 DEFAULT_BUILD = {"balance": False, "gam_regs": True, "uw_kv": True, "a_ahead": True, "tma_dq": False,
-                 "dg_early": False, "transpose": False}
+                 "dg_early": True, "transpose": True}
 SWITCHES = {"balance": ("balance", True), "nobalance": ("balance", False),
             "gam": ("gam_regs", True), "nogam": ("gam_regs", False),
             "uwkv": ("uw_kv", True), "nouwkv": ("uw_kv", False),
@@ -98,11 +98,12 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     group reads then): together the loop -15 % at B8 T4096 H32, default since session 4
     (bench/results/ws_steps/s4call1-*). `balance` (off) moves Ag to KV as well and lengthens
     KV's phase 1 past A's; `tma_dq` (off) stores A's full dq tiles with one TMA store: -4 % on
-    varlen, +3 % at fixed lengths. `dg_early` (off, not yet measured) has S store dg in phase 6,
-    where it is complete, instead of phase 7, where S's scan and stores (2.2K cycles) outlast A's
-    and KV's tile stores. `transpose` (off, not yet measured) takes A's two column sums (dAg's
-    and dPg's dG/db terms) from an exact transpose through a free 16-bit buffer instead of two
-    transposed gemms, 4096 exp2 and transposed loads. All in docs/tilelang_ws.md.
+    varlen, +3 % at fixed lengths. `dg_early` has S store dg in phase 6,
+    where it is complete, instead of phase 7, where S's scan and stores outlast A's and KV's tile
+    stores; `transpose` takes A's two column sums (dAg's and dPg's dG/db terms) from an exact
+    transpose through a free 16-bit buffer instead of two transposed gemms, 4096 exp2 and
+    transposed loads: together -6 % at the fixed-length shapes, even on varlen, outputs
+    bit-identical, default since session 5 (bench/results/ws_steps/s5call2-*). All in docs/tilelang_ws.md.
     """
     accum = "float32"
     TT = T.dynamic("num_tokens")
