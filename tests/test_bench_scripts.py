@@ -145,3 +145,25 @@ def test_training_bench_forces_a_forward_provider_for_the_step(monkeypatch):
     runner = bt.runners(forwards=["torch"])["ours/fwd=torch"]
     bt.step(runner, bt.step_inputs(ShapeSpec(B=1, T=40, H=2, K=16, V=16, dtype="float64"), "cpu"))
     assert seen == ["torch"] and "GDR_FORWARD" not in bt.os.environ
+
+
+def test_ncu_groups_sums_samples_per_role_group(tmp_path, capsys):
+    """tools/ncu_groups.py on a made-up source page: rows split at the four USETMAXREG lines
+    (nvcc's order: producer, A, KV, S; caps from tilelang_ws_bwd.NREG), samples summed per group."""
+    sys.path.insert(0, str(TOOLS))
+    import ncu_groups
+
+    from gdr_dispatch.backends.kernels.tilelang_ws_bwd import NREG
+
+    caps = dict(zip(("S", "KV", "A", "producer"), NREG))
+    rows = [["Address", "Source", "Warp Stall Sampling (All Samples)", "stall_long_sb"],
+            ["0", "MOV R1, c[0x0][0x28]", "1", "0"]]
+    for i, (g, samples) in enumerate((("producer", 2), ("A", 30), ("KV", 10), ("S", 5))):
+        op = "USETMAXREG.DEALLOC" if g == "producer" else "USETMAXREG.TRY_ALLOC"
+        rows.append([str(16 * (2 * i + 1)), f"{op} 0x{caps[g]:x}", "0", "0"])
+        rows.append([str(16 * (2 * i + 2)), "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ", str(samples), str(samples // 2)])
+    (tmp_path / "src.csv").write_text("\n".join(",".join(f'"{c}"' for c in r) for r in rows) + "\n")
+    assert ncu_groups.main([str(tmp_path / "src.csv"), "--group", "A", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "prologue | 1 | 0" in out and "A | 30 | 15" in out and "KV | 10 | 5" in out and "S | 5 | 2" in out
+    assert "producer | 2 | 1" in out and "HGMMA" in out.split("group A:")[1]

@@ -56,8 +56,9 @@ def test_the_warp_specialised_kernel_takes_h200_calls_since_it_was_verified(monk
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile for sm_90a")
 @pytest.mark.parametrize("experiment", [{}, {"tma_dq": True}, {"dg_early": False, "transpose": False},
-                                        {"uw_kv": False, "a_ahead": False}, {"balance": True, "gam_regs": False}],
-                         ids=["default", "tmadq", "v5", "nouwkv-noaahead", "balance-nogam"])
+                                        {"uw_kv": False, "a_ahead": False}, {"balance": True, "gam_regs": False},
+                                        {"dar_kv": True, "tma_dk": True}],
+                         ids=["default", "tmadq", "v5", "nouwkv-noaahead", "balance-nogam", "xkv-tmadk"])
 def test_ws_kernel_compiles_for_sm90a_with_its_register_split(experiment):
     from gdr_dispatch.backends.kernels.tilelang_ws_bwd import NREG, build_ws_bwd
 
@@ -72,6 +73,11 @@ def test_ws_kernel_compiles_for_sm90a_with_its_register_split(experiment):
         assert f"warpgroup_reg_alloc<{n}>" in src
     assert f"warpgroup_reg_dealloc<{NREG[3]}>" in src
     assert "__syncthreads" not in src.split("warpgroup_reg")[1]  # no block-wide barrier once the roles split
+    # each group's 128-thread named barriers are its own: two groups on one id would complete
+    # each other's syncs (an unqualified sync in KV's branch once got S's id)
+    ids = [set(re.findall(r"__sync_thread_partial\((\d+), 128\)", part))
+           for part in re.split(r"warpgroup_reg_(?:alloc|dealloc)<\d+>", src)[1:]]
+    assert len(ids) == 4 and all(not (x & y) for i, x in enumerate(ids) for y in ids[i + 1:]), ids
     assert src.count("tma_load(") >= 6
     if experiment.get("tma_dq"):  # dq's full tiles leave through TMA, waited for before dvp_s is reused
         assert "tl::tma_store(dq_desc" in src and src.count("tma_store_wait") >= 2
@@ -178,9 +184,18 @@ def test_every_build_switch_reaches_the_ws_kernel_build(monkeypatch):
     monkeypatch.setattr(m, "build_ws_bwd", lambda *args, **kw: seen.update(kw) or "kernel")
     monkeypatch.setattr(m, "launch_packed", lambda kern, *args, **kw: kern)
     x = torch.zeros(1, 64, 1, 128)
-    flags = m.build_flags("nouwkv+noaahead+tmadq+dg6+xpose+nogam+balance")
+    flags = m.build_flags("nouwkv+noaahead+tmadq+nodg6+noxpose+nogam+balance+xkv+tmadk")  # every default flipped
+    assert all(flags[key] != value for key, value in m.DEFAULT_BUILD.items())
     assert m.ws_bwd_given_h(x, x, x, x, torch.zeros(1, 64, 1, 64), torch.zeros(1, 64, 1), torch.zeros(1, 64, 1),
                             torch.zeros(1, 1, 1, 128, 128), None, 0.1, (64,), **flags) == "kernel"
     assert seen == {"timing": False, **flags}
     with pytest.raises(TypeError, match="unknown build switch"):
         m.ws_bwd_given_h(x, x, x, x, x, x, x, x, None, 0.1, (64,), uw_kvv=True)
+
+
+def test_a_build_whose_switches_conflict_says_which():
+    """`dar_kv` reads dAr where only `a_ahead` builds put it: refused before anything compiles."""
+    from gdr_dispatch.backends.kernels.tilelang_ws_bwd import build_ws_bwd, build_flags
+
+    with pytest.raises(ValueError, match="dar_kv reads dAr from x3_s, where only a_ahead builds put it"):
+        build_ws_bwd(4, 2, 0.1, "bfloat16", "bfloat16", **build_flags("xkv+noaahead"))

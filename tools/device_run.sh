@@ -20,6 +20,9 @@
 #   tune[=SECONDS]   gdr-dispatch tune --preset h200-train (TUNE_ARGS replaces the preset, e.g. '--grid
 #                    tools/tune_saturated.yaml --backends fla,tilelang_ws') -> $OUT/tune.log (TUNE_LOG), $OUT/<device>.yaml
 #   profile[=SECONDS] tools/profile_fla_adapter.py           -> $OUT/profile.log
+#   ncu[=SECONDS]    Nsight Compute, one launch of the ws kernel (NCU_SHAPE, default B4T4096H16; WS_ARGS
+#                    picks the build), full set, clocks left alone -> $OUT/ncu.log, $OUT/ncu_details.csv,
+#                    $OUT/ncu_source.csv (SASS lines with warp-state samples; read with tools/ncu_groups.py)
 # e.g.  bash tools/device_run.sh precompile tests=240 bench=200 tune=120
 # Env: PRECOMPILE_JOBS (default 8) compiles in parallel; BENCH_ARGS (with BENCH_MATCH/SKIP) adds bench flags; USER_TABLES=/tmp/tables lets the steps after a tune
 # dispatch with its table; TESTS_K='<pytest -k expression>' runs only those GPU tests (one pytest, tilelang_fused not
@@ -98,6 +101,13 @@ for arg in "$@"; do
                --backends "${TRAIN_BACKENDS:-}" --forwards "${TRAIN_FORWARDS:-}" --out "$OUT/bench" > "$OUT/trainbench.log" 2>&1 ;;
     tune)    timeout "$limit" python3 -m gdr_dispatch tune ${TUNE_ARGS:---preset h200-train} --out /tmp/tables \
                > "$OUT/${TUNE_LOG:-tune.log}" 2>&1; cp /tmp/tables/*.yaml "$OUT/" ;;
+    ncu)     [ -n "${precompile_pid:-}" ] && wait "$precompile_pid"
+             timeout "$limit" ncu --clock-control none --set full -k regex:gdr_bwd_ws --launch-skip 1 --launch-count 1 \
+               -f -o /tmp/ws_profile python3 tools/ws_probe.py --only "${NCU_SHAPE:-B4T4096H16}" --once ${WS_ARGS:-} \
+               > "$OUT/ncu.log" 2>&1
+             ncu -i /tmp/ws_profile.ncu-rep --page details --csv > "$OUT/ncu_details.csv" 2>> "$OUT/ncu.log"
+             ncu -i /tmp/ws_profile.ncu-rep --page source --csv --print-source sass > "$OUT/ncu_source.csv" 2>> "$OUT/ncu.log"
+             python3 tools/ncu_groups.py "$OUT/ncu_source.csv" >> "$OUT/ncu.log" 2>&1 ;;
     profile) timeout "$limit" python3 tools/profile_fla_adapter.py --B 8 --T 4096 --H 32 --rounds 3 > "$OUT/profile.log" 2>&1 ;;
     *) echo "unknown step $step"; continue ;;
   esac

@@ -43,6 +43,11 @@ from .tilelang_launch import launch_packed, tl_dtype
 BT, K, V = 64, 128, 128
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x log2 e): one MUFU.EX2 under fast math
 
+#: Named hardware barrier for KV's wait on its dk TMA store (`tma_dk`): TileLang gives its own
+#: 128-thread syncs ids 3-6, one per group; an unqualified `T.sync_threads()` inside KV's branch
+#: was lowered to id 3, S's, which would mix the two groups' arrivals.
+KV_STORE_BARRIER = 10
+
 #: Register caps per warpgroup (S, KV, A, producer): 160 + 160 + 168 + 24 = 512 slots of
 #: 128 threads = the 64K-register file. Seed 000 used 160 / 144 / 184 / 24.
 NREG = (160, 160, 168, 24)
@@ -57,14 +62,16 @@ TIMING_SLOTS = 18
 #: The build `tilelang_ws` runs; the other settings are kept as measured experiments
 #: (docs/tilelang_ws.md, "Steps"). Tools name builds by switches (`build_flags`).
 DEFAULT_BUILD = {"balance": False, "gam_regs": True, "uw_kv": True, "a_ahead": True, "tma_dq": False,
-                 "dg_early": True, "transpose": True}
+                 "dg_early": True, "transpose": True, "dar_kv": False, "tma_dk": False}
 SWITCHES = {"balance": ("balance", True), "nobalance": ("balance", False),
             "gam": ("gam_regs", True), "nogam": ("gam_regs", False),
             "uwkv": ("uw_kv", True), "nouwkv": ("uw_kv", False),
             "aahead": ("a_ahead", True), "noaahead": ("a_ahead", False),
             "tmadq": ("tma_dq", True), "notmadq": ("tma_dq", False),
             "dg6": ("dg_early", True), "nodg6": ("dg_early", False),
-            "xpose": ("transpose", True), "noxpose": ("transpose", False)}
+            "xpose": ("transpose", True), "noxpose": ("transpose", False),
+            "xkv": ("dar_kv", True), "noxkv": ("dar_kv", False),
+            "tmadk": ("tma_dk", True), "notmadk": ("tma_dk", False)}
 
 
 def build_flags(build: str) -> dict:
@@ -86,7 +93,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                  balance: bool = DEFAULT_BUILD["balance"], gam_regs: bool = DEFAULT_BUILD["gam_regs"],
                  uw_kv: bool = DEFAULT_BUILD["uw_kv"], a_ahead: bool = DEFAULT_BUILD["a_ahead"],
                  tma_dq: bool = DEFAULT_BUILD["tma_dq"], dg_early: bool = DEFAULT_BUILD["dg_early"],
-                 transpose: bool = DEFAULT_BUILD["transpose"]):
+                 transpose: bool = DEFAULT_BUILD["transpose"], dar_kv: bool = DEFAULT_BUILD["dar_kv"],
+                 tma_dk: bool = DEFAULT_BUILD["tma_dk"]):
     """Compile (once per configuration) the warp-specialised kernel (K = V = 128, chunk 64).
 
     `timing` adds cycle counters at every sync point (written to the `clk` argument, CTA by
@@ -103,8 +111,13 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     stores; `transpose` takes A's two column sums (dAg's and dPg's dG/db terms) from an exact
     transpose through a free 16-bit buffer instead of two transposed gemms, 4096 exp2 and
     transposed loads: together -6 % at the fixed-length shapes, even on varlen, outputs
-    bit-identical, default since session 5 (bench/results/ws_steps/s5call2-*). All in docs/tilelang_ws.md.
+    bit-identical, default since session 5 (bench/results/ws_steps/s5call2-*). `dar_kv` (off, not
+    yet measured; needs `a_ahead`) has KV form A^T dAr in phase 5, where it waits, instead of A
+    at the head of phase 6; `tma_dk` (off, not yet measured) stores KV's full dk tiles with one
+    TMA store, as `tma_dq` does for dq (phase 7 is KV's dk store since `dg_early`). All in docs/tilelang_ws.md.
     """
+    if dar_kv and not a_ahead:
+        raise ValueError("build_ws_bwd: dar_kv reads dAr from x3_s, where only a_ahead builds put it")
     accum = "float32"
     TT = T.dynamic("num_tokens")
     NC = T.dynamic("num_chunks")
@@ -314,6 +327,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                 kv1_f = T.alloc_fragment((BT, V), accum)  # KV
                 kv2_f = T.alloc_fragment((BT, K), accum)
                 kvr_f = T.alloc_fragment((BT,), accum)
+                kvx_f = T.alloc_fragment((BT, BT), accum)  # dar_kv builds: A^T dAr (phase 5 only)
                 pg_f = T.alloc_fragment((BT, BT), accum)  # A
                 sq_f = T.alloc_fragment((BT, BT), accum)
                 sq2_f = T.alloc_fragment((BT, BT), accum)
@@ -438,6 +452,9 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         t0 = bos + c * BT
                         if it > 0:
                             full_wait(full, (it - 1) % 2, 1, tick, tm_s)
+                        if tma_dk:  # the previous chunk's dk store has read u_s (U goes there in phase 1):
+                            T.tma_store_wait()  # the issuing thread waits, then its group waits for it on
+                            T.sync_threads(KV_STORE_BARRIER, 128)  # a barrier id of its own (a bare sync here got S's)
                         # 1: dV' = e^{G_L - G} K dS'
                         if uw_kv and not balance:  # and U = K S, W = V - e^G U (A forms P, Pg, Ag)
                             T.wgmma_gemm(k_s, h_s, kv2_f, clear_accum=True)
@@ -496,15 +513,32 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         for i in T.Parallel(BT):
                             dGk_s[i] = dGk_s[i] - kvr_f[i]
                             glk_s[i] = kvr_f[i]  # the G_L term's rows, summed by S in phase 7
-                        T.gemm(u_s, h_s, kv2_f, transpose_B=True)
+                        if dar_kv:  # and A^T dAr (dAr in x3_s since A's phase 4) into ag_s, free since phase 3
+                            T.wgmma_gemm(a_s, x3_s, kvx_f, transpose_A=True, clear_accum=True)
+                            T.wgmma_gemm(u_s, h_s, kv2_f, transpose_B=True)
+                            T.wait_wgmma(1)
+                            T.warpgroup_fence_operand(kvx_f)
+                            T.copy(kvx_f, ag_s)
+                            T.fence_proxy_async()
+                            T.wait_wgmma(0)
+                            T.warpgroup_fence_operand(kv2_f)
+                        else:
+                            T.gemm(u_s, h_s, kv2_f, transpose_B=True)
                         phase_sync(phase, 4, it % 2, 5, 1, tick, tm_s)
                         # 6: dk += dP^T Q
                         T.gemm(pg_s, q_s, kv2_f, transpose_A=True)
                         phase_sync(phase, 5, it % 2, 6, 1, tick, tm_s)
                         # 7: dk += (dkk + dkk^T) K
                         T.gemm(ag_s, k_s, kv2_f)
-                        store_rows(kv2_f, u_s, dk, t0, eos, hh)  # u_s is free after phase 5
+                        if tma_dk and it > 0:  # full tiles (every chunk after the first visited) in one TMA store
+                            T.copy(kv2_f, u_s)
+                            T.fence_proxy_async()
+                            T.tma_copy(u_s, dk[t0:t0 + BT, hh, 0:K])
+                        else:
+                            store_rows(kv2_f, u_s, dk, t0, eos, hh)  # u_s is free after phase 5
                         phase_sync(phase, 6, it % 2, 7, 1, tick, tm_s)
+                    if tma_dk:
+                        T.tma_store_wait()
                     loop_end(tick, tm_s, 1, n_chunks, clk, bx)
 
                 elif tx < 384:
@@ -637,22 +671,28 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         # 6: through A = M^-1: dA = A^T dAr A^T, dM = -dA strictly lower,
                         # db += rows of dM * (K K^T), dkk = b dM; dkk + dkk^T into ag_s
                         T.wgmma_gemm(k_s, k_s, sq2_f, transpose_B=True, clear_accum=True)
-                        if a_ahead:  # dAr is in x3_s; A^T dAr goes to ag_s once KV's phase 3 is done with Ag
-                            T.wgmma_gemm(a_s, x3_s, sq_f, transpose_A=True, clear_accum=True)
-                            T.barrier_wait(phase[2], it % 2)
+                        if dar_kv:  # KV put A^T dAr in ag_s in phase 5: one gemm beside K K^T
+                            T.wgmma_gemm(ag_s, a_s, sq_f, transpose_B=True, clear_accum=True)
+                            T.wait_wgmma(0)
+                            T.warpgroup_fence_operand(sq2_f)
+                            T.warpgroup_fence_operand(sq_f)
                         else:
-                            T.wgmma_gemm(a_s, ag_s, sq_f, transpose_A=True, clear_accum=True)
-                        T.wait_wgmma(0)
-                        T.warpgroup_fence_operand(sq2_f)
-                        T.warpgroup_fence_operand(sq_f)
-                        if a_ahead:
-                            T.copy(sq_f, ag_s)
-                            T.fence_proxy_async()
-                            T.gemm(ag_s, a_s, sq_f, transpose_B=True, clear_accum=True)
-                        else:
-                            T.copy(sq_f, x3_s)
-                            T.fence_proxy_async()
-                            T.gemm(x3_s, a_s, sq_f, transpose_B=True, clear_accum=True)
+                            if a_ahead:  # dAr is in x3_s; A^T dAr goes to ag_s once KV's phase 3 is done with Ag
+                                T.wgmma_gemm(a_s, x3_s, sq_f, transpose_A=True, clear_accum=True)
+                                T.barrier_wait(phase[2], it % 2)
+                            else:
+                                T.wgmma_gemm(a_s, ag_s, sq_f, transpose_A=True, clear_accum=True)
+                            T.wait_wgmma(0)
+                            T.warpgroup_fence_operand(sq2_f)
+                            T.warpgroup_fence_operand(sq_f)
+                            if a_ahead:
+                                T.copy(sq_f, ag_s)
+                                T.fence_proxy_async()
+                                T.gemm(ag_s, a_s, sq_f, transpose_B=True, clear_accum=True)
+                            else:
+                                T.copy(sq_f, x3_s)
+                                T.fence_proxy_async()
+                                T.gemm(x3_s, a_s, sq_f, transpose_B=True, clear_accum=True)
                         for i, j in T.Parallel(BT, BT):
                             sq_f[i, j] = T.if_then_else(j < i, -sq_f[i, j], T.cast(0, accum))  # dM
                             sq2_f[i, j] = sq_f[i, j] * sq2_f[i, j]
