@@ -194,8 +194,11 @@ def test_every_build_switch_reaches_the_ws_kernel_build(monkeypatch):
 
 
 def test_a_build_whose_switches_conflict_says_which():
-    """`dar_kv` reads dAr where only `a_ahead` builds put it: refused before anything compiles."""
+    """`dar_kv` reads dAr where only `a_ahead` builds put it, and `tma_dk` guards `u_s` only
+    where KV writes U: each refused before anything compiles."""
     from gdr_dispatch.backends.kernels.tilelang_ws_bwd import build_ws_bwd, build_flags
 
     with pytest.raises(ValueError, match="dar_kv reads dAr from x3_s, where only a_ahead builds put it"):
         build_ws_bwd(4, 2, 0.1, "bfloat16", "bfloat16", **build_flags("xkv+noaahead"))
+    with pytest.raises(ValueError, match="tma_dk has only KV wait .* without uw_kv or balance A writes U there"):
+        build_ws_bwd(4, 2, 0.1, "bfloat16", "bfloat16", **build_flags("tmadk+nouwkv"))

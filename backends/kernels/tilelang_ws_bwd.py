@@ -118,6 +118,9 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     """
     if dar_kv and not a_ahead:
         raise ValueError("build_ws_bwd: dar_kv reads dAr from x3_s, where only a_ahead builds put it")
+    if tma_dk and not (uw_kv or balance):
+        raise ValueError("build_ws_bwd: tma_dk has only KV wait for its store's read of u_s, but without "
+                         "uw_kv or balance A writes U there")
     accum = "float32"
     TT = T.dynamic("num_tokens")
     NC = T.dynamic("num_chunks")
