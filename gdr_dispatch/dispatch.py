@@ -42,9 +42,11 @@ AUTOTUNE_REPS = 10
 #: off by O(1).
 AGREEMENT_TOL = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4, "float64": 1e-8}
 
-#: Segments per sequence the autotuner tries on grids with fewer sequence x head programs than
-#: SMs (each with every supported backend that allows it), unless GDR_CP decides.
-SPLIT_SEGMENTS = (2, 4, 8)
+#: Segments per sequence the autotuner may try on grids with fewer sequence x head programs than
+#: SMs (each with every supported backend that allows it), unless GDR_CP decides: powers of two
+#: up to the first that fills the SMs (`split_segment_counts`). Up to 8 only, B1 T32768 H4 (4
+#: programs) could use 32 of the H200's 132 SMs.
+SPLIT_SEGMENTS = (2, 4, 8, 16, 32, 64)
 
 #: How a backend was chosen (`Choice.source`).
 FORCED, TABLE, AUTOTUNED, STATIC = "GDR_BACKEND", "table", "autotuned", "static order"
@@ -171,18 +173,30 @@ def split_candidates(problem: Problem, supported: dict) -> dict:
         return {}
     if problem.seq_head_ctas >= problem.device.sm_count:
         return {}
-    longest = problem.max_seqlen if problem.max_seqlen is not None else problem.B * problem.T
-    chunks = -(-longest // problem.chunk_size)
     out = {}
-    for segments in SPLIT_SEGMENTS:
-        if segments > chunks:
-            break
+    for segments in split_segment_counts(problem):
         for backend in supported.values():
             if backend.split_candidate:
                 split = SplitBackend(backend, segments)
                 if split.supported(problem)[0]:
                     out[split.name] = split
     return out
+
+
+def split_segment_counts(problem: Problem) -> tuple[int, ...]:
+    """The `SPLIT_SEGMENTS` worth timing for a starved grid: each no more than the longest
+    sequence's chunks, up to the first count whose segments fill every SM (more only add
+    pass-1 work and segments of fewer chunks)."""
+    longest = problem.max_seqlen if problem.max_seqlen is not None else problem.B * problem.T
+    chunks = -(-longest // problem.chunk_size)
+    out = []
+    for segments in SPLIT_SEGMENTS:
+        if segments > chunks:
+            break
+        out.append(segments)
+        if problem.seq_head_ctas * segments >= problem.device.sm_count:
+            break
+    return tuple(out)
 
 
 def _table_winner(entry: dict, options: dict) -> Optional[str]:

@@ -202,6 +202,18 @@ def test_full_grids_and_gdr_cp_get_no_split_candidates(gpu_like, monkeypatch):
     assert dsp.split_candidates(problem, options) == {}
 
 
+@pytest.mark.parametrize("spec, sms, counts", [
+    (ShapeSpec(B=1, T=32768, H=4), 132, (2, 4, 8, 16, 32, 64)),  # 4 programs: 64 x 4 is the first to fill
+    (ShapeSpec(B=2, T=16384, H=8), 132, (2, 4, 8, 16)),
+    (ShapeSpec(B=1, T=8192, H=16), 132, (2, 4, 8, 16)),
+    (ShapeSpec(B=1, T=300, H=2), 132, (2, 4)),  # 5 chunks: no segment count above them
+    (ShapeSpec(seqlens=(4096, 64), H=4), 132, (2, 4, 8, 16, 32)),  # the longest sequence's 64 chunks
+])
+def test_split_counts_run_up_to_the_first_that_fills_the_sms(spec, sms, counts):
+    problem = replace(spec.problem(torch.device("cpu")), device=DeviceInfo("cuda", "Fake GPU", (9, 0), sms))
+    assert dsp.split_segment_counts(problem) == counts
+
+
 def test_split_names_parse():
     assert parse_split("fla@split4") == ("fla", 4)
     assert parse_split("fla") == ("fla", 1)
