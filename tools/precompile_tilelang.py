@@ -6,7 +6,9 @@ Each compile is one nvcc run of 20-40 s on one core; on the GPU machine (16 core
 tests and the bench would otherwise pay them one after another. Each configuration is
 compiled in its own process (TileLang's cache writes through a staging folder and a
 rename, so processes do not step on each other); a later process finds the kernel in the
-cache. Prints the wall time of every compile: that is a user's first-call cost.
+cache. Prints the wall time of every compile (a user's first-call cost) and where its device
+code came from: TileLang's kernel cache, its cubin cache (cubins built elsewhere, see
+tools/prebuild_cubins.sh), or nvcc.
 Scale is K^-0.5, the value the tests and the bench use (it is a compile-time constant).
 """
 
@@ -17,7 +19,26 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
 
-def compile_one(H: int, Hg: int, dtype: str, schedule: str = "plain", K: int = 128, V: int = 128, BT: int = 64) -> float:
+def _count_cubin_lookups() -> list:
+    """Record, per device-code compile, whether TileLang's cross-host cubin cache had it (the
+    cubins tools/prebuild_cubins.sh builds on a CPU machine): `[True, ...]` hits, `False` nvcc ran."""
+    from tilelang.cache.cuda_binary_cache import CUDABinaryCache
+
+    seen = []
+    load = CUDABinaryCache.load.__func__
+
+    def counted(cls, key, compile_format):
+        out = load(cls, key, compile_format)
+        seen.append(out is not None)
+        return out
+
+    CUDABinaryCache.load = classmethod(counted)
+    return seen
+
+
+def compile_one(H: int, Hg: int, dtype: str, schedule: str = "plain", K: int = 128, V: int = 128,
+                BT: int = 64) -> tuple[float, str]:
+    seen = _count_cubin_lookups()
     t0 = time.perf_counter()
     if schedule.startswith("ws"):  # ws[-timing][-<switch>...], e.g. ws-nogam-timing
         from gdr_dispatch.backends.kernels.tilelang_ws_bwd import build_flags, build_ws_bwd
@@ -29,7 +50,8 @@ def compile_one(H: int, Hg: int, dtype: str, schedule: str = "plain", K: int = 1
         from gdr_dispatch.backends.kernels.tilelang_fused_bwd import build_fused_bwd
 
         build_fused_bwd(H, Hg, K, V, BT, float(K ** -0.5), dtype, dtype, dtype)
-    return time.perf_counter() - t0
+    how = "kernel cache" if not seen else ("cubin cache" if all(seen) else "nvcc")
+    return time.perf_counter() - t0, how
 
 
 def main():
@@ -50,7 +72,8 @@ def main():
         for fut in as_completed(futures):
             c = futures[fut]
             try:
-                print(f"compiled H={c[0]} Hg={c[1]} {' '.join(c[2:])}: {fut.result():.1f} s", flush=True)
+                seconds, how = fut.result()
+                print(f"compiled H={c[0]} Hg={c[1]} {' '.join(c[2:])}: {seconds:.1f} s ({how})", flush=True)
             except Exception as e:  # noqa: BLE001 - report every config, go on
                 print(f"FAILED H={c[0]} Hg={c[1]} {' '.join(c[2:])}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
     print(f"all {len(configs)} configurations in {time.perf_counter() - t0:.1f} s", flush=True)
