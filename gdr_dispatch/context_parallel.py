@@ -26,7 +26,7 @@ segments' call (`Backend.split_passes`; today fla's state kernels, which compose
 `M` and `R` in one state pass and its `D` in one dh pass), else as batched tensor products here
 (any device, fp32 or fp64 accumulation; the per-chunk maps in one batch, each segment's
 composition in log2(chunks) batched levels): exact, and what the CPU tests hold the split to.
-Pass 2, the scan, is a loop over the segments of batched K x K products. `GDR_CP=<n>` forces at
+Pass 2, the scans, are log-depth prefixes of the segments' maps in batched K x K products. `GDR_CP=<n>` forces at
 most n segments per sequence, `GDR_CP=0` turns the split off; unset, the autotuner tries
 `(backend, segments)` candidates (`SplitBackend`) on grids with fewer sequence x head programs
 than SMs, and a table may store one as `<backend>@split<n>`.
@@ -128,7 +128,7 @@ def split_backward(call: GDRCall, segments: int, run: Callable[..., GDRGrads]) -
     runs; shorter sequences get fewer). `run(**kwargs)` computes one backward call (e.g.
     `fused_gdr_bwd`); it receives the non-empty segments as one varlen call with
     `initial_state` and `dht` set. Pass 1 on a backend's kernels (`pass_1_provider`) or as
-    batched tensor products; pass 2 a loop over the `segments` runs of the scan.
+    batched tensor products; pass 2 as log2(`segments`) levels of batched products.
     """
     acc = call.acc_dtype
     N, H, K, V, BT = call.N, call.H, call.K, call.V, call.chunk_size
@@ -178,6 +178,20 @@ def _torch_pass_1(call: GDRCall, s: int, n_seg: int):
     return _compose(M.view(N, n_seg, s, H, K, K), R.view(N, n_seg, s, H, K, V), D.view(N, n_seg, s, H, K, V))
 
 
+def _prefix_maps(M, X):
+    """Inclusive prefix of affine maps along axis 1 (`M` `[N, n, H, K, K]`, `X` `[N, n, H, K, V]`,
+    map j: x -> M_j x + X_j): `(A_j, B_j)` of map j after map j-1 ... after map 0, so applying
+    the first j + 1 maps to x0 gives `A_j x0 + B_j`. Hillis-Steele: log2(n) levels of batched
+    products instead of n dependent steps (at 64 segments the loop was 128 launches each way)."""
+    A, B = M, X
+    n, d = M.shape[1], 1
+    while d < n:
+        A, B = (torch.cat([A[:, :d], A[:, d:] @ A[:, :-d]], dim=1),
+                torch.cat([B[:, :d], A[:, d:] @ B[:, :-d] + B[:, d:]], dim=1))
+        d *= 2
+    return A, B
+
+
 def _scan_and_run(call, s, n_seg, seg_lens, pick, flat, offsets, Ms, Rs, Ds, run) -> GDRGrads:
     """Pass 2 (the scan over each sequence's segments) and pass 3 (the segments as one varlen
     call of `run`)."""
@@ -185,33 +199,32 @@ def _scan_and_run(call, s, n_seg, seg_lens, pick, flat, offsets, Ms, Rs, Ds, run
     N, H, K, V, BT = call.N, call.H, call.K, call.V, call.chunk_size
     dev = call.q.device
     counts = torch.tensor(chunk_counts(call.seq_lens, BT), device=dev)
-    # pass 2: the scan over the segments of every sequence at once
+    # pass 2: the scans over the segments of every sequence at once (log-depth, see _prefix_maps)
     h0 = cm.states_in(call.initial_state, call.state_v_first)
     dht = cm.states_in(call.dht, call.state_v_first)
-    S = torch.zeros(N, H, K, V, dtype=acc, device=dev) if h0 is None else h0.to(acc)
-    starts = []
-    for j in range(n_seg):
-        starts.append(S)
-        S = Ms[:, j] @ S + Rs[:, j]
+    S0 = torch.zeros(N, H, K, V, dtype=acc, device=dev) if h0 is None else h0.to(acc)
+    A, B = _prefix_maps(Ms, Rs)  # segment j's end state = A_j S0 + B_j
+    starts = torch.cat([S0[:, None], (A[:, :-1] @ S0[:, None] + B[:, :-1])], dim=1)  # [N, n_seg, H, K, V]
     if call.h is not None:  # the caller's states where a segment starts on a real chunk (as unsplit)
         h_rows = cm.states_in(call.h, call.state_v_first).reshape(-1, H, K, V)
         first_chunk = torch.tensor([0] + chunk_counts(call.seq_lens, BT), device=dev).cumsum(0)[:-1]
-        for j in range(n_seg):
-            has = counts > j * s
-            if bool(has.any()):
-                rows = h_rows[(first_chunk + j * s).clamp(max=h_rows.shape[0] - 1)].to(acc)
-                starts[j] = torch.where(has[:, None, None, None], rows, starts[j])
-    dS = torch.zeros(N, H, K, V, dtype=acc, device=dev) if dht is None else dht.to(acc)
-    ends = [None] * n_seg
-    for j in range(n_seg - 1, -1, -1):
-        ends[j] = dS
-        dS = Ms[:, j].transpose(-1, -2) @ dS + Ds[:, j]
-    dh0 = dS  # the first segment's start gradient is the sequence's dh0
+        seg_first = torch.arange(n_seg, device=dev) * s  # [n_seg]
+        has = counts[:, None] > seg_first[None, :]  # [N, n_seg]
+        rows = h_rows[(first_chunk[:, None] + seg_first[None, :]).clamp(max=h_rows.shape[0] - 1)].to(acc)
+        starts = torch.where(has[..., None, None, None], rows, starts)
+    dS_end = torch.zeros(N, H, K, V, dtype=acc, device=dev) if dht is None else dht.to(acc)
+    # backwards: dS_j = M_j^T dS_{j+1} + D_j from dS_{n_seg} = dht, as a prefix over the reversed segments
+    Ab, Bb = _prefix_maps(Ms.flip(1).transpose(-1, -2), Ds.flip(1))  # dS_{n_seg-1-i} = Ab_i dht + Bb_i
+    dS = (Ab @ dS_end[:, None] + Bb).flip(1)  # dS[:, j]: the gradient at segment j's start
+    ends = torch.cat([dS[:, 1:], dS_end[:, None]], dim=1)  # at segment j's end
+    dh0 = dS[:, 0]  # the first segment's start gradient is the sequence's dh0
 
     # pass 3: the non-empty segments as the sequences of one varlen call
     out_dt = acc if acc == torch.float64 else torch.float32
-    init = torch.stack([starts[j][n] for n, j in pick]).to(out_dt)
-    grad_end = torch.stack([ends[j][n] for n, j in pick]).to(out_dt)
+    seq_of = torch.tensor([n for n, _ in pick], device=dev)
+    seg_of = torch.tensor([j for _, j in pick], device=dev)
+    init = starts[seq_of, seg_of].to(out_dt)
+    grad_end = ends[seq_of, seg_of].to(out_dt)
     if call.state_v_first:
         init, grad_end = init.transpose(-1, -2).contiguous(), grad_end.transpose(-1, -2).contiguous()
     h = None if call.h is None else call.h.reshape(1, -1, *call.h.shape[2:])

@@ -292,3 +292,18 @@ def test_without_a_provider_pass_1_is_the_torch_products(caplog):
 
     call = validate(**call_kwargs(make_inputs(ShapeSpec(B=1, T=200, H=2, K=8, V=8, dtype="float64", h="none"), "cpu")))
     assert cp.pass_1_provider(call) == ("torch products", None)  # fla's own gate needs CUDA
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 8, 13])
+def test_prefix_maps_equal_the_step_by_step_composition(n):
+    import gdr_dispatch.context_parallel as cp
+
+    gen = torch.Generator().manual_seed(n)
+    M = torch.randn(2, n, 3, 4, 4, generator=gen, dtype=torch.float64) * 0.5
+    X = torch.randn(2, n, 3, 4, 5, generator=gen, dtype=torch.float64)
+    x0 = torch.randn(2, 3, 4, 5, generator=gen, dtype=torch.float64)
+    A, B = cp._prefix_maps(M, X)
+    x = x0
+    for j in range(n):
+        x = M[:, j] @ x + X[:, j]
+        assert torch.allclose(A[:, j] @ x0 + B[:, j], x, rtol=1e-12, atol=1e-12), j
