@@ -57,8 +57,11 @@ def test_the_warp_specialised_kernel_takes_h200_calls_since_it_was_verified(monk
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile for sm_90a")
 @pytest.mark.parametrize("experiment", [{}, {"tma_dq": True}, {"dg_early": False, "transpose": False},
                                         {"uw_kv": False, "a_ahead": False}, {"balance": True, "gam_regs": False},
-                                        {"dar_kv": True, "tma_dk": True}],
-                         ids=["default", "tmadq", "v5", "nouwkv-noaahead", "balance-nogam", "xkv-tmadk"])
+                                        {"dar_kv": True, "tma_dk": True},
+                                        {"dq_kv": True, "dg_early": False, "dar_kv": True, "tma_dk": True},
+                                        {"dgq_kv": True, "dg_early": False}],
+                         ids=["default", "tmadq", "v5", "nouwkv-noaahead", "balance-nogam", "xkv-tmadk",
+                              "dqkv-nodg6-xkv-tmadk", "dgqkv-nodg6"])
 def test_ws_kernel_compiles_for_sm90a_with_its_register_split(experiment):
     from gdr_dispatch.backends.kernels.tilelang_ws_bwd import NREG, build_ws_bwd
 
@@ -184,7 +187,7 @@ def test_every_build_switch_reaches_the_ws_kernel_build(monkeypatch):
     monkeypatch.setattr(m, "build_ws_bwd", lambda *args, **kw: seen.update(kw) or "kernel")
     monkeypatch.setattr(m, "launch_packed", lambda kern, *args, **kw: kern)
     x = torch.zeros(1, 64, 1, 128)
-    flags = m.build_flags("nouwkv+noaahead+tmadq+nodg6+noxpose+nogam+balance+xkv+tmadk")  # every default flipped
+    flags = m.build_flags("nouwkv+noaahead+tmadq+nodg6+noxpose+nogam+balance+xkv+tmadk+dqkv+dgqkv")  # all flipped
     assert all(flags[key] != value for key, value in m.DEFAULT_BUILD.items())
     assert m.ws_bwd_given_h(x, x, x, x, torch.zeros(1, 64, 1, 64), torch.zeros(1, 64, 1), torch.zeros(1, 64, 1),
                             torch.zeros(1, 1, 1, 128, 128), None, 0.1, (64,), **flags) == "kernel"
@@ -202,3 +205,8 @@ def test_a_build_whose_switches_conflict_says_which():
         build_ws_bwd(4, 2, 0.1, "bfloat16", "bfloat16", **build_flags("xkv+noaahead"))
     with pytest.raises(ValueError, match="tma_dk has only KV wait .* without uw_kv or balance A writes U there"):
         build_ws_bwd(4, 2, 0.1, "bfloat16", "bfloat16", **build_flags("tmadk+nouwkv"))
+    for build in ("dqkv", "dgqkv"):  # dq's dG term lands in phase 6: dg cannot be stored in phase 6
+        with pytest.raises(ValueError, match="add dq's dG term in phase 6, so dg is stored in phase 7"):
+            build_ws_bwd(4, 2, 0.1, "bfloat16", "bfloat16", **build_flags(build))
+    with pytest.raises(ValueError, match="dq_kv has KV store dq, so A has no dq for tma_dq"):
+        build_ws_bwd(4, 2, 0.1, "bfloat16", "bfloat16", **build_flags("dqkv+nodg6+tmadq"))

@@ -62,7 +62,8 @@ TIMING_SLOTS = 18
 #: The build `tilelang_ws` runs; the other settings are kept as measured experiments
 #: (docs/tilelang_ws.md, "Steps"). Tools name builds by switches (`build_flags`).
 DEFAULT_BUILD = {"balance": False, "gam_regs": True, "uw_kv": True, "a_ahead": True, "tma_dq": False,
-                 "dg_early": True, "transpose": True, "dar_kv": False, "tma_dk": False}
+                 "dg_early": True, "transpose": True, "dar_kv": False, "tma_dk": False,
+                 "dq_kv": False, "dgq_kv": False}
 SWITCHES = {"balance": ("balance", True), "nobalance": ("balance", False),
             "gam": ("gam_regs", True), "nogam": ("gam_regs", False),
             "uwkv": ("uw_kv", True), "nouwkv": ("uw_kv", False),
@@ -71,7 +72,9 @@ SWITCHES = {"balance": ("balance", True), "nobalance": ("balance", False),
             "dg6": ("dg_early", True), "nodg6": ("dg_early", False),
             "xpose": ("transpose", True), "noxpose": ("transpose", False),
             "xkv": ("dar_kv", True), "noxkv": ("dar_kv", False),
-            "tmadk": ("tma_dk", True), "notmadk": ("tma_dk", False)}
+            "tmadk": ("tma_dk", True), "notmadk": ("tma_dk", False),
+            "dqkv": ("dq_kv", True), "nodqkv": ("dq_kv", False),
+            "dgqkv": ("dgq_kv", True), "nodgqkv": ("dgq_kv", False)}
 
 
 def build_flags(build: str) -> dict:
@@ -94,7 +97,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                  uw_kv: bool = DEFAULT_BUILD["uw_kv"], a_ahead: bool = DEFAULT_BUILD["a_ahead"],
                  tma_dq: bool = DEFAULT_BUILD["tma_dq"], dg_early: bool = DEFAULT_BUILD["dg_early"],
                  transpose: bool = DEFAULT_BUILD["transpose"], dar_kv: bool = DEFAULT_BUILD["dar_kv"],
-                 tma_dk: bool = DEFAULT_BUILD["tma_dk"]):
+                 tma_dk: bool = DEFAULT_BUILD["tma_dk"], dq_kv: bool = DEFAULT_BUILD["dq_kv"],
+                 dgq_kv: bool = DEFAULT_BUILD["dgq_kv"]):
     """Compile (once per configuration) the warp-specialised kernel (K = V = 128, chunk 64).
 
     `timing` adds cycle counters at every sync point (written to the `clk` argument, CTA by
@@ -114,10 +118,20 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     bit-identical, default since session 5 (bench/results/ws_steps/s5call2-*). `dar_kv` (off, not
     yet measured; needs `a_ahead`) has KV form A^T dAr in phase 5, where it waits, instead of A
     at the head of phase 6; `tma_dk` (off, not yet measured) stores KV's full dk tiles with one
-    TMA store, as `tma_dq` does for dq (phase 7 is KV's dk store since `dg_early`). All in docs/tilelang_ws.md.
+    TMA store, as `tma_dq` does for dq (phase 7 is KV's dk store since `dg_early`). `dq_kv` (off,
+    not yet measured) moves dq from A to KV, whose phase 6 is idle: dO S^T, its dG term (as rows
+    of dO * (Q S)) and dP K there, and its store; A keeps no dq fragment (KV then spills ~270
+    instructions). `dgq_kv` (off, not yet measured) moves only dq's dG term there, which takes
+    A's 64 x 128 product fragment away. All in docs/tilelang_ws.md.
     """
     if dar_kv and not a_ahead:
         raise ValueError("build_ws_bwd: dar_kv reads dAr from x3_s, where only a_ahead builds put it")
+    if dq_kv and tma_dq:
+        raise ValueError("build_ws_bwd: dq_kv has KV store dq, so A has no dq for tma_dq")
+    kv_dgq = dq_kv or dgq_kv  # KV adds dq's dG term in phase 6
+    if kv_dgq and dg_early:
+        raise ValueError("build_ws_bwd: dq_kv and dgq_kv add dq's dG term in phase 6, so dg is stored in "
+                         "phase 7 (no dg_early)")
     if tma_dk and not (uw_kv or balance):
         raise ValueError("build_ws_bwd: tma_dk has only KV wait for its store's read of u_s, but without "
                          "uw_kv or balance A writes U there")
@@ -529,7 +543,42 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             T.gemm(u_s, h_s, kv2_f, transpose_B=True)
                         phase_sync(phase, 4, it % 2, 5, 1, tick, tm_s)
                         # 6: dk += dP^T Q
-                        T.gemm(pg_s, q_s, kv2_f, transpose_A=True)
+                        if dq_kv:  # and dq: its dG term from rows of dO * (Q S), then scale e^G dO S^T + dP K
+                            T.wgmma_gemm(pg_s, q_s, kv2_f, transpose_A=True)
+                            T.wgmma_gemm(q_s, h_s, kv1_f, clear_accum=True)
+                            T.wait_wgmma(0)
+                            T.warpgroup_fence_operand(kv2_f)
+                            T.warpgroup_fence_operand(kv1_f)
+                            for i, j in T.Parallel(BT, V):
+                                kv1_f[i, j] = kv1_f[i, j] * T.cast(do_s[i, j], accum)
+                            T.reduce_sum(kv1_f, kvr_f, dim=1)
+                            for i in T.Parallel(BT):
+                                dGk_s[i] = dGk_s[i] + scale * eG_s[i] * kvr_f[i]
+                            T.gemm(do_s, h_s, kv1_f, transpose_B=True, clear_accum=True)
+                            for i, j in T.Parallel(BT, K):
+                                kv1_f[i, j] = kv1_f[i, j] * scale * eG_s[i]
+                            T.gemm(pg_s, k_s, kv1_f)
+                            # stored here, not beside dk in phase 7 (dq and dk live at once spilled ~380
+                            # instructions); dvp_s is free since S's phase 5 (A stages nothing there now)
+                            if tma_dk and it > 0:
+                                T.copy(kv1_f, dvp_s)
+                                T.fence_proxy_async()
+                                T.tma_copy(dvp_s, dq[t0:t0 + BT, hh, 0:K])
+                            else:
+                                store_rows(kv1_f, dvp_s, dq, t0, eos, hh)
+                        elif dgq_kv:  # and dq's dG term from rows of dO * (Q S) (A forms dq)
+                            T.wgmma_gemm(pg_s, q_s, kv2_f, transpose_A=True)
+                            T.wgmma_gemm(q_s, h_s, kv1_f, clear_accum=True)
+                            T.wait_wgmma(0)
+                            T.warpgroup_fence_operand(kv2_f)
+                            T.warpgroup_fence_operand(kv1_f)
+                            for i, j in T.Parallel(BT, V):
+                                kv1_f[i, j] = kv1_f[i, j] * T.cast(do_s[i, j], accum)
+                            T.reduce_sum(kv1_f, kvr_f, dim=1)
+                            for i in T.Parallel(BT):
+                                dGk_s[i] = dGk_s[i] + scale * eG_s[i] * kvr_f[i]
+                        else:
+                            T.gemm(pg_s, q_s, kv2_f, transpose_A=True)
                         phase_sync(phase, 5, it % 2, 6, 1, tick, tm_s)
                         # 7: dk += (dkk + dkk^T) K
                         T.gemm(ag_s, k_s, kv2_f)
@@ -635,8 +684,11 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         # dq = scale e^G dO S^T (its dG) + dP K
                         if transpose:  # dO S^T runs while dPg's dG terms and dP are formed
                             T.wgmma_gemm(do_s, w_s, sq_f, transpose_B=True, clear_accum=True)
-                            T.wgmma_gemm(do_s, h_s, a1_f, transpose_B=True, clear_accum=True)
-                            T.wait_wgmma(1)
+                            if dq_kv:
+                                T.wait_wgmma(0)
+                            else:
+                                T.wgmma_gemm(do_s, h_s, a1_f, transpose_B=True, clear_accum=True)
+                                T.wait_wgmma(1)
                             T.warpgroup_fence_operand(sq_f)
                             for i, j in T.Parallel(BT, BT):
                                 sq2_f[i, j] = sq_f[i, j] * T.cast(pg_s[i, j], accum)  # Pg's 16-bit copy, as KV reads it
@@ -655,21 +707,28 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             T.reduce_sum(pg_f, ac_f, dim=1)
                         for i in T.Parallel(BT):
                             dGa_s[i] = dGa_s[i] + ar_f[i] - ac_f[i]
-                        if not transpose:
+                        if not transpose and not dq_kv:
                             T.wgmma_gemm(do_s, h_s, a1_f, transpose_B=True, clear_accum=True)  # runs while dP is formed
                         for i, j in T.Parallel(BT, BT):
                             pg_s[i, j] = T.cast(T.if_then_else(j <= i, scale * sq_f[i, j] * gam_in(gam_f, G_s, i, j),
                                                                T.cast(0, accum)), dtype)
-                        T.wait_wgmma(0)
-                        T.warpgroup_fence_operand(a1_f)
-                        for i, j in T.Parallel(BT, K):
-                            a1_f[i, j] = a1_f[i, j] * scale * eG_s[i]
-                            a2_f[i, j] = a1_f[i, j] * T.cast(q_s[i, j], accum)
-                        T.reduce_sum(a2_f, ar_f, dim=1)
-                        for i in T.Parallel(BT):
-                            dGa_s[i] = dGa_s[i] + ar_f[i]
-                        T.fence_proxy_async()
-                        T.gemm(pg_s, k_s, a1_f)
+                        if dq_kv:  # KV forms dq in phase 6
+                            T.fence_proxy_async()
+                        else:
+                            T.wait_wgmma(0)
+                            T.warpgroup_fence_operand(a1_f)
+                            if dgq_kv:  # its dG term is KV's (phase 6)
+                                for i, j in T.Parallel(BT, K):
+                                    a1_f[i, j] = a1_f[i, j] * scale * eG_s[i]
+                            else:
+                                for i, j in T.Parallel(BT, K):
+                                    a1_f[i, j] = a1_f[i, j] * scale * eG_s[i]
+                                    a2_f[i, j] = a1_f[i, j] * T.cast(q_s[i, j], accum)
+                                T.reduce_sum(a2_f, ar_f, dim=1)
+                                for i in T.Parallel(BT):
+                                    dGa_s[i] = dGa_s[i] + ar_f[i]
+                            T.fence_proxy_async()
+                            T.gemm(pg_s, k_s, a1_f)
                         phase_sync(phase, 4, it % 2, 5, 2, tick, tm_s)
                         # 6: through A = M^-1: dA = A^T dAr A^T, dM = -dA strictly lower,
                         # db += rows of dM * (K K^T), dkk = b dM; dkk + dkk^T into ag_s
@@ -716,7 +775,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                                 T.tma_copy(dvp_s, dq[t0:t0 + BT, hh, 0:K])
                             else:
                                 store_rows(a1_f, dvp_s, dq, t0, eos, hh)
-                        else:
+                        elif not dq_kv:  # (dq_kv: KV stores dq)
                             store_rows(a1_f, dvp_s, dq, t0, eos, hh)  # dvp_s is free after phase 5
                         phase_sync(phase, 6, it % 2, 7, 2, tick, tm_s)
                     if tma_dq:
@@ -731,7 +790,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         t0 = bos + c * BT
                         T.barrier_wait(phase[0], it % 2)  # v: read in phase 1
                         T.tma_copy(v[t0:t0 + BT, hh, 0:V], v_s, barrier=full)
-                        T.barrier_wait(phase[4], it % 2)  # h, do: last read in phase 5
+                        T.barrier_wait(phase[5 if kv_dgq else 4], it % 2)  # h, do: last read in phase 5 (6: KV's dq work)
                         T.tma_copy(h[c0 + c, hh, 0:K, 0:V], h_s, barrier=full)
                         T.tma_copy(do[t0:t0 + BT, hh, 0:V], do_s, barrier=full)
                         T.barrier_wait(phase[5], it % 2)  # q, a, G, b: last read in phase 6
