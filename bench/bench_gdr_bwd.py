@@ -13,7 +13,8 @@ For each shape, with `h` given and with `h=None`:
     `chunk_gated_delta_rule_bwd(auto_cp=False)`.
   * with `--splits 2,4,8`: the context-parallel split forced (GDR_CP) around the
     `--split-backends`, as `<backend>@split<n>`, and FlashQLA's own `auto_cp=True` split
-    (`flashqla-auto_cp`, h=None rows).
+    (`flashqla-auto_cp`, h=None rows); `--splits auto`: on starved grids only (fewer sequence x
+    head programs than SMs), the segment counts the autotuner would try there.
 Times are medians of CUDA-event timings after warm-up (gdr_dispatch.dispatch.measure_ms); with
 `--rounds N` (default 2) each runner is timed N times in alternating order and the least median
 kept (the JSON's `ms_rounds` has all).
@@ -130,6 +131,11 @@ def bench_shape(spec, warmup, reps, skip, splits=(), split_backends=(), rounds=1
         problem = problem or Problem.from_call(validate(**kwargs))
         ok, reason = backend.supported(problem)
         runners[name] = forced(name, kwargs) if ok else reason
+    if splits == "auto":  # the autotuner's own counts, on starved grids only
+        from gdr_dispatch.dispatch import split_segment_counts
+
+        problem = problem or Problem.from_call(validate(**kwargs))
+        splits = split_segment_counts(problem) if problem.seq_head_ctas < problem.device.sm_count else ()
     for name in split_backends:  # the context-parallel split, forced (docs/measurements.md)
         if not isinstance(runners.get(name), str) and name in runners:
             for n in splits:
@@ -245,8 +251,9 @@ def main(argv=None):
     p.add_argument("--merge", action="store_true",
                    help="add to the rows already in the output JSON (same label and h replaced) instead of starting anew")
     p.add_argument("--splits", default="", help="segment counts of the context-parallel split to time as "
-                   "extra runners `<backend>@split<n>` (e.g. 2,4,8), with FlashQLA's auto_cp beside them")
-    p.add_argument("--split-backends", default="fla,tilelang_fused", help="the backends --splits wraps")
+                   "extra runners `<backend>@split<n>` (e.g. 2,4,8), with FlashQLA's auto_cp beside them; 'auto': "
+                   "on starved grids only, the counts the autotuner tries there")
+    p.add_argument("--split-backends", default="fla,tilelang_ws", help="the backends --splits wraps")
     p.add_argument("--compile-jobs", type=int, default=8,
                    help="compile the backends' kernels for every shape first, in this many processes (0: each on "
                         "first use, one after another)")
@@ -270,7 +277,7 @@ def main(argv=None):
     if args.match:
         variants = [v for v in variants if re.search(args.match, v.label())]
     skip = set(filter(None, args.skip.split(",")))
-    splits = [int(n) for n in filter(None, args.splits.split(","))]
+    splits = "auto" if args.splits == "auto" else [int(n) for n in filter(None, args.splits.split(","))]
     split_backends = [n for n in filter(None, args.split_backends.split(",")) if n not in skip]
     dev = device_info(torch.device("cuda"))
     if args.compile_jobs:
