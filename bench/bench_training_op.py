@@ -99,7 +99,8 @@ def step(op, x: dict, **extra) -> dict:
 
 
 class ChoiceLog(logging.Handler):
-    """Remembers the backend of the dispatcher's latest 'backend <name> for ...' log line."""
+    """Remembers the backend of the dispatcher's latest 'backend <name> for ...' log line, and
+    echoes the autotuner's progress lines (our op autotunes at a shape the table lacks)."""
 
     def __init__(self):
         super().__init__(logging.INFO)
@@ -108,6 +109,8 @@ class ChoiceLog(logging.Handler):
     def emit(self, record):
         if record.getMessage().startswith("gdr_dispatch: backend ") and record.args:
             self.backend = record.args[0]
+        elif record.getMessage().startswith("gdr_dispatch: autotun"):  # a table miss: minutes, so say so
+            print(f"      {record.getMessage()}", file=sys.stderr, flush=True)
 
 
 def runners(forced=(), forwards=()) -> dict:

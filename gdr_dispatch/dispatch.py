@@ -304,7 +304,7 @@ def autotune(call: GDRCall, problem: Problem, candidates: dict[str, Backend],
     log.info("gdr_dispatch: autotuning %d backends for %s", len(candidates), problem.describe())
     results: dict[str, dict] = {}
     outputs: dict[str, GDRGrads] = {}
-    for name, backend in candidates.items():
+    for i, (name, backend) in enumerate(candidates.items(), 1):
         try:
             outputs[name] = backend.run(call)
             check_outputs(call, outputs[name], name)
@@ -314,6 +314,9 @@ def autotune(call: GDRCall, problem: Problem, candidates: dict[str, Backend],
             if isinstance(e, torch.cuda.OutOfMemoryError):
                 torch.cuda.empty_cache()  # e.g. the torch backend at a training shape: the others still run
             results[name] = {"failed": f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
+        # progress: a starved grid has dozens of candidates (every split count), minutes in all
+        log.info("gdr_dispatch: autotune [%d/%d] %s: %s", i, len(candidates), name,
+                 f"{results[name]['ms']} ms" if "ms" in results[name] else results[name]["failed"])
 
     # the cross-check reference: the most trusted candidate that ran (backends declare
     # `reference_rank`), else the first that ran

@@ -165,7 +165,7 @@ def _fake_measure(times):
     return measure
 
 
-def test_autotune_miss_picks_fastest_agreeing_and_stores(kwargs, fakes, monkeypatch):
+def test_autotune_miss_picks_fastest_agreeing_and_stores(kwargs, fakes, monkeypatch, caplog):
     fakes("fake_fast_wrong", scale=1.5)  # fastest, but dq off by 50 %
     fakes("fake_broken", raises=True)
     fakes("fake_ok")
@@ -173,7 +173,13 @@ def test_autotune_miss_picks_fastest_agreeing_and_stores(kwargs, fakes, monkeypa
     times = {"torch": 9.0, "fake_fast_wrong": 1.0, "fake_ok": 2.0}
     monkeypatch.setattr(dsp, "autotune_block_reason", lambda p, have_tensors: None)
     monkeypatch.setattr(dsp, "measure_ms", _fake_measure([times[n] for n in order if n in times]))
-    grads = fused_gdr_bwd(**kwargs)
+    with caplog.at_level(logging.INFO, "gdr_dispatch"):
+        grads = fused_gdr_bwd(**kwargs)
+    # one progress line per candidate, numbered
+    progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("gdr_dispatch: autotune [")]
+    assert progress == ["gdr_dispatch: autotune [1/4] torch: 9.0 ms", "gdr_dispatch: autotune [2/4] fake_fast_wrong: 1.0 ms",
+                        "gdr_dispatch: autotune [3/4] fake_broken: raised RuntimeError: kernel exploded",
+                        "gdr_dispatch: autotune [4/4] fake_ok: 2.0 ms"]  # (the cross-check comes after)
 
     problem = Problem.from_call(validate(**kwargs))
     hit = next(tuning_table.lookup(problem.device.slug, problem.problem_key(), problem.versions_key()), None)
