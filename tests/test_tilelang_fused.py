@@ -59,9 +59,9 @@ def test_the_warp_specialised_kernel_takes_h200_calls_since_it_was_verified(monk
                                         {"uw_kv": False, "a_ahead": False}, {"balance": True, "gam_regs": False},
                                         {"dar_kv": True, "tma_dk": True},
                                         {"dq_kv": True, "dg_early": False, "dar_kv": True, "tma_dk": True},
-                                        {"dgq_kv": True, "dg_early": False}],
+                                        {"dgq_kv": True, "dg_early": False}, {"exact_fences": True}],
                          ids=["default", "tmadq", "v5", "nouwkv-noaahead", "balance-nogam", "xkv-tmadk",
-                              "dqkv-nodg6-xkv-tmadk", "dgqkv-nodg6"])
+                              "dqkv-nodg6-xkv-tmadk", "dgqkv-nodg6", "fences"])
 def test_ws_kernel_compiles_for_sm90a_with_its_register_split(experiment):
     from gdr_dispatch.backends.kernels.tilelang_ws_bwd import NREG, build_ws_bwd
 
@@ -81,6 +81,9 @@ def test_ws_kernel_compiles_for_sm90a_with_its_register_split(experiment):
     ids = [set(re.findall(r"__sync_thread_partial\((\d+), 128\)", part))
            for part in re.split(r"warpgroup_reg_(?:alloc|dealloc)<\d+>", src)[1:]]
     assert len(ids) == 4 and all(not (x & y) for i, x in enumerate(ids) for y in ids[i + 1:]), ids
+    if experiment.get("exact_fences"):  # a fence covers a fragment's registers per thread, never its logical size
+        sizes = {int(n) for n in re.findall(r"warpgroup_fence_operand\(reinterpret_cast<float\*>\(\w+ \+ 0\), (\d+)\)", src)}
+        assert sizes and max(sizes) <= 128, sizes
     assert src.count("tma_load(") >= 6
     if experiment.get("tma_dq"):  # dq's full tiles leave through TMA, waited for before dvp_s is reused
         assert "tl::tma_store(dq_desc" in src and src.count("tma_store_wait") >= 2
@@ -187,7 +190,7 @@ def test_every_build_switch_reaches_the_ws_kernel_build(monkeypatch):
     monkeypatch.setattr(m, "build_ws_bwd", lambda *args, **kw: seen.update(kw) or "kernel")
     monkeypatch.setattr(m, "launch_packed", lambda kern, *args, **kw: kern)
     x = torch.zeros(1, 64, 1, 128)
-    flags = m.build_flags("nouwkv+noaahead+tmadq+nodg6+noxpose+nogam+balance+xkv+tmadk+dqkv+dgqkv")  # all flipped
+    flags = m.build_flags("nouwkv+noaahead+tmadq+nodg6+noxpose+nogam+balance+xkv+tmadk+dqkv+dgqkv+fences")  # all flipped
     assert all(flags[key] != value for key, value in m.DEFAULT_BUILD.items())
     assert m.ws_bwd_given_h(x, x, x, x, torch.zeros(1, 64, 1, 64), torch.zeros(1, 64, 1), torch.zeros(1, 64, 1),
                             torch.zeros(1, 1, 1, 128, 128), None, 0.1, (64,), **flags) == "kernel"

@@ -63,7 +63,7 @@ TIMING_SLOTS = 18
 #: (docs/tilelang_ws.md, "Steps"). Tools name builds by switches (`build_flags`).
 DEFAULT_BUILD = {"balance": False, "gam_regs": True, "uw_kv": True, "a_ahead": True, "tma_dq": False,
                  "dg_early": True, "transpose": True, "dar_kv": False, "tma_dk": False,
-                 "dq_kv": False, "dgq_kv": False}
+                 "dq_kv": False, "dgq_kv": False, "exact_fences": False}
 SWITCHES = {"balance": ("balance", True), "nobalance": ("balance", False),
             "gam": ("gam_regs", True), "nogam": ("gam_regs", False),
             "uwkv": ("uw_kv", True), "nouwkv": ("uw_kv", False),
@@ -74,7 +74,8 @@ SWITCHES = {"balance": ("balance", True), "nobalance": ("balance", False),
             "xkv": ("dar_kv", True), "noxkv": ("dar_kv", False),
             "tmadk": ("tma_dk", True), "notmadk": ("tma_dk", False),
             "dqkv": ("dq_kv", True), "nodqkv": ("dq_kv", False),
-            "dgqkv": ("dgq_kv", True), "nodgqkv": ("dgq_kv", False)}
+            "dgqkv": ("dgq_kv", True), "nodgqkv": ("dgq_kv", False),
+            "fences": ("exact_fences", True), "nofences": ("exact_fences", False)}
 
 
 def build_flags(build: str) -> dict:
@@ -98,7 +99,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                  tma_dq: bool = DEFAULT_BUILD["tma_dq"], dg_early: bool = DEFAULT_BUILD["dg_early"],
                  transpose: bool = DEFAULT_BUILD["transpose"], dar_kv: bool = DEFAULT_BUILD["dar_kv"],
                  tma_dk: bool = DEFAULT_BUILD["tma_dk"], dq_kv: bool = DEFAULT_BUILD["dq_kv"],
-                 dgq_kv: bool = DEFAULT_BUILD["dgq_kv"]):
+                 dgq_kv: bool = DEFAULT_BUILD["dgq_kv"], exact_fences: bool = DEFAULT_BUILD["exact_fences"]):
     """Compile (once per configuration) the warp-specialised kernel (K = V = 128, chunk 64).
 
     `timing` adds cycle counters at every sync point (written to the `clk` argument, CTA by
@@ -122,7 +123,11 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     not yet measured) moves dq from A to KV, whose phase 6 is idle: dO S^T, its dG term (as rows
     of dO * (Q S)) and dP K there, and its store; A keeps no dq fragment (KV then spills ~270
     instructions). `dgq_kv` (off, not yet measured) moves only dq's dG term there, which takes
-    A's 64 x 128 product fragment away. All in docs/tilelang_ws.md.
+    A's 64 x 128 product fragment away. `exact_fences` (off until GPU-tested) gives each
+    explicit accumulator fence its per-thread register count: without it TileLang 0.1.15 fences
+    the fragment's whole logical size (64 x 128 = 8192 floats on a 64-register array), an inline
+    asm loop indexing far past the array (undefined behaviour; the SASS barely changes: A +8
+    instructions, docs/tilelang_ws.md "Next" 1). All in docs/tilelang_ws.md.
     """
     if dar_kv and not a_ahead:
         raise ValueError("build_ws_bwd: dar_kv reads dAr from x3_s, where only a_ahead builds put it")
@@ -202,6 +207,16 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     def gam_in(gam_f, G_s, i, j):
         """`gam` inside an expression already masked to j <= i."""
         return gam_f[i, j] if gam_regs else T.exp2((G_s[i] - G_s[j]) * LOG2E)
+
+    def fence(frag):
+        """`T.warpgroup_fence_operand` on a consumer group's fp32 accumulator fragment; with
+        `exact_fences` over its registers per thread (its elements over the group's 128 threads)."""
+        if not exact_fences:
+            return T.warpgroup_fence_operand(frag)
+        n = 1
+        for d in frag.shape:
+            n *= int(d)
+        return T.warpgroup_fence_operand(frag, num_regs=n // 128)
 
     @T.macro
     def store_u_w(frag, u_s, w_s, v_s, eG_s):
@@ -440,7 +455,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         T.wgmma_gemm(k_s, u_s, dS_f, transpose_A=True)
                         T.wgmma_gemm(q_s, dvp_s, dS_f, transpose_A=True)
                         T.wait_wgmma(0)
-                        T.warpgroup_fence_operand(dS_f)
+                        fence(dS_f)
                         phase_sync(phase, 4, it % 2, 5, 0, tick, tm_s)
                         # 6: the 16-bit copy for the next chunk (dh_s was last read in 5)
                         T.copy(dS_f, dh_s)
@@ -477,10 +492,10 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             T.wgmma_gemm(k_s, h_s, kv2_f, clear_accum=True)
                             T.wgmma_gemm(k_s, dh_s, kv1_f, clear_accum=True)
                             T.wait_wgmma(1)
-                            T.warpgroup_fence_operand(kv2_f)
+                            fence(kv2_f)
                             store_u_w(kv2_f, u_s, w_s, v_s, eG_s)  # while K dS' runs
                             T.wait_wgmma(0)
-                            T.warpgroup_fence_operand(kv1_f)
+                            fence(kv1_f)
                             for i, j in T.Parallel(BT, V):
                                 kv1_f[i, j] = kv1_f[i, j] * eGL_s[i]
                             T.fence_proxy_async()
@@ -491,7 +506,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             for i, j in T.Parallel(BT, BT):
                                 ag_s[i, j] = ag_value(a_s, b_s, G_s, gam_f, i, j, regs=False)  # Gam is A's
                             T.wait_wgmma(0)
-                            T.warpgroup_fence_operand(kv1_f)
+                            fence(kv1_f)
                             for i, j in T.Parallel(BT, V):
                                 kv1_f[i, j] = kv1_f[i, j] * eGL_s[i]
                             T.fence_proxy_async()
@@ -534,11 +549,11 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             T.wgmma_gemm(a_s, x3_s, kvx_f, transpose_A=True, clear_accum=True)
                             T.wgmma_gemm(u_s, h_s, kv2_f, transpose_B=True)
                             T.wait_wgmma(1)
-                            T.warpgroup_fence_operand(kvx_f)
+                            fence(kvx_f)
                             T.copy(kvx_f, ag_s)
                             T.fence_proxy_async()
                             T.wait_wgmma(0)
-                            T.warpgroup_fence_operand(kv2_f)
+                            fence(kv2_f)
                         else:
                             T.gemm(u_s, h_s, kv2_f, transpose_B=True)
                         phase_sync(phase, 4, it % 2, 5, 1, tick, tm_s)
@@ -547,8 +562,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             T.wgmma_gemm(pg_s, q_s, kv2_f, transpose_A=True)
                             T.wgmma_gemm(q_s, h_s, kv1_f, clear_accum=True)
                             T.wait_wgmma(0)
-                            T.warpgroup_fence_operand(kv2_f)
-                            T.warpgroup_fence_operand(kv1_f)
+                            fence(kv2_f)
+                            fence(kv1_f)
                             for i, j in T.Parallel(BT, V):
                                 kv1_f[i, j] = kv1_f[i, j] * T.cast(do_s[i, j], accum)
                             T.reduce_sum(kv1_f, kvr_f, dim=1)
@@ -570,8 +585,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             T.wgmma_gemm(pg_s, q_s, kv2_f, transpose_A=True)
                             T.wgmma_gemm(q_s, h_s, kv1_f, clear_accum=True)
                             T.wait_wgmma(0)
-                            T.warpgroup_fence_operand(kv2_f)
-                            T.warpgroup_fence_operand(kv1_f)
+                            fence(kv2_f)
+                            fence(kv1_f)
                             for i, j in T.Parallel(BT, V):
                                 kv1_f[i, j] = kv1_f[i, j] * T.cast(do_s[i, j], accum)
                             T.reduce_sum(kv1_f, kvr_f, dim=1)
@@ -617,7 +632,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             for i, j in T.Parallel(BT, BT):
                                 ag_s[i, j] = ag_value(a_s, b_s, G_s, gam_f, i, j)
                             T.wait_wgmma(0)
-                            T.warpgroup_fence_operand(pg_f)
+                            fence(pg_f)
                             store_pg(pg_f, pg_s, G_s, gam_f)
                         else:
                             T.wgmma_gemm(q_s, k_s, pg_f, transpose_B=True, clear_accum=True)
@@ -625,10 +640,10 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             for i, j in T.Parallel(BT, BT):
                                 ag_s[i, j] = ag_value(a_s, b_s, G_s, gam_f, i, j)
                             T.wait_wgmma(1)
-                            T.warpgroup_fence_operand(pg_f)
+                            fence(pg_f)
                             store_pg(pg_f, pg_s, G_s, gam_f)
                             T.wait_wgmma(0)
-                            T.warpgroup_fence_operand(a1_f)
+                            fence(a1_f)
                             store_u_w(a1_f, u_s, w_s, v_s, eG_s)
                         T.fence_proxy_async()
                         if tma_dq:  # the previous chunk's dq store has read dvp_s (KV writes it in phase 2)
@@ -643,7 +658,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         T.wgmma_gemm(ag_s, w_s, a1_f, clear_accum=True)
                         T.wait_wgmma(0)
                         for f in ((sq_f, a1_f) if transpose else (sq_f, pg_f, a1_f)):
-                            T.warpgroup_fence_operand(f)
+                            fence(f)
                         if a_ahead:  # phase 4 writes nothing another group still reads (dAr goes to x3_s)
                             phase_arrive(phase, 2, 3, 2, tick, tm_s)
                         else:
@@ -689,7 +704,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             else:
                                 T.wgmma_gemm(do_s, h_s, a1_f, transpose_B=True, clear_accum=True)
                                 T.wait_wgmma(1)
-                            T.warpgroup_fence_operand(sq_f)
+                            fence(sq_f)
                             for i, j in T.Parallel(BT, BT):
                                 sq2_f[i, j] = sq_f[i, j] * T.cast(pg_s[i, j], accum)  # Pg's 16-bit copy, as KV reads it
                             T.reduce_sum(sq2_f, ar_f, dim=1)
@@ -698,8 +713,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             T.wgmma_gemm(do_s, w_s, sq_f, transpose_B=True, clear_accum=True)
                             T.wgmma_gemm(w_s, do_s, pg_f, transpose_B=True, clear_accum=True)  # dPg^T
                             T.wait_wgmma(0)
-                            T.warpgroup_fence_operand(sq_f)
-                            T.warpgroup_fence_operand(pg_f)
+                            fence(sq_f)
+                            fence(pg_f)
                             for i, j in T.Parallel(BT, BT):
                                 sq2_f[i, j] = sq_f[i, j] * T.cast(pg_s[i, j], accum)  # Pg's 16-bit copy, as KV reads it
                                 pg_f[i, j] = pg_f[i, j] * T.cast(pg_s[j, i], accum)
@@ -716,7 +731,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             T.fence_proxy_async()
                         else:
                             T.wait_wgmma(0)
-                            T.warpgroup_fence_operand(a1_f)
+                            fence(a1_f)
                             if dgq_kv:  # its dG term is KV's (phase 6)
                                 for i, j in T.Parallel(BT, K):
                                     a1_f[i, j] = a1_f[i, j] * scale * eG_s[i]
@@ -736,8 +751,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         if dar_kv:  # KV put A^T dAr in ag_s in phase 5: one gemm beside K K^T
                             T.wgmma_gemm(ag_s, a_s, sq_f, transpose_B=True, clear_accum=True)
                             T.wait_wgmma(0)
-                            T.warpgroup_fence_operand(sq2_f)
-                            T.warpgroup_fence_operand(sq_f)
+                            fence(sq2_f)
+                            fence(sq_f)
                         else:
                             if a_ahead:  # dAr is in x3_s; A^T dAr goes to ag_s once KV's phase 3 is done with Ag
                                 T.wgmma_gemm(a_s, x3_s, sq_f, transpose_A=True, clear_accum=True)
@@ -745,8 +760,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             else:
                                 T.wgmma_gemm(a_s, ag_s, sq_f, transpose_A=True, clear_accum=True)
                             T.wait_wgmma(0)
-                            T.warpgroup_fence_operand(sq2_f)
-                            T.warpgroup_fence_operand(sq_f)
+                            fence(sq2_f)
+                            fence(sq_f)
                             if a_ahead:
                                 T.copy(sq_f, ag_s)
                                 T.fence_proxy_async()
