@@ -243,6 +243,18 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                 out[t0 + i, hh, j] = stage_s[i, j]
 
     @T.macro
+    def store_tile(frag, stage_s, out, t0, eos, hh, it, tma):
+        """`store_rows`, or with `tma` a full tile (every chunk after the first visited, the only
+        partial one) in one TMA store from `stage_s`: the group that issued it waits for the
+        store's read (`T.tma_store_wait`) before it writes `stage_s` again."""
+        if tma and it > 0:
+            T.copy(frag, stage_s)
+            T.fence_proxy_async()
+            T.tma_copy(stage_s, out[t0:t0 + BT, hh, 0:K])
+        else:
+            store_rows(frag, stage_s, out, t0, eos, hh)
+
+    @T.macro
     def column_sums(x_f, buf_s, xt_f, out_r):
         """`out_r` = the column sums of the fp32 fragment `x_f`, as row sums of its transpose
         `xt_f`: moved through the 16-bit 64 x 64 buffer `buf_s` in two halves of its bits, so
@@ -558,7 +570,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             T.gemm(u_s, h_s, kv2_f, transpose_B=True)
                         phase_sync(phase, 4, it % 2, 5, 1, tick, tm_s)
                         # 6: dk += dP^T Q
-                        if dq_kv:  # and dq: its dG term from rows of dO * (Q S), then scale e^G dO S^T + dP K
+                        if kv_dgq:  # and dq's dG term from rows of dO * (Q S)
                             T.wgmma_gemm(pg_s, q_s, kv2_f, transpose_A=True)
                             T.wgmma_gemm(q_s, h_s, kv1_f, clear_accum=True)
                             T.wait_wgmma(0)
@@ -569,40 +581,20 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             T.reduce_sum(kv1_f, kvr_f, dim=1)
                             for i in T.Parallel(BT):
                                 dGk_s[i] = dGk_s[i] + scale * eG_s[i] * kvr_f[i]
-                            T.gemm(do_s, h_s, kv1_f, transpose_B=True, clear_accum=True)
-                            for i, j in T.Parallel(BT, K):
-                                kv1_f[i, j] = kv1_f[i, j] * scale * eG_s[i]
-                            T.gemm(pg_s, k_s, kv1_f)
-                            # stored here, not beside dk in phase 7 (dq and dk live at once spilled ~380
-                            # instructions); dvp_s is free since S's phase 5 (A stages nothing there now)
-                            if tma_dk and it > 0:
-                                T.copy(kv1_f, dvp_s)
-                                T.fence_proxy_async()
-                                T.tma_copy(dvp_s, dq[t0:t0 + BT, hh, 0:K])
-                            else:
-                                store_rows(kv1_f, dvp_s, dq, t0, eos, hh)
-                        elif dgq_kv:  # and dq's dG term from rows of dO * (Q S) (A forms dq)
-                            T.wgmma_gemm(pg_s, q_s, kv2_f, transpose_A=True)
-                            T.wgmma_gemm(q_s, h_s, kv1_f, clear_accum=True)
-                            T.wait_wgmma(0)
-                            fence(kv2_f)
-                            fence(kv1_f)
-                            for i, j in T.Parallel(BT, V):
-                                kv1_f[i, j] = kv1_f[i, j] * T.cast(do_s[i, j], accum)
-                            T.reduce_sum(kv1_f, kvr_f, dim=1)
-                            for i in T.Parallel(BT):
-                                dGk_s[i] = dGk_s[i] + scale * eG_s[i] * kvr_f[i]
+                            if dq_kv:  # and dq itself (dgq_kv: A forms it): scale e^G dO S^T + dP K
+                                T.gemm(do_s, h_s, kv1_f, transpose_B=True, clear_accum=True)
+                                for i, j in T.Parallel(BT, K):
+                                    kv1_f[i, j] = kv1_f[i, j] * scale * eG_s[i]
+                                T.gemm(pg_s, k_s, kv1_f)
+                                # stored here, not beside dk in phase 7 (dq and dk live at once spilled ~380
+                                # instructions); dvp_s is free since S's phase 5 (A stages nothing there now)
+                                store_tile(kv1_f, dvp_s, dq, t0, eos, hh, it, tma_dk)
                         else:
                             T.gemm(pg_s, q_s, kv2_f, transpose_A=True)
                         phase_sync(phase, 5, it % 2, 6, 1, tick, tm_s)
                         # 7: dk += (dkk + dkk^T) K
                         T.gemm(ag_s, k_s, kv2_f)
-                        if tma_dk and it > 0:  # full tiles (every chunk after the first visited) in one TMA store
-                            T.copy(kv2_f, u_s)
-                            T.fence_proxy_async()
-                            T.tma_copy(u_s, dk[t0:t0 + BT, hh, 0:K])
-                        else:
-                            store_rows(kv2_f, u_s, dk, t0, eos, hh)  # u_s is free after phase 5
+                        store_tile(kv2_f, u_s, dk, t0, eos, hh, it, tma_dk)  # u_s is free after phase 5
                         phase_sync(phase, 6, it % 2, 7, 1, tick, tm_s)
                     if tma_dk:
                         T.tma_store_wait()
@@ -783,15 +775,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         T.fence_proxy_async()
                         phase_sync(phase, 5, it % 2, 6, 2, tick, tm_s)
                         # 7: dq (S writes dg and db)
-                        if tma_dq:  # full tiles (every chunk after the first visited) in one TMA store
-                            if it > 0:
-                                T.copy(a1_f, dvp_s)
-                                T.fence_proxy_async()
-                                T.tma_copy(dvp_s, dq[t0:t0 + BT, hh, 0:K])
-                            else:
-                                store_rows(a1_f, dvp_s, dq, t0, eos, hh)
-                        elif not dq_kv:  # (dq_kv: KV stores dq)
-                            store_rows(a1_f, dvp_s, dq, t0, eos, hh)  # dvp_s is free after phase 5
+                        if not dq_kv:  # (dq_kv: KV stores dq)
+                            store_tile(a1_f, dvp_s, dq, t0, eos, hh, it, tma_dq)  # dvp_s is free after phase 5
                         phase_sync(phase, 6, it % 2, 7, 2, tick, tm_s)
                     if tma_dq:
                         T.tma_store_wait()
