@@ -37,7 +37,7 @@ import torch
 
 from gdr_dispatch import GDRGrads, Problem, fused_gdr_bwd, registered_backends
 from gdr_dispatch.contract import validate
-from gdr_dispatch.dispatch import measure_ms, relative_error
+from gdr_dispatch.dispatch import measure_ms, more_rounds, relative_error
 from gdr_dispatch.registry import ALLOW_UNVERIFIED_ENV, device_info, library_versions
 from gdr_dispatch.shapes import PRESETS, bytes_and_flops, call_kwargs, floor_ms, load_grid, make_inputs
 
@@ -166,19 +166,6 @@ def bench_shape(spec, warmup, reps, skip, splits=(), split_backends=(), rounds=1
     del x, kwargs, ref
     torch.cuda.empty_cache()
     return row
-
-
-def more_rounds(runners: dict, runs: dict, rounds: int, measure) -> None:
-    """Time each runner that has a first reading (`runs[name]["ms"]`) `rounds - 1` more times,
-    in alternating order (reversed first), and keep the least median; `ms_rounds` keeps all.
-    Why: flash_qla, the first runner of every row, read 0.1-0.6 ms above FlashQLA called directly
-    in session 4's bench but equal to it in session 3's tune (README, Results)."""
-    timed = [n for n in runners if "ms" in runs.get(n, {})]
-    for r in range(1, rounds):
-        for name in (timed[::-1] if r % 2 else timed):
-            run = runs[name]
-            run.setdefault("ms_rounds", [run["ms"]]).append(round(measure(runners[name]), 4))
-            run["ms"] = min(run["ms_rounds"])
 
 
 def merge_rows(earlier, fresh):

@@ -272,6 +272,20 @@ def measure_ms(fn: Callable[[], object], device_type: str, warmup: int = AUTOTUN
     return statistics.median(times)
 
 
+def more_rounds(runners: dict, runs: dict, rounds: int, measure: Callable) -> None:
+    """Time each runner that has a first reading (`runs[name]["ms"]`) `rounds - 1` more times,
+    in alternating order (reversed first), and keep the least median; `ms_rounds` keeps all.
+    Why: a runner's place in the sequence moved its time by up to 0.6 ms on the H200 (session 4's
+    bench: flash_qla, first in every row, read above FlashQLA called directly; README, Results).
+    Used by bench/bench_gdr_bwd.py and tools/ws_probe.py."""
+    timed = [n for n in runners if "ms" in runs.get(n, {})]
+    for r in range(1, rounds):
+        for name in (timed[::-1] if r % 2 else timed):
+            run = runs[name]
+            run.setdefault("ms_rounds", [run["ms"]]).append(round(measure(runners[name]), 4))
+            run["ms"] = min(run["ms_rounds"])
+
+
 def relative_error(x: Optional[torch.Tensor], ref: Optional[torch.Tensor]) -> float:
     """||x - ref||_F / ||ref||_F in fp64 (inf for a missing or non-finite x, 0 for two Nones)."""
     if x is None or ref is None:

@@ -25,7 +25,7 @@ def test_every_stage56_config_binds_to_its_launcher():
 
 
 def test_bench_rounds_alternate_the_order_and_keep_the_least_median():
-    from bench_gdr_bwd import more_rounds
+    from gdr_dispatch.dispatch import more_rounds
 
     order, readings = [], iter([2.0, 1.5, 1.2, 3.0])
     runners = {"a": "fa", "b": "fb", "skipped": "reason"}

@@ -25,7 +25,7 @@ import torch
 
 from gdr_dispatch.backends.kernels.tilelang_fused_bwd import fused_bwd_given_h
 from gdr_dispatch.backends.kernels.tilelang_ws_bwd import build_flags, ws_bwd_given_h
-from gdr_dispatch.dispatch import measure_ms, relative_error
+from gdr_dispatch.dispatch import measure_ms, more_rounds, relative_error
 from gdr_dispatch.shapes import ShapeSpec, make_inputs
 
 SHAPES = {
@@ -167,15 +167,15 @@ def main(argv=None) -> int:
                       {n: f"{e:.2e}" for n, e in worst.items()}, flush=True)
         steps = max(spec.seq_lens) // 64
         fns = {b: runner(functools.partial(ws_bwd_given_h, **build_flags(b)), x) for b in builds}
-        best = {}
-        for rnd in range(args.rounds):  # alternating order: a build's place in the sequence moves its time
-            for build in (builds if rnd % 2 == 0 else builds[::-1]):
-                ms = measure_ms(fns[build], "cuda", warmup=3, reps=args.reps)
-                best[build] = min(best.get(build, ms), ms)
+        def measure(fn):
+            return measure_ms(fn, "cuda", warmup=3, reps=args.reps)
+
+        timed = {b: {"ms": round(measure(fns[b]), 4)} for b in builds}
+        more_rounds(fns, timed, args.rounds, measure)  # alternating order, the least median kept
         ref_out = None
         for build in builds:
             fn = fns[build]
-            row = {"shape": name, "build": build, **build_flags(build), "ws_ms": round(best[build], 4)}
+            row = {"shape": name, "build": build, **build_flags(build), "ws_ms": timed[build]["ms"]}
             row["ws_us_per_step"] = round(row["ws_ms"] * 1e3 / steps, 2)
             out = fn()
             if ref_out is None:  # the first build's outputs: the others must agree to rounding
