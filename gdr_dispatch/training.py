@@ -9,8 +9,8 @@ The forward saves exactly the contract's residuals (docs/contract.md: the chunk 
 ungated inverse `a`, and `h` or not) and the backward is `fused_gdr_bwd`, so the tuning tables and
 `GDR_BACKEND` decide which backend runs it. The forward comes from a backend that offers one
 (`Backend.forward`): `GDR_FORWARD=<name>` picks it, else the lowest `forward_rank` that takes the
-call (fla-core's kernels on a GPU, the torch reference elsewhere; FlashQLA's fused forward ranks
-first once its GPU tests pass); a log line names it.
+call (FlashQLA's fused forward where flash-qla is installed, else fla-core's kernels on a GPU, the
+torch reference elsewhere); a log line names it.
 
 Both halves are `torch.library` custom ops with fake implementations, so `torch.compile(...,
 fullgraph=True)` traces a model that uses them without a graph break.
