@@ -7,6 +7,7 @@
     python tools/ws_probe.py --only B4T4096H16 --timing     # cycles per chunk, per group and phase
     python tools/ws_probe.py --build balance --check ...     # the same for another build (KV forms Ag, U, W)
     python tools/ws_probe.py --builds default,nogam,balance  # builds side by side (switches: build_flags)
+    python tools/ws_probe.py --builds default --peer         # and FlashQLA in the same rounds
 
 Prints median ms (CUDA events, gdr_dispatch.dispatch.measure_ms), us per chunk step (a CTA
 walks its sequence's chunks one after another) and the largest relative difference between
@@ -65,6 +66,31 @@ def head_sum_row(name, x) -> dict:
             "max_abs_diff": float((fused.float() - ref.float()).abs().max())}
 
 
+def peer_runners(x) -> dict:
+    """With `--peer`: FlashQLA's `fused_gdr_bwd` alone (issue 12's "FlashQLA fused kernel": its
+    per-head dq/dk, dg before its reverse cumsum), and the whole contract call through each
+    backend (`@flash_qla`: plus its cumsum and head sums; `@tilelang_ws`: plus validation and
+    h's cast), so kernel and backend gaps are both read in one process."""
+    import importlib
+
+    from gdr_dispatch.contract import validate
+    from gdr_dispatch.registry import get_backend
+    from gdr_dispatch.shapes import call_kwargs
+
+    call = validate(**call_kwargs(x))
+    chunk = importlib.import_module("flash_qla.ops.gated_delta_rule.chunk")
+    dt = x["q"].dtype
+    a, h = x["a"].to(dt), x["h"].to(dt)
+
+    def kernel():
+        return chunk.fused_gdr_bwd(q=x["q"], k=x["k"], v=x["v"], a=a, g=x["g"], b=x["b"], do=x["do"], dht=x["dht"],
+                                   h=h, scale=x["scale"], cu_seqlens=call.cu_seqlens, chunk_size=64,
+                                   state_v_first=False)
+    return {"flashqla_kernel": kernel,
+            "@flash_qla": lambda: get_backend("flash_qla").run(call),
+            "@tilelang_ws": lambda: get_backend("tilelang_ws").run(call)}
+
+
 def phase_table(name, x, spec, launch) -> dict:
     """Run the timing build once (after a warm-up) and print the mean cycles per chunk step that
     each consumer group spends working before, and waiting at, each sync point."""
@@ -115,6 +141,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=1,
                    help="time the builds this many times, order reversed each round; keep each build's least median")
     p.add_argument("--reps", type=int, default=20, help="timed launches per median")
+    p.add_argument("--peer", action="store_true",
+                   help="also time FlashQLA's fused kernel and both backends' whole calls in the same rounds "
+                        "(needs flash-qla)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -167,10 +196,12 @@ def main(argv=None) -> int:
                       {n: f"{e:.2e}" for n, e in worst.items()}, flush=True)
         steps = max(spec.seq_lens) // 64
         fns = {b: runner(functools.partial(ws_bwd_given_h, **build_flags(b)), x) for b in builds}
+        peers = peer_runners(x) if args.peer else {}
+        fns.update(peers)
         def measure(fn):
             return measure_ms(fn, "cuda", warmup=3, reps=args.reps)
 
-        timed = {b: {"ms": round(measure(fns[b]), 4)} for b in builds}
+        timed = {b: {"ms": round(measure(fn), 4)} for b, fn in fns.items()}
         more_rounds(fns, timed, args.rounds, measure)  # alternating order, the least median kept
         ref_out = None
         for build in builds:
@@ -190,6 +221,10 @@ def main(argv=None) -> int:
                 row["max_rel_diff"] = float(f"{max(relative_error(u, w) for u, w in zip(out, b) if w is not None):.2e}")
             rows.append(row)
             print(row, flush=True)
+        for label in peers:
+            rows.append({"shape": name, "peer": label, "ms": timed[label]["ms"],
+                         "ratio_to_first_build": round(timed[builds[0]]["ms"] / timed[label]["ms"], 3)})
+            print(rows[-1], flush=True)
         if spec.Hg is not None and spec.Hg < spec.H and not (args.timing or args.check):
             rows.append(head_sum_row(name, x))
             print(rows[-1], flush=True)

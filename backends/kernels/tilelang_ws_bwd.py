@@ -43,11 +43,6 @@ from .tilelang_launch import launch_packed, tl_dtype
 BT, K, V = 64, 128, 128
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x log2 e): one MUFU.EX2 under fast math
 
-#: Named hardware barrier for KV's wait on its dk TMA store (`tma_dk`): TileLang gives its own
-#: 128-thread syncs ids 3-6, one per group; an unqualified `T.sync_threads()` inside KV's branch
-#: was lowered to id 3, S's, which would mix the two groups' arrivals.
-KV_STORE_BARRIER = 10
-
 #: Register caps per warpgroup (S, KV, A, producer): 160 + 160 + 168 + 24 = 512 slots of
 #: 128 threads = the 64K-register file. Seed 000 used 160 / 144 / 184 / 24.
 NREG = (160, 160, 168, 24)
@@ -62,8 +57,7 @@ TIMING_SLOTS = 18
 #: The build `tilelang_ws` runs; the other settings are kept as measured experiments
 #: (docs/tilelang_ws.md, "Steps"). Tools name builds by switches (`build_flags`).
 DEFAULT_BUILD = {"balance": False, "gam_regs": True, "uw_kv": True, "a_ahead": True, "tma_dq": False,
-                 "dg_early": True, "transpose": True, "dar_kv": False, "tma_dk": False,
-                 "dq_kv": False, "dgq_kv": False, "exact_fences": False}
+                 "dg_early": True, "transpose": True, "dar_kv": True, "exact_fences": True}
 SWITCHES = {"balance": ("balance", True), "nobalance": ("balance", False),
             "gam": ("gam_regs", True), "nogam": ("gam_regs", False),
             "uwkv": ("uw_kv", True), "nouwkv": ("uw_kv", False),
@@ -72,9 +66,6 @@ SWITCHES = {"balance": ("balance", True), "nobalance": ("balance", False),
             "dg6": ("dg_early", True), "nodg6": ("dg_early", False),
             "xpose": ("transpose", True), "noxpose": ("transpose", False),
             "xkv": ("dar_kv", True), "noxkv": ("dar_kv", False),
-            "tmadk": ("tma_dk", True), "notmadk": ("tma_dk", False),
-            "dqkv": ("dq_kv", True), "nodqkv": ("dq_kv", False),
-            "dgqkv": ("dgq_kv", True), "nodgqkv": ("dgq_kv", False),
             "fences": ("exact_fences", True), "nofences": ("exact_fences", False)}
 
 
@@ -98,8 +89,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                  uw_kv: bool = DEFAULT_BUILD["uw_kv"], a_ahead: bool = DEFAULT_BUILD["a_ahead"],
                  tma_dq: bool = DEFAULT_BUILD["tma_dq"], dg_early: bool = DEFAULT_BUILD["dg_early"],
                  transpose: bool = DEFAULT_BUILD["transpose"], dar_kv: bool = DEFAULT_BUILD["dar_kv"],
-                 tma_dk: bool = DEFAULT_BUILD["tma_dk"], dq_kv: bool = DEFAULT_BUILD["dq_kv"],
-                 dgq_kv: bool = DEFAULT_BUILD["dgq_kv"], exact_fences: bool = DEFAULT_BUILD["exact_fences"]):
+                 exact_fences: bool = DEFAULT_BUILD["exact_fences"]):
     """Compile (once per configuration) the warp-specialised kernel (K = V = 128, chunk 64).
 
     `timing` adds cycle counters at every sync point (written to the `clk` argument, CTA by
@@ -116,30 +106,17 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     stores; `transpose` takes A's two column sums (dAg's and dPg's dG/db terms) from an exact
     transpose through a free 16-bit buffer instead of two transposed gemms, 4096 exp2 and
     transposed loads: together -6 % at the fixed-length shapes, even on varlen, outputs
-    bit-identical, default since session 5 (bench/results/ws_steps/s5call2-*). `dar_kv` (off, not
-    yet measured; needs `a_ahead`) has KV form A^T dAr in phase 5, where it waits, instead of A
-    at the head of phase 6; `tma_dk` (off, not yet measured) stores KV's full dk tiles with one
-    TMA store, as `tma_dq` does for dq (phase 7 is KV's dk store since `dg_early`). `dq_kv` (off,
-    not yet measured) moves dq from A to KV, whose phase 6 is idle: dO S^T, its dG term (as rows
-    of dO * (Q S)) and dP K there, and its store; A keeps no dq fragment (KV then spills ~270
-    instructions). `dgq_kv` (off, not yet measured) moves only dq's dG term there, which takes
-    A's 64 x 128 product fragment away. `exact_fences` (off until GPU-tested) gives each
-    explicit accumulator fence its per-thread register count: without it TileLang 0.1.15 fences
-    the fragment's whole logical size (64 x 128 = 8192 floats on a 64-register array), an inline
-    asm loop indexing far past the array (undefined behaviour; the SASS barely changes: A +8
-    instructions, docs/tilelang_ws.md "Next" 1). All in docs/tilelang_ws.md.
+    bit-identical, default since session 5 (bench/results/ws_steps/s5call2-*). `dar_kv` (needs
+    `a_ahead`) has KV form A^T dAr in phase 5, where it waits, instead of A at the head of
+    phase 6: -5 to -9 %, bit-identical, default since session 6 (bench/results/ws_steps/s6call1-*;
+    the measured losers `tma_dk`, `dq_kv`, `dgq_kv` are gone, their code is at 021f930).
+    `exact_fences` gives each explicit accumulator fence its per-thread register count: without
+    it TileLang 0.1.15 fences the fragment's whole logical size (64 x 128 = 8192 floats on a
+    64-register array), an inline asm loop indexing far past the array (undefined behaviour;
+    the SASS barely changes). All in docs/tilelang_ws.md.
     """
     if dar_kv and not a_ahead:
         raise ValueError("build_ws_bwd: dar_kv reads dAr from x3_s, where only a_ahead builds put it")
-    if dq_kv and tma_dq:
-        raise ValueError("build_ws_bwd: dq_kv has KV store dq, so A has no dq for tma_dq")
-    kv_dgq = dq_kv or dgq_kv  # KV adds dq's dG term in phase 6
-    if kv_dgq and dg_early:
-        raise ValueError("build_ws_bwd: dq_kv and dgq_kv add dq's dG term in phase 6, so dg is stored in "
-                         "phase 7 (no dg_early)")
-    if tma_dk and not (uw_kv or balance):
-        raise ValueError("build_ws_bwd: tma_dk has only KV wait for its store's read of u_s, but without "
-                         "uw_kv or balance A writes U there")
     accum = "float32"
     TT = T.dynamic("num_tokens")
     NC = T.dynamic("num_chunks")
@@ -496,9 +473,6 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         t0 = bos + c * BT
                         if it > 0:
                             full_wait(full, (it - 1) % 2, 1, tick, tm_s)
-                        if tma_dk:  # the previous chunk's dk store has read u_s (U goes there in phase 1):
-                            T.tma_store_wait()  # the issuing thread waits, then its group waits for it on
-                            T.sync_threads(KV_STORE_BARRIER, 128)  # a barrier id of its own (a bare sync here got S's)
                         # 1: dV' = e^{G_L - G} K dS'
                         if uw_kv and not balance:  # and U = K S, W = V - e^G U (A forms P, Pg, Ag)
                             T.wgmma_gemm(k_s, h_s, kv2_f, clear_accum=True)
@@ -570,34 +544,12 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             T.gemm(u_s, h_s, kv2_f, transpose_B=True)
                         phase_sync(phase, 4, it % 2, 5, 1, tick, tm_s)
                         # 6: dk += dP^T Q
-                        if kv_dgq:  # and dq's dG term from rows of dO * (Q S)
-                            T.wgmma_gemm(pg_s, q_s, kv2_f, transpose_A=True)
-                            T.wgmma_gemm(q_s, h_s, kv1_f, clear_accum=True)
-                            T.wait_wgmma(0)
-                            fence(kv2_f)
-                            fence(kv1_f)
-                            for i, j in T.Parallel(BT, V):
-                                kv1_f[i, j] = kv1_f[i, j] * T.cast(do_s[i, j], accum)
-                            T.reduce_sum(kv1_f, kvr_f, dim=1)
-                            for i in T.Parallel(BT):
-                                dGk_s[i] = dGk_s[i] + scale * eG_s[i] * kvr_f[i]
-                            if dq_kv:  # and dq itself (dgq_kv: A forms it): scale e^G dO S^T + dP K
-                                T.gemm(do_s, h_s, kv1_f, transpose_B=True, clear_accum=True)
-                                for i, j in T.Parallel(BT, K):
-                                    kv1_f[i, j] = kv1_f[i, j] * scale * eG_s[i]
-                                T.gemm(pg_s, k_s, kv1_f)
-                                # stored here, not beside dk in phase 7 (dq and dk live at once spilled ~380
-                                # instructions); dvp_s is free since S's phase 5 (A stages nothing there now)
-                                store_tile(kv1_f, dvp_s, dq, t0, eos, hh, it, tma_dk)
-                        else:
-                            T.gemm(pg_s, q_s, kv2_f, transpose_A=True)
+                        T.gemm(pg_s, q_s, kv2_f, transpose_A=True)
                         phase_sync(phase, 5, it % 2, 6, 1, tick, tm_s)
                         # 7: dk += (dkk + dkk^T) K
                         T.gemm(ag_s, k_s, kv2_f)
-                        store_tile(kv2_f, u_s, dk, t0, eos, hh, it, tma_dk)  # u_s is free after phase 5
+                        store_rows(kv2_f, u_s, dk, t0, eos, hh)  # u_s is free after phase 5
                         phase_sync(phase, 6, it % 2, 7, 1, tick, tm_s)
-                    if tma_dk:
-                        T.tma_store_wait()
                     loop_end(tick, tm_s, 1, n_chunks, clk, bx)
 
                 elif tx < 384:
@@ -691,11 +643,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         # dq = scale e^G dO S^T (its dG) + dP K
                         if transpose:  # dO S^T runs while dPg's dG terms and dP are formed
                             T.wgmma_gemm(do_s, w_s, sq_f, transpose_B=True, clear_accum=True)
-                            if dq_kv:
-                                T.wait_wgmma(0)
-                            else:
-                                T.wgmma_gemm(do_s, h_s, a1_f, transpose_B=True, clear_accum=True)
-                                T.wait_wgmma(1)
+                            T.wgmma_gemm(do_s, h_s, a1_f, transpose_B=True, clear_accum=True)
+                            T.wait_wgmma(1)
                             fence(sq_f)
                             for i, j in T.Parallel(BT, BT):
                                 sq2_f[i, j] = sq_f[i, j] * T.cast(pg_s[i, j], accum)  # Pg's 16-bit copy, as KV reads it
@@ -714,28 +663,21 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             T.reduce_sum(pg_f, ac_f, dim=1)
                         for i in T.Parallel(BT):
                             dGa_s[i] = dGa_s[i] + ar_f[i] - ac_f[i]
-                        if not transpose and not dq_kv:
+                        if not transpose:
                             T.wgmma_gemm(do_s, h_s, a1_f, transpose_B=True, clear_accum=True)  # runs while dP is formed
                         for i, j in T.Parallel(BT, BT):
                             pg_s[i, j] = T.cast(T.if_then_else(j <= i, scale * sq_f[i, j] * gam_in(gam_f, G_s, i, j),
                                                                T.cast(0, accum)), dtype)
-                        if dq_kv:  # KV forms dq in phase 6
-                            T.fence_proxy_async()
-                        else:
-                            T.wait_wgmma(0)
-                            fence(a1_f)
-                            if dgq_kv:  # its dG term is KV's (phase 6)
-                                for i, j in T.Parallel(BT, K):
-                                    a1_f[i, j] = a1_f[i, j] * scale * eG_s[i]
-                            else:
-                                for i, j in T.Parallel(BT, K):
-                                    a1_f[i, j] = a1_f[i, j] * scale * eG_s[i]
-                                    a2_f[i, j] = a1_f[i, j] * T.cast(q_s[i, j], accum)
-                                T.reduce_sum(a2_f, ar_f, dim=1)
-                                for i in T.Parallel(BT):
-                                    dGa_s[i] = dGa_s[i] + ar_f[i]
-                            T.fence_proxy_async()
-                            T.gemm(pg_s, k_s, a1_f)
+                        T.wait_wgmma(0)
+                        fence(a1_f)
+                        for i, j in T.Parallel(BT, K):
+                            a1_f[i, j] = a1_f[i, j] * scale * eG_s[i]
+                            a2_f[i, j] = a1_f[i, j] * T.cast(q_s[i, j], accum)
+                        T.reduce_sum(a2_f, ar_f, dim=1)
+                        for i in T.Parallel(BT):
+                            dGa_s[i] = dGa_s[i] + ar_f[i]
+                        T.fence_proxy_async()
+                        T.gemm(pg_s, k_s, a1_f)
                         phase_sync(phase, 4, it % 2, 5, 2, tick, tm_s)
                         # 6: through A = M^-1: dA = A^T dAr A^T, dM = -dA strictly lower,
                         # db += rows of dM * (K K^T), dkk = b dM; dkk + dkk^T into ag_s
@@ -775,8 +717,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         T.fence_proxy_async()
                         phase_sync(phase, 5, it % 2, 6, 2, tick, tm_s)
                         # 7: dq (S writes dg and db)
-                        if not dq_kv:  # (dq_kv: KV stores dq)
-                            store_tile(a1_f, dvp_s, dq, t0, eos, hh, it, tma_dq)  # dvp_s is free after phase 5
+                        store_tile(a1_f, dvp_s, dq, t0, eos, hh, it, tma_dq)  # dvp_s is free after phase 5
                         phase_sync(phase, 6, it % 2, 7, 2, tick, tm_s)
                     if tma_dq:
                         T.tma_store_wait()
@@ -790,7 +731,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         t0 = bos + c * BT
                         T.barrier_wait(phase[0], it % 2)  # v: read in phase 1
                         T.tma_copy(v[t0:t0 + BT, hh, 0:V], v_s, barrier=full)
-                        T.barrier_wait(phase[5 if kv_dgq else 4], it % 2)  # h, do: last read in phase 5 (6: KV's dq work)
+                        T.barrier_wait(phase[4], it % 2)  # h, do: last read in phase 5
                         T.tma_copy(h[c0 + c, hh, 0:K, 0:V], h_s, barrier=full)
                         T.tma_copy(do[t0:t0 + BT, hh, 0:V], do_s, barrier=full)
                         T.barrier_wait(phase[5], it % 2)  # q, a, G, b: last read in phase 6
