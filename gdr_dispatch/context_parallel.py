@@ -26,7 +26,9 @@ segments' call (`Backend.split_passes`; today fla's state kernels, which compose
 `M` and `R` in one state pass and its `D` in one dh pass), else as batched tensor products here
 (any device, fp32 or fp64 accumulation; the per-chunk maps in one batch, each segment's
 composition in log2(chunks) batched levels): exact, and what the CPU tests hold the split to.
-Pass 2, the scans, are log-depth prefixes of the segments' maps in batched K x K products. `GDR_CP=<n>` forces at
+Pass 2, the scans, runs as two Triton kernels on CUDA for fp32 maps (segment_scan.py: one launch
+each instead of ~150 small ops), else as log-depth prefixes of the segments' maps in batched
+K x K products. `GDR_CP=<n>` forces at
 most n segments per sequence, `GDR_CP=0` turns the split off; unset, the autotuner tries
 `(backend, segments)` candidates (`SplitBackend`) on grids with fewer sequence x head programs
 than SMs, and a table may store one as `<backend>@split<n>`.
@@ -34,15 +36,16 @@ than SMs, and a table may store one as `<backend>@split<n>`.
 
 from __future__ import annotations
 
+import itertools
+import logging
 from dataclasses import replace
 from typing import Callable
-
-import logging
 
 import torch
 
 from . import chunked_math as cm
 from .contract import GDRCall, GDRGrads, chunk_counts, validate
+from .graph_safe import device_constant
 from .registry import Backend, Problem
 
 
@@ -136,21 +139,25 @@ def split_backward(call: GDRCall, segments: int, run: Callable[..., GDRGrads]) -
     s, n_seg, seg_lens, pick = segment_plan(call, segments)
     flat = {name: getattr(call, name).reshape(1, call.B * call.T, *getattr(call, name).shape[2:])
             for name in ("q", "k", "v", "a", "g", "b", "do")}
-    offsets = torch.tensor([0] + seg_lens, dtype=torch.int64).cumsum(0).to(torch.int32).to(dev)
+    # index tensors as cached device constants: a fresh host-to-device copy (and validate's read of a
+    # fresh cu_seqlens back to the host) stalled the stream on every split call
+    offsets = device_constant(tuple(itertools.accumulate([0] + seg_lens)), torch.int32, dev)
     seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=BT)  # no states: pass 1's input
     provider, maps = pass_1_provider(seg_call)
     tag = (Problem.from_call(call), segments, provider)
     if tag not in _logged:
         _logged.add(tag)
-        log.info("gdr_dispatch: split pass 1 (the segments' composed state maps) on %s for %s",
-                 f"{provider}'s kernels" if maps is not None else provider, tag[0].describe())
+        log.info("gdr_dispatch: split pass 1 (the segments' composed state maps) on %s, pass 2 (the scans) on %s, "
+                 "for %s", f"{provider}'s kernels" if maps is not None else provider,
+                 "Triton kernels" if _scan_kernels(K, V, acc, dev) is not None else "torch products",
+                 tag[0].describe())
     if maps is not None:  # pass 1 on the provider's kernels, scattered to [N, n_seg, H, ...]
         m, r, d = maps(seg_call)
         Ms = torch.eye(K, dtype=acc, device=dev).repeat(N, n_seg, H, 1, 1)
         Rs = torch.zeros(N, n_seg, H, K, V, dtype=acc, device=dev)
         Ds = torch.zeros(N, n_seg, H, K, V, dtype=acc, device=dev)
-        rows = torch.tensor([n for n, _ in pick], device=dev)
-        cols = torch.tensor([j for _, j in pick], device=dev)
+        rows = device_constant(tuple(n for n, _ in pick), torch.int64, dev)
+        cols = device_constant(tuple(j for _, j in pick), torch.int64, dev)
         Ms[rows, cols], Rs[rows, cols], Ds[rows, cols] = m.to(acc), r.to(acc), d.to(acc)
     else:
         Ms, Rs, Ds = _torch_pass_1(call, s, n_seg)
@@ -163,7 +170,7 @@ def _torch_pass_1(call: GDRCall, s: int, n_seg: int):
     N, H, K, V, BT = call.N, call.H, call.K, call.V, call.chunk_size
     dev = call.q.device
     lay, M, R, D = chunk_maps(call)  # [N, C, H, ...]; chunks past a sequence's end are not maps yet
-    counts = torch.tensor(chunk_counts(call.seq_lens, BT), device=dev)
+    counts = device_constant(tuple(chunk_counts(call.seq_lens, BT)), torch.int64, dev)
     C = M.shape[1]
     real = (torch.arange(C, device=dev)[None, :] < counts[:, None])[:, :, None, None, None]  # [N, C, 1, 1, 1]
     eye = torch.eye(K, dtype=acc, device=dev)
@@ -192,39 +199,55 @@ def _prefix_maps(M, X):
     return A, B
 
 
+def _scan_kernels(K: int, V: int, acc: torch.dtype, dev: torch.device):
+    """The Triton scan module (segment_scan.py) where its kernels take the maps, else None (the
+    torch scan: CPU, float64)."""
+    if torch.device(dev).type != "cuda":
+        return None
+    from . import segment_scan
+
+    return None if segment_scan.not_supported_reason(K, V, acc, dev) else segment_scan
+
+
 def _scan_and_run(call, s, n_seg, seg_lens, pick, flat, offsets, Ms, Rs, Ds, run) -> GDRGrads:
     """Pass 2 (the scan over each sequence's segments) and pass 3 (the segments as one varlen
     call of `run`)."""
     acc = call.acc_dtype
     N, H, K, V, BT = call.N, call.H, call.K, call.V, call.chunk_size
     dev = call.q.device
-    counts = torch.tensor(chunk_counts(call.seq_lens, BT), device=dev)
-    # pass 2: the scans over the segments of every sequence at once (log-depth, see _prefix_maps)
+    # pass 2: the scans over the segments of every sequence at once
     h0 = cm.states_in(call.initial_state, call.state_v_first)
     dht = cm.states_in(call.dht, call.state_v_first)
-    S0 = torch.zeros(N, H, K, V, dtype=acc, device=dev) if h0 is None else h0.to(acc)
-    A, B = _prefix_maps(Ms, Rs)  # segment j's end state = A_j S0 + B_j
-    starts = torch.cat([S0[:, None], (A[:, :-1] @ S0[:, None] + B[:, :-1])], dim=1)  # [N, n_seg, H, K, V]
-    if call.h is not None:  # the caller's states where a segment starts on a real chunk (as unsplit)
-        h_rows = cm.states_in(call.h, call.state_v_first).reshape(-1, H, K, V)
-        first_chunk = torch.tensor([0] + chunk_counts(call.seq_lens, BT), device=dev).cumsum(0)[:-1]
-        seg_first = torch.arange(n_seg, device=dev) * s  # [n_seg]
-        has = counts[:, None] > seg_first[None, :]  # [N, n_seg]
-        rows = h_rows[(first_chunk[:, None] + seg_first[None, :]).clamp(max=h_rows.shape[0] - 1)].to(acc)
-        starts = torch.where(has[..., None, None, None], rows, starts)
-    dS_end = torch.zeros(N, H, K, V, dtype=acc, device=dev) if dht is None else dht.to(acc)
-    # backwards: dS_j = M_j^T dS_{j+1} + D_j from dS_{n_seg} = dht, as a prefix over the reversed segments
-    Ab, Bb = _prefix_maps(Ms.flip(1).transpose(-1, -2), Ds.flip(1))  # dS_{n_seg-1-i} = Ab_i dht + Bb_i
-    dS = (Ab @ dS_end[:, None] + Bb).flip(1)  # dS[:, j]: the gradient at segment j's start
-    ends = torch.cat([dS[:, 1:], dS_end[:, None]], dim=1)  # at segment j's end
-    dh0 = dS[:, 0]  # the first segment's start gradient is the sequence's dh0
+    S0 = None if h0 is None else h0.to(acc)
+    dS_end = None if dht is None else dht.to(acc)
+    seq_of = device_constant(tuple(n for n, _ in pick), torch.int64, dev)
+    seg_of = device_constant(tuple(j for _, j in pick), torch.int64, dev)
+    kernels = _scan_kernels(K, V, acc, dev)
+    if call.h is not None:  # every non-empty segment starts on a real chunk: the caller's state there (as unsplit)
+        first_chunk = list(itertools.accumulate([0] + chunk_counts(call.seq_lens, BT)))
+        rows = device_constant(tuple(first_chunk[n] + j * s for n, j in pick), torch.int64, dev)
+        init = cm.states_in(call.h, call.state_v_first).reshape(-1, H, K, V)[rows].to(acc)
+    elif kernels is not None:
+        init = kernels.forward_scan(Ms, Rs, S0)[seq_of, seg_of]
+    else:
+        S0 = torch.zeros(N, H, K, V, dtype=acc, device=dev) if S0 is None else S0
+        A, B = _prefix_maps(Ms, Rs)  # segment j's end state = A_j S0 + B_j
+        starts = torch.cat([S0[:, None], (A[:, :-1] @ S0[:, None] + B[:, :-1])], dim=1)  # [N, n_seg, H, K, V]
+        init = starts[seq_of, seg_of]
+    if kernels is not None:
+        ends, dh0 = kernels.backward_scan(Ms, Ds, dS_end)
+    else:
+        dS_end = torch.zeros(N, H, K, V, dtype=acc, device=dev) if dS_end is None else dS_end
+        # dS_j = M_j^T dS_{j+1} + D_j from dS_{n_seg} = dht, as a prefix over the reversed segments
+        Ab, Bb = _prefix_maps(Ms.flip(1).transpose(-1, -2), Ds.flip(1))  # dS_{n_seg-1-i} = Ab_i dht + Bb_i
+        dS = (Ab @ dS_end[:, None] + Bb).flip(1)  # dS[:, j]: the gradient at segment j's start
+        ends = torch.cat([dS[:, 1:], dS_end[:, None]], dim=1)  # at segment j's end
+        dh0 = dS[:, 0]  # the first segment's start gradient is the sequence's dh0
+    grad_end = ends[seq_of, seg_of]
 
     # pass 3: the non-empty segments as the sequences of one varlen call
     out_dt = acc if acc == torch.float64 else torch.float32
-    seq_of = torch.tensor([n for n, _ in pick], device=dev)
-    seg_of = torch.tensor([j for _, j in pick], device=dev)
-    init = starts[seq_of, seg_of].to(out_dt)
-    grad_end = ends[seq_of, seg_of].to(out_dt)
+    init, grad_end = init.to(out_dt), grad_end.to(out_dt)
     if call.state_v_first:
         init, grad_end = init.transpose(-1, -2).contiguous(), grad_end.transpose(-1, -2).contiguous()
     h = None if call.h is None else call.h.reshape(1, -1, *call.h.shape[2:])

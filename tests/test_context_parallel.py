@@ -307,3 +307,67 @@ def test_prefix_maps_equal_the_step_by_step_composition(n):
     for j in range(n):
         x = M[:, j] @ x + X[:, j]
         assert torch.allclose(A[:, j] @ x0 + B[:, j], x, rtol=1e-12, atol=1e-12), j
+
+
+# -- pass 2 as Triton kernels (gdr_dispatch/segment_scan.py; Triton's interpreter on the CPU) ------
+@pytest.mark.parametrize("K, V, n_seg", [(16, 16, 1), (16, 32, 3), (32, 64, 5)])
+@pytest.mark.parametrize("given", [True, False], ids=["states", "no_states"])
+def test_scan_kernels_equal_the_step_by_step_scan(K, V, n_seg, given):
+    from gdr_dispatch import segment_scan
+
+    gen = torch.Generator().manual_seed(K + V + n_seg)
+    N, H = 2, 3
+    M = torch.randn(N, n_seg, H, K, K, generator=gen, dtype=torch.float64) / K ** 0.5
+    R = torch.randn(N, n_seg, H, K, V, generator=gen, dtype=torch.float64)
+    D = torch.randn(N, n_seg, H, K, V, generator=gen, dtype=torch.float64)
+    S0 = torch.randn(N, H, K, V, generator=gen, dtype=torch.float64) if given else None
+    G_end = torch.randn(N, H, K, V, generator=gen, dtype=torch.float64) if given else None
+    f32 = (lambda x: None if x is None else x.float())
+    starts = segment_scan.forward_scan(f32(M), f32(R), f32(S0))
+    ends, first = segment_scan.backward_scan(f32(M), f32(D), f32(G_end))
+    S = torch.zeros(N, H, K, V, dtype=torch.float64) if S0 is None else S0
+    for j in range(n_seg):
+        assert torch.allclose(starts[:, j].double(), S, rtol=1e-5, atol=1e-5), j
+        S = M[:, j] @ S + R[:, j]
+    G = torch.zeros(N, H, K, V, dtype=torch.float64) if G_end is None else G_end
+    for j in range(n_seg - 1, -1, -1):
+        assert torch.allclose(ends[:, j].double(), G, rtol=1e-5, atol=1e-5), j
+        G = M[:, j].transpose(-1, -2) @ G + D[:, j]
+    assert torch.allclose(first.double(), G, rtol=1e-5, atol=1e-5)
+
+
+def test_scan_kernels_say_what_they_do_not_take():
+    from gdr_dispatch.segment_scan import not_supported_reason
+
+    assert not_supported_reason(128, 128, torch.float32, torch.device("cuda")) == ""
+    assert "CUDA" in not_supported_reason(128, 128, torch.float32, torch.device("cpu"))
+    assert "float64" in not_supported_reason(128, 128, torch.float64, torch.device("cuda"))
+    assert "K=8, V=16" in not_supported_reason(8, 16, torch.float32, torch.device("cuda"))
+    assert "K=16, V=48" in not_supported_reason(16, 48, torch.float32, torch.device("cuda"))
+
+
+@pytest.mark.parametrize("spec", [ShapeSpec(B=1, T=1000, H=2, K=16, V=16, dtype="float32", h="none"),
+                                  ShapeSpec(seqlens=(1, 63, 64, 65, 300), H=2, K=16, V=32, state_v_first=True,
+                                            dtype="float32", h="none"),
+                                  ShapeSpec(B=2, T=300, H=4, Hg=2, K=32, V=32, initial_state=False, dht=False,
+                                            dtype="float32", h="none")],
+                         ids=lambda s: s.label())
+def test_split_on_the_scan_kernels_stays_within_rounding(spec, monkeypatch):
+    """Pass 2 on the Triton scans (forced here; on a GPU they run for fp32 maps) against the
+    unsplit call, as `test_split_in_float32_stays_within_rounding` holds the torch scans."""
+    import gdr_dispatch.context_parallel as cp
+    from gdr_dispatch import segment_scan
+
+    used = []
+    monkeypatch.setattr(cp, "_scan_kernels", lambda *a: used.append(a) or segment_scan)
+    kwargs = call_kwargs(make_inputs(spec, "cpu", seed=5))
+    whole = fused_gdr_bwd(**kwargs)
+    monkeypatch.setenv("GDR_CP", "3")
+    split = fused_gdr_bwd(**kwargs)
+    assert used
+    for name in whole._fields:
+        a, b = getattr(split, name), getattr(whole, name)
+        if b is None:
+            assert a is None, name
+            continue
+        assert ((a - b).norm() / b.norm()).item() < 1e-5, name
