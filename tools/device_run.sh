@@ -20,6 +20,8 @@
 #   tune[=SECONDS]   gdr-dispatch tune --preset h200-train (TUNE_ARGS replaces the preset, e.g. '--grid
 #                    tools/tune_saturated.yaml --backends fla,tilelang_ws') -> $OUT/tune.log (TUNE_LOG), $OUT/<device>.yaml
 #   profile[=SECONDS] tools/profile_fla_adapter.py           -> $OUT/profile.log
+#   splitprof[=SECONDS] tools/profile_split.py (a split call's GPU vs host time, top ops; SPLIT_ARGS, default
+#                    B1 T32768 H4, 16 segments, tilelang_ws and fla) -> $OUT/splitprof.log
 #   ncu[=SECONDS]    Nsight Compute, one launch of the ws kernel (NCU_SHAPE, default B4T4096H16; WS_ARGS
 #                    picks the build), full set, clocks left alone -> $OUT/ncu.log, $OUT/ncu_details.csv,
 #                    $OUT/ncu_source.csv (SASS lines with warp-state samples; read with tools/ncu_groups.py)
@@ -109,6 +111,7 @@ for arg in "$@"; do
              ncu -i /tmp/ws_profile.ncu-rep --page source --csv --print-source sass > "$OUT/ncu_source.csv" 2>> "$OUT/ncu.log"
              python3 tools/ncu_groups.py "$OUT/ncu_source.csv" >> "$OUT/ncu.log" 2>&1 ;;
     profile) timeout "$limit" python3 tools/profile_fla_adapter.py --B 8 --T 4096 --H 32 --rounds 3 > "$OUT/profile.log" 2>&1 ;;
+    splitprof) timeout "$limit" python3 tools/profile_split.py ${SPLIT_ARGS:-} > "$OUT/splitprof.log" 2>&1 ;;
     *) echo "unknown step $step"; continue ;;
   esac
   echo "$step: exit $? after $(( $(date +%s) - start )) s"

@@ -1,0 +1,71 @@
+"""Where a split call's time goes (issue 15): GPU time against host time, and the top ops.
+
+    python tools/profile_split.py --B 1 --T 32768 --H 4 --segments 16 --backends tilelang_ws,fla
+
+For each backend, unsplit and `<backend>@split<n>`: the median of CUDA-event timings
+(gdr_dispatch.dispatch.measure_ms), the host time to enqueue one call (no sync inside; when
+it is close to the median the call is host-bound), then one torch.profiler pass with the
+CUDA kernels' total time and the ops that take the most host and device time. Session 6's
+bench read the split candidates 2.5-3 ms above their kernels with a 50 % spread between
+rounds (docs/measurements.md, "The context-parallel split").
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from gdr_dispatch.context_parallel import SplitBackend
+from gdr_dispatch.contract import validate
+from gdr_dispatch.dispatch import measure_ms
+from gdr_dispatch.registry import get_backend
+from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs
+
+
+def host_ms(fn, reps: int) -> float:
+    """Median host time of one call's enqueue (the GPU drained before each)."""
+    out = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(out)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--B", type=int, default=1)
+    p.add_argument("--T", type=int, default=32768)
+    p.add_argument("--H", type=int, default=4)
+    p.add_argument("--h", choices=["given", "none"], default="given")
+    p.add_argument("--segments", type=int, default=16)
+    p.add_argument("--backends", default="tilelang_ws,fla")
+    p.add_argument("--reps", type=int, default=20)
+    a = p.parse_args()
+    call = validate(**call_kwargs(make_inputs(ShapeSpec(B=a.B, T=a.T, H=a.H, h=a.h), "cuda", seed=1)))
+    for name in a.backends.split(","):
+        inner = get_backend(name)
+        for label, backend in ((name, inner), (f"{name}@split{a.segments}", SplitBackend(inner, a.segments))):
+            def fn(backend=backend):
+                return backend.run(call)
+            ms = measure_ms(fn, "cuda", warmup=3, reps=a.reps)
+            enqueue = host_ms(fn, a.reps)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                fn()
+                torch.cuda.synchronize()
+            events = prof.key_averages()
+            gpu = sum(e.self_device_time_total for e in events) / 1e3
+            print(f"{label}: median {ms:.3f} ms, host enqueue {enqueue:.3f} ms, GPU kernels {gpu:.3f} ms", flush=True)
+            print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60), flush=True)
+            print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
