@@ -5,8 +5,11 @@ fp32 registers, one K x K product per segment.
 Why kernels: the torch version (log-depth prefixes of batched products) issues ~150 small ops
 per call; on the H200 the split's timings at B1 T32768 H4 spread by up to 50 % between rounds
 and sat ~3 ms above their kernels (bench/results/nvidia-h200-sm90-starved.md), the mark of a
-host-bound call. Here each scan is one launch. Products are exact fp32 (`ieee`, no TF32): the
-scan's error would reach every gradient of the segments after it.
+host-bound call. Here each scan is one launch. Products are 3xTF32 (`tf32x3`: tensor cores,
+fp32-level error; plain TF32's 10-bit mantissa would reach every gradient of the segments after
+it). Resources for sm_90a (Triton 3.9 AOT, K = V = 128): `ieee` products lowered to FMA loops
+spilled 8-12 KB of stack per thread; `tf32x3` with 8 warps and no pipelining: 242-255 registers,
+no stack, 64 KB shared (3 stages would take 160 KB for nothing: each step needs the last).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import triton.language as tl
 
 #: value columns per program (the state block is K x BV fp32 in registers)
 BV = 32
+#: launch options, see the module docstring
+NUM_WARPS, NUM_STAGES = 8, 1
 
 
 @triton.jit
@@ -37,7 +42,7 @@ def _forward_scan(M, R, S0, OUT, n_seg, H, K: tl.constexpr, V: tl.constexpr, BV:
         tl.store(OUT + (base * K + rk[:, None]) * V + rv[None, :], S)
         m = tl.load(M + (base * K + rk[:, None]) * K + rk[None, :])
         r = tl.load(R + (base * K + rk[:, None]) * V + rv[None, :])
-        S = tl.dot(m, S, input_precision="ieee") + r
+        S = tl.dot(m, S, input_precision="tf32x3") + r
 
 
 @triton.jit
@@ -59,7 +64,7 @@ def _backward_scan(M, D, G_END, ENDS, FIRST, n_seg, H, K: tl.constexpr, V: tl.co
         tl.store(ENDS + (base * K + rk[:, None]) * V + rv[None, :], G)
         mt = tl.load(M + (base * K + rk[None, :]) * K + rk[:, None])  # mt[a, b] = M[b, a]
         d = tl.load(D + (base * K + rk[:, None]) * V + rv[None, :])
-        G = tl.dot(mt, G, input_precision="ieee") + d
+        G = tl.dot(mt, G, input_precision="tf32x3") + d
     tl.store(FIRST + ((n * H + h).to(tl.int64) * K + rk[:, None]) * V + rv[None, :], G)
 
 
@@ -82,7 +87,7 @@ def forward_scan(Ms: torch.Tensor, Rs: torch.Tensor, S0) -> torch.Tensor:
     out = torch.empty_like(Rs)
     s0 = Rs if S0 is None else S0.contiguous()  # a placeholder pointer when absent
     _forward_scan[(N * H, V // bv)](Ms.contiguous(), Rs.contiguous(), s0, out, n_seg, H, K=K, V=V, BV=bv,
-                                    HAS_S0=S0 is not None)
+                                    HAS_S0=S0 is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
 
 
@@ -96,5 +101,5 @@ def backward_scan(Ms: torch.Tensor, Ds: torch.Tensor, G_end) -> tuple[torch.Tens
     first = torch.empty(N, H, K, V, dtype=Ds.dtype, device=Ds.device)
     g = Ds if G_end is None else G_end.contiguous()
     _backward_scan[(N * H, V // bv)](Ms.contiguous(), Ds.contiguous(), g, ends, first, n_seg, H, K=K, V=V, BV=bv,
-                                     HAS_END=G_end is not None)
+                                     HAS_END=G_end is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return ends, first
