@@ -55,11 +55,7 @@ def test_the_warp_specialised_kernel_takes_h200_calls_since_it_was_verified(monk
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile for sm_90a")
-@pytest.mark.parametrize("experiment", [{}, {"tma_dq": True}, {"dar_kv": False},
-                                        {"dg_early": False, "transpose": False, "dar_kv": False},
-                                        {"uw_kv": False, "a_ahead": False, "dar_kv": False},
-                                        {"balance": True, "gam_regs": False}, {"exact_fences": False}],
-                         ids=["default", "tmadq", "v6", "v5", "nouwkv-noaahead-noxkv", "balance-nogam", "nofences"])
+@pytest.mark.parametrize("experiment", [{}, {"tma_dq": True}], ids=["default", "tmadq"])
 def test_ws_kernel_compiles_for_sm90a_with_its_register_split(experiment):
     from gdr_dispatch.backends.kernels.tilelang_ws_bwd import DEFAULT_BUILD, NREG, build_ws_bwd
 
@@ -80,9 +76,9 @@ def test_ws_kernel_compiles_for_sm90a_with_its_register_split(experiment):
     ids = [set(re.findall(r"__sync_thread_partial\((\d+), 128\)", part))
            for part in re.split(r"warpgroup_reg_(?:alloc|dealloc)<\d+>", src)[1:]]
     assert len(ids) == 4 and all(not (x & y) for i, x in enumerate(ids) for y in ids[i + 1:]), ids
-    if flags["exact_fences"]:  # a fence covers a fragment's registers per thread, never its logical size
-        sizes = {int(n) for n in re.findall(r"warpgroup_fence_operand\(reinterpret_cast<float\*>\(\w+ \+ 0\), (\d+)\)", src)}
-        assert sizes and max(sizes) <= 128, sizes
+    # a fence covers a fragment's registers per thread, never its logical size
+    sizes = {int(n) for n in re.findall(r"warpgroup_fence_operand\(reinterpret_cast<float\*>\(\w+ \+ 0\), (\d+)\)", src)}
+    assert sizes and max(sizes) <= 128, sizes
     assert src.count("tma_load(") >= 6
     if flags["tma_dq"]:  # dq's full tiles leave through TMA, waited for before dvp_s is reused
         assert "tl::tma_store(dq_desc" in src and src.count("tma_store_wait") >= 2
@@ -189,19 +185,11 @@ def test_every_build_switch_reaches_the_ws_kernel_build(monkeypatch):
     monkeypatch.setattr(m, "build_ws_bwd", lambda *args, **kw: seen.update(kw) or "kernel")
     monkeypatch.setattr(m, "launch_packed", lambda kern, *args, **kw: kern)
     x = torch.zeros(1, 64, 1, 128)
-    flags = m.build_flags("nouwkv+noaahead+tmadq+nodg6+noxpose+nogam+balance+noxkv+nofences")  # all flipped
+    flags = m.build_flags("tmadq")  # all flipped
     assert all(flags[key] != value for key, value in m.DEFAULT_BUILD.items())
     assert m.ws_bwd_given_h(x, x, x, x, torch.zeros(1, 64, 1, 64), torch.zeros(1, 64, 1), torch.zeros(1, 64, 1),
                             torch.zeros(1, 1, 1, 128, 128), None, 0.1, (64,), **flags) == "kernel"
     assert seen == {"timing": False, **flags}
     with pytest.raises(TypeError, match="unknown build switch"):
         m.ws_bwd_given_h(x, x, x, x, x, x, x, x, None, 0.1, (64,), uw_kvv=True)
-
-
-def test_a_build_whose_switches_conflict_says_which():
-    """`dar_kv` reads dAr where only `a_ahead` builds put it: refused before anything compiles."""
-    from gdr_dispatch.backends.kernels.tilelang_ws_bwd import build_ws_bwd, build_flags
-
-    with pytest.raises(ValueError, match="dar_kv reads dAr from x3_s, where only a_ahead builds put it"):
-        build_ws_bwd(4, 2, 0.1, "bfloat16", "bfloat16", **build_flags("xkv+noaahead"))
 

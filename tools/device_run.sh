@@ -11,7 +11,7 @@
 #                    20 repeated runs of each against the torch backend at B8 T4096 H32 -> $OUT/race.log
 #   timing[=SECONDS] tools/ws_probe.py --timing (cycles per chunk, per group and phase; TIMING_SHAPES
 #                    names the shapes, default B4T4096H16 B8T4096H32) -> $OUT/timing.log, $OUT/bench/timing.json
-#   wsbench[=SECONDS] tools/ws_probe.py --plain (ws vs plain kernel launchers; WS_SHAPES; WS_BUILDS='default,nogam'
+#   wsbench[=SECONDS] tools/ws_probe.py --plain (ws vs plain kernel launchers; WS_SHAPES; WS_BUILDS='default,tmadq'
 #                    times those ws builds side by side; WS_NO_PLAIN=' ' leaves the plain kernel out) -> $OUT/wsbench.log
 #   stage56[=SECONDS] bench/bench_stage56.py (wide kernel configs, crossover) -> $OUT/stage56.log, bench/stage56.json
 #   bench[=SECONDS]  bench/bench_gdr_bwd.py, h200-train      -> $OUT/bench/<device>.{json,md}
@@ -28,7 +28,7 @@
 # e.g.  bash tools/device_run.sh precompile tests=240 bench=200 tune=120
 # Env: PRECOMPILE_JOBS (default 8) compiles in parallel; BENCH_ARGS (with BENCH_MATCH/SKIP) adds bench flags; USER_TABLES=/tmp/tables lets the steps after a tune
 # dispatch with its table; TESTS_K='<pytest -k expression>' runs only those GPU tests (one pytest, tilelang_fused not
-# held back; TESTS_LOG names its log); RACE_KERNELS='ws' checks only that kernel; WS_ARGS='--build balance'
+# held back; TESTS_LOG names its log); RACE_KERNELS='ws' checks only that kernel; WS_ARGS='--build tmadq'
 # passes flags to tools/ws_probe.py in the race, timing and wsbench steps (its ws builds only); BENCH_MATCH='<regex>' benches only the matching shapes and merges them into the
 # committed bench/results/<device>.json; BENCH_SKIP='a,b' leaves those runners out (merged, so
 # their committed numbers stay, marked as from an earlier run).

@@ -5,8 +5,8 @@
     python tools/ws_probe.py --only B8T4096H32 --check --repeat 20   # the race hunt of docs/tilelang_ws.md
     compute-sanitizer --tool racecheck python3 tools/ws_probe.py --only tiny --once --kernel plain
     python tools/ws_probe.py --only B4T4096H16 --timing     # cycles per chunk, per group and phase
-    python tools/ws_probe.py --build balance --check ...     # the same for another build (KV forms Ag, U, W)
-    python tools/ws_probe.py --builds default,nogam,balance  # builds side by side (switches: build_flags)
+    python tools/ws_probe.py --build tmadq --check ...       # the same for another build (dq by TMA store)
+    python tools/ws_probe.py --builds default,tmadq          # builds side by side (switches: build_flags)
     python tools/ws_probe.py --builds default --peer         # and FlashQLA in the same rounds
 
 Prints median ms (CUDA events, gdr_dispatch.dispatch.measure_ms), us per chunk step (a CTA
@@ -133,11 +133,11 @@ def main(argv=None) -> int:
     p.add_argument("--timing", action="store_true",
                    help="run the timing build: cycles per chunk each consumer group works / waits per phase")
     p.add_argument("--build", default="default",
-                   help="the ws build of --once, --check and --timing: 'default' or switches joined by '+' (balance, "
-                        "nobalance, gam, nogam; tilelang_ws_bwd.build_flags)")
+                   help="the ws build of --once, --check and --timing: 'default' or switches joined by '+' (tmadq, "
+                        "notmadq; tilelang_ws_bwd.build_flags)")
     p.add_argument("--builds", default=None,
                    help="comma-separated ws builds to time (and --timing) side by side in this process, e.g. "
-                        "default,nogam,balance (default: --build)")
+                        "default,tmadq (default: --build)")
     p.add_argument("--rounds", type=int, default=1,
                    help="time the builds this many times, order reversed each round; keep each build's least median")
     p.add_argument("--reps", type=int, default=20, help="timed launches per median")

@@ -7,11 +7,12 @@ warpgroups, one role each (one branch of one if/else on the thread index, with
   * S (threads 0-127): the state gradient `dS` (`[K, V]` fp32) in registers: its decay,
     `<dS', S>` for dG_L, `dS += K^T dUs + Q^T (scale e^G dO)`, and its 16-bit copy for the
     others' gemms; then dg (the reverse cumsum inside the chunk, a warp scan) and db.
-  * KV (128-255): U = K S and W = V - e^G U (v5, `uw_kv`), dV' = e^{G_L-G} K dS' + Pg^T dO,
-    dv = Ag^T dV', dUs = -e^G dv, and dk.
+  * KV (128-255): U = K S and W = V - e^G U, dV' = e^{G_L-G} K dS' + Pg^T dO, dv = Ag^T dV',
+    dUs = -e^G dv, A^T dAr for A (where KV waits anyway), and dk.
   * A (256-383): P = Q K^T, Ag = Gam * A * b, V' = Ag W, dAg, dP, dq, and the chain through
-    the inverse (dA, dM, db's row part, dkk); it only arrives at the ends of phases 3 and 4
-    (v5, `a_ahead`). It works ~88 % of a chunk step: the critical path.
+    the inverse (dA, dM, db's row part, dkk), with Gam kept in its registers for the chunk; it
+    only arrives at the ends of phases 3 and 4 (nothing it does next depends on the others'
+    part). It works over 80 % of a chunk step: the critical path.
   * producer (384-511): TMA loads of the next (earlier) chunk's q, k, v, do, a, h into the
     single shared buffer of each, each issued as soon as the consumers' last read of that
     buffer is done; g and b by plain loads.
@@ -54,23 +55,15 @@ PHASES = 7
 #: chunks of clock cycles: [2 s] working before sync point s, [2 s + 1] waiting there (s = 0
 #: the producer's `full` barrier, 1-7 the phase ends), [16] the whole chunk loop, [17] chunks.
 TIMING_SLOTS = 18
-#: The build `tilelang_ws` runs; the other settings are kept as measured experiments
-#: (docs/tilelang_ws.md, "Steps"). Tools name builds by switches (`build_flags`).
-DEFAULT_BUILD = {"balance": False, "gam_regs": True, "uw_kv": True, "a_ahead": True, "tma_dq": False,
-                 "dg_early": True, "transpose": True, "dar_kv": True, "exact_fences": True}
-SWITCHES = {"balance": ("balance", True), "nobalance": ("balance", False),
-            "gam": ("gam_regs", True), "nogam": ("gam_regs", False),
-            "uwkv": ("uw_kv", True), "nouwkv": ("uw_kv", False),
-            "aahead": ("a_ahead", True), "noaahead": ("a_ahead", False),
-            "tmadq": ("tma_dq", True), "notmadq": ("tma_dq", False),
-            "dg6": ("dg_early", True), "nodg6": ("dg_early", False),
-            "xpose": ("transpose", True), "noxpose": ("transpose", False),
-            "xkv": ("dar_kv", True), "noxkv": ("dar_kv", False),
-            "fences": ("exact_fences", True), "nofences": ("exact_fences", False)}
+#: The build `tilelang_ws` runs; `tma_dq` is the one experiment kept as a switch (the others,
+#: measured and either made the default or dropped, are in docs/tilelang_ws.md, "Steps", and
+#: in git history: 768934d has them all). Tools name builds by switches (`build_flags`).
+DEFAULT_BUILD = {"tma_dq": False}
+SWITCHES = {"tmadq": ("tma_dq", True), "notmadq": ("tma_dq", False)}
 
 
 def build_flags(build: str) -> dict:
-    """`'default'` or switches joined by '+' or '-' (e.g. `balance+nogam`) -> `build_ws_bwd`
+    """`'default'` or switches joined by '+' or '-' (e.g. `tmadq`) -> `build_ws_bwd`
     keyword arguments; an unnamed setting keeps `DEFAULT_BUILD`'s value."""
     flags = dict(DEFAULT_BUILD)
     for word in re.split(r"[+-]", build):
@@ -85,38 +78,17 @@ def build_flags(build: str) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing: bool = False,
-                 balance: bool = DEFAULT_BUILD["balance"], gam_regs: bool = DEFAULT_BUILD["gam_regs"],
-                 uw_kv: bool = DEFAULT_BUILD["uw_kv"], a_ahead: bool = DEFAULT_BUILD["a_ahead"],
-                 tma_dq: bool = DEFAULT_BUILD["tma_dq"], dg_early: bool = DEFAULT_BUILD["dg_early"],
-                 transpose: bool = DEFAULT_BUILD["transpose"], dar_kv: bool = DEFAULT_BUILD["dar_kv"],
-                 exact_fences: bool = DEFAULT_BUILD["exact_fences"]):
+                 tma_dq: bool = DEFAULT_BUILD["tma_dq"]):
     """Compile (once per configuration) the warp-specialised kernel (K = V = 128, chunk 64).
 
     `timing` adds cycle counters at every sync point (written to the `clk` argument, CTA by
     CTA: `[N * H, 3, TIMING_SLOTS]`); the instrument of docs/tilelang_ws.md's phase table.
-    `gam_regs` keeps the decay matrix Gam in A's registers for the chunk instead of forming it
-    five times from shared memory (A, the critical path, issues ~20 % fewer instructions).
-    `uw_kv` has KV form U and W in phase 1 beside its own gemms, and `a_ahead` lets A run on at
-    the ends of phases 3 and 4, where it only arrives (its dAr goes to `x3_s`, which no other
-    group reads then): together the loop -15 % at B8 T4096 H32, default since session 4
-    (bench/results/ws_steps/s4call1-*). `balance` (off) moves Ag to KV as well and lengthens
-    KV's phase 1 past A's; `tma_dq` (off) stores A's full dq tiles with one TMA store: -4 % on
-    varlen, +3 % at fixed lengths. `dg_early` has S store dg in phase 6,
-    where it is complete, instead of phase 7, where S's scan and stores outlast A's and KV's tile
-    stores; `transpose` takes A's two column sums (dAg's and dPg's dG/db terms) from an exact
-    transpose through a free 16-bit buffer instead of two transposed gemms, 4096 exp2 and
-    transposed loads: together -6 % at the fixed-length shapes, even on varlen, outputs
-    bit-identical, default since session 5 (bench/results/ws_steps/s5call2-*). `dar_kv` (needs
-    `a_ahead`) has KV form A^T dAr in phase 5, where it waits, instead of A at the head of
-    phase 6: -5 to -9 %, bit-identical, default since session 6 (bench/results/ws_steps/s6call1-*;
-    the measured losers `tma_dk`, `dq_kv`, `dgq_kv` are gone, their code is at 021f930).
-    `exact_fences` gives each explicit accumulator fence its per-thread register count: without
-    it TileLang 0.1.15 fences the fragment's whole logical size (64 x 128 = 8192 floats on a
-    64-register array), an inline asm loop indexing far past the array (undefined behaviour;
-    the SASS barely changes). All in docs/tilelang_ws.md.
+    `tma_dq` (off) stores A's full dq tiles with one TMA store: -4 % on varlen, +3 % at fixed
+    lengths in session 4, within noise in session 6. The schedule's steps (Gam in A's
+    registers, U and W formed by KV, A running on at phases 3 and 4, dg stored in phase 6, the
+    column sums through an exact transpose, A^T dAr formed by KV, exact accumulator fences), each
+    measured before it became part of it: docs/tilelang_ws.md.
     """
-    if dar_kv and not a_ahead:
-        raise ValueError("build_ws_bwd: dar_kv reads dAr from x3_s, where only a_ahead builds put it")
     accum = "float32"
     TT = T.dynamic("num_tokens")
     NC = T.dynamic("num_chunks")
@@ -153,7 +125,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     @T.macro
     def phase_arrive(bars, p, slot, grp, tick, tm_s):
         """Close phase `p` without waiting: the group's part is done and nothing it does next
-        depends on the others' part (a_ahead builds)."""
+        depends on the others' part (A at phases 3 and 4)."""
         if timing:
             clock_into(tick, 1)
         T.barrier_arrive(bars[p])
@@ -169,27 +141,15 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
         if timing:
             account(tick, tm_s, grp, 0)
 
-    def gam(gam_f, G_s, i, j, regs=gam_regs):
-        """Gam[i, j] = e^{G_i - G_j} for j <= i, else 0: from A's register copy `gam_f` in
-        `gam_regs` builds (`regs`; only A has it), else formed here (two shared loads and an
-        exp2 per element)."""
-        if regs:
-            return gam_f[i, j]
-        return T.if_then_else(j <= i, T.exp2((G_s[i] - G_s[j]) * LOG2E), T.cast(0, accum))
-
-    def ag_value(a_s, b_s, G_s, gam_f, i, j, regs=gam_regs):
-        """Ag[i, j] = Gam[i, j] A[i, j] b[j], in the input dtype."""
-        return T.cast(gam(gam_f, G_s, i, j, regs) * T.cast(a_s[i, j], accum) * b_s[j], dtype)
-
-    def gam_in(gam_f, G_s, i, j):
-        """`gam` inside an expression already masked to j <= i."""
-        return gam_f[i, j] if gam_regs else T.exp2((G_s[i] - G_s[j]) * LOG2E)
+    def ag_value(a_s, b_s, gam_f, i, j):
+        """Ag[i, j] = Gam[i, j] A[i, j] b[j], in the input dtype (Gam from A's register copy)."""
+        return T.cast(gam_f[i, j] * T.cast(a_s[i, j], accum) * b_s[j], dtype)
 
     def fence(frag):
-        """`T.warpgroup_fence_operand` on a consumer group's fp32 accumulator fragment; with
-        `exact_fences` over its registers per thread (its elements over the group's 128 threads)."""
-        if not exact_fences:
-            return T.warpgroup_fence_operand(frag)
+        """`T.warpgroup_fence_operand` on a consumer group's fp32 accumulator fragment, over its
+        registers per thread (its elements over the group's 128 threads): without `num_regs`
+        TileLang 0.1.15 fences the fragment's logical size (8192 on a 64-register array), an
+        inline asm loop indexing far past the array (docs/tilelang_ws.md, "Session 6")."""
         n = 1
         for d in frag.shape:
             n *= int(d)
@@ -203,10 +163,10 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
             w_s[i, j] = T.cast(T.cast(v_s[i, j], accum) - eG_s[i] * frag[i, j], dtype)
 
     @T.macro
-    def store_pg(pg_f, pg_s, G_s, gam_f):
+    def store_pg(pg_f, pg_s, gam_f):
         """Pg = scale Gam * (Q K^T) (`pg_f`, masked in place) into shared memory."""
         for i, j in T.Parallel(BT, BT):
-            pg_f[i, j] = T.if_then_else(j <= i, scale * pg_f[i, j] * gam_in(gam_f, G_s, i, j), T.cast(0, accum))
+            pg_f[i, j] = T.if_then_else(j <= i, scale * pg_f[i, j] * gam_f[i, j], T.cast(0, accum))
         T.copy(pg_f, pg_s)
 
     @T.macro
@@ -235,7 +195,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     def column_sums(x_f, buf_s, xt_f, out_r):
         """`out_r` = the column sums of the fp32 fragment `x_f`, as row sums of its transpose
         `xt_f`: moved through the 16-bit 64 x 64 buffer `buf_s` in two halves of its bits, so
-        the transpose is exact (`transpose` builds; no cross-warp reduction, see the module
+        the transpose is exact (no cross-warp reduction, see the module
         docstring)."""
         for i, j in T.Parallel(BT, BT):
             buf_s[i, j] = T.reinterpret(T.cast(T.shift_right(T.reinterpret(x_f[i, j], "uint32"), T.uint32(16)),
@@ -348,14 +308,14 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                 kv1_f = T.alloc_fragment((BT, V), accum)  # KV
                 kv2_f = T.alloc_fragment((BT, K), accum)
                 kvr_f = T.alloc_fragment((BT,), accum)
-                kvx_f = T.alloc_fragment((BT, BT), accum)  # dar_kv builds: A^T dAr (phase 5 only)
+                kvx_f = T.alloc_fragment((BT, BT), accum)  # A^T dAr (phase 5 only)
                 pg_f = T.alloc_fragment((BT, BT), accum)  # A
                 sq_f = T.alloc_fragment((BT, BT), accum)
                 sq2_f = T.alloc_fragment((BT, BT), accum)
                 a1_f = T.alloc_fragment((BT, V), accum)
                 a2_f = T.alloc_fragment((BT, K), accum)
                 ar_f = T.alloc_fragment((BT,), accum)
-                gam_f = T.alloc_fragment((BT, BT), accum)  # gam_regs builds: A's copy of Gam
+                gam_f = T.alloc_fragment((BT, BT), accum)  # A's copy of Gam for the chunk
                 ac_f = T.alloc_fragment((BT,), accum)
 
                 # ---- barriers ----
@@ -449,12 +409,9 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         # 6: the 16-bit copy for the next chunk (dh_s was last read in 5)
                         T.copy(dS_f, dh_s)
                         T.fence_proxy_async()
-                        if dg_early:  # every dG part is in by the end of phase 5
-                            store_dg(gscan_s, dGk_s, dGa_s, gls_s, glk_s, dg, t0, L, hh)
+                        store_dg(gscan_s, dGk_s, dGa_s, gls_s, glk_s, dg, t0, L, hh)  # every dG part is in by now
                         phase_sync(phase, 5, it % 2, 6, 0, tick, tm_s)
-                        # 7: dg (unless dg_early) and db = its two parts (A's row part lands in phase 6)
-                        if not dg_early:
-                            store_dg(gscan_s, dGk_s, dGa_s, gls_s, glk_s, dg, t0, L, hh)
+                        # 7: db = its two parts (A's row part lands in phase 6)
                         for i in T.Parallel(BT):
                             if i < L:
                                 db[t0 + i, hh] = T.cast(db_s[i], b_dtype)
@@ -474,32 +431,17 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         if it > 0:
                             full_wait(full, (it - 1) % 2, 1, tick, tm_s)
                         # 1: dV' = e^{G_L - G} K dS'
-                        if uw_kv and not balance:  # and U = K S, W = V - e^G U (A forms P, Pg, Ag)
-                            T.wgmma_gemm(k_s, h_s, kv2_f, clear_accum=True)
-                            T.wgmma_gemm(k_s, dh_s, kv1_f, clear_accum=True)
-                            T.wait_wgmma(1)
-                            fence(kv2_f)
-                            store_u_w(kv2_f, u_s, w_s, v_s, eG_s)  # while K dS' runs
-                            T.wait_wgmma(0)
-                            fence(kv1_f)
-                            for i, j in T.Parallel(BT, V):
-                                kv1_f[i, j] = kv1_f[i, j] * eGL_s[i]
-                            T.fence_proxy_async()
-                        elif balance:  # and A's U = K S, W = V - e^G U, Ag = Gam A b (KV waits most of phase 1)
-                            T.gemm(k_s, h_s, kv2_f, clear_accum=True)  # one fragment live at a time
-                            store_u_w(kv2_f, u_s, w_s, v_s, eG_s)
-                            T.wgmma_gemm(k_s, dh_s, kv1_f, clear_accum=True)  # runs while Ag is formed
-                            for i, j in T.Parallel(BT, BT):
-                                ag_s[i, j] = ag_value(a_s, b_s, G_s, gam_f, i, j, regs=False)  # Gam is A's
-                            T.wait_wgmma(0)
-                            fence(kv1_f)
-                            for i, j in T.Parallel(BT, V):
-                                kv1_f[i, j] = kv1_f[i, j] * eGL_s[i]
-                            T.fence_proxy_async()
-                        else:
-                            T.gemm(k_s, dh_s, kv1_f, clear_accum=True)
-                            for i, j in T.Parallel(BT, V):
-                                kv1_f[i, j] = kv1_f[i, j] * eGL_s[i]
+                        # and U = K S, W = V - e^G U (A forms P, Pg, Ag)
+                        T.wgmma_gemm(k_s, h_s, kv2_f, clear_accum=True)
+                        T.wgmma_gemm(k_s, dh_s, kv1_f, clear_accum=True)
+                        T.wait_wgmma(1)
+                        fence(kv2_f)
+                        store_u_w(kv2_f, u_s, w_s, v_s, eG_s)  # while K dS' runs
+                        T.wait_wgmma(0)
+                        fence(kv1_f)
+                        for i, j in T.Parallel(BT, V):
+                            kv1_f[i, j] = kv1_f[i, j] * eGL_s[i]
+                        T.fence_proxy_async()
                         phase_sync(phase, 0, it % 2, 1, 1, tick, tm_s)
                         # 2: dV' += Pg^T dO
                         T.gemm(pg_s, do_s, kv1_f, transpose_A=True)
@@ -531,17 +473,15 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         for i in T.Parallel(BT):
                             dGk_s[i] = dGk_s[i] - kvr_f[i]
                             glk_s[i] = kvr_f[i]  # the G_L term's rows, summed by S in phase 7
-                        if dar_kv:  # and A^T dAr (dAr in x3_s since A's phase 4) into ag_s, free since phase 3
-                            T.wgmma_gemm(a_s, x3_s, kvx_f, transpose_A=True, clear_accum=True)
-                            T.wgmma_gemm(u_s, h_s, kv2_f, transpose_B=True)
-                            T.wait_wgmma(1)
-                            fence(kvx_f)
-                            T.copy(kvx_f, ag_s)
-                            T.fence_proxy_async()
-                            T.wait_wgmma(0)
-                            fence(kv2_f)
-                        else:
-                            T.gemm(u_s, h_s, kv2_f, transpose_B=True)
+                        # and A^T dAr (dAr in x3_s since A's phase 4) into ag_s, free since phase 3
+                        T.wgmma_gemm(a_s, x3_s, kvx_f, transpose_A=True, clear_accum=True)
+                        T.wgmma_gemm(u_s, h_s, kv2_f, transpose_B=True)
+                        T.wait_wgmma(1)
+                        fence(kvx_f)
+                        T.copy(kvx_f, ag_s)
+                        T.fence_proxy_async()
+                        T.wait_wgmma(0)
+                        fence(kv2_f)
                         phase_sync(phase, 4, it % 2, 5, 1, tick, tm_s)
                         # 6: dk += dP^T Q
                         T.gemm(pg_s, q_s, kv2_f, transpose_A=True)
@@ -563,110 +503,59 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         t0 = bos + c * BT
                         if it > 0:
                             full_wait(full, (it - 1) % 2, 2, tick, tm_s)
-                        if gam_regs:  # Gam once per chunk, for phases 1, 4 and 5
-                            for i, j in T.Parallel(BT, BT):
-                                gam_f[i, j] = T.if_then_else(j <= i, T.exp2((G_s[i] - G_s[j]) * LOG2E), T.cast(0, accum))
-                        # 1: Pg = scale Gam Q K^T; Ag = Gam A b; U = K S; W = V - e^G U
-                        # (both gemms issued at once; Ag is formed while they run)
-                        if balance:  # KV forms Ag, U and W
-                            T.gemm(q_s, k_s, pg_f, transpose_B=True, clear_accum=True)
-                            store_pg(pg_f, pg_s, G_s, gam_f)
-                        elif uw_kv:  # KV forms U and W
-                            T.wgmma_gemm(q_s, k_s, pg_f, transpose_B=True, clear_accum=True)
-                            for i, j in T.Parallel(BT, BT):
-                                ag_s[i, j] = ag_value(a_s, b_s, G_s, gam_f, i, j)
-                            T.wait_wgmma(0)
-                            fence(pg_f)
-                            store_pg(pg_f, pg_s, G_s, gam_f)
-                        else:
-                            T.wgmma_gemm(q_s, k_s, pg_f, transpose_B=True, clear_accum=True)
-                            T.wgmma_gemm(k_s, h_s, a1_f, clear_accum=True)
-                            for i, j in T.Parallel(BT, BT):
-                                ag_s[i, j] = ag_value(a_s, b_s, G_s, gam_f, i, j)
-                            T.wait_wgmma(1)
-                            fence(pg_f)
-                            store_pg(pg_f, pg_s, G_s, gam_f)
-                            T.wait_wgmma(0)
-                            fence(a1_f)
-                            store_u_w(a1_f, u_s, w_s, v_s, eG_s)
+                        for i, j in T.Parallel(BT, BT):  # Gam once per chunk, for phases 1, 4 and 5
+                            gam_f[i, j] = T.if_then_else(j <= i, T.exp2((G_s[i] - G_s[j]) * LOG2E), T.cast(0, accum))
+                        # 1: Pg = scale Gam Q K^T; Ag = Gam A b (formed while the gemm runs; KV forms U and W)
+                        T.wgmma_gemm(q_s, k_s, pg_f, transpose_B=True, clear_accum=True)
+                        for i, j in T.Parallel(BT, BT):
+                            ag_s[i, j] = ag_value(a_s, b_s, gam_f, i, j)
+                        T.wait_wgmma(0)
+                        fence(pg_f)
+                        store_pg(pg_f, pg_s, gam_f)
                         T.fence_proxy_async()
                         if tma_dq:  # the previous chunk's dq store has read dvp_s (KV writes it in phase 2)
                             T.tma_store_wait()
                         phase_sync(phase, 0, it % 2, 1, 2, tick, tm_s)
                         # 2: nothing
                         phase_sync(phase, 1, it % 2, 2, 2, tick, tm_s)
-                        # 3: dAg = dV' W^T and its transpose (for column sums as row sums); V' = Ag W
+                        # 3: dAg = dV' W^T; V' = Ag W
                         T.wgmma_gemm(dvp_s, w_s, sq_f, transpose_B=True, clear_accum=True)
-                        if not transpose:
-                            T.wgmma_gemm(w_s, dvp_s, pg_f, transpose_B=True, clear_accum=True)
                         T.wgmma_gemm(ag_s, w_s, a1_f, clear_accum=True)
                         T.wait_wgmma(0)
-                        for f in ((sq_f, a1_f) if transpose else (sq_f, pg_f, a1_f)):
-                            fence(f)
-                        if a_ahead:  # phase 4 writes nothing another group still reads (dAr goes to x3_s)
-                            phase_arrive(phase, 2, 3, 2, tick, tm_s)
-                        else:
-                            phase_sync(phase, 2, it % 2, 3, 2, tick, tm_s)
+                        fence(sq_f)
+                        fence(a1_f)
+                        phase_arrive(phase, 2, 3, 2, tick, tm_s)  # phase 4 writes nothing another group still reads
                         # 4: V' into w_s; through Ag = Gam A b: dG (rows - columns of dAg Ag), db's
-                        # column part, dAr = Gam b dAg (the ungated inverse's gradient) into ag_s
+                        # column part (the column sums through an exact transpose in x3_s, free until dAr),
+                        # dAr = Gam b dAg (the ungated inverse's gradient) into x3_s (KV may still read Ag)
                         T.copy(a1_f, w_s)
-                        if transpose:  # x3_s is free until dAr (dkk was last read in phase 6)
-                            for i, j in T.Parallel(BT, BT):
-                                sq2_f[i, j] = gam(gam_f, G_s, i, j) * sq_f[i, j] * T.cast(a_s[i, j], accum)
-                            column_sums(sq2_f, x3_s, pg_f, ac_f)
-                            for i, j in T.Parallel(BT, BT):
-                                sq2_f[i, j] = sq2_f[i, j] * b_s[j]  # dAg * Ag
-                        else:
-                            for i, j in T.Parallel(BT, BT):  # (Gam dAg A)^T from dAg^T: its row sums are the column sums
-                                pg_f[i, j] = T.if_then_else(i <= j, T.exp2((G_s[j] - G_s[i]) * LOG2E), T.cast(0, accum)) \
-                                    * pg_f[i, j] * T.cast(a_s[j, i], accum)
-                            T.reduce_sum(pg_f, ac_f, dim=1)
-                            for i, j in T.Parallel(BT, BT):
-                                sq2_f[i, j] = gam(gam_f, G_s, i, j) \
-                                    * sq_f[i, j] * T.cast(a_s[i, j], accum) * b_s[j]  # dAg * Ag
+                        for i, j in T.Parallel(BT, BT):
+                            sq2_f[i, j] = gam_f[i, j] * sq_f[i, j] * T.cast(a_s[i, j], accum)
+                        column_sums(sq2_f, x3_s, pg_f, ac_f)
+                        for i, j in T.Parallel(BT, BT):
+                            sq2_f[i, j] = sq2_f[i, j] * b_s[j]  # dAg * Ag
                         T.reduce_sum(sq2_f, ar_f, dim=1)
                         for i in T.Parallel(BT):
                             db_s[i] = ac_f[i]
                             dGa_s[i] = ar_f[i] - ac_f[i] * b_s[i]
-                        if a_ahead:  # KV may still read Ag in ag_s (its phase 3)
-                            for i, j in T.Parallel(BT, BT):
-                                x3_s[i, j] = T.cast(gam(gam_f, G_s, i, j) * sq_f[i, j] * b_s[j], dtype)
-                        else:
-                            for i, j in T.Parallel(BT, BT):
-                                ag_s[i, j] = T.cast(gam(gam_f, G_s, i, j) * sq_f[i, j] * b_s[j], dtype)
+                        for i, j in T.Parallel(BT, BT):
+                            x3_s[i, j] = T.cast(gam_f[i, j] * sq_f[i, j] * b_s[j], dtype)
                         T.fence_proxy_async()
-                        if a_ahead:  # phase 5 reads and writes only A's own tiles (pg_s: KV read Pg in phase 2)
-                            phase_arrive(phase, 3, 4, 2, tick, tm_s)
-                        else:
-                            phase_sync(phase, 3, it % 2, 4, 2, tick, tm_s)
+                        phase_arrive(phase, 3, 4, 2, tick, tm_s)  # phase 5 reads and writes only A's own tiles
                         # 5: dPg = dO V'^T, its dG (rows - columns of dPg Pg), dP = scale Gam dPg;
-                        # dq = scale e^G dO S^T (its dG) + dP K
-                        if transpose:  # dO S^T runs while dPg's dG terms and dP are formed
-                            T.wgmma_gemm(do_s, w_s, sq_f, transpose_B=True, clear_accum=True)
-                            T.wgmma_gemm(do_s, h_s, a1_f, transpose_B=True, clear_accum=True)
-                            T.wait_wgmma(1)
-                            fence(sq_f)
-                            for i, j in T.Parallel(BT, BT):
-                                sq2_f[i, j] = sq_f[i, j] * T.cast(pg_s[i, j], accum)  # Pg's 16-bit copy, as KV reads it
-                            T.reduce_sum(sq2_f, ar_f, dim=1)
-                            column_sums(sq2_f, pg_s, pg_f, ac_f)  # Pg is read; pg_s takes dP next
-                        else:
-                            T.wgmma_gemm(do_s, w_s, sq_f, transpose_B=True, clear_accum=True)
-                            T.wgmma_gemm(w_s, do_s, pg_f, transpose_B=True, clear_accum=True)  # dPg^T
-                            T.wait_wgmma(0)
-                            fence(sq_f)
-                            fence(pg_f)
-                            for i, j in T.Parallel(BT, BT):
-                                sq2_f[i, j] = sq_f[i, j] * T.cast(pg_s[i, j], accum)  # Pg's 16-bit copy, as KV reads it
-                                pg_f[i, j] = pg_f[i, j] * T.cast(pg_s[j, i], accum)
-                            T.reduce_sum(sq2_f, ar_f, dim=1)
-                            T.reduce_sum(pg_f, ac_f, dim=1)
+                        # dq = scale e^G dO S^T (its dG) + dP K; dO S^T runs while dPg's terms and dP are formed
+                        T.wgmma_gemm(do_s, w_s, sq_f, transpose_B=True, clear_accum=True)
+                        T.wgmma_gemm(do_s, h_s, a1_f, transpose_B=True, clear_accum=True)
+                        T.wait_wgmma(1)
+                        fence(sq_f)
+                        for i, j in T.Parallel(BT, BT):
+                            sq2_f[i, j] = sq_f[i, j] * T.cast(pg_s[i, j], accum)  # Pg's 16-bit copy, as KV reads it
+                        T.reduce_sum(sq2_f, ar_f, dim=1)
+                        column_sums(sq2_f, pg_s, pg_f, ac_f)  # Pg is read; pg_s takes dP next
                         for i in T.Parallel(BT):
                             dGa_s[i] = dGa_s[i] + ar_f[i] - ac_f[i]
-                        if not transpose:
-                            T.wgmma_gemm(do_s, h_s, a1_f, transpose_B=True, clear_accum=True)  # runs while dP is formed
                         for i, j in T.Parallel(BT, BT):
-                            pg_s[i, j] = T.cast(T.if_then_else(j <= i, scale * sq_f[i, j] * gam_in(gam_f, G_s, i, j),
+                            pg_s[i, j] = T.cast(T.if_then_else(j <= i, scale * sq_f[i, j] * gam_f[i, j],
                                                                T.cast(0, accum)), dtype)
                         T.wait_wgmma(0)
                         fence(a1_f)
@@ -682,28 +571,10 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         # 6: through A = M^-1: dA = A^T dAr A^T, dM = -dA strictly lower,
                         # db += rows of dM * (K K^T), dkk = b dM; dkk + dkk^T into ag_s
                         T.wgmma_gemm(k_s, k_s, sq2_f, transpose_B=True, clear_accum=True)
-                        if dar_kv:  # KV put A^T dAr in ag_s in phase 5: one gemm beside K K^T
-                            T.wgmma_gemm(ag_s, a_s, sq_f, transpose_B=True, clear_accum=True)
-                            T.wait_wgmma(0)
-                            fence(sq2_f)
-                            fence(sq_f)
-                        else:
-                            if a_ahead:  # dAr is in x3_s; A^T dAr goes to ag_s once KV's phase 3 is done with Ag
-                                T.wgmma_gemm(a_s, x3_s, sq_f, transpose_A=True, clear_accum=True)
-                                T.barrier_wait(phase[2], it % 2)
-                            else:
-                                T.wgmma_gemm(a_s, ag_s, sq_f, transpose_A=True, clear_accum=True)
-                            T.wait_wgmma(0)
-                            fence(sq2_f)
-                            fence(sq_f)
-                            if a_ahead:
-                                T.copy(sq_f, ag_s)
-                                T.fence_proxy_async()
-                                T.gemm(ag_s, a_s, sq_f, transpose_B=True, clear_accum=True)
-                            else:
-                                T.copy(sq_f, x3_s)
-                                T.fence_proxy_async()
-                                T.gemm(x3_s, a_s, sq_f, transpose_B=True, clear_accum=True)
+                        T.wgmma_gemm(ag_s, a_s, sq_f, transpose_B=True, clear_accum=True)  # KV put A^T dAr in ag_s
+                        T.wait_wgmma(0)
+                        fence(sq2_f)
+                        fence(sq_f)
                         for i, j in T.Parallel(BT, BT):
                             sq_f[i, j] = T.if_then_else(j < i, -sq_f[i, j], T.cast(0, accum))  # dM
                             sq2_f[i, j] = sq_f[i, j] * sq2_f[i, j]
