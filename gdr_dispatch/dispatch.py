@@ -309,10 +309,12 @@ def grads_disagreement(grads: GDRGrads, ref: GDRGrads, tol: float) -> Optional[s
 
 
 def autotune(call: GDRCall, problem: Problem, candidates: dict[str, Backend],
-             measure: Optional[Callable[..., float]] = None) -> tuple[dict, GDRGrads]:
+             measure: Optional[Callable[..., float]] = None,
+             progress: Optional[Callable[[str], None]] = None) -> tuple[dict, GDRGrads]:
     """Time and cross-check `candidates` on the call's tensors; return (table entry, winner's grads).
 
-    `measure(fn, device_type) -> ms` defaults to `measure_ms`.
+    `measure(fn, device_type) -> ms` defaults to `measure_ms`; `progress(line)` receives a line
+    per candidate as it is measured (default: the INFO log).
     """
     measure = measure or measure_ms
     log.info("gdr_dispatch: autotuning %d backends for %s", len(candidates), problem.describe())
@@ -329,8 +331,12 @@ def autotune(call: GDRCall, problem: Problem, candidates: dict[str, Backend],
                 torch.cuda.empty_cache()  # e.g. the torch backend at a training shape: the others still run
             results[name] = {"failed": f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
         # progress: a starved grid has dozens of candidates (every split count), minutes in all
-        log.info("gdr_dispatch: autotune [%d/%d] %s: %s", i, len(candidates), name,
-                 f"{results[name]['ms']} ms" if "ms" in results[name] else results[name]["failed"])
+        line = (f"autotune [{i}/{len(candidates)}] {name}: "
+                + (f"{results[name]['ms']} ms" if "ms" in results[name] else results[name]["failed"]))
+        if progress is None:
+            log.info("gdr_dispatch: %s", line)
+        else:
+            progress(line)
 
     # the cross-check reference: the most trusted candidate that ran (backends declare
     # `reference_rank`), else the first that ran

@@ -22,8 +22,9 @@ def run_cli(*args, env=None, cwd=None):
 def test_tune_smoke_preset_writes_a_table(tmp_path):
     r = run_cli("tune", "--preset", "smoke", "--out", str(tmp_path), "--warmup", "0", "--reps", "2", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    # progress on stderr, one line per shape, and the table on stdout
+    # progress on stderr, one line per shape and one per candidate as it is measured, and the table on stdout
     assert "[1/4]" in r.stderr and "[4/4]" in r.stderr
+    assert "    autotune [1/" in r.stderr and "torch: " in r.stderr
     assert "| shape" in r.stdout and "winner" in r.stdout and "vs static order" in r.stdout
     assert "no CUDA device" in r.stderr  # says what a sweep without a GPU can and cannot do
     assert "varlen 1,63,64,65" in r.stdout
