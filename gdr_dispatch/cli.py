@@ -67,19 +67,23 @@ def summarize(results: list[tuple[ShapeSpec, dict, str]], names: list[str]) -> s
     return out
 
 
-def precompile(variants, device, only, workers: int) -> None:
+def precompile(variants, device, only, workers: int, splits: bool = True) -> None:
     """Compile every kernel the sweep's backends would build on first use, in parallel worker
     processes (a TileLang build is about a minute on one core; TileLang's disk cache is shared
-    and process-safe), and say how long each took: a user's first-call cost."""
+    and process-safe), and say how long each took: a user's first-call cost. With `splits`, the
+    split candidates' builds too (their segments are a varlen call with both states)."""
     jobs: dict[tuple, list[str]] = {}
     for i, spec in enumerate(variants, 1):
         inputs = make_inputs(spec, device, seed=i)
         call = validate(**call_kwargs(inputs))
         problem = Problem.from_call(call)
-        for name, backend in registered_backends().items():
-            if (only is None or name in only) and backend.supported(problem)[0]:
-                for job in backend.compile_jobs(call):
-                    jobs.setdefault(job, []).append(name)
+        chosen = {name: backend for name, backend in registered_backends().items()
+                  if (only is None or name in only) and backend.supported(problem)[0]}
+        if splits:
+            chosen.update(split_candidates(problem, chosen))
+        for name, backend in chosen.items():
+            for job in backend.compile_jobs(call):
+                jobs.setdefault(job, []).append(name.split("@")[0])
         del inputs, call
     if not jobs:
         return
@@ -130,7 +134,7 @@ def cmd_tune(args) -> int:
     print(f"tuning {len(variants)} shapes ({source}) on {dev.name}; table: "
           f"{tuning_table.table_path(out_dir, dev.slug)}", file=sys.stderr)
     if args.compile_jobs:
-        precompile(variants, device, only, args.compile_jobs)
+        precompile(variants, device, only, args.compile_jobs, splits=not args.no_splits)
 
     results = []
     written = 0

@@ -288,6 +288,23 @@ class SplitBackend(Backend):
     def run(self, call: GDRCall) -> GDRGrads:
         return split_backward(call, self.segments, run=lambda **kw: self.inner.run(validate(**kw)))
 
+    def compile_jobs(self, call: GDRCall) -> list[tuple[str, str, tuple]]:
+        """The inner backend's builds for pass 3's call (the segments as one varlen call with both
+        states in fp32): FlashQLA's kernels key on those flags, so a sweep that precompiled only
+        the unsplit call still compiled them on first use (about a minute, session 6)."""
+        _, _, seg_lens, _ = segment_plan(call, self.segments)
+        dev = call.q.device
+        flat = {name: getattr(call, name).reshape(1, call.B * call.T, *getattr(call, name).shape[2:])
+                for name in ("q", "k", "v", "a", "g", "b", "do")}
+        state_dt = call.acc_dtype if call.acc_dtype == torch.float64 else torch.float32
+        shape = (len(seg_lens), call.H, call.V, call.K) if call.state_v_first else (len(seg_lens), call.H, call.K, call.V)
+        states = torch.zeros(shape, dtype=state_dt, device=dev)
+        h = None if call.h is None else call.h.reshape(1, -1, *call.h.shape[2:])
+        seg = validate(**flat, h=h, dht=states, initial_state=states, scale=call.scale, chunk_size=call.chunk_size,
+                       cu_seqlens=device_constant(tuple(itertools.accumulate([0] + seg_lens)), torch.int32, dev),
+                       state_v_first=call.state_v_first)
+        return self.inner.compile_jobs(seg)
+
 
 #: How a split candidate is written in a table: `<backend>@split<segments>`.
 SPLIT_MARK = "@split"

@@ -371,3 +371,34 @@ def test_split_on_the_scan_kernels_stays_within_rounding(spec, monkeypatch):
             assert a is None, name
             continue
         assert ((a - b).norm() / b.norm()).item() < 1e-5, name
+
+
+def test_a_split_candidate_precompiles_the_inner_builds_of_its_segments_call():
+    """A sweep precompiles `<backend>@split<n>` through the inner backend's `compile_jobs` on
+    pass 3's call: the segments as one varlen call with both states (FlashQLA keys its kernels
+    on those flags), not the unsplit call's."""
+    from gdr_dispatch.registry import Backend
+
+    seen = []
+
+    class Recorder(Backend):
+        name = "recorder"
+
+        def not_supported_reasons(self, p):
+            return []
+
+        def run(self, call):
+            raise AssertionError("not run")
+
+        def compile_jobs(self, call):
+            seen.append(call)
+            return [("m", "f", (call.N,))]
+
+    spec = ShapeSpec(B=2, T=300, H=4, Hg=2, K=16, V=8, initial_state=False, dht=False, dtype="float32",
+                     h="given", state_v_first=True)
+    call = validate(**call_kwargs(make_inputs(spec, "cpu", seed=1)))
+    assert SplitBackend(Recorder(), 3).compile_jobs(call) == [("m", "f", (6,))]
+    (seg,) = seen
+    assert seg.B == 1 and seg.seq_lens == (128, 128, 44) * 2  # 5 chunks in runs of 2, 2, 1
+    assert seg.initial_state.dtype == seg.dht.dtype == torch.float32 and seg.initial_state.shape == (6, 4, 8, 16)
+    assert seg.h is not None and seg.state_v_first
