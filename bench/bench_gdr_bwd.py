@@ -270,7 +270,8 @@ def main(argv=None):
     if args.compile_jobs:
         from gdr_dispatch.cli import precompile
 
-        precompile(variants, torch.device("cuda"), set(registered_backends()) - skip, args.compile_jobs)
+        precompile(variants, torch.device("cuda"), set(registered_backends()) - skip, args.compile_jobs,
+                   splits=bool(splits))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     doc = {"device": dev.name, "capability": list(dev.capability), "versions": library_versions(),
