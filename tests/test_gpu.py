@@ -97,6 +97,32 @@ def test_split_matches_oracle_on_gpu(name, backend, segments, h_mode, monkeypatc
     _check_backend(backend, name, "bfloat16", h_mode, monkeypatch)
 
 
+@pytest.mark.parametrize("n_seg", [1, 7, 64])
+def test_split_scan_kernels_on_gpu(n_seg):
+    """Pass 2's Triton scans (3xTF32 products, gdr_dispatch/segment_scan.py) at K = V = 128
+    against the step-by-step scan in float64, on contracting maps like the split's."""
+    from gdr_dispatch import segment_scan
+
+    gen = torch.Generator().manual_seed(n_seg)
+    N, H, K, V = 2, 3, 128, 128
+    M = torch.randn(N, n_seg, H, K, K, generator=gen, dtype=torch.float64) / K ** 0.5 * 0.9
+    R, D = (torch.randn(N, n_seg, H, K, V, generator=gen, dtype=torch.float64) for _ in range(2))
+    S0, G_end = (torch.randn(N, H, K, V, generator=gen, dtype=torch.float64) for _ in range(2))
+    cuda = (lambda x: x.float().cuda())
+    starts = segment_scan.forward_scan(cuda(M), cuda(R), cuda(S0)).double().cpu()
+    ends, first = (x.double().cpu() for x in segment_scan.backward_scan(cuda(M), cuda(D), cuda(G_end)))
+    S, G = S0, G_end
+    want_s, want_e = [], [None] * n_seg
+    for j in range(n_seg):
+        want_s.append(S)
+        S = M[:, j] @ S + R[:, j]
+    for j in range(n_seg - 1, -1, -1):
+        want_e[j] = G
+        G = M[:, j].transpose(-1, -2) @ G + D[:, j]
+    for got, want in ((starts, torch.stack(want_s, 1)), (ends, torch.stack(want_e, 1)), (first, G)):
+        assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
 def test_autotune_on_gpu_cross_checks_and_stores():
     spec = ShapeSpec(B=1, T=200, H=4, Hg=2, K=128, V=128, h="none")
     kwargs, ref = case(spec, device="cuda")
