@@ -242,6 +242,8 @@ def main(argv=None) -> int:
     if args.match:
         shapes = [s for s in shapes if re.search(args.match, s.label())]
     ops = runners([n for n in args.backends.split(",") if n], [n for n in args.forwards.split(",") if n])
+    # said before anything slow: session 6's starved run printed nothing in 150 s
+    print(f"{len(shapes)} shapes; runners: {', '.join(ops)}", file=sys.stderr, flush=True)
     if args.compile_jobs:
         # our op's backward (h=None by default): the backends' kernels for these shapes, in
         # parallel (on the H200 each forced TileLang backend compiled ~50 s inside its first row)

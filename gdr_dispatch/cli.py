@@ -73,6 +73,7 @@ def precompile(variants, device, only, workers: int, splits: bool = True) -> Non
     and process-safe), and say how long each took: a user's first-call cost. With `splits`, the
     split candidates' builds too (their segments are a varlen call with both states)."""
     jobs: dict[tuple, list[str]] = {}
+    print(f"collecting the kernel builds of {len(variants)} shapes", file=sys.stderr, flush=True)
     for i, spec in enumerate(variants, 1):
         inputs = make_inputs(spec, device, seed=i)
         call = validate(**call_kwargs(inputs))
