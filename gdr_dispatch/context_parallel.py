@@ -152,13 +152,16 @@ def split_backward(call: GDRCall, segments: int, run: Callable[..., GDRGrads]) -
                  "Triton kernels" if _scan_kernels(K, V, acc, dev) is not None else "torch products",
                  tag[0].describe())
     if maps is not None:  # pass 1 on the provider's kernels, scattered to [N, n_seg, H, ...]
-        m, r, d = maps(seg_call)
+        m, r, d = maps(seg_call, need_r=call.h is None)  # with h given the starts come from h
         Ms = torch.eye(K, dtype=acc, device=dev).repeat(N, n_seg, H, 1, 1)
-        Rs = torch.zeros(N, n_seg, H, K, V, dtype=acc, device=dev)
         Ds = torch.zeros(N, n_seg, H, K, V, dtype=acc, device=dev)
         rows = device_constant(tuple(n for n, _ in pick), torch.int64, dev)
         cols = device_constant(tuple(j for _, j in pick), torch.int64, dev)
-        Ms[rows, cols], Rs[rows, cols], Ds[rows, cols] = m.to(acc), r.to(acc), d.to(acc)
+        Ms[rows, cols], Ds[rows, cols] = m.to(acc), d.to(acc)
+        Rs = None
+        if r is not None:
+            Rs = torch.zeros(N, n_seg, H, K, V, dtype=acc, device=dev)
+            Rs[rows, cols] = r.to(acc)
     else:
         Ms, Rs, Ds = _torch_pass_1(call, s, n_seg)
     return _scan_and_run(call, s, n_seg, seg_lens, pick, flat, offsets, Ms, Rs, Ds, run)

@@ -289,9 +289,11 @@ class Backend:
 
     def split_passes(self, problem: Problem):
         """Pass 1 of the exact context-parallel split on this backend's kernels, if it has them
-        for `problem` (the segments' varlen call): a function of that call returning every
-        segment's composed maps `(M, R, D)` (`[segments, H, K, K | V | V]`, fp32, K x V state
-        layout). None: gdr_dispatch/context_parallel.py's batched torch products run it."""
+        for `problem` (the segments' varlen call): a function `(call, need_r=True)` returning
+        every segment's composed maps `(M, R, D)` (`[segments, H, K, K | V | V]`, fp32, K x V
+        state layout; R may be None when `need_r` is False: with `h` given the segments' start
+        states come from `h`). None: gdr_dispatch/context_parallel.py's batched torch products
+        run it."""
         return None
 
     def compile_jobs(self, call: GDRCall) -> list[tuple[str, str, tuple]]:

@@ -267,6 +267,25 @@ def test_fla_pass_1_composes_the_same_maps_as_the_torch_products(spec, fla_pass_
     assert fla_pass_1.count("chunk_gated_delta_rule_fwd_h") == 1 and fla_pass_1.count("chunk_gated_delta_rule_bwd_dhu") == 1
 
 
+def test_fla_pass_1_without_r_runs_k_columns_and_keeps_m_and_d(fla_pass_1, monkeypatch):
+    """With `h` given the split needs no R: the state pass then runs over K value columns, not
+    K + V, and M and D are the same maps."""
+    from fla.ops.common import chunk_delta_h  # fake_fla's stand-in (the fixture installs it)
+
+    from gdr_dispatch.backends.common import fla_pipeline
+
+    spec = replace(FLA_PASS_SHAPES[0], dtype="float16", h="none")
+    call = validate(**call_kwargs(make_inputs(spec, "cpu", seed=4)))
+    widths = []
+    inner = chunk_delta_h.chunk_gated_delta_rule_fwd_h
+    monkeypatch.setattr(chunk_delta_h, "chunk_gated_delta_rule_fwd_h",
+                        lambda **kw: widths.append(kw["u"].shape[-1]) or inner(**kw))
+    m1, r1, d1 = fla_pipeline.segment_maps(call)
+    m2, r2, d2 = fla_pipeline.segment_maps(call, need_r=False)
+    assert widths == [call.K + call.V, call.K] and r1 is not None and r2 is None
+    assert torch.equal(m1, m2) and torch.equal(d1, d2)
+
+
 @pytest.mark.parametrize("h_mode", ["given", "none"])
 @pytest.mark.parametrize("spec", FLA_PASS_SHAPES, ids=lambda s: s.label())
 def test_split_with_fla_pass_1_matches_the_oracle(spec, h_mode, fla_pass_1, monkeypatch, caplog):

@@ -111,13 +111,14 @@ def recompute_states(call: GDRCall) -> torch.Tensor:
     return h
 
 
-def segment_maps(seg_call: GDRCall):
+def segment_maps(seg_call: GDRCall, need_r: bool = True):
     """Pass 1 of the exact split (gdr_dispatch/context_parallel.py) on fla's state kernels: each
     sequence of `seg_call` is one segment; returns its composed `(M, R, D)` in fp32, `[N, H, K,
     K]`, `[N, H, K, V]`, `[N, H, K, V]` (K x V layout whatever `seg_call.state_v_first` says).
 
     The state recurrence is linear in (state, u): run on the values `[0 | u]` from the start
-    state `[I | 0]` it ends at `[M | R]`, one pass of `V + K` value columns. `D` is the dh
+    state `[I | 0]` it ends at `[M | R]`, one pass of `V + K` value columns (K only, R None,
+    without `need_r`: with `h` given the split takes the segments' start states from `h`). `D` is the dh
     recurrence from a zero end gradient: the segment's start gradient, `dh0`. Both kernels keep
     the state in fp32 and round it to k's dtype for their products, as the unsplit chain does.
     """
@@ -127,8 +128,11 @@ def segment_maps(seg_call: GDRCall):
     s1 = _stage_1(seg_call)
     N, H, K, V, BT = seg_call.N, seg_call.H, seg_call.K, seg_call.V, seg_call.chunk_size
     dev = seg_call.q.device
-    u_aug = torch.cat([s1.u.new_zeros(*s1.u.shape[:-1], K), s1.u], dim=-1).contiguous()
-    start = torch.zeros(N, H, K, K + V, dtype=torch.float32, device=dev)
+    cols = K + V if need_r else K
+    u_aug = s1.u.new_zeros(*s1.u.shape[:-1], cols)
+    if need_r:
+        u_aug[..., K:] = s1.u
+    start = torch.zeros(N, H, K, cols, dtype=torch.float32, device=dev)
     start[..., :K] = torch.eye(K, dtype=torch.float32, device=dev)
     _, _, end = chunk_gated_delta_rule_fwd_h(k=s1.k, w=s1.w, u=u_aug, g=s1.g2, initial_state=start,
                                              output_final_state=True, save_new_value=False, **s1.common,
@@ -138,7 +142,7 @@ def segment_maps(seg_call: GDRCall):
     _, D, _ = chunk_gated_delta_rule_bwd_dhu(q=q, k=s1.k, w=s1.w, g=s1.g2, do=do, dv=dv, scale=seg_call.scale,
                                              h0=torch.zeros(N, H, K, V, dtype=torch.float32, device=dev), dht=None,
                                              **s1.common, state_v_first=False, chunk_size=BT)
-    return end[..., :K], end[..., K:], D
+    return end[..., :K], (end[..., K:] if need_r else None), D
 
 
 def state_stages(call: GDRCall) -> FlaStages:
