@@ -72,6 +72,8 @@ def precompile(variants, device, only, workers: int, splits: bool = True) -> Non
     processes (a TileLang build is about a minute on one core; TileLang's disk cache is shared
     and process-safe), and say how long each took: a user's first-call cost. With `splits`, the
     split candidates' builds too (their segments are a varlen call with both states)."""
+    from .context_parallel import parse_split
+
     jobs: dict[tuple, list[str]] = {}
     print(f"collecting the kernel builds of {len(variants)} shapes", file=sys.stderr, flush=True)
     for i, spec in enumerate(variants, 1):
@@ -84,7 +86,7 @@ def precompile(variants, device, only, workers: int, splits: bool = True) -> Non
             chosen.update(split_candidates(problem, chosen))
         for name, backend in chosen.items():
             for job in backend.compile_jobs(call):
-                jobs.setdefault(job, []).append(name.split("@")[0])
+                jobs.setdefault(job, []).append(parse_split(name)[0])
         del inputs, call
     if not jobs:
         return

@@ -124,6 +124,21 @@ def segment_plan(call: GDRCall, segments: int):
     return s, n_seg, seg_lens, pick
 
 
+def _segments_inputs(call: GDRCall, seg_lens: list) -> tuple[dict, torch.Tensor]:
+    """The call's per-token tensors as one packed sequence, and the segments' `cu_seqlens` (a
+    cached device constant: a fresh host-to-device copy, and `validate`'s read of a fresh
+    cu_seqlens back to the host, stalled the stream on every split call): the inputs of pass 1's
+    and pass 3's calls."""
+    flat = {name: getattr(call, name).reshape(1, call.B * call.T, *getattr(call, name).shape[2:])
+            for name in ("q", "k", "v", "a", "g", "b", "do")}
+    return flat, device_constant(tuple(itertools.accumulate([0] + seg_lens)), torch.int32, call.q.device)
+
+
+def _state_dtype(call: GDRCall) -> torch.dtype:
+    """The segments' `initial_state`/`dht` dtype: the accumulation dtype, at least fp32."""
+    return call.acc_dtype if call.acc_dtype == torch.float64 else torch.float32
+
+
 def split_backward(call: GDRCall, segments: int, run: Callable[..., GDRGrads]) -> GDRGrads:
     """The backward of `call` with each sequence cut into runs of whole chunks.
 
@@ -137,11 +152,10 @@ def split_backward(call: GDRCall, segments: int, run: Callable[..., GDRGrads]) -
     N, H, K, V, BT = call.N, call.H, call.K, call.V, call.chunk_size
     dev = call.q.device
     s, n_seg, seg_lens, pick = segment_plan(call, segments)
-    flat = {name: getattr(call, name).reshape(1, call.B * call.T, *getattr(call, name).shape[2:])
-            for name in ("q", "k", "v", "a", "g", "b", "do")}
-    # index tensors as cached device constants: a fresh host-to-device copy (and validate's read of a
-    # fresh cu_seqlens back to the host) stalled the stream on every split call
-    offsets = device_constant(tuple(itertools.accumulate([0] + seg_lens)), torch.int32, dev)
+    flat, offsets = _segments_inputs(call, seg_lens)
+    # each non-empty segment's (sequence, segment) indices into the [N, n_seg, ...] maps
+    seq_of = device_constant(tuple(n for n, _ in pick), torch.int64, dev)
+    seg_of = device_constant(tuple(j for _, j in pick), torch.int64, dev)
     seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=BT)  # no states: pass 1's input
     provider, maps = pass_1_provider(seg_call)
     tag = (Problem.from_call(call), segments, provider)
@@ -155,16 +169,14 @@ def split_backward(call: GDRCall, segments: int, run: Callable[..., GDRGrads]) -
         m, r, d = maps(seg_call, need_r=call.h is None)  # with h given the starts come from h
         Ms = torch.eye(K, dtype=acc, device=dev).repeat(N, n_seg, H, 1, 1)
         Ds = torch.zeros(N, n_seg, H, K, V, dtype=acc, device=dev)
-        rows = device_constant(tuple(n for n, _ in pick), torch.int64, dev)
-        cols = device_constant(tuple(j for _, j in pick), torch.int64, dev)
-        Ms[rows, cols], Ds[rows, cols] = m.to(acc), d.to(acc)
+        Ms[seq_of, seg_of], Ds[seq_of, seg_of] = m.to(acc), d.to(acc)
         Rs = None
         if r is not None:
             Rs = torch.zeros(N, n_seg, H, K, V, dtype=acc, device=dev)
-            Rs[rows, cols] = r.to(acc)
+            Rs[seq_of, seg_of] = r.to(acc)
     else:
         Ms, Rs, Ds = _torch_pass_1(call, s, n_seg)
-    return _scan_and_run(call, s, n_seg, seg_lens, pick, flat, offsets, Ms, Rs, Ds, run)
+    return _scan_and_run(call, s, pick, (seq_of, seg_of), flat, offsets, Ms, Rs, Ds, run)
 
 
 def _torch_pass_1(call: GDRCall, s: int, n_seg: int):
@@ -212,9 +224,9 @@ def _scan_kernels(K: int, V: int, acc: torch.dtype, dev: torch.device):
     return None if segment_scan.not_supported_reason(K, V, acc, dev) else segment_scan
 
 
-def _scan_and_run(call, s, n_seg, seg_lens, pick, flat, offsets, Ms, Rs, Ds, run) -> GDRGrads:
+def _scan_and_run(call, s, pick, index, flat, offsets, Ms, Rs, Ds, run) -> GDRGrads:
     """Pass 2 (the scan over each sequence's segments) and pass 3 (the segments as one varlen
-    call of `run`)."""
+    call of `run`); `index` holds the non-empty segments' (sequence, segment) index tensors."""
     acc = call.acc_dtype
     N, H, K, V, BT = call.N, call.H, call.K, call.V, call.chunk_size
     dev = call.q.device
@@ -223,8 +235,7 @@ def _scan_and_run(call, s, n_seg, seg_lens, pick, flat, offsets, Ms, Rs, Ds, run
     dht = cm.states_in(call.dht, call.state_v_first)
     S0 = None if h0 is None else h0.to(acc)
     dS_end = None if dht is None else dht.to(acc)
-    seq_of = device_constant(tuple(n for n, _ in pick), torch.int64, dev)
-    seg_of = device_constant(tuple(j for _, j in pick), torch.int64, dev)
+    seq_of, seg_of = index
     kernels = _scan_kernels(K, V, acc, dev)
     if call.h is not None:  # every non-empty segment starts on a real chunk: the caller's state there (as unsplit)
         first_chunk = list(itertools.accumulate([0] + chunk_counts(call.seq_lens, BT)))
@@ -249,7 +260,7 @@ def _scan_and_run(call, s, n_seg, seg_lens, pick, flat, offsets, Ms, Rs, Ds, run
     grad_end = ends[seq_of, seg_of]
 
     # pass 3: the non-empty segments as the sequences of one varlen call
-    out_dt = acc if acc == torch.float64 else torch.float32
+    out_dt = _state_dtype(call)
     init, grad_end = init.to(out_dt), grad_end.to(out_dt)
     if call.state_v_first:
         init, grad_end = init.transpose(-1, -2).contiguous(), grad_end.transpose(-1, -2).contiguous()
@@ -296,16 +307,12 @@ class SplitBackend(Backend):
         states in fp32): FlashQLA's kernels key on those flags, so a sweep that precompiled only
         the unsplit call still compiled them on first use (about a minute, session 6)."""
         _, _, seg_lens, _ = segment_plan(call, self.segments)
-        dev = call.q.device
-        flat = {name: getattr(call, name).reshape(1, call.B * call.T, *getattr(call, name).shape[2:])
-                for name in ("q", "k", "v", "a", "g", "b", "do")}
-        state_dt = call.acc_dtype if call.acc_dtype == torch.float64 else torch.float32
+        flat, offsets = _segments_inputs(call, seg_lens)
         shape = (len(seg_lens), call.H, call.V, call.K) if call.state_v_first else (len(seg_lens), call.H, call.K, call.V)
-        states = torch.zeros(shape, dtype=state_dt, device=dev)
+        states = torch.zeros(shape, dtype=_state_dtype(call), device=call.q.device)
         h = None if call.h is None else call.h.reshape(1, -1, *call.h.shape[2:])
         seg = validate(**flat, h=h, dht=states, initial_state=states, scale=call.scale, chunk_size=call.chunk_size,
-                       cu_seqlens=device_constant(tuple(itertools.accumulate([0] + seg_lens)), torch.int32, dev),
-                       state_v_first=call.state_v_first)
+                       cu_seqlens=offsets, state_v_first=call.state_v_first)
         return self.inner.compile_jobs(seg)
 
 
