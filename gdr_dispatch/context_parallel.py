@@ -26,8 +26,8 @@ segments' call (`Backend.split_passes`; today fla's state kernels, which compose
 `M` and `R` in one state pass and its `D` in one dh pass), else as batched tensor products here
 (any device, fp32 or fp64 accumulation; the per-chunk maps in one batch, each segment's
 composition in log2(chunks) batched levels): exact, and what the CPU tests hold the split to.
-Pass 2, the scans, runs as two Triton kernels on CUDA for fp32 maps (segment_scan.py: one launch
-each instead of ~150 small ops), else as log-depth prefixes of the segments' maps in batched
+Pass 2, the scans, runs as Triton kernels on CUDA for fp32 maps (segment_scan.py: one launch
+each instead of ~150 small ops; not yet GPU-verified, so only with GDR_ALLOW_UNVERIFIED=1), else as log-depth prefixes of the segments' maps in batched
 K x K products. `GDR_CP=<n>` forces at
 most n segments per sequence, `GDR_CP=0` turns the split off; unset, the autotuner tries
 `(backend, segments)` candidates (`SplitBackend`) on grids with fewer sequence x head programs
@@ -163,7 +163,8 @@ def split_backward(call: GDRCall, segments: int, run: Callable[..., GDRGrads]) -
         _logged.add(tag)
         log.info("gdr_dispatch: split pass 1 (the segments' composed state maps) on %s, pass 2 (the scans) on %s, "
                  "for %s", f"{provider}'s kernels" if maps is not None else provider,
-                 "Triton kernels" if _scan_kernels(K, V, acc, dev) is not None else "torch products",
+                 "Triton kernels" if _scan_kernels(K, V, acc, dev) is not None
+                 else f"torch products ({_scan_kernels_refusal(K, V, acc, dev)})",
                  tag[0].describe())
     if maps is not None:  # pass 1 on the provider's kernels, scattered to [N, n_seg, H, ...]
         m, r, d = maps(seg_call, need_r=call.h is None)  # with h given the starts come from h
@@ -214,14 +215,29 @@ def _prefix_maps(M, X):
     return A, B
 
 
-def _scan_kernels(K: int, V: int, acc: torch.dtype, dev: torch.device):
-    """The Triton scan module (segment_scan.py) where its kernels take the maps, else None (the
-    torch scan: CPU, float64)."""
+def _scan_kernels_refusal(K: int, V: int, acc: torch.dtype, dev: torch.device) -> str:
+    """Why pass 2 does not run on the Triton scans (segment_scan.py) here, "" when it does.
+    They are not yet verified on a GPU: until their GPU tests pass (tests/test_gpu.py), only
+    GDR_ALLOW_UNVERIFIED=1 (which those tests set) runs them, as for a backend."""
     if torch.device(dev).type != "cuda":
+        return "not on CUDA"
+    from . import segment_scan
+    from .registry import ALLOW_UNVERIFIED_ENV, unverified_allowed
+
+    why = segment_scan.not_supported_reason(K, V, acc, dev)
+    if not why and not segment_scan.GPU_VERIFIED and not unverified_allowed():
+        why = f"the Triton scans are not verified on a GPU yet; {ALLOW_UNVERIFIED_ENV}=1 runs them"
+    return why
+
+
+def _scan_kernels(K: int, V: int, acc: torch.dtype, dev: torch.device):
+    """The Triton scan module (segment_scan.py) where it takes the maps here, else None (the
+    torch scan; `_scan_kernels_refusal` says why)."""
+    if _scan_kernels_refusal(K, V, acc, dev):
         return None
     from . import segment_scan
 
-    return None if segment_scan.not_supported_reason(K, V, acc, dev) else segment_scan
+    return segment_scan
 
 
 def _scan_and_run(call, s, pick, index, flat, offsets, Ms, Rs, Ds, run) -> GDRGrads:

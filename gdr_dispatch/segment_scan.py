@@ -23,6 +23,9 @@ import triton.language as tl
 BV = 32
 #: launch options, see the module docstring
 NUM_WARPS, NUM_STAGES = 8, 1
+#: Not yet run on a GPU (written in session 6 after the last device call): context_parallel.py
+#: runs them only with GDR_ALLOW_UNVERIFIED=1 until tests/test_gpu.py's scan and split tests pass.
+GPU_VERIFIED = False
 
 
 @triton.jit

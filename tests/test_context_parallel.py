@@ -421,3 +421,19 @@ def test_a_split_candidate_precompiles_the_inner_builds_of_its_segments_call():
     assert seg.B == 1 and seg.seq_lens == (128, 128, 44) * 2  # 5 chunks in runs of 2, 2, 1
     assert seg.initial_state.dtype == seg.dht.dtype == torch.float32 and seg.initial_state.shape == (6, 4, 8, 16)
     assert seg.h is not None and seg.state_v_first
+
+
+def test_the_scan_kernels_wait_for_their_gpu_tests(monkeypatch):
+    """Not yet run on a GPU: the split keeps the torch scans on CUDA unless GDR_ALLOW_UNVERIFIED
+    is set (the GPU tests set it), and says why."""
+    import gdr_dispatch.context_parallel as cp
+
+    cuda = torch.device("cuda")
+    monkeypatch.delenv("GDR_ALLOW_UNVERIFIED", raising=False)
+    why = cp._scan_kernels_refusal(128, 128, torch.float32, cuda)
+    assert "not verified on a GPU" in why and "GDR_ALLOW_UNVERIFIED=1" in why
+    assert cp._scan_kernels(128, 128, torch.float32, cuda) is None
+    monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+    assert cp._scan_kernels_refusal(128, 128, torch.float32, cuda) == ""
+    assert "float64" in cp._scan_kernels_refusal(128, 128, torch.float64, cuda)
+    assert cp._scan_kernels_refusal(128, 128, torch.float32, torch.device("cpu")) == "not on CUDA"
