@@ -27,7 +27,7 @@ segments' call (`Backend.split_passes`; today fla's state kernels, which compose
 (any device, fp32 or fp64 accumulation; the per-chunk maps in one batch, each segment's
 composition in log2(chunks) batched levels): exact, and what the CPU tests hold the split to.
 Pass 2, the scans, runs as Triton kernels on CUDA for fp32 maps (segment_scan.py: one launch
-each instead of ~150 small ops; not yet GPU-verified, so only with GDR_ALLOW_UNVERIFIED=1), else as log-depth prefixes of the segments' maps in batched
+each instead of ~150 small ops), else as log-depth prefixes of the segments' maps in batched
 K x K products. `GDR_CP=<n>` forces at
 most n segments per sequence, `GDR_CP=0` turns the split off; unset, the autotuner tries
 `(backend, segments)` candidates (`SplitBackend`) on grids with fewer sequence x head programs
@@ -217,8 +217,8 @@ def _prefix_maps(M, X):
 
 def _scan_kernels_refusal(K: int, V: int, acc: torch.dtype, dev: torch.device) -> str:
     """Why pass 2 does not run on the Triton scans (segment_scan.py) here, "" when it does.
-    They are not yet verified on a GPU: until their GPU tests pass (tests/test_gpu.py), only
-    GDR_ALLOW_UNVERIFIED=1 (which those tests set) runs them, as for a backend."""
+    Gated like a backend: while `segment_scan.GPU_VERIFIED` is False (their GPU tests in
+    tests/test_gpu.py not yet passed), only GDR_ALLOW_UNVERIFIED=1 runs them."""
     if torch.device(dev).type != "cuda":
         return "not on CUDA"
     from . import segment_scan

@@ -424,12 +424,18 @@ def test_a_split_candidate_precompiles_the_inner_builds_of_its_segments_call():
 
 
 def test_the_scan_kernels_wait_for_their_gpu_tests(monkeypatch):
-    """Not yet run on a GPU: the split keeps the torch scans on CUDA unless GDR_ALLOW_UNVERIFIED
-    is set (the GPU tests set it), and says why."""
+    """Until their GPU tests pass (segment_scan.GPU_VERIFIED) the split keeps the torch scans
+    on CUDA unless GDR_ALLOW_UNVERIFIED is set (the GPU tests set it), and says why; once
+    verified they run on CUDA for fp32 maps without it."""
     import gdr_dispatch.context_parallel as cp
+    from gdr_dispatch import segment_scan
 
     cuda = torch.device("cuda")
     monkeypatch.delenv("GDR_ALLOW_UNVERIFIED", raising=False)
+    monkeypatch.setattr(segment_scan, "GPU_VERIFIED", True)
+    assert cp._scan_kernels_refusal(128, 128, torch.float32, cuda) == ""
+    assert cp._scan_kernels(128, 128, torch.float32, cuda) is segment_scan
+    monkeypatch.setattr(segment_scan, "GPU_VERIFIED", False)
     why = cp._scan_kernels_refusal(128, 128, torch.float32, cuda)
     assert "not verified on a GPU" in why and "GDR_ALLOW_UNVERIFIED=1" in why
     assert cp._scan_kernels(128, 128, torch.float32, cuda) is None
