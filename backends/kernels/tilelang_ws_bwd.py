@@ -55,12 +55,11 @@ PHASES = 7
 #: chunks of clock cycles: [2 s] working before sync point s, [2 s + 1] waiting there (s = 0
 #: the producer's `full` barrier, 1-7 the phase ends), [16] the whole chunk loop, [17] chunks.
 TIMING_SLOTS = 18
-#: The build `tilelang_ws` runs; `tma_dq` and `k_free` are the experiments kept as switches (the others,
+#: The build `tilelang_ws` runs; `tma_dq` is the one experiment kept as a switch (the others,
 #: measured and either made the default or dropped, are in docs/tilelang_ws.md, "Steps", and
 #: in git history: 768934d has them all). Tools name builds by switches (`build_flags`).
-DEFAULT_BUILD = {"tma_dq": False, "k_free": False}
-SWITCHES = {"tmadq": ("tma_dq", True), "notmadq": ("tma_dq", False),
-            "kfree": ("k_free", True), "nokfree": ("k_free", False)}
+DEFAULT_BUILD = {"tma_dq": False}
+SWITCHES = {"tmadq": ("tma_dq", True), "notmadq": ("tma_dq", False)}
 
 
 def build_flags(build: str) -> dict:
@@ -79,17 +78,13 @@ def build_flags(build: str) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing: bool = False,
-                 tma_dq: bool = DEFAULT_BUILD["tma_dq"], k_free: bool = DEFAULT_BUILD["k_free"]):
+                 tma_dq: bool = DEFAULT_BUILD["tma_dq"]):
     """Compile (once per configuration) the warp-specialised kernel (K = V = 128, chunk 64).
 
     `timing` adds cycle counters at every sync point (written to the `clk` argument, CTA by
     CTA: `[N * H, 3, TIMING_SLOTS]`); the instrument of docs/tilelang_ws.md's phase table.
     `tma_dq` (off) stores A's full dq tiles with one TMA store: -4 % on varlen, +3 % at fixed
-    lengths in session 4, within noise in session 6. `k_free` (off, not yet run on a GPU):
-    KV arrives at a barrier of its own once its phase-7 gemm has read k, the producer loads the
-    next k on it instead of after phase 7, and phase 7 ends without a rendezvous (every group
-    only arrives; nothing a group does before the next chunk's `full` and phase-1 barrier needs
-    another's phase 7: docs/tilelang_ws.md, "Next" 1). The schedule's steps (Gam in A's
+    lengths in session 4, within noise in session 6. The schedule's steps (Gam in A's
     registers, U and W formed by KV, A running on at phases 3 and 4, dg stored in phase 6, the
     column sums through an exact transpose, A^T dAr formed by KV, exact accumulator fences), each
     measured before it became part of it: docs/tilelang_ws.md.
@@ -136,16 +131,6 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
         T.barrier_arrive(bars[p])
         if timing:
             account(tick, tm_s, grp, slot)
-
-    @T.macro
-    def close_phase_7(bars, it, grp, tick, tm_s):
-        """The chunk's last phase: a rendezvous, or with `k_free` an arrival only (the next
-        chunk's `full` barrier implies KV's phase-7 read of k_s and ag_s, the only tiles another
-        group's next phase 1 writes)."""
-        if k_free:
-            phase_arrive(bars, PHASES - 1, PHASES, grp, tick, tm_s)
-        else:
-            phase_sync(bars, PHASES - 1, it % 2, PHASES, grp, tick, tm_s)
 
     @T.macro
     def full_wait(bar, parity, grp, tick, tm_s):
@@ -337,8 +322,6 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                 full = T.alloc_barrier(arrive_count=128)  # the producer publishes a chunk
                 start = T.alloc_barrier(arrive_count=384)  # dS' copy of dht is in dh_s
                 phase = T.alloc_barrier(arrive_count=[384] * PHASES)
-                if k_free:
-                    kfree = T.alloc_barrier(arrive_count=128)  # KV's phase-7 gemm has read k_s
 
                 T.annotate_layout({
                     q_s: tilelang.layout.make_swizzled_layout(q_s),
@@ -432,7 +415,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         for i in T.Parallel(BT):
                             if i < L:
                                 db[t0 + i, hh] = T.cast(db_s[i], b_dtype)
-                        close_phase_7(phase, it, 0, tick, tm_s)
+                        phase_sync(phase, 6, it % 2, 7, 0, tick, tm_s)
                     loop_end(tick, tm_s, 0, n_chunks, clk, bx)
                     T.copy(dS_f, dh0[n, hh, :, :])
 
@@ -505,10 +488,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         phase_sync(phase, 5, it % 2, 6, 1, tick, tm_s)
                         # 7: dk += (dkk + dkk^T) K
                         T.gemm(ag_s, k_s, kv2_f)
-                        if k_free:  # k_s is read: the producer may load the next k
-                            T.barrier_arrive(kfree)
                         store_rows(kv2_f, u_s, dk, t0, eos, hh)  # u_s is free after phase 5
-                        close_phase_7(phase, it, 1, tick, tm_s)
+                        phase_sync(phase, 6, it % 2, 7, 1, tick, tm_s)
                     loop_end(tick, tm_s, 1, n_chunks, clk, bx)
 
                 elif tx < 384:
@@ -608,7 +589,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         phase_sync(phase, 5, it % 2, 6, 2, tick, tm_s)
                         # 7: dq (S writes dg and db)
                         store_tile(a1_f, dvp_s, dq, t0, eos, hh, it, tma_dq)  # dvp_s is free after phase 5
-                        close_phase_7(phase, it, 2, tick, tm_s)
+                        phase_sync(phase, 6, it % 2, 7, 2, tick, tm_s)
                     if tma_dq:
                         T.tma_store_wait()
                     loop_end(tick, tm_s, 2, n_chunks, clk, bx)
@@ -632,10 +613,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             eG_s[i] = T.exp2(g[t0 + i, hh] * LOG2E)
                             eGL_s[i] = T.exp2((g[t0 + BT - 1, hh] - g[t0 + i, hh]) * LOG2E)
                             b_s[i] = T.cast(b[t0 + i, hh], accum)
-                        if k_free:
-                            T.barrier_wait(kfree, it % 2)  # k: read by KV's phase-7 gemm
-                        else:
-                            T.barrier_wait(phase[6], it % 2)  # k: last read in phase 7
+                        T.barrier_wait(phase[6], it % 2)  # k: last read in phase 7
                         T.tma_copy(k[t0:t0 + BT, hg, 0:K], k_s, barrier=full)
                         T.barrier_arrive(full)
 
