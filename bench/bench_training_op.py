@@ -231,10 +231,20 @@ def main(argv=None) -> int:
     p.add_argument("--compile-jobs", type=int, default=8,
                    help="compile our backends' kernels and FlashQLA's op (one step at each shape) first, in this "
                         "many processes (0: not)")
+    p.add_argument("--compile-backends", default="",
+                   help="precompile only these of our backends, comma-separated (default: every supported one; "
+                        "e.g. the table's winners, or the backend GDR_BACKEND forces: tilelang_fused alone took "
+                        "~60 s of a starved run in session 7 and never ran)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
+    from gdr_dispatch.registry import registered_backends
+
+    only = {n for n in args.compile_backends.split(",") if n} or None
+    if only and only - set(registered_backends()):
+        p.error(f"--compile-backends: unknown {sorted(only - set(registered_backends()))}; "
+                f"known: {', '.join(registered_backends())}")
     if not torch.cuda.is_available():
         print("bench needs a CUDA device", file=sys.stderr)
         return 2
@@ -251,7 +261,7 @@ def main(argv=None) -> int:
 
         from gdr_dispatch.cli import precompile
 
-        precompile([replace(s, h="none") for s in shapes], torch.device("cuda"), None, args.compile_jobs)
+        precompile([replace(s, h="none") for s in shapes], torch.device("cuda"), only, args.compile_jobs)
     if args.compile_jobs and callable(ops.get("flashqla-op")):
         precompile_flashqla(shapes, args.compile_jobs)
     dev = device_info(torch.device("cuda"))

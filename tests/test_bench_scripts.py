@@ -167,3 +167,15 @@ def test_ncu_groups_sums_samples_per_role_group(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "prologue | 1 | 0" in out and "A | 30 | 15" in out and "KV | 10 | 5" in out and "S | 5 | 2" in out
     assert "producer | 2 | 1" in out and "HGMMA" in out.split("group A:")[1]
+
+
+def test_training_bench_rejects_an_unknown_backend_to_precompile_by_name(capsys):
+    """`--compile-backends` names our backends; a typo is an error that names the flag (before
+    the bench needs a GPU), not a silent precompile of nothing."""
+    import bench_training_op as bt
+
+    with pytest.raises(SystemExit) as e:
+        bt.main(["--compile-backends", "fla,no_such_backend"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--compile-backends" in err and "no_such_backend" in err

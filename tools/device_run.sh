@@ -16,7 +16,7 @@
 #   stage56[=SECONDS] bench/bench_stage56.py (wide kernel configs, crossover) -> $OUT/stage56.log, bench/stage56.json
 #   bench[=SECONDS]  bench/bench_gdr_bwd.py, h200-train      -> $OUT/bench/<device>.{json,md}
 #   trainbench[=SECONDS] bench/bench_training_op.py (forward + backward of our op vs fla's and FlashQLA's ops;
-#                    TRAIN_MATCH='<regex>' picks shapes, TRAIN_BACKENDS='a,b' adds our op forced to each, TRAIN_FORWARDS='a' with each forward provider) -> $OUT/trainbench.log, $OUT/bench/<device>-training.{json,md}
+#                    TRAIN_MATCH='<regex>' picks shapes, TRAIN_BACKENDS='a,b' adds our op forced to each, TRAIN_FORWARDS='a' with each forward provider; TRAIN_ARGS adds flags, e.g. '--compile-backends fla,flash_qla') -> $OUT/trainbench.log, $OUT/bench/<device>-training.{json,md}
 #   tune[=SECONDS]   gdr-dispatch tune --preset h200-train (TUNE_ARGS replaces the preset, e.g. '--grid
 #                    tools/tune_saturated.yaml --backends fla,tilelang_ws') -> $OUT/tune.log (TUNE_LOG), $OUT/<device>.yaml
 #   profile[=SECONDS] tools/profile_fla_adapter.py           -> $OUT/profile.log
@@ -100,7 +100,7 @@ for arg in "$@"; do
                  > "$OUT/bench.log" 2>&1
              fi ;;
     trainbench) timeout "$limit" python3 bench/bench_training_op.py --preset h200-train --match "${TRAIN_MATCH:-.}" \
-               --backends "${TRAIN_BACKENDS:-}" --forwards "${TRAIN_FORWARDS:-}" --out "$OUT/bench" > "$OUT/trainbench.log" 2>&1 ;;
+               --backends "${TRAIN_BACKENDS:-}" --forwards "${TRAIN_FORWARDS:-}" ${TRAIN_ARGS:-} --out "$OUT/bench" > "$OUT/trainbench.log" 2>&1 ;;
     tune)    timeout "$limit" python3 -m gdr_dispatch tune ${TUNE_ARGS:---preset h200-train} --out /tmp/tables \
                > "$OUT/${TUNE_LOG:-tune.log}" 2>&1; cp /tmp/tables/*.yaml "$OUT/" ;;
     ncu)     [ -n "${precompile_pid:-}" ] && wait "$precompile_pid"
