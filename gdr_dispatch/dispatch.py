@@ -321,8 +321,13 @@ def autotune(call: GDRCall, problem: Problem, candidates: dict[str, Backend],
     results: dict[str, dict] = {}
     outputs: dict[str, GDRGrads] = {}
     for i, (name, backend) in enumerate(candidates.items(), 1):
+        t0 = time.perf_counter()
+        first = None
         try:
             outputs[name] = backend.run(call)
+            if call.q.is_cuda:
+                torch.cuda.synchronize(call.q.device)
+            first = time.perf_counter() - t0
             check_outputs(call, outputs[name], name)
             results[name] = {"ms": round(measure(lambda: backend.run(call), problem.device.type), 4)}
         except Exception as e:  # a candidate that breaks is recorded, never chosen
@@ -331,8 +336,12 @@ def autotune(call: GDRCall, problem: Problem, candidates: dict[str, Backend],
                 torch.cuda.empty_cache()  # e.g. the torch backend at a training shape: the others still run
             results[name] = {"failed": f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
         # progress: a starved grid has dozens of candidates (every split count), minutes in all
+        # with the wall time of the first call (compiles, a peer's own autotuning) and of the whole
+        # measurement: session 7's starved sweep spent ~30 s per candidate and could not say where
         line = (f"autotune [{i}/{len(candidates)}] {name}: "
-                + (f"{results[name]['ms']} ms" if "ms" in results[name] else results[name]["failed"]))
+                + (f"{results[name]['ms']} ms" if "ms" in results[name] else results[name]["failed"])
+                + (f"  [first call {first:.1f} s, " if first is not None else "  [")
+                + f"{time.perf_counter() - t0:.1f} s in all]")
         if progress is None:
             log.info("gdr_dispatch: %s", line)
         else:

@@ -1,6 +1,7 @@
 """Selection order, the GDR_BACKEND override, autotuning and its cross-check, the tables."""
 
 import logging
+import re
 import subprocess
 import sys
 import textwrap
@@ -176,7 +177,11 @@ def test_autotune_miss_picks_fastest_agreeing_and_stores(kwargs, fakes, monkeypa
     with caplog.at_level(logging.INFO, "gdr_dispatch"):
         grads = fused_gdr_bwd(**kwargs)
     # one progress line per candidate, numbered
-    progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("gdr_dispatch: autotune [")]
+    progress = [r.getMessage().split("  [")[0] for r in caplog.records
+                if r.getMessage().startswith("gdr_dispatch: autotune [")]
+    timed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("gdr_dispatch: autotune [")]
+    assert all(re.search(r"  \[(first call \d+\.\d s, )?\d+\.\d s in all\]$", line) for line in timed), timed
+    assert "first call" not in timed[2] and all("first call" in timed[j] for j in (0, 1, 3)), timed
     assert progress == ["gdr_dispatch: autotune [1/4] torch: 9.0 ms", "gdr_dispatch: autotune [2/4] fake_fast_wrong: 1.0 ms",
                         "gdr_dispatch: autotune [3/4] fake_broken: raised RuntimeError: kernel exploded",
                         "gdr_dispatch: autotune [4/4] fake_ok: 2.0 ms"]  # (the cross-check comes after)
