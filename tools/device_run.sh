@@ -86,6 +86,10 @@ for arg in "$@"; do
                  --out "$OUT/bench/timing-$shape.json" 2>&1 | grep -v TileLang
              done > "$OUT/timing.log" 2>&1 ;;
     wsbench) [ -n "${precompile_pid:-}" ] && wait "$precompile_pid"
+             case " ${WS_ARGS:-} " in  # --peer: FlashQLA's kernels for every shape at once, not in turn
+               *" --peer "*) timeout "$limit" python3 tools/ws_probe.py --warm-peer 8 --shapes "${WS_SHAPES:-B4T4096H16 B8T4096H32}" \
+                               2>&1 | grep -v 'TileLang\|Warning\|dk_fragment\|--> \|Initialize the' > "$OUT/wsbench-warm.log" ;;
+             esac
              for shape in ${WS_SHAPES:-B4T4096H16 B8T4096H32}; do
                timeout "$(( limit - ($(date +%s) - start) ))" python3 tools/ws_probe.py --only "$shape" ${WS_NO_PLAIN:---plain} ${WS_ARGS:-} ${WS_BUILDS:+--builds "$WS_BUILDS"} \
                  --out "$OUT/bench/wsbench-$shape.json" 2>&1 | grep -v TileLang

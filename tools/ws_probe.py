@@ -8,6 +8,7 @@
     python tools/ws_probe.py --build tmadq --check ...       # the same for another build (dq by TMA store)
     python tools/ws_probe.py --builds default,tmadq          # builds side by side (switches: build_flags)
     python tools/ws_probe.py --builds default --peer         # and FlashQLA in the same rounds
+    python tools/ws_probe.py --warm-peer 8 --shapes B4T4096H16,B8T4096H32   # compile for --peer first
 
 Prints median ms (CUDA events, gdr_dispatch.dispatch.measure_ms), us per chunk step (a CTA
 walks its sequence's chunks one after another) and the largest relative difference between
@@ -144,11 +145,26 @@ def main(argv=None) -> int:
     p.add_argument("--peer", action="store_true",
                    help="also time FlashQLA's fused kernel and both backends' whole calls in the same rounds "
                         "(needs flash-qla)")
+    p.add_argument("--warm-peer", type=int, default=0, metavar="N",
+                   help="only compile what --peer runs (FlashQLA's kernels, our backends' builds) for the shapes "
+                        "of --only/--shapes, in N processes, and exit: one process per shape otherwise compiles "
+                        "FlashQLA's kernels in turn, ~50-80 s each (session 7 lost a shape to it)")
+    p.add_argument("--shapes", default=None, help="--warm-peer: shape names, comma- or space-separated")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
+    if args.warm_peer:
+        from gdr_dispatch.cli import precompile
+
+        names = (args.shapes or args.only or " ".join(SHAPES)).replace(",", " ").split()
+        unknown = [n for n in names if n not in SHAPES]
+        if unknown:
+            p.error(f"--shapes: unknown {unknown}; known: {', '.join(SHAPES)}")
+        precompile([SHAPES[n] for n in names], torch.device("cuda"), {"flash_qla", "tilelang_ws"}, args.warm_peer,
+                   splits=False)
+        return 0
     rows = []
     launch = functools.partial(ws_bwd_given_h, **build_flags(args.build))
     builds = args.builds.split(",") if args.builds else [args.build]
