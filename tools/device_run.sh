@@ -23,8 +23,9 @@
 #   splitprof[=SECONDS] tools/profile_split.py (a split call's GPU vs host time, top ops; SPLIT_ARGS, default
 #                    B1 T32768 H4, 16 segments, tilelang_ws and fla) -> $OUT/splitprof.log
 #   ncu[=SECONDS]    Nsight Compute, one launch of the ws kernel (NCU_SHAPE, default B4T4096H16; WS_ARGS
-#                    picks the build), full set, clocks left alone -> $OUT/ncu.log, $OUT/ncu_details.csv,
-#                    $OUT/ncu_source.csv (SASS lines with warp-state samples; read with tools/ncu_groups.py)
+#                    picks the build), full set, clocks left alone -> $OUT/ncu-ws.log, $OUT/ncu-ws-details.csv,
+#                    $OUT/ncu-ws-source.csv (SASS lines with warp-state samples; read with tools/ncu_groups.py);
+#                    NCU_KERNEL=flashqla: FlashQLA's fused kernel instead, into $OUT/ncu-flashqla*
 # e.g.  bash tools/device_run.sh precompile tests=240 bench=200 tune=120
 # Env: PRECOMPILE_JOBS (default 8) compiles in parallel; BENCH_ARGS (with BENCH_MATCH/SKIP) adds bench flags; USER_TABLES=/tmp/tables lets the steps after a tune
 # dispatch with its table; TESTS_K='<pytest -k expression>' runs only those GPU tests (one pytest, tilelang_fused not
@@ -108,12 +109,16 @@ for arg in "$@"; do
     tune)    timeout "$limit" python3 -m gdr_dispatch tune ${TUNE_ARGS:---preset h200-train} --out /tmp/tables \
                > "$OUT/${TUNE_LOG:-tune.log}" 2>&1; cp /tmp/tables/*.yaml "$OUT/" ;;
     ncu)     [ -n "${precompile_pid:-}" ] && wait "$precompile_pid"
-             timeout "$limit" ncu --clock-control none --set full -k regex:gdr_bwd_ws --launch-skip 1 --launch-count 1 \
-               -f -o /tmp/ws_profile python3 tools/ws_probe.py --only "${NCU_SHAPE:-B4T4096H16}" --once ${WS_ARGS:-} \
-               > "$OUT/ncu.log" 2>&1
-             ncu -i /tmp/ws_profile.ncu-rep --page details --csv > "$OUT/ncu_details.csv" 2>> "$OUT/ncu.log"
-             ncu -i /tmp/ws_profile.ncu-rep --page source --csv --print-source sass > "$OUT/ncu_source.csv" 2>> "$OUT/ncu.log"
-             python3 tools/ncu_groups.py "$OUT/ncu_source.csv" >> "$OUT/ncu.log" 2>&1 ;;
+             # NCU_KERNEL=flashqla profiles FlashQLA's fused kernel at the same shape instead (its name:
+             # tilelang_fused_chunk_gdr_bwd); the files carry the kernel's tag, so both can run in one call
+             tag=${NCU_KERNEL:-ws}
+             case $tag in flashqla) kre=regex:tilelang_fused_chunk_gdr_bwd ;; *) kre=regex:gdr_bwd_ws ;; esac
+             timeout "$limit" ncu --clock-control none --set full -k "$kre" --launch-skip 1 --launch-count 1 \
+               -f -o /tmp/ncu-$tag python3 tools/ws_probe.py --only "${NCU_SHAPE:-B4T4096H16}" --once \
+               --kernel "$tag" ${WS_ARGS:-} > "$OUT/ncu-$tag.log" 2>&1
+             ncu -i /tmp/ncu-$tag.ncu-rep --page details --csv > "$OUT/ncu-$tag-details.csv" 2>> "$OUT/ncu-$tag.log"
+             ncu -i /tmp/ncu-$tag.ncu-rep --page source --csv --print-source sass > "$OUT/ncu-$tag-source.csv" 2>> "$OUT/ncu-$tag.log"
+             [ "$tag" = ws ] && python3 tools/ncu_groups.py "$OUT/ncu-$tag-source.csv" >> "$OUT/ncu-$tag.log" 2>&1 ;;
     profile) timeout "$limit" python3 tools/profile_fla_adapter.py --B 8 --T 4096 --H 32 --rounds 3 > "$OUT/profile.log" 2>&1 ;;
     splitprof) timeout "$limit" python3 tools/profile_split.py ${SPLIT_ARGS:-} > "$OUT/splitprof.log" 2>&1 ;;
     *) echo "unknown step $step"; continue ;;

@@ -1,8 +1,8 @@
 """Warp-state samples of the warp-specialised kernel, per role group and per SASS line: the
 reading of docs/tilelang_ws.md's "Next" 1 (where group A's cycles go).
 
-    python tools/ncu_groups.py ncu_source.csv            # from device_run.sh's ncu step
-    python tools/ncu_groups.py ncu_source.csv --top 60 --group A
+    python tools/ncu_groups.py ncu-ws-source.csv         # from device_run.sh's ncu step
+    python tools/ncu_groups.py ncu-ws-source.csv --top 60 --group A
 
 The input is Nsight Compute's source page of one launch as CSV, SASS view
 (`ncu -i REPORT --page source --csv --print-source sass`). Rows are split into the role groups

@@ -125,7 +125,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default=None, help="one shape name")
     p.add_argument("--once", action="store_true", help="one launch after one warm-up (for ncu, compute-sanitizer)")
-    p.add_argument("--kernel", choices=["ws", "plain"], default="ws", help="the kernel --once launches")
+    p.add_argument("--kernel", choices=["ws", "plain", "flashqla"], default="ws",
+                   help="the kernel --once launches (flashqla: FlashQLA's fused_gdr_bwd, for ncu beside ours)")
     p.add_argument("--repeat", type=int, default=1, help="--check: runs of each kernel (a race moves the error)")
     p.add_argument("--plain", action="store_true", help="also time the plain kernel")
     p.add_argument("--check", action="store_true",
@@ -176,7 +177,8 @@ def main(argv=None) -> int:
         x = make_inputs(spec, "cuda", seed=1)
         ws = runner(launch, x)
         if args.once:
-            one = ws if args.kernel == "ws" else runner(fused_bwd_given_h, x)
+            one = {"ws": lambda: ws, "plain": lambda: runner(fused_bwd_given_h, x),
+                   "flashqla": lambda: peer_runners(x)["flashqla_kernel"]}[args.kernel]()
             one()
             torch.cuda.synchronize()
             one()
