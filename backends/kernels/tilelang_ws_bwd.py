@@ -55,11 +55,13 @@ PHASES = 7
 #: chunks of clock cycles: [2 s] working before sync point s, [2 s + 1] waiting there (s = 0
 #: the producer's `full` barrier, 1-7 the phase ends), [16] the whole chunk loop, [17] chunks.
 TIMING_SLOTS = 18
-#: The build `tilelang_ws` runs; `tma_dq` is the one experiment kept as a switch (the others,
+#: The build `tilelang_ws` runs; `tma_dq`, `merged_colsum` and `late_dos` are the experiments kept as switches (the others,
 #: measured and either made the default or dropped, are in docs/tilelang_ws.md, "Steps", and
 #: in git history: 768934d has them all). Tools name builds by switches (`build_flags`).
-DEFAULT_BUILD = {"tma_dq": False}
-SWITCHES = {"tmadq": ("tma_dq", True), "notmadq": ("tma_dq", False)}
+DEFAULT_BUILD = {"tma_dq": False, "merged_colsum": False, "late_dos": False}
+SWITCHES = {"tmadq": ("tma_dq", True), "notmadq": ("tma_dq", False),
+            "mcs": ("merged_colsum", True), "nomcs": ("merged_colsum", False),
+            "late": ("late_dos", True), "nolate": ("late_dos", False)}
 
 
 def build_flags(build: str) -> dict:
@@ -78,13 +80,21 @@ def build_flags(build: str) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing: bool = False,
-                 tma_dq: bool = DEFAULT_BUILD["tma_dq"]):
+                 tma_dq: bool = DEFAULT_BUILD["tma_dq"], merged_colsum: bool = DEFAULT_BUILD["merged_colsum"],
+                 late_dos: bool = DEFAULT_BUILD["late_dos"]):
     """Compile (once per configuration) the warp-specialised kernel (K = V = 128, chunk 64).
 
     `timing` adds cycle counters at every sync point (written to the `clk` argument, CTA by
     CTA: `[N * H, 3, TIMING_SLOTS]`); the instrument of docs/tilelang_ws.md's phase table.
     `tma_dq` (off) stores A's full dq tiles with one TMA store: -4 % on varlen, +3 % at fixed
-    lengths in session 4, within noise in session 6. The schedule's steps (Gam in A's
+    lengths in session 4, within noise in session 6. `merged_colsum` (off, not yet run on a
+    GPU): A's phase 4 takes db's column sums from a 16-bit copy of dAb * A (a transposed read,
+    as FlashQLA rounds it) instead of an exact transpose, and the dG column sums of dAg * Ag
+    and dPg * Pg are taken once, of their sum, in phase 5 (one exact transpose instead of
+    two); dAg * Ag stays in registers from phase 4 to 5. `late_dos` (off, not yet run on a GPU):
+    A issues phase 5's dO S^T after dPg's dG terms instead of beside dPg, so its 64-register
+    accumulator is not live through the column sums (with `merged_colsum` A's spill
+    instructions stay at 45 instead of 123; docs/tilelang_ws.md, "Next"). The schedule's steps (Gam in A's
     registers, U and W formed by KV, A running on at phases 3 and 4, dg stored in phase 6, the
     column sums through an exact transpose, A^T dAr formed by KV, exact accumulator fences), each
     measured before it became part of it: docs/tilelang_ws.md.
@@ -531,13 +541,24 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         T.copy(a1_f, w_s)
                         for i, j in T.Parallel(BT, BT):
                             sq2_f[i, j] = gam_f[i, j] * sq_f[i, j] * T.cast(a_s[i, j], accum)
-                        column_sums(sq2_f, x3_s, pg_f, ac_f)
-                        for i, j in T.Parallel(BT, BT):
-                            sq2_f[i, j] = sq2_f[i, j] * b_s[j]  # dAg * Ag
-                        T.reduce_sum(sq2_f, ar_f, dim=1)
-                        for i in T.Parallel(BT):
-                            db_s[i] = ac_f[i]
-                            dGa_s[i] = ar_f[i] - ac_f[i] * b_s[i]
+                        if merged_colsum:  # db's column part from a 16-bit copy; dG's column parts in phase 5
+                            for i, j in T.Parallel(BT, BT):
+                                x3_s[i, j] = T.cast(sq2_f[i, j], dtype)
+                            for i, j in T.Parallel(BT, BT):
+                                pg_f[i, j] = T.cast(x3_s[j, i], accum)
+                            T.reduce_sum(pg_f, ac_f, dim=1)
+                            for i, j in T.Parallel(BT, BT):
+                                sq2_f[i, j] = sq2_f[i, j] * b_s[j]  # dAg * Ag, summed with dPg * Pg in phase 5
+                            for i in T.Parallel(BT):
+                                db_s[i] = ac_f[i]
+                        else:
+                            column_sums(sq2_f, x3_s, pg_f, ac_f)
+                            for i, j in T.Parallel(BT, BT):
+                                sq2_f[i, j] = sq2_f[i, j] * b_s[j]  # dAg * Ag
+                            T.reduce_sum(sq2_f, ar_f, dim=1)
+                            for i in T.Parallel(BT):
+                                db_s[i] = ac_f[i]
+                                dGa_s[i] = ar_f[i] - ac_f[i] * b_s[i]
                         for i, j in T.Parallel(BT, BT):
                             x3_s[i, j] = T.cast(gam_f[i, j] * sq_f[i, j] * b_s[j], dtype)
                         T.fence_proxy_async()
@@ -545,15 +566,28 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         # 5: dPg = dO V'^T, its dG (rows - columns of dPg Pg), dP = scale Gam dPg;
                         # dq = scale e^G dO S^T (its dG) + dP K; dO S^T runs while dPg's terms and dP are formed
                         T.wgmma_gemm(do_s, w_s, sq_f, transpose_B=True, clear_accum=True)
-                        T.wgmma_gemm(do_s, h_s, a1_f, transpose_B=True, clear_accum=True)
-                        T.wait_wgmma(1)
+                        if late_dos:  # dO S^T after dPg's dG terms: its accumulator not live beside theirs
+                            T.wait_wgmma(0)
+                        else:
+                            T.wgmma_gemm(do_s, h_s, a1_f, transpose_B=True, clear_accum=True)
+                            T.wait_wgmma(1)
                         fence(sq_f)
-                        for i, j in T.Parallel(BT, BT):
-                            sq2_f[i, j] = sq_f[i, j] * T.cast(pg_s[i, j], accum)  # Pg's 16-bit copy, as KV reads it
-                        T.reduce_sum(sq2_f, ar_f, dim=1)
-                        column_sums(sq2_f, pg_s, pg_f, ac_f)  # Pg is read; pg_s takes dP next
-                        for i in T.Parallel(BT):
-                            dGa_s[i] = dGa_s[i] + ar_f[i] - ac_f[i]
+                        if merged_colsum:  # dG of Ag and Pg at once: rows - columns of dAg * Ag + dPg * Pg
+                            for i, j in T.Parallel(BT, BT):
+                                sq2_f[i, j] = sq2_f[i, j] + sq_f[i, j] * T.cast(pg_s[i, j], accum)
+                            T.reduce_sum(sq2_f, ar_f, dim=1)
+                            column_sums(sq2_f, pg_s, pg_f, ac_f)  # Pg is read; pg_s takes dP next
+                            for i in T.Parallel(BT):
+                                dGa_s[i] = ar_f[i] - ac_f[i]
+                        else:
+                            for i, j in T.Parallel(BT, BT):
+                                sq2_f[i, j] = sq_f[i, j] * T.cast(pg_s[i, j], accum)  # Pg's 16-bit copy, as KV reads it
+                            T.reduce_sum(sq2_f, ar_f, dim=1)
+                            column_sums(sq2_f, pg_s, pg_f, ac_f)  # Pg is read; pg_s takes dP next
+                            for i in T.Parallel(BT):
+                                dGa_s[i] = dGa_s[i] + ar_f[i] - ac_f[i]
+                        if late_dos:
+                            T.wgmma_gemm(do_s, h_s, a1_f, transpose_B=True, clear_accum=True)
                         for i, j in T.Parallel(BT, BT):
                             pg_s[i, j] = T.cast(T.if_then_else(j <= i, scale * sq_f[i, j] * gam_f[i, j],
                                                                T.cast(0, accum)), dtype)
