@@ -55,13 +55,17 @@ PHASES = 7
 #: chunks of clock cycles: [2 s] working before sync point s, [2 s + 1] waiting there (s = 0
 #: the producer's `full` barrier, 1-7 the phase ends), [16] the whole chunk loop, [17] chunks.
 TIMING_SLOTS = 18
-#: The build `tilelang_ws` runs; `tma_dq`, `merged_colsum` and `late_dos` are the experiments kept as switches (the others,
+#: The build `tilelang_ws` runs; `tma_dq`, `merged_colsum`, `late_dos`, `w_regs`, `s_gl_late` and `gam_select` are the experiments kept as switches (the others,
 #: measured and either made the default or dropped, are in docs/tilelang_ws.md, "Steps", and
 #: in git history: 768934d has them all). Tools name builds by switches (`build_flags`).
-DEFAULT_BUILD = {"tma_dq": False, "merged_colsum": False, "late_dos": False}
+DEFAULT_BUILD = {"tma_dq": False, "merged_colsum": False, "late_dos": False, "w_regs": False, "s_gl_late": False,
+                 "gam_select": False}
 SWITCHES = {"tmadq": ("tma_dq", True), "notmadq": ("tma_dq", False),
             "mcs": ("merged_colsum", True), "nomcs": ("merged_colsum", False),
-            "late": ("late_dos", True), "nolate": ("late_dos", False)}
+            "late": ("late_dos", True), "nolate": ("late_dos", False),
+            "wreg": ("w_regs", True), "nowreg": ("w_regs", False),
+            "sgl": ("s_gl_late", True), "nosgl": ("s_gl_late", False),
+            "gsel": ("gam_select", True), "nogsel": ("gam_select", False)}
 
 
 def build_flags(build: str) -> dict:
@@ -81,7 +85,8 @@ def build_flags(build: str) -> dict:
 @functools.lru_cache(maxsize=None)
 def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing: bool = False,
                  tma_dq: bool = DEFAULT_BUILD["tma_dq"], merged_colsum: bool = DEFAULT_BUILD["merged_colsum"],
-                 late_dos: bool = DEFAULT_BUILD["late_dos"]):
+                 late_dos: bool = DEFAULT_BUILD["late_dos"], w_regs: bool = DEFAULT_BUILD["w_regs"],
+                 s_gl_late: bool = DEFAULT_BUILD["s_gl_late"], gam_select: bool = DEFAULT_BUILD["gam_select"]):
     """Compile (once per configuration) the warp-specialised kernel (K = V = 128, chunk 64).
 
     `timing` adds cycle counters at every sync point (written to the `clk` argument, CTA by
@@ -94,7 +99,16 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     two); dAg * Ag stays in registers from phase 4 to 5. `late_dos` (off, not yet run on a GPU):
     A issues phase 5's dO S^T after dPg's dG terms instead of beside dPg, so its 64-register
     accumulator is not live through the column sums (with `merged_colsum` A's spill
-    instructions stay at 45 instead of 123; docs/tilelang_ws.md, "Next"). The schedule's steps (Gam in A's
+    instructions stay at 45 instead of 123; docs/tilelang_ws.md, "Next"). `w_regs` (off, not yet
+    run on a GPU): KV forms W = V - e^G U in U's registers and copies it to shared memory with
+    stmatrix, instead of element by element from registers and `v_s` into `w_s`: in that loop
+    TileLang put a 128-thread barrier before every store (32 per chunk in KV's phase 1, the
+    phase's slowest group; it cannot tell `v_s` from `w_s` in the merged shared buffer).
+    `s_gl_late` (off, not yet run on a GPU): S forms the G_L term's row dot products of dS' and
+    S in phases 2-3, where it only waits, instead of in phase 1, whose slowest group it is next
+    to. `gam_select` (off, not yet run on a GPU): A forms Gam as exp2 of a selected exponent
+    (masked entries exp2 of -1e30, i.e. 0) instead of a select around exp2, which nvcc compiled
+    into 32 branches per chunk. The schedule's steps (Gam in A's
     registers, U and W formed by KV, A running on at phases 3 and 4, dg stored in phase 6, the
     column sums through an exact transpose, A^T dAr formed by KV, exact accumulator fences), each
     measured before it became part of it: docs/tilelang_ws.md.
@@ -167,10 +181,16 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
 
     @T.macro
     def store_u_w(frag, u_s, w_s, v_s, eG_s):
-        """U = K S (in `frag`) and W = V - e^G U into shared memory."""
+        """U = K S (in `frag`) and W = V - e^G U into shared memory (with `w_regs`, W formed in
+        `frag`, which U no longer needs once it is in `u_s`)."""
         T.copy(frag, u_s)
-        for i, j in T.Parallel(BT, V):
-            w_s[i, j] = T.cast(T.cast(v_s[i, j], accum) - eG_s[i] * frag[i, j], dtype)
+        if w_regs:
+            for i, j in T.Parallel(BT, V):
+                frag[i, j] = T.cast(v_s[i, j], accum) - eG_s[i] * frag[i, j]
+            T.copy(frag, w_s)
+        else:
+            for i, j in T.Parallel(BT, V):
+                w_s[i, j] = T.cast(T.cast(v_s[i, j], accum) - eG_s[i] * frag[i, j], dtype)
 
     @T.macro
     def store_pg(pg_f, pg_s, gam_f):
@@ -395,15 +415,23 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         egl[0] = eG_s[BT - 1]
                         for i, j in T.Parallel(K, V):
                             dS_f[i, j] = dS_f[i, j] * egl[0]
-                        for i in T.Parallel(K):
-                            hrow_f[i] = 0
-                            for j in T.unroll(V):
-                                hrow_f[i] += T.cast(dh_s[i, j], accum) * T.cast(h_s[i, j], accum)
-                        for i in T.Parallel(K):  # summed in phase 7 (see NO_CROSS_WARP_REDUCE)
-                            gls_s[i] = hrow_f[i] * egl[0]
+                        if not s_gl_late:
+                            for i in T.Parallel(K):
+                                hrow_f[i] = 0
+                                for j in T.unroll(V):
+                                    hrow_f[i] += T.cast(dh_s[i, j], accum) * T.cast(h_s[i, j], accum)
+                            for i in T.Parallel(K):  # summed in phase 7 (see NO_CROSS_WARP_REDUCE)
+                                gls_s[i] = hrow_f[i] * egl[0]
                         phase_sync(phase, 0, it % 2, 1, 0, tick, tm_s)
-                        # 2, 3: nothing
+                        # 2, 3: nothing (with s_gl_late the G_L rows: h_s is reloaded after phase 5, dh_s in 6)
                         phase_sync(phase, 1, it % 2, 2, 0, tick, tm_s)
+                        if s_gl_late:
+                            for i in T.Parallel(K):
+                                hrow_f[i] = 0
+                                for j in T.unroll(V):
+                                    hrow_f[i] += T.cast(dh_s[i, j], accum) * T.cast(h_s[i, j], accum)
+                            for i in T.Parallel(K):  # summed in phase 7 (see NO_CROSS_WARP_REDUCE)
+                                gls_s[i] = hrow_f[i] * egl[0]
                         phase_sync(phase, 2, it % 2, 3, 0, tick, tm_s)
                         # 4: scale e^G dO into dvp_s (dV' is read by now)
                         for i, j in T.Parallel(BT, V):
@@ -514,7 +542,10 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         if it > 0:
                             full_wait(full, (it - 1) % 2, 2, tick, tm_s)
                         for i, j in T.Parallel(BT, BT):  # Gam once per chunk, for phases 1, 4 and 5
-                            gam_f[i, j] = T.if_then_else(j <= i, T.exp2((G_s[i] - G_s[j]) * LOG2E), T.cast(0, accum))
+                            if gam_select:  # exp2(-1e30) = 0: no branch around the exp2
+                                gam_f[i, j] = T.exp2(T.if_then_else(j <= i, (G_s[i] - G_s[j]) * LOG2E, T.cast(-1e30, accum)))
+                            else:
+                                gam_f[i, j] = T.if_then_else(j <= i, T.exp2((G_s[i] - G_s[j]) * LOG2E), T.cast(0, accum))
                         # 1: Pg = scale Gam Q K^T; Ag = Gam A b (formed while the gemm runs; KV forms U and W)
                         T.wgmma_gemm(q_s, k_s, pg_f, transpose_B=True, clear_accum=True)
                         for i, j in T.Parallel(BT, BT):
