@@ -179,3 +179,26 @@ def test_training_bench_rejects_an_unknown_backend_to_precompile_by_name(capsys)
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--compile-backends" in err and "no_such_backend" in err
+
+
+def test_sass_report_cuts_each_consumer_group_at_its_mbarrier_arrivals(monkeypatch):
+    """tools/sass_report.py --phases on made-up SASS: the branches open at USETMAXREG (producer
+    first, as nvcc lays them out), each consumer group is cut after every SYNCS.ARRIVE, and a
+    segment counts its instructions, spill instructions and named barriers."""
+    monkeypatch.syspath_prepend(str(TOOLS))
+    import sass_report
+
+    body = {
+        24: ["NOP"],
+        168: ["FMUL", "SYNCS.ARRIVE.TRANS64.A1T0 RZ, [UR5], RZ", "LDL R1", "BAR.SYNC.DEFER_BLOCKING 0x5, 0x80", "FADD"],
+        160: ["STL R2", "SYNCS.ARRIVE.TRANS64.A1T0 RZ, [UR8], RZ", "BAR.SYNC.DEFER_BLOCKING 0x4, 0x80"],
+    }
+    lines, addr = [], 0
+    for cap, ops in ((24, body[24]), (168, body[168]), (160, body[160]), (160, body[160])):
+        for op in [f"USETMAXREG.TRYALLOC.CCTL P0, 0x{cap:x}"] + ops:
+            lines.append(f"        /*{addr:04x}*/                   {op} ;")
+            addr += 16
+    got = sass_report.per_phase("\n".join(lines))
+    assert set(got) == {"S", "KV", "A"}
+    assert got["A"] == [(2, 0, 0), (4, 1, 1)]  # USETMAXREG, FMUL | ARRIVE, LDL, BAR, FADD
+    assert got["S"] == got["KV"] == [(2, 1, 0), (2, 0, 1)]

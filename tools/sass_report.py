@@ -3,6 +3,7 @@ device call (docs/tilelang_ws.md, "Next").
 
     python tools/sass_report.py                          # the default build, H = Hg = 2, bf16
     python tools/sass_report.py --builds default,nogam,uwkv
+    python tools/sass_report.py --phases --builds default,wreg   # per group and phase
 
 Compiles each build on this machine (about a minute each with nvcc for sm_90a; no GPU needed),
 then splits its SASS at the `USETMAXREG` instructions that open the role branches and counts
@@ -85,13 +86,46 @@ def per_group(sass: str) -> dict:
     return out
 
 
+def per_phase(sass: str) -> dict:
+    """Each consumer group's SASS cut at its mbarrier arrivals (`SYNCS.ARRIVE`: the producer's
+    `full` is waited on, the phase barriers are arrived at), so segment k runs from one arrival to
+    the next: instructions / spill instructions / named barriers (`BAR.SYNC`, the group's own
+    128-thread syncs). Session 7 found 32 of KV's 34 phase-1 barriers this way: TileLang had put
+    one before every store of an unrolled loop (docs/tilelang_ws.md, `wreg`)."""
+    lines = [l for l in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/", l)]
+    starts = [i for i, l in enumerate(lines) if "USETMAXREG" in l]
+    caps = [int(re.search(r"0x([0-9a-f]+)", lines[i].split("USETMAXREG", 1)[1]).group(1), 16) for i in starts]
+    bounds = starts + [len(lines)]
+    out = {}
+    for g, lo, hi in sorted(zip(label_regions(caps), bounds, bounds[1:]), key=lambda r: GROUPS.index(r[0])):
+        if g == "producer":
+            continue
+        body = lines[lo:hi]
+        cuts = [i for i, l in enumerate(body) if "SYNCS.ARRIVE" in l] + [len(body)]
+        segs, prev = [], 0
+        for c in cuts:
+            seg = body[prev:c]
+            segs.append((len(seg), sum(bool(COUNTS["spill"].search(l)) for l in seg), sum("BAR.SYNC" in l for l in seg)))
+            prev = c
+        out[g] = segs
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--builds", default="default", help="comma-separated builds (tilelang_ws_bwd.build_flags)")
     p.add_argument("--H", type=int, default=2)
     p.add_argument("--Hg", type=int, default=2)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--phases", action="store_true",
+                   help="per consumer group, the SASS between consecutive mbarrier arrivals (its phases): "
+                        "instructions/spills/named barriers")
     args = p.parse_args(argv)
+    if args.phases:
+        for build in args.builds.split(","):
+            for g, segs in per_phase(sass_of(build, args.H, args.Hg, args.dtype)).items():
+                print(f"{build} | {g} | " + "  ".join(f"{n}/{sp}/{b}" for n, sp, b in segs), flush=True)
+        return 0
     print("build | group | " + " | ".join(COUNTS))
     for build in args.builds.split(","):
         for g, c in per_group(sass_of(build, args.H, args.Hg, args.dtype)).items():
