@@ -180,6 +180,17 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
         return T.warpgroup_fence_operand(frag, num_regs=n // 128)
 
     @T.macro
+    def gl_rows(hrow_f, dh_s, h_s, gls_s, egl):
+        """S: the G_L term's rows, e^{G_L} <dS', S> per row of the state (from the 16-bit copies,
+        as fla does), into `gls_s`, summed in phase 7 (see NO_CROSS_WARP_REDUCE)."""
+        for i in T.Parallel(K):
+            hrow_f[i] = 0
+            for j in T.unroll(V):
+                hrow_f[i] += T.cast(dh_s[i, j], accum) * T.cast(h_s[i, j], accum)
+        for i in T.Parallel(K):
+            gls_s[i] = hrow_f[i] * egl[0]
+
+    @T.macro
     def store_u_w(frag, u_s, w_s, v_s, eG_s):
         """U = K S (in `frag`) and W = V - e^G U into shared memory (with `w_regs`, W formed in
         `frag`, which U no longer needs once it is in `u_s`)."""
@@ -416,22 +427,12 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         for i, j in T.Parallel(K, V):
                             dS_f[i, j] = dS_f[i, j] * egl[0]
                         if not s_gl_late:
-                            for i in T.Parallel(K):
-                                hrow_f[i] = 0
-                                for j in T.unroll(V):
-                                    hrow_f[i] += T.cast(dh_s[i, j], accum) * T.cast(h_s[i, j], accum)
-                            for i in T.Parallel(K):  # summed in phase 7 (see NO_CROSS_WARP_REDUCE)
-                                gls_s[i] = hrow_f[i] * egl[0]
+                            gl_rows(hrow_f, dh_s, h_s, gls_s, egl)
                         phase_sync(phase, 0, it % 2, 1, 0, tick, tm_s)
                         # 2, 3: nothing (with s_gl_late the G_L rows: h_s is reloaded after phase 5, dh_s in 6)
                         phase_sync(phase, 1, it % 2, 2, 0, tick, tm_s)
                         if s_gl_late:
-                            for i in T.Parallel(K):
-                                hrow_f[i] = 0
-                                for j in T.unroll(V):
-                                    hrow_f[i] += T.cast(dh_s[i, j], accum) * T.cast(h_s[i, j], accum)
-                            for i in T.Parallel(K):  # summed in phase 7 (see NO_CROSS_WARP_REDUCE)
-                                gls_s[i] = hrow_f[i] * egl[0]
+                            gl_rows(hrow_f, dh_s, h_s, gls_s, egl)
                         phase_sync(phase, 2, it % 2, 3, 0, tick, tm_s)
                         # 4: scale e^G dO into dvp_s (dV' is read by now)
                         for i, j in T.Parallel(BT, V):
