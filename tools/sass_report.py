@@ -70,19 +70,26 @@ def label_regions(caps: list[int]) -> list[str]:
     return labels
 
 
-def per_group(sass: str) -> dict:
+def role_regions(sass: str) -> tuple[list[tuple[str, list[str]]], int]:
+    """The SASS instruction lines of each role branch, in GROUPS order, and the count before the
+    first branch (the prologue). A branch opens at its `USETMAXREG` and runs to the next one's,
+    so it includes the group's epilogue."""
     lines = [l for l in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/", l)]
     starts = [i for i, l in enumerate(lines) if "USETMAXREG" in l]
     if len(starts) != len(GROUPS):
         raise SystemExit(f"expected {len(GROUPS)} USETMAXREG instructions (one per role), found {len(starts)}")
     caps = [int(re.search(r"0x([0-9a-f]+)", lines[i].split("USETMAXREG", 1)[1]).group(1), 16) for i in starts]
     bounds = starts + [len(lines)]
-    out = {}
-    for g, lo, hi in sorted(zip(label_regions(caps), bounds, bounds[1:]), key=lambda r: GROUPS.index(r[0])):
-        body = lines[lo:hi]
-        out[g] = {name: (len(body) if pat is None else sum(bool(pat.search(l)) for l in body))
-                  for name, pat in COUNTS.items()}
-    out["prologue"] = {"instr": starts[0]}
+    regions = sorted(zip(label_regions(caps), bounds, bounds[1:]), key=lambda r: GROUPS.index(r[0]))
+    return [(g, lines[lo:hi]) for g, lo, hi in regions], starts[0]
+
+
+def per_group(sass: str) -> dict:
+    regions, prologue = role_regions(sass)
+    out = {g: {name: (len(body) if pat is None else sum(bool(pat.search(l)) for l in body))
+               for name, pat in COUNTS.items()}
+           for g, body in regions}
+    out["prologue"] = {"instr": prologue}
     return out
 
 
@@ -92,15 +99,10 @@ def per_phase(sass: str) -> dict:
     the next: instructions / spill instructions / named barriers (`BAR.SYNC`, the group's own
     128-thread syncs). Session 7 found 32 of KV's 34 phase-1 barriers this way: TileLang had put
     one before every store of an unrolled loop (docs/tilelang_ws.md, `wreg`)."""
-    lines = [l for l in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/", l)]
-    starts = [i for i, l in enumerate(lines) if "USETMAXREG" in l]
-    caps = [int(re.search(r"0x([0-9a-f]+)", lines[i].split("USETMAXREG", 1)[1]).group(1), 16) for i in starts]
-    bounds = starts + [len(lines)]
     out = {}
-    for g, lo, hi in sorted(zip(label_regions(caps), bounds, bounds[1:]), key=lambda r: GROUPS.index(r[0])):
+    for g, body in role_regions(sass)[0]:
         if g == "producer":
             continue
-        body = lines[lo:hi]
         cuts = [i for i, l in enumerate(body) if "SYNCS.ARRIVE" in l] + [len(body)]
         segs, prev = [], 0
         for c in cuts:
