@@ -48,6 +48,7 @@ def _import_error() -> str:
 
 class FlashQLABackend(Backend):
     name = "flash_qla"
+    optional_lib = "flash_qla"  # a tune with it installed also writes the table entries for users without it
     # FlashQLA's whole backward is 2.8-3.4x faster than fla's op at the saturated h200-train
     # shapes (bench/results/nvidia-h200-sm90.md); first in the static order once verified
     static_rank = 5

@@ -167,7 +167,12 @@ def cmd_tune(args) -> int:
             elif n not in candidates:
                 entry["candidates"][n] = {"unsupported": "left out by --backends"}
         if entry["winner"]:
-            tuning_table.record(dev.slug, dev.name, {problem.table_key(): entry}, out_dir)
+            needs = {}
+            for n, b in registered_backends().items():
+                if b.optional_lib:
+                    needs.setdefault(b.optional_lib, set()).add(n)
+            tuning_table.record(dev.slug, dev.name, {problem.table_key(): entry,
+                                **tuning_table.without_optional(problem.table_key(), entry, needs)}, out_dir)
             written += 1
         results.append((spec, entry, static))
         win = entry["winner"]

@@ -252,6 +252,7 @@ class Backend:
     gpu_verified: bool = True
     unverified_why: str = "refused until tests/test_gpu.py passes for it"  # said while gpu_verified is False
     split_candidate: bool = True  # the autotuner may try it on context-parallel segments (starved grids)
+    optional_lib: Optional[str] = None  # the optional library (OPTIONAL_LIBS) it needs, if any
 
     def not_supported_reasons(self, problem: Problem) -> list[str]:
         """Every reason this backend cannot take the problem correctly here; empty when it can."""

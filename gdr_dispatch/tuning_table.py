@@ -267,5 +267,32 @@ def record(slug: str, device_name: str, new_entries: dict, directory: Optional[P
     return path
 
 
+def without_optional(key: str, entry: dict, needs: dict) -> dict:
+    """The entries a tune with optional libraries installed also writes for users without
+    them: for each library `lib` in the key's versions, `needs[lib]` names the backends that
+    need it; their candidates (and `<backend>@split<n>`) are marked absent and the winner is the
+    fastest candidate left, under the key without `lib` (`versions_key` leaves an absent
+    optional library out). Same measurement, so no second sweep; `derived_from` says which."""
+    from .context_parallel import parse_split  # (context_parallel imports the dispatcher, which imports this)
+
+    problem, versions = split_key(key)
+    items = versions.split(",")
+    out = {}
+    for lib, names in needs.items():
+        mine = [v for v in items if v.startswith(f"{lib}=")]
+        if not mine:
+            continue
+        candidates = {}
+        for name, c in entry.get("candidates", {}).items():
+            candidates[name] = {"unsupported": f"{lib} not installed"} if parse_split(name)[0] in names else c
+        timed = {n: c["ms"] for n, c in candidates.items()
+                 if isinstance(c.get("ms"), Real) and "failed" not in c and "unsupported" not in c}
+        if not timed:
+            continue
+        out[f"{problem}|{','.join(v for v in items if v not in mine)}"] = {
+            **entry, "winner": min(timed, key=timed.get), "candidates": candidates, "derived_from": key}
+    return out
+
+
 def now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()

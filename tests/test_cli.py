@@ -189,3 +189,40 @@ def test_tune_measures_split_candidates_on_starved_grids(tmp_path, capsys, monke
         assert (f"fake_plain@split{n}" in text) != no_splits
         assert (f"fake_plain@split{n} ms" in out) != no_splits
     assert "torch@split" not in text  # the reference is never split
+
+
+def test_tune_with_an_optional_peer_writes_the_entry_for_users_without_it(tmp_path, capsys, monkeypatch):
+    """A shipped table is tuned with flash_qla installed; users without it look up the key
+    without it. The sweep writes both from one measurement: the peer's winner under its key,
+    the fastest of the rest under the other (not a stale entry from an older sweep)."""
+    from dataclasses import replace
+
+    from conftest import TorchAsPlain
+
+    from gdr_dispatch import registry
+
+    class Peer(TorchAsPlain):
+        name, optional_lib = "fake_peer", "flash_qla"
+
+        def run(self, call):
+            ran.append(self.name)
+            return super().run(call)
+
+    ran = []
+    monkeypatch.setitem(registry._REGISTRY, "fake_peer", Peer())
+    monkeypatch.setattr(cli, "measure_ms", lambda fn, device_type, warmup, reps: (ran.clear(), fn(), 0.5 if ran else 1.0)[2])
+    real = registry.Problem.from_call
+    with_peer = lambda call: replace(real(call), versions=real(call).versions + (("flash_qla", "9.9"),))  # noqa: E731
+    monkeypatch.setattr(registry.Problem, "from_call", staticmethod(with_peer))
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("- {B: 1, T: 70, H: 2, K: 8, V: 8, dtype: float64, h: given}\n")
+    out_dir = tmp_path / "tables"
+    assert cli.main(["tune", "--grid", str(grid), "--out", str(out_dir), "--backends", "torch,fake_peer", "--reps", "1",
+                     "--warmup", "0", "--compile-jobs", "0", "--no-splits"]) == 0
+    (table,) = out_dir.glob("*.yaml")
+    entries = yaml.safe_load(table.read_text())["entries"]
+    assert len(entries) == 2
+    peer = next(e for k, e in entries.items() if "flash_qla=9.9" in k)
+    rest = next(e for k, e in entries.items() if "flash_qla" not in k)
+    assert peer["winner"] == "fake_peer" and rest["winner"] == "torch"
+    assert rest["candidates"]["fake_peer"] == {"unsupported": "flash_qla not installed"} and "flash_qla=9.9" in rest["derived_from"]

@@ -306,6 +306,8 @@ def test_spec_problem_matches_call_problem():
 
 
 def test_shipped_tables_parse_and_name_registered_backends(caplog):
+    from gdr_dispatch.context_parallel import parse_split
+
     tables = sorted(tuning_table.shipped_table_dir().glob("*.yaml"))
     assert tables, "no shipped tuning table"
     known = set(registry.registered_backends())
@@ -317,10 +319,14 @@ def test_shipped_tables_parse_and_name_registered_backends(caplog):
                 # a peer backend that is not installed here may win where the key says it was
                 versions = dict(kv.split("=") for kv in key.rsplit("|", 1)[1].split(","))
                 peers = {lib for lib in registry.OPTIONAL_LIBS if lib in versions}
-                assert entry["winner"] in known | peers, (path, key)
+                # (a context-parallel winner, `<backend>@split<n>`, names its backend)
+                assert parse_split(entry["winner"])[0] in known | peers, (path, key)
                 won = entry["candidates"][entry["winner"]]
                 assert "ms" in won and "failed" not in won, (path, key)
-                assert entry["cross_check"]["reference"] == "torch", (path, key)
+                # cross-checked against a declared reference: torch, or fla where a sweep left
+                # torch out (25-90 ms a run at the 32K-token shapes)
+                refs = {n for n, b in registry.registered_backends().items() if b.reference_rank is not None}
+                assert entry["cross_check"]["reference"] in refs, (path, key)
     assert "ignoring tuning table" not in caplog.text
 
 

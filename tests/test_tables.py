@@ -219,3 +219,24 @@ def test_the_versions_note_says_which_library_changed_or_appeared():
     assert note(base, base + ",flash_qla=0.1.3") == "measured without flash_qla, running flash_qla 0.1.3"
     both = note(base, base.replace("3.6.0", "3.7.1") + ",flash_qla=0.1.3")
     assert both == "measured with triton 3.6.0 and without flash_qla, running triton 3.7.1, flash_qla 0.1.3"
+
+
+def test_a_tune_with_an_optional_peer_also_serves_users_without_it():
+    """The shipped table is tuned with flash_qla installed; a user without it has a key without
+    it and must get the fastest of the rest from the same measurement, not a stale entry."""
+    base = "torch=2.11.0,triton=3.6.0,tilelang=0.1.15,fla=0.6.0"
+    key = f"PROBLEM|{base},flash_qla=0.1.3"
+    entry = {"problem": "P", "winner": "flash_qla@split2", "measured_at": "t",
+             "candidates": {"flash_qla": {"ms": 1.0}, "flash_qla@split2": {"ms": 0.5}, "fla": {"ms": 2.0},
+                            "tilelang_ws": {"failed": "disagrees", "ms": 0.9}, "fla@split2": {"ms": 1.5},
+                            "torch": {"unsupported": "left out by --backends"}}}
+    derived = tuning_table.without_optional(key, entry, {"flash_qla": {"flash_qla"}})
+    assert list(derived) == [f"PROBLEM|{base}"]
+    got = derived[f"PROBLEM|{base}"]
+    assert got["winner"] == "fla@split2" and got["derived_from"] == key
+    assert got["candidates"]["flash_qla"] == got["candidates"]["flash_qla@split2"] == {"unsupported": "flash_qla not installed"}
+    assert entry["candidates"]["flash_qla"] == {"ms": 1.0}  # the measured entry is left as it was
+    # a key measured without the library, or nothing left to win: nothing derived
+    assert tuning_table.without_optional(f"PROBLEM|{base}", entry, {"flash_qla": {"flash_qla"}}) == {}
+    only = {"problem": "P", "winner": "flash_qla", "candidates": {"flash_qla": {"ms": 1.0}}}
+    assert tuning_table.without_optional(key, only, {"flash_qla": {"flash_qla"}}) == {}
