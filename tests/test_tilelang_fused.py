@@ -55,9 +55,11 @@ def test_the_warp_specialised_kernel_takes_h200_calls_since_it_was_verified(monk
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile for sm_90a")
-@pytest.mark.parametrize("experiment", [{}, {"tma_dq": True}, {"merged_colsum": True, "late_dos": True},
-                                        {"w_regs": True, "s_gl_late": True, "gam_select": True}],
-                         ids=["default", "tmadq", "mcs+late", "wreg+sgl+gsel"])
+@pytest.mark.parametrize("experiment", [{}, {"tma_dq": True},
+                                        {"merged_colsum": False, "late_dos": False, "w_regs": False,
+                                         "s_gl_late": False, "gam_select": False},
+                                        {"frag_stores": True, "gam_zeros": True, "ag_frag": True}],
+                         ids=["default", "tmadq", "v7", "fst+gz+agf"])
 def test_ws_kernel_compiles_for_sm90a_with_its_register_split(experiment):
     from gdr_dispatch.backends.kernels.tilelang_ws_bwd import DEFAULT_BUILD, NREG, build_ws_bwd
 
@@ -187,7 +189,7 @@ def test_every_build_switch_reaches_the_ws_kernel_build(monkeypatch):
     monkeypatch.setattr(m, "build_ws_bwd", lambda *args, **kw: seen.update(kw) or "kernel")
     monkeypatch.setattr(m, "launch_packed", lambda kern, *args, **kw: kern)
     x = torch.zeros(1, 64, 1, 128)
-    flags = m.build_flags("tmadq+nomcs+nolate+nowreg+nosgl+nogsel")  # all flipped
+    flags = m.build_flags("tmadq+nomcs+nolate+nowreg+nosgl+nogsel+fst+gz+agf")  # all flipped
     assert all(flags[key] != value for key, value in m.DEFAULT_BUILD.items())
     assert m.ws_bwd_given_h(x, x, x, x, torch.zeros(1, 64, 1, 64), torch.zeros(1, 64, 1), torch.zeros(1, 64, 1),
                             torch.zeros(1, 1, 1, 128, 128), None, 0.1, (64,), **flags) == "kernel"

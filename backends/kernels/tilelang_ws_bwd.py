@@ -60,13 +60,17 @@ TIMING_SLOTS = 18
 #: time the builds before them (`nomcs-nolate-...` is v7). Others, measured and either made the
 #: default or dropped: docs/tilelang_ws.md, "Steps", and git history (768934d has them all).
 DEFAULT_BUILD = {"tma_dq": False, "merged_colsum": True, "late_dos": True, "w_regs": True, "s_gl_late": True,
-                 "gam_select": True}
+                 "gam_select": True, "frag_stores": False, "gam_zeros": False,
+                 "ag_frag": False}
 SWITCHES = {"tmadq": ("tma_dq", True), "notmadq": ("tma_dq", False),
             "mcs": ("merged_colsum", True), "nomcs": ("merged_colsum", False),
             "late": ("late_dos", True), "nolate": ("late_dos", False),
             "wreg": ("w_regs", True), "nowreg": ("w_regs", False),
             "sgl": ("s_gl_late", True), "nosgl": ("s_gl_late", False),
-            "gsel": ("gam_select", True), "nogsel": ("gam_select", False)}
+            "gsel": ("gam_select", True), "nogsel": ("gam_select", False),
+            "fst": ("frag_stores", True), "nofst": ("frag_stores", False),
+            "gz": ("gam_zeros", True), "nogz": ("gam_zeros", False),
+            "agf": ("ag_frag", True), "noagf": ("ag_frag", False)}
 
 
 def build_flags(build: str) -> dict:
@@ -87,32 +91,27 @@ def build_flags(build: str) -> dict:
 def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing: bool = False,
                  tma_dq: bool = DEFAULT_BUILD["tma_dq"], merged_colsum: bool = DEFAULT_BUILD["merged_colsum"],
                  late_dos: bool = DEFAULT_BUILD["late_dos"], w_regs: bool = DEFAULT_BUILD["w_regs"],
-                 s_gl_late: bool = DEFAULT_BUILD["s_gl_late"], gam_select: bool = DEFAULT_BUILD["gam_select"]):
+                 s_gl_late: bool = DEFAULT_BUILD["s_gl_late"], gam_select: bool = DEFAULT_BUILD["gam_select"],
+                 frag_stores: bool = DEFAULT_BUILD["frag_stores"], gam_zeros: bool = DEFAULT_BUILD["gam_zeros"],
+                 ag_frag: bool = DEFAULT_BUILD["ag_frag"]):
     """Compile (once per configuration) the warp-specialised kernel (K = V = 128, chunk 64).
 
     `timing` adds cycle counters at every sync point (written to the `clk` argument, CTA by
     CTA: `[N * H, 3, TIMING_SLOTS]`); the instrument of docs/tilelang_ws.md's phase table.
-    `tma_dq` (off) stores A's full dq tiles with one TMA store: -4 % on varlen, +3 % at fixed
-    lengths in session 4, within noise in session 6. `merged_colsum` (off, not yet run on a
-    GPU): A's phase 4 takes db's column sums from a 16-bit copy of dAb * A (a transposed read,
-    as FlashQLA rounds it) instead of an exact transpose, and the dG column sums of dAg * Ag
-    and dPg * Pg are taken once, of their sum, in phase 5 (one exact transpose instead of
-    two); dAg * Ag stays in registers from phase 4 to 5. `late_dos` (off, not yet run on a GPU):
-    A issues phase 5's dO S^T after dPg's dG terms instead of beside dPg, so its 64-register
-    accumulator is not live through the column sums (with `merged_colsum` A's spill
-    instructions stay at 45 instead of 123; docs/tilelang_ws.md, "Next"). `w_regs` (off, not yet
-    run on a GPU): KV forms W = V - e^G U in U's registers and copies it to shared memory with
-    stmatrix, instead of element by element from registers and `v_s` into `w_s`: in that loop
-    TileLang put a 128-thread barrier before every store (32 per chunk in KV's phase 1, the
-    phase's slowest group; it cannot tell `v_s` from `w_s` in the merged shared buffer).
-    `s_gl_late` (off, not yet run on a GPU): S forms the G_L term's row dot products of dS' and
-    S in phases 2-3, where it only waits, instead of in phase 1, whose slowest group it is next
-    to. `gam_select` (off, not yet run on a GPU): A forms Gam as exp2 of a selected exponent
-    (masked entries exp2 of -1e30, i.e. 0) instead of a select around exp2, which nvcc compiled
-    into 32 branches per chunk. The schedule's steps (Gam in A's
-    registers, U and W formed by KV, A running on at phases 3 and 4, dg stored in phase 6, the
-    column sums through an exact transpose, A^T dAr formed by KV, exact accumulator fences), each
-    measured before it became part of it: docs/tilelang_ws.md.
+    The switches (`DEFAULT_BUILD`; each measured on the H200 before it became the default or
+    stayed off, docs/tilelang_ws.md "Steps"): `tma_dq` (off: within noise) stores A's full dq
+    tiles with one TMA store. `merged_colsum`: db's column sums from a 16-bit copy of dAb * A (a
+    transposed read, rounded as FlashQLA does), and the dG column sums of dAg * Ag and dPg * Pg
+    taken once, of their sum. `late_dos`: phase 5's dO S^T issued after dPg's dG terms, so its
+    accumulator is not live through the column sums (A's spills). `w_regs`: KV forms W in U's
+    registers and stores it with stmatrix (TileLang put a barrier before each element store of
+    the merged buffer). `s_gl_late`: S's G_L rows in phases 2-3 instead of phase 1. `gam_select`:
+    Gam as exp2 of a selected exponent (no branches). `frag_stores` (off, not yet run on a GPU):
+    A forms the 16-bit tiles it stores in phases 4-6 (dAb * A's copy, Gam dAg b, dP, dkk,
+    dkk + dkk^T) in an accumulator's registers and stores them with stmatrix, not element by
+    element (Nsight Compute, session 8: A issued 152 shared stores per warp and chunk, FlashQLA's
+    group 36 plus 72 stmatrix); `ag_frag` (off) does so for phase 1's Ag. `gam_zeros` (off, not yet run on a GPU): Pg and dP drop their causal select,
+    since Gam is already 0 above the diagonal (finite gemm results times 0).
     """
     accum = "float32"
     TT = T.dynamic("num_tokens")
@@ -205,10 +204,15 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                 w_s[i, j] = T.cast(T.cast(v_s[i, j], accum) - eG_s[i] * frag[i, j], dtype)
 
     @T.macro
-    def store_pg(pg_f, pg_s, gam_f):
-        """Pg = scale Gam * (Q K^T) (`pg_f`, masked in place) into shared memory."""
-        for i, j in T.Parallel(BT, BT):
-            pg_f[i, j] = T.if_then_else(j <= i, scale * pg_f[i, j] * gam_f[i, j], T.cast(0, accum))
+    def store_pg(pg_f, pg_s, gam_f, zeros):
+        """Pg = scale Gam * (Q K^T) (`pg_f`, masked in place) into shared memory; with `zeros`
+        Gam's zeros above the diagonal are the mask."""
+        if zeros:
+            for i, j in T.Parallel(BT, BT):
+                pg_f[i, j] = scale * pg_f[i, j] * gam_f[i, j]
+        else:
+            for i, j in T.Parallel(BT, BT):
+                pg_f[i, j] = T.if_then_else(j <= i, scale * pg_f[i, j] * gam_f[i, j], T.cast(0, accum))
         T.copy(pg_f, pg_s)
 
     @T.macro
@@ -550,11 +554,16 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                                 gam_f[i, j] = T.if_then_else(j <= i, T.exp2((G_s[i] - G_s[j]) * LOG2E), T.cast(0, accum))
                         # 1: Pg = scale Gam Q K^T; Ag = Gam A b (formed while the gemm runs; KV forms U and W)
                         T.wgmma_gemm(q_s, k_s, pg_f, transpose_B=True, clear_accum=True)
-                        for i, j in T.Parallel(BT, BT):
-                            ag_s[i, j] = ag_value(a_s, b_s, gam_f, i, j)
+                        if ag_frag:  # sq_f is free until phase 3
+                            for i, j in T.Parallel(BT, BT):
+                                sq_f[i, j] = gam_f[i, j] * T.cast(a_s[i, j], accum) * b_s[j]
+                            T.copy(sq_f, ag_s)
+                        else:
+                            for i, j in T.Parallel(BT, BT):
+                                ag_s[i, j] = ag_value(a_s, b_s, gam_f, i, j)
                         T.wait_wgmma(0)
                         fence(pg_f)
-                        store_pg(pg_f, pg_s, gam_f)
+                        store_pg(pg_f, pg_s, gam_f, gam_zeros)
                         T.fence_proxy_async()
                         if tma_dq:  # the previous chunk's dq store has read dvp_s (KV writes it in phase 2)
                             T.tma_store_wait()
@@ -575,8 +584,11 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         for i, j in T.Parallel(BT, BT):
                             sq2_f[i, j] = gam_f[i, j] * sq_f[i, j] * T.cast(a_s[i, j], accum)
                         if merged_colsum:  # db's column part from a 16-bit copy; dG's column parts in phase 5
-                            for i, j in T.Parallel(BT, BT):
-                                x3_s[i, j] = T.cast(sq2_f[i, j], dtype)
+                            if frag_stores:
+                                T.copy(sq2_f, x3_s)
+                            else:
+                                for i, j in T.Parallel(BT, BT):
+                                    x3_s[i, j] = T.cast(sq2_f[i, j], dtype)
                             for i, j in T.Parallel(BT, BT):
                                 pg_f[i, j] = T.cast(x3_s[j, i], accum)
                             T.reduce_sum(pg_f, ac_f, dim=1)
@@ -592,8 +604,13 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             for i in T.Parallel(BT):
                                 db_s[i] = ac_f[i]
                                 dGa_s[i] = ar_f[i] - ac_f[i] * b_s[i]
-                        for i, j in T.Parallel(BT, BT):
-                            x3_s[i, j] = T.cast(gam_f[i, j] * sq_f[i, j] * b_s[j], dtype)
+                        if frag_stores:  # sq_f is free until phase 5's gemm
+                            for i, j in T.Parallel(BT, BT):
+                                sq_f[i, j] = gam_f[i, j] * sq_f[i, j] * b_s[j]
+                            T.copy(sq_f, x3_s)
+                        else:
+                            for i, j in T.Parallel(BT, BT):
+                                x3_s[i, j] = T.cast(gam_f[i, j] * sq_f[i, j] * b_s[j], dtype)
                         T.fence_proxy_async()
                         phase_arrive(phase, 3, 4, 2, tick, tm_s)  # phase 5 reads and writes only A's own tiles
                         # 5: dPg = dO V'^T, its dG (rows - columns of dPg Pg), dP = scale Gam dPg;
@@ -621,9 +638,21 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                                 dGa_s[i] = dGa_s[i] + ar_f[i] - ac_f[i]
                         if late_dos:
                             T.wgmma_gemm(do_s, h_s, a1_f, transpose_B=True, clear_accum=True)
-                        for i, j in T.Parallel(BT, BT):
-                            pg_s[i, j] = T.cast(T.if_then_else(j <= i, scale * sq_f[i, j] * gam_f[i, j],
-                                                               T.cast(0, accum)), dtype)
+                        if frag_stores:  # dP in dPg's registers (not read again), stored with stmatrix
+                            if gam_zeros:
+                                for i, j in T.Parallel(BT, BT):
+                                    sq_f[i, j] = scale * sq_f[i, j] * gam_f[i, j]
+                            else:
+                                for i, j in T.Parallel(BT, BT):
+                                    sq_f[i, j] = T.if_then_else(j <= i, scale * sq_f[i, j] * gam_f[i, j], T.cast(0, accum))
+                            T.copy(sq_f, pg_s)
+                        elif gam_zeros:
+                            for i, j in T.Parallel(BT, BT):
+                                pg_s[i, j] = T.cast(scale * sq_f[i, j] * gam_f[i, j], dtype)
+                        else:
+                            for i, j in T.Parallel(BT, BT):
+                                pg_s[i, j] = T.cast(T.if_then_else(j <= i, scale * sq_f[i, j] * gam_f[i, j],
+                                                                   T.cast(0, accum)), dtype)
                         T.wait_wgmma(0)
                         fence(a1_f)
                         for i, j in T.Parallel(BT, K):
@@ -648,10 +677,18 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         T.reduce_sum(sq2_f, ar_f, dim=1)
                         for i in T.Parallel(BT):
                             db_s[i] = db_s[i] + ar_f[i] * 1.0
-                        for i, j in T.Parallel(BT, BT):
-                            x3_s[i, j] = T.cast(sq_f[i, j] * b_s[i], dtype)  # dkk
-                        for i, j in T.Parallel(BT, BT):
-                            ag_s[i, j] = T.cast(sq_f[i, j] * b_s[i] + T.cast(x3_s[j, i], accum), dtype)
+                        if frag_stores:  # dkk, then dkk + dkk^T, in dM's registers
+                            for i, j in T.Parallel(BT, BT):
+                                sq_f[i, j] = sq_f[i, j] * b_s[i]
+                            T.copy(sq_f, x3_s)
+                            for i, j in T.Parallel(BT, BT):
+                                sq_f[i, j] = sq_f[i, j] + T.cast(x3_s[j, i], accum)
+                            T.copy(sq_f, ag_s)
+                        else:
+                            for i, j in T.Parallel(BT, BT):
+                                x3_s[i, j] = T.cast(sq_f[i, j] * b_s[i], dtype)  # dkk
+                            for i, j in T.Parallel(BT, BT):
+                                ag_s[i, j] = T.cast(sq_f[i, j] * b_s[i] + T.cast(x3_s[j, i], accum), dtype)
                         T.fence_proxy_async()
                         phase_sync(phase, 5, it % 2, 6, 2, tick, tm_s)
                         # 7: dq (S writes dg and db)
