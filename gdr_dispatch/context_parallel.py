@@ -168,16 +168,39 @@ def split_backward(call: GDRCall, segments: int, run: Callable[..., GDRGrads]) -
                  tag[0].describe())
     if maps is not None:  # pass 1 on the provider's kernels, scattered to [N, n_seg, H, ...]
         m, r, d = maps(seg_call, need_r=call.h is None)  # with h given the starts come from h
-        Ms = torch.eye(K, dtype=acc, device=dev).repeat(N, n_seg, H, 1, 1)
-        Ds = torch.zeros(N, n_seg, H, K, V, dtype=acc, device=dev)
-        Ms[seq_of, seg_of], Ds[seq_of, seg_of] = m.to(acc), d.to(acc)
-        Rs = None
-        if r is not None:
-            Rs = torch.zeros(N, n_seg, H, K, V, dtype=acc, device=dev)
-            Rs[seq_of, seg_of] = r.to(acc)
+        Ms = _to_grid(m.to(acc), pick, (seq_of, seg_of), N, n_seg, "eye")
+        Ds = _to_grid(d.to(acc), pick, (seq_of, seg_of), N, n_seg, "zeros")
+        Rs = None if r is None else _to_grid(r.to(acc), pick, (seq_of, seg_of), N, n_seg, "zeros")
     else:
         Ms, Rs, Ds = _torch_pass_1(call, s, n_seg)
     return _scan_and_run(call, s, pick, (seq_of, seg_of), flat, offsets, Ms, Rs, Ds, run)
+
+
+def _full_grid(pick, N: int, n_seg: int) -> bool:
+    """Every sequence cut into `n_seg` non-empty segments (`segment_plan` lists them in order)."""
+    return len(pick) == N * n_seg
+
+
+def _to_grid(x, pick, index, N: int, n_seg: int, fill: str):
+    """The non-empty segments' `[segments, ...]` as `[N, n_seg, ...]`, `fill` ("eye" or "zeros")
+    where a segment is empty: a reshape on a full grid, else a scatter. The split is bound by
+    its host-side launches (docs/measurements.md, session 8's profile): the scatter's four
+    (identity or zeros, repeat, index_put) are skipped where they move nothing."""
+    if _full_grid(pick, N, n_seg):
+        return x.reshape(N, n_seg, *x.shape[1:])
+    if fill == "eye":
+        out = torch.eye(x.shape[-1], dtype=x.dtype, device=x.device).repeat(N, n_seg, *x.shape[1:-2], 1, 1)
+    else:
+        out = x.new_zeros(N, n_seg, *x.shape[1:])
+    out[index] = x
+    return out
+
+
+def _from_grid(x, pick, index):
+    """`[N, n_seg, ...]` -> the non-empty segments' `[segments, ...]` (`_to_grid`'s inverse)."""
+    if _full_grid(pick, x.shape[0], x.shape[1]):
+        return x.reshape(-1, *x.shape[2:])
+    return x[index]
 
 
 def _torch_pass_1(call: GDRCall, s: int, n_seg: int):
@@ -251,19 +274,18 @@ def _scan_and_run(call, s, pick, index, flat, offsets, Ms, Rs, Ds, run) -> GDRGr
     dht = cm.states_in(call.dht, call.state_v_first)
     S0 = None if h0 is None else h0.to(acc)
     dS_end = None if dht is None else dht.to(acc)
-    seq_of, seg_of = index
     kernels = _scan_kernels(K, V, acc, dev)
     if call.h is not None:  # every non-empty segment starts on a real chunk: the caller's state there (as unsplit)
         first_chunk = list(itertools.accumulate([0] + chunk_counts(call.seq_lens, BT)))
         rows = device_constant(tuple(first_chunk[n] + j * s for n, j in pick), torch.int64, dev)
         init = cm.states_in(call.h, call.state_v_first).reshape(-1, H, K, V)[rows].to(acc)
     elif kernels is not None:
-        init = kernels.forward_scan(Ms, Rs, S0)[seq_of, seg_of]
+        init = _from_grid(kernels.forward_scan(Ms, Rs, S0), pick, index)
     else:
         S0 = torch.zeros(N, H, K, V, dtype=acc, device=dev) if S0 is None else S0
         A, B = _prefix_maps(Ms, Rs)  # segment j's end state = A_j S0 + B_j
         starts = torch.cat([S0[:, None], (A[:, :-1] @ S0[:, None] + B[:, :-1])], dim=1)  # [N, n_seg, H, K, V]
-        init = starts[seq_of, seg_of]
+        init = _from_grid(starts, pick, index)
     if kernels is not None:
         ends, dh0 = kernels.backward_scan(Ms, Ds, dS_end)
     else:
@@ -273,7 +295,7 @@ def _scan_and_run(call, s, pick, index, flat, offsets, Ms, Rs, Ds, run) -> GDRGr
         dS = (Ab @ dS_end[:, None] + Bb).flip(1)  # dS[:, j]: the gradient at segment j's start
         ends = torch.cat([dS[:, 1:], dS_end[:, None]], dim=1)  # at segment j's end
         dh0 = dS[:, 0]  # the first segment's start gradient is the sequence's dh0
-    grad_end = ends[seq_of, seg_of]
+    grad_end = _from_grid(ends, pick, index)
 
     # pass 3: the non-empty segments as the sequences of one varlen call
     out_dt = _state_dtype(call)

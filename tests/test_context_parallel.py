@@ -443,3 +443,27 @@ def test_the_scan_kernels_wait_for_their_gpu_tests(monkeypatch):
     assert cp._scan_kernels_refusal(128, 128, torch.float32, cuda) == ""
     assert "float64" in cp._scan_kernels_refusal(128, 128, torch.float64, cuda)
     assert cp._scan_kernels_refusal(128, 128, torch.float32, torch.device("cpu")) == "not on CUDA"
+
+
+@pytest.mark.parametrize("lens,segments", [((300, 300), 3), ((1, 63, 64, 65, 300), 3)], ids=["full", "ragged"])
+def test_the_segment_grid_is_a_reshape_on_a_full_grid_and_a_scatter_otherwise(lens, segments):
+    """Pass 1's per-segment maps to the [N, n_seg] grid and back: the same tensors either way,
+    and where every sequence has all its segments no copy (the split is host-bound; each op
+    it launches counts)."""
+    from gdr_dispatch import context_parallel as cp
+
+    call = validate(**call_kwargs(make_inputs(ShapeSpec(seqlens=lens, H=2, K=16, V=8, dtype="float64", h="none"), "cpu")))
+    s, n_seg, seg_lens, pick = cp.segment_plan(call, segments)
+    index = (torch.tensor([n for n, _ in pick]), torch.tensor([j for _, j in pick]))
+    N = call.N
+    x = torch.randn(len(pick), 2, 16, 16, dtype=torch.float64)
+    grid = cp._to_grid(x, pick, index, N, n_seg, "eye")
+    assert grid.shape == (N, n_seg, 2, 16, 16)
+    for i, (n, j) in enumerate(pick):
+        assert torch.equal(grid[n, j], x[i])
+    empty = [(n, j) for n in range(N) for j in range(n_seg) if (n, j) not in pick]
+    for n, j in empty:  # an empty segment maps a state to itself (eye) or adds nothing (zeros)
+        assert torch.equal(grid[n, j], torch.eye(16, dtype=torch.float64).expand(2, 16, 16))
+        assert not cp._to_grid(x, pick, index, N, n_seg, "zeros")[n, j].any()
+    assert torch.equal(cp._from_grid(grid, pick, index), x)
+    assert (grid.data_ptr() == x.data_ptr()) == (not empty) and bool(empty) == (lens != (300, 300))
