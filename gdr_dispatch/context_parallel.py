@@ -36,6 +36,7 @@ than SMs, and a table may store one as `<backend>@split<n>`.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from dataclasses import replace
@@ -111,17 +112,24 @@ def pass_1_provider(seg_call: GDRCall):
 def segment_plan(call: GDRCall, segments: int):
     """Chunks per segment `s`, segments per sequence `n_seg`, and the non-empty segments in
     order: their token counts and `(sequence, segment)` indices."""
-    BT = call.chunk_size
-    s = segment_length(call.seq_lens, BT, segments)
-    n_seg = -(-max(chunk_counts(call.seq_lens, BT)) // s)
+    s, n_seg, seg_lens, pick = _plan(tuple(call.seq_lens), call.chunk_size, segments)
+    return s, n_seg, list(seg_lens), list(pick)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(seq_lens: tuple, BT: int, segments: int):
+    """`segment_plan`'s, once per lengths (a training run repeats a handful; the Python loop
+    over the segments was ~50 us of the split's host time per call at 32 segments, on a CPU)."""
+    s = segment_length(seq_lens, BT, segments)
+    n_seg = -(-max(chunk_counts(seq_lens, BT)) // s)
     seg_lens, pick = [], []
-    for n, length in enumerate(call.seq_lens):
+    for n, length in enumerate(seq_lens):
         for j in range(n_seg):
             piece = min(max(length - j * s * BT, 0), s * BT)
             if piece > 0:
                 seg_lens.append(piece)
                 pick.append((n, j))
-    return s, n_seg, seg_lens, pick
+    return s, n_seg, tuple(seg_lens), tuple(pick)
 
 
 def _segments_inputs(call: GDRCall, seg_lens: list) -> tuple[dict, torch.Tensor]:
