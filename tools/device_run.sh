@@ -20,7 +20,7 @@
 #   tune[=SECONDS]   gdr-dispatch tune --preset h200-train (TUNE_ARGS replaces the preset, e.g. '--grid
 #                    tools/tune_saturated.yaml --backends fla,tilelang_ws') -> $OUT/tune.log (TUNE_LOG), $OUT/<device>.yaml
 #   profile[=SECONDS] tools/profile_fla_adapter.py           -> $OUT/profile.log
-#   splitprof[=SECONDS] tools/profile_split.py (a split call's GPU vs host time, top ops; SPLIT_ARGS, default
+#   splitprof[=SECONDS] tools/profile_split.py (a split call's GPU vs host time, top ops; --graph in SPLIT_ARGS adds CUDA-graph replays; SPLIT_ARGS, default
 #                    B1 T32768 H4, 16 segments, tilelang_ws and fla) -> $OUT/splitprof.log
 #   ncu[=SECONDS]    Nsight Compute, one launch of the ws kernel (NCU_SHAPE, default B4T4096H16; WS_ARGS
 #                    picks the build), full set, clocks left alone -> $OUT/ncu-ws.log, $OUT/ncu-ws-details.csv,

@@ -7,7 +7,10 @@ For each backend, unsplit and `<backend>@split<n>`: the median of CUDA-event tim
 it is close to the median the call is host-bound), then one torch.profiler pass with the
 CUDA kernels' total time and the ops that take the most host and device time. Session 6's
 bench read the split candidates 2.5-3 ms above their kernels with a 50 % spread between
-rounds (docs/measurements.md, "The context-parallel split").
+rounds (docs/measurements.md, "The context-parallel split"); session 8's profile found the
+split host-bound. `--graph` also captures each call in a CUDA graph and times its replays
+(the time in a training step captured whole, where no launch costs host time) and checks the
+replay's gradients against the eager call's.
 """
 
 from __future__ import annotations
@@ -37,6 +40,27 @@ def host_ms(fn, reps: int) -> float:
     return statistics.median(out)
 
 
+def graph_ms(fn, reps: int):
+    """Median replay time of `fn` captured in a CUDA graph (warmed up on a side stream first, as
+    torch's capture notes ask), and the largest relative difference of the replay's gradients
+    from an eager call's."""
+    eager = fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    diff = max(((o.float() - e.float()).norm() / e.float().norm().clamp_min(1e-30)).item()
+               for o, e in zip(out, eager) if e is not None)
+    return measure_ms(graph.replay, "cuda", warmup=3, reps=reps), diff
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--B", type=int, default=1)
@@ -46,6 +70,7 @@ def main() -> int:
     p.add_argument("--segments", type=int, default=16)
     p.add_argument("--backends", default="tilelang_ws,fla")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--graph", action="store_true", help="also time each call's CUDA-graph replay")
     a = p.parse_args()
     call = validate(**call_kwargs(make_inputs(ShapeSpec(B=a.B, T=a.T, H=a.H, h=a.h), "cuda", seed=1)))
     for name in a.backends.split(","):
@@ -62,6 +87,13 @@ def main() -> int:
             events = prof.key_averages()
             gpu = sum(e.self_device_time_total for e in events) / 1e3
             print(f"{label}: median {ms:.3f} ms, host enqueue {enqueue:.3f} ms, GPU kernels {gpu:.3f} ms", flush=True)
+            if a.graph:
+                try:
+                    replay, diff = graph_ms(fn, a.reps)
+                    print(f"{label}: CUDA-graph replay {replay:.3f} ms (gradients {diff:.1e} from eager)", flush=True)
+                except Exception as e:  # noqa: BLE001 - a call that cannot be captured is the answer
+                    print(f"{label}: CUDA-graph capture failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
+                          flush=True)
             print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60), flush=True)
             print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60), flush=True)
     return 0
