@@ -107,10 +107,11 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     registers and stores it with stmatrix (TileLang put a barrier before each element store of
     the merged buffer). `s_gl_late`: S's G_L rows in phases 2-3 instead of phase 1. `gam_select`:
     Gam as exp2 of a selected exponent (no branches). `frag_stores` (off, not yet run on a GPU):
-    A forms the 16-bit tiles it stores in phases 4-6 (dAb * A's copy, Gam dAg b, dP, dkk,
-    dkk + dkk^T) in an accumulator's registers and stores them with stmatrix, not element by
-    element (Nsight Compute, session 8: A issued 152 shared stores per warp and chunk, FlashQLA's
-    group 36 plus 72 stmatrix); `ag_frag` (off) does so for phase 1's Ag. `gam_zeros` (off, not yet run on a GPU): Pg and dP drop their causal select,
+    A forms the 16-bit tiles it stores in phases 5-6 (dP, dkk, dkk + dkk^T) in an accumulator's
+    registers and stores them with stmatrix, not element by element (Nsight Compute, session 8:
+    A issued 152 shared stores per warp and chunk, FlashQLA's group 36 plus 72 stmatrix);
+    `ag_frag` (off) does so for phase 1's Ag. (Phase 4's two tiles so stored cost 15 spill
+    instructions for 12 fewer instructions in the static SASS: left element-wise.) `gam_zeros` (off, not yet run on a GPU): Pg and dP drop their causal select,
     since Gam is already 0 above the diagonal (finite gemm results times 0).
     """
     accum = "float32"
@@ -584,11 +585,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         for i, j in T.Parallel(BT, BT):
                             sq2_f[i, j] = gam_f[i, j] * sq_f[i, j] * T.cast(a_s[i, j], accum)
                         if merged_colsum:  # db's column part from a 16-bit copy; dG's column parts in phase 5
-                            if frag_stores:
-                                T.copy(sq2_f, x3_s)
-                            else:
-                                for i, j in T.Parallel(BT, BT):
-                                    x3_s[i, j] = T.cast(sq2_f[i, j], dtype)
+                            for i, j in T.Parallel(BT, BT):
+                                x3_s[i, j] = T.cast(sq2_f[i, j], dtype)
                             for i, j in T.Parallel(BT, BT):
                                 pg_f[i, j] = T.cast(x3_s[j, i], accum)
                             T.reduce_sum(pg_f, ac_f, dim=1)
@@ -604,13 +602,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             for i in T.Parallel(BT):
                                 db_s[i] = ac_f[i]
                                 dGa_s[i] = ar_f[i] - ac_f[i] * b_s[i]
-                        if frag_stores:  # sq_f is free until phase 5's gemm
-                            for i, j in T.Parallel(BT, BT):
-                                sq_f[i, j] = gam_f[i, j] * sq_f[i, j] * b_s[j]
-                            T.copy(sq_f, x3_s)
-                        else:
-                            for i, j in T.Parallel(BT, BT):
-                                x3_s[i, j] = T.cast(gam_f[i, j] * sq_f[i, j] * b_s[j], dtype)
+                        for i, j in T.Parallel(BT, BT):
+                            x3_s[i, j] = T.cast(gam_f[i, j] * sq_f[i, j] * b_s[j], dtype)
                         T.fence_proxy_async()
                         phase_arrive(phase, 3, 4, 2, tick, tm_s)  # phase 5 reads and writes only A's own tiles
                         # 5: dPg = dO V'^T, its dG (rows - columns of dPg Pg), dP = scale Gam dPg;
