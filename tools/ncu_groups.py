@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sass_report import GROUPS, label_regions  # noqa: E402
+from sass_report import GROUPS, caps_of, label_regions  # noqa: E402
 
 
 def number(cell: str) -> float | None:
@@ -36,6 +36,7 @@ def main(argv=None) -> int:
     p.add_argument("csv")
     p.add_argument("--group", default="A", help="the group whose hottest lines are listed")
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--build", default="default", help="the ws build profiled (its register caps label the groups)")
     args = p.parse_args(argv)
     rows = list(csv.reader(Path(args.csv).read_text(errors="replace").splitlines()))
     head_i = next((i for i, r in enumerate(rows) if any("Source" in c for c in r)), None)
@@ -56,7 +57,7 @@ def main(argv=None) -> int:
     caps = [int(re.search(r"0x([0-9a-f]+)", body[i][src].split("USETMAXREG", 1)[1]).group(1), 16) for i in starts]
     bounds = starts + [len(body)]
     region = {}
-    for g, lo, hi in zip(label_regions(caps), bounds, bounds[1:]):
+    for g, lo, hi in zip(label_regions(caps, caps_of(args.build)), bounds, bounds[1:]):
         region[g] = (lo, hi)
     region["prologue"] = (0, starts[0])
     main_col = stats[0]

@@ -44,9 +44,14 @@ from .tilelang_launch import launch_packed, tl_dtype
 BT, K, V = 64, 128, 128
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x log2 e): one MUFU.EX2 under fast math
 
-#: Register caps per warpgroup (S, KV, A, producer): 160 + 160 + 168 + 24 = 512 slots of
-#: 128 threads = the 64K-register file. Seed 000 used 160 / 144 / 184 / 24.
-NREG = (160, 160, 168, 24)
+def register_caps(a_regs: int = 168) -> tuple:
+    """Register caps per warpgroup (S, KV, A, producer), adding up to 512 slots of 128 threads =
+    the 64K-register file: A's cap taken from KV's (seed 000 used 160 / 144 / 184 / 24)."""
+    return (160, 328 - a_regs, a_regs, 24)
+
+
+#: The default build's caps: 160 + 160 + 168 + 24.
+NREG = register_caps()
 #: Consumer phases per chunk (each closed by one 384-thread mbarrier).
 PHASES = 7
 
@@ -61,7 +66,7 @@ TIMING_SLOTS = 18
 #: default or dropped: docs/tilelang_ws.md, "Steps", and git history (768934d has them all).
 DEFAULT_BUILD = {"tma_dq": False, "merged_colsum": True, "late_dos": True, "w_regs": True, "s_gl_late": True,
                  "gam_select": True, "frag_stores": False, "gam_zeros": False,
-                 "ag_frag": False}
+                 "ag_frag": False, "a_regs": 168}
 SWITCHES = {"tmadq": ("tma_dq", True), "notmadq": ("tma_dq", False),
             "mcs": ("merged_colsum", True), "nomcs": ("merged_colsum", False),
             "late": ("late_dos", True), "nolate": ("late_dos", False),
@@ -70,7 +75,8 @@ SWITCHES = {"tmadq": ("tma_dq", True), "notmadq": ("tma_dq", False),
             "gsel": ("gam_select", True), "nogsel": ("gam_select", False),
             "fst": ("frag_stores", True), "nofst": ("frag_stores", False),
             "gz": ("gam_zeros", True), "nogz": ("gam_zeros", False),
-            "agf": ("ag_frag", True), "noagf": ("ag_frag", False)}
+            "agf": ("ag_frag", True), "noagf": ("ag_frag", False),
+            "a168": ("a_regs", 168), "a176": ("a_regs", 176), "a184": ("a_regs", 184)}
 
 
 def build_flags(build: str) -> dict:
@@ -93,7 +99,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                  late_dos: bool = DEFAULT_BUILD["late_dos"], w_regs: bool = DEFAULT_BUILD["w_regs"],
                  s_gl_late: bool = DEFAULT_BUILD["s_gl_late"], gam_select: bool = DEFAULT_BUILD["gam_select"],
                  frag_stores: bool = DEFAULT_BUILD["frag_stores"], gam_zeros: bool = DEFAULT_BUILD["gam_zeros"],
-                 ag_frag: bool = DEFAULT_BUILD["ag_frag"]):
+                 ag_frag: bool = DEFAULT_BUILD["ag_frag"], a_regs: int = DEFAULT_BUILD["a_regs"]):
     """Compile (once per configuration) the warp-specialised kernel (K = V = 128, chunk 64).
 
     `timing` adds cycle counters at every sync point (written to the `clk` argument, CTA by
@@ -111,7 +117,10 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     registers and stores them with stmatrix, not element by element (Nsight Compute, session 8:
     A issued 152 shared stores per warp and chunk, FlashQLA's group 36 plus 72 stmatrix);
     `ag_frag` (off) does so for phase 1's Ag. (Phase 4's two tiles so stored cost 15 spill
-    instructions for 12 fewer instructions in the static SASS: left element-wise.) `gam_zeros` (off, not yet run on a GPU): Pg and dP drop their causal select,
+    instructions for 12 fewer instructions in the static SASS: left element-wise.) `a_regs`
+    (168; `a176`, `a184` not yet run on a GPU) moves registers from KV's cap to A's: A's
+    non-polling stall samples were 1.37x FlashQLA's group's, mostly short-scoreboard waits
+    right after loads (too few registers to hoist them; FlashQLA gives that group 184). `gam_zeros` (off, not yet run on a GPU): Pg and dP drop their causal select,
     since Gam is already 0 above the diagonal (finite gemm results times 0).
     """
     accum = "float32"
@@ -121,7 +130,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     NP1 = T.dynamic("num_seqs_plus_1")
     NCLK = T.dynamic("num_clk")
     group = H // Hg
-    nreg_s, nreg_kv, nreg_a, nreg_p = NREG
+    nreg_s, nreg_kv, nreg_a, nreg_p = register_caps(a_regs)
     NS = TIMING_SLOTS
 
     @T.macro
