@@ -61,6 +61,43 @@ def graph_ms(fn, reps: int):
     return measure_ms(graph.replay, "cuda", warmup=3, reps=reps), diff
 
 
+def scan_configs(call, segments: int, configs: str, reps: int) -> None:
+    """The backward scan (pass 2, `h` given) alone under each `BV,WARPS,STAGES` of `configs` ('/' between),
+    on the maps of one split call (fla's pass 1): median ms and the largest difference of its
+    results from the shipped configuration's. Session 8 read the scan at 0.131 ms of the split's
+    0.78 ms of GPU time at 32 segments: 16 programs of 32 dependent steps, each loading a 64 KB
+    map; the map loads do not depend on the carried state, so pipelining them may pay."""
+    from gdr_dispatch import context_parallel as cp
+    from gdr_dispatch import segment_scan as ss
+
+    captured = {}
+    real = cp._scan_and_run
+
+    def grab(call, s, pick, index, flat, offsets, Ms, Rs, Ds, run):
+        captured.update(Ms=Ms, Ds=Ds)
+        return real(call, s, pick, index, flat, offsets, Ms, Rs, Ds, run)
+
+    cp._scan_and_run = grab
+    try:
+        SplitBackend(get_backend("fla"), segments).run(call)
+    finally:
+        cp._scan_and_run = real
+    Ms, Ds = captured["Ms"], captured["Ds"]
+    shipped = (ss.BV, ss.NUM_WARPS, ss.NUM_STAGES)
+    ref = ss.backward_scan(Ms, Ds, None)[0]
+    for cfg in [shipped] + [tuple(int(x) for x in c.split(",")) for c in configs.split("/")]:
+        ss.BV, ss.NUM_WARPS, ss.NUM_STAGES = cfg
+        try:
+            got = ss.backward_scan(Ms, Ds, None)[0]
+            diff = ((got - ref).norm() / ref.norm()).item()
+            ms = measure_ms(lambda: ss.backward_scan(Ms, Ds, None), "cuda", warmup=3, reps=reps)
+            print(f"backward scan BV={cfg[0]} warps={cfg[1]} stages={cfg[2]}: {ms:.4f} ms (results {diff:.1e} from "
+                  f"the shipped {shipped})", flush=True)
+        except Exception as e:  # noqa: BLE001 - a configuration that does not compile is the answer
+            print(f"backward scan {cfg}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+    ss.BV, ss.NUM_WARPS, ss.NUM_STAGES = shipped
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--B", type=int, default=1)
@@ -71,8 +108,13 @@ def main() -> int:
     p.add_argument("--backends", default="tilelang_ws,fla")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--graph", action="store_true", help="also time each call's CUDA-graph replay")
+    p.add_argument("--scan", default="", help="time the backward scan alone under these 'BV,WARPS,STAGES' "
+                                              "configurations ('/'-separated) beside the shipped one, then stop")
     a = p.parse_args()
     call = validate(**call_kwargs(make_inputs(ShapeSpec(B=a.B, T=a.T, H=a.H, h=a.h), "cuda", seed=1)))
+    if a.scan:
+        scan_configs(call, a.segments, a.scan, a.reps)
+        return 0
     for name in a.backends.split(","):
         inner = get_backend(name)
         for label, backend in ((name, inner), (f"{name}@split{a.segments}", SplitBackend(inner, a.segments))):
