@@ -10,7 +10,8 @@ host-bound call. Here each scan is one launch. Products are 3xTF32 (`tf32x3`: te
 fp32-level error; plain TF32's 10-bit mantissa would reach every gradient of the segments after
 it). Resources for sm_90a (Triton 3.9 AOT, K = V = 128): `ieee` products lowered to FMA loops
 spilled 8-12 KB of stack per thread; `tf32x3` with 8 warps and no pipelining: 250-255 registers,
-no stack, 64 KB shared (3 stages would take 160 KB for nothing: each step needs the last).
+no stack, 64 KB shared. One stage: the carried state needs the last step, but the maps' loads
+do not, so whether a second stage overlaps them is open (docs/measurements.md, session 8).
 """
 
 from __future__ import annotations
