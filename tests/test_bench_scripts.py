@@ -202,3 +202,36 @@ def test_sass_report_cuts_each_consumer_group_at_its_mbarrier_arrivals(monkeypat
     assert set(got) == {"S", "KV", "A"}
     assert got["A"] == [(2, 0, 0), (4, 1, 1)]  # USETMAXREG, FMUL | ARRIVE, LDL, BAR, FADD
     assert got["S"] == got["KV"] == [(2, 1, 0), (2, 0, 1)]
+
+
+def test_ncu_groups_compares_a_peer_group_by_group(tmp_path, capsys):
+    """`--peer`: both pages split at their USETMAXREG lines in nvcc's order; instructions per
+    warp and step, and samples on an mbarrier poll (a branch after a try-wait) kept apart from
+    working samples, whose stall reasons are summed."""
+    sys.path.insert(0, str(TOOLS))
+    import ncu_groups
+
+    from gdr_dispatch.backends.kernels.tilelang_ws_bwd import NREG
+
+    caps = dict(zip(("S", "KV", "A", "producer"), NREG))
+    head = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed", "stall_short_sb",
+            "stall_long_sb", "stall_short_sb (Not Issued)"]
+
+    def page(name, a_work, a_poll):
+        rows = [head]
+        for i, g in enumerate(("producer", "A", "KV", "S")):
+            op = "USETMAXREG.DEALLOC" if g == "producer" else "USETMAXREG.TRY_ALLOC"
+            rows.append([str(i), f"{op} 0x{caps[g]:x}", "0", "8", "0", "0", "0"])
+            if g == "A":
+                rows.append(["a", "FMUL.FTZ R1, R2, R3", str(a_work), "16", str(a_work), "0", "0"])
+                rows.append(["b", "@!P0  BRA 0x10", str(a_poll), "8", "0", str(a_poll), "0"])
+        path = tmp_path / name
+        path.write_text("\n".join(",".join(f'"{c}"' for c in r) for r in rows) + "\n")
+        return path
+
+    ours, peer = page("ours.csv", 30, 5), page("peer.csv", 20, 9)
+    assert ncu_groups.main([str(ours), "--top", "1", "--peer", str(peer), "--warps-steps", "8"]) == 0
+    out = capsys.readouterr().out.split("ours / peer")[-1]  # the comparison, after the per-group sums
+    line = next(l for l in out.splitlines() if l.startswith("A | "))
+    # (8 + 16 + 8) / 8 instructions; 30 / 20 working, 5 / 9 polling; short_sb only from work
+    assert line.startswith("A | 4 / 4 | 30 / 20 | 5 / 9 | short_sb 30 / 20")

@@ -118,8 +118,13 @@ for arg in "$@"; do
                --kernel "$tag" ${WS_ARGS:-} > "$OUT/ncu-$tag.log" 2>&1
              ncu -i /tmp/ncu-$tag.ncu-rep --page details --csv > "$OUT/ncu-$tag-details.csv" 2>> "$OUT/ncu-$tag.log"
              ncu -i /tmp/ncu-$tag.ncu-rep --page source --csv --print-source sass > "$OUT/ncu-$tag-source.csv" 2>> "$OUT/ncu-$tag.log"
-             [ "$tag" = ws ] && python3 tools/ncu_groups.py "$OUT/ncu-$tag-source.csv" \
-               $(echo "${WS_ARGS:-}" | grep -o -- '--build [^ ]*') >> "$OUT/ncu-$tag.log" 2>&1 ;;
+             build=$(echo "${WS_ARGS:-}" | grep -o -- '--build [^ ]*')
+             if [ "$tag" = ws ]; then
+               python3 tools/ncu_groups.py "$OUT/ncu-ws-source.csv" $build >> "$OUT/ncu-ws.log" 2>&1
+             elif [ -f "$OUT/ncu-ws-source.csv" ]; then  # after both: ours beside FlashQLA's, group by group
+               python3 tools/ncu_groups.py "$OUT/ncu-ws-source.csv" --top 0 --peer "$OUT/ncu-$tag-source.csv" $build \
+                 >> "$OUT/ncu-$tag.log" 2>&1
+             fi ;;
     profile) timeout "$limit" python3 tools/profile_fla_adapter.py --B 8 --T 4096 --H 32 --rounds 3 > "$OUT/profile.log" 2>&1 ;;
     splitprof) timeout "$limit" python3 tools/profile_split.py ${SPLIT_ARGS:-} > "$OUT/splitprof.log" 2>&1 ;;
     *) echo "unknown step $step"; continue ;;

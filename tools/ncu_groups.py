@@ -31,12 +31,71 @@ def number(cell: str) -> float | None:
         return None
 
 
+#: nvcc lays the role branches out in reverse source order; FlashQLA's kernel has the same four
+#: roles in the same source order (its S-like, dk/dv and dA/dq groups, then the producer).
+NVCC_ORDER = ("producer", "A", "KV", "S")
+#: SASS opcodes of an mbarrier polling loop (a try-wait, then a branch back or a sleep): samples
+#: there are waiting, not work.
+POLL_OPS = ("BRA", "NANOSLEEP")
+
+
+def group_profile(rows: list, head: list, warps_steps: float) -> dict:
+    """Per role group (positionally, NVCC_ORDER): instructions executed per warp and chunk step,
+    samples split into polling (waiting at an mbarrier) and working, and the working samples per
+    stall reason. `warps_steps`: CTAs x chunk steps x 4 warps per group."""
+    src = head.index("Source")
+    inst = head.index("Instructions Executed")
+    samp = head.index("Warp Stall Sampling (All Samples)")
+    reasons = [i for i, c in enumerate(head) if c.startswith("stall_") and "Not Issued" not in c]
+    starts = [i for i, r in enumerate(rows) if "USETMAXREG" in r[src]]
+    out = {}
+    for g, lo, hi in zip(NVCC_ORDER, starts, starts[1:] + [len(rows)]):
+        p = {"instructions": 0.0, "polling": 0.0, "working": 0.0, "reasons": {}}
+        for r in rows[lo:hi]:
+            words = r[src].split()
+            op = (words[1] if words and words[0].startswith("@") and len(words) > 1 else (words[0] if words else ""))
+            p["instructions"] += (number(r[inst]) or 0.0) / warps_steps
+            n = number(r[samp]) or 0.0
+            if op.split(".")[0] in POLL_OPS:
+                p["polling"] += n
+                continue
+            p["working"] += n
+            for i in reasons:
+                p["reasons"][head[i][6:]] = p["reasons"].get(head[i][6:], 0.0) + (number(r[i]) or 0.0)
+        out[g] = p
+    return out
+
+
+def compare(ours: Path, peer: Path, warps_steps: float) -> None:
+    """Ours beside a peer's kernel (FlashQLA's), group by group: the reading of session 8
+    (docs/tilelang_ws.md), where A's working samples were 1.37x its counterpart's."""
+    profiles = [group_profile(*_rows(p), warps_steps) for p in (ours, peer)]
+    print("\ngroup | instructions per warp and step (ours / peer) | working samples | polling samples | "
+          "top working stall reasons (ours / peer)")
+    for g in NVCC_ORDER:
+        a, b = profiles[0][g], profiles[1][g]
+        top = sorted(set(a["reasons"]) | set(b["reasons"]),
+                     key=lambda k: -(a["reasons"].get(k, 0) + b["reasons"].get(k, 0)))[:6]
+        print(f"{g} | {a['instructions']:.0f} / {b['instructions']:.0f} | {a['working']:.0f} / {b['working']:.0f} | "
+              f"{a['polling']:.0f} / {b['polling']:.0f} | "
+              + ", ".join(f"{k} {a['reasons'].get(k, 0):.0f} / {b['reasons'].get(k, 0):.0f}" for k in top))
+
+
+def _rows(path: Path) -> tuple[list, list]:
+    rows = list(csv.reader(Path(path).read_text(errors="replace").splitlines()))
+    i = next(i for i, r in enumerate(rows) if any("Source" in c for c in r))
+    return [r for r in rows[i + 1:] if len(r) == len(rows[i])], rows[i]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("csv")
     p.add_argument("--group", default="A", help="the group whose hottest lines are listed")
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--build", default="default", help="the ws build profiled (its register caps label the groups)")
+    p.add_argument("--peer", help="a peer kernel's source page (ncu-flashqla-source.csv): compared group by group")
+    p.add_argument("--warps-steps", type=float, default=64 * 64 * 4,
+                   help="CTAs x chunk steps x 4 warps, for per-warp-and-step counts (default: B4 T4096 H16)")
     args = p.parse_args(argv)
     rows = list(csv.reader(Path(args.csv).read_text(errors="replace").splitlines()))
     head_i = next((i for i, r in enumerate(rows) if any("Source" in c for c in r)), None)
@@ -74,6 +133,8 @@ def main(argv=None) -> int:
     for i in sorted(hot):
         cells = {head[c]: body[i][c] for c in stats[1:] if (number(body[i][c]) or 0) > 0}
         print(f"{i - lo:5d} {number(body[i][main_col]) or 0:8.0f}  {body[i][src].strip()[:70]:<70} {cells}")
+    if args.peer:
+        compare(Path(args.csv), Path(args.peer), args.warps_steps)
     return 0
 
 

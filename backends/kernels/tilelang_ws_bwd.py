@@ -119,9 +119,10 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     `ag_frag` (off) does so for phase 1's Ag. (Phase 4's two tiles so stored cost 15 spill
     instructions for 12 fewer instructions in the static SASS: left element-wise.) `a_regs`
     (168; `a176`, `a184` not yet run on a GPU) moves registers from KV's cap to A's: A's
-    non-polling stall samples were 1.37x FlashQLA's group's, mostly short-scoreboard waits
-    right after loads (too few registers to hoist them; FlashQLA gives that group 184). `gam_zeros` (off, not yet run on a GPU): Pg and dP drop their causal select,
-    since Gam is already 0 above the diagonal (finite gemm results times 0).
+    working (non-polling) samples were 1.40x FlashQLA's group's, mostly short-scoreboard waits
+    right after loads (too few registers to hoist them; FlashQLA gives that group 184).
+    `gam_zeros` (off, not yet run on a GPU): Pg and dP drop their causal select, since Gam is
+    already 0 above the diagonal (finite gemm results times 0).
     """
     accum = "float32"
     TT = T.dynamic("num_tokens")
