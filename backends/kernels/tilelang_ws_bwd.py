@@ -66,7 +66,8 @@ TIMING_SLOTS = 18
 #: default or dropped: docs/tilelang_ws.md, "Steps", and git history (768934d has them all).
 DEFAULT_BUILD = {"tma_dq": False, "merged_colsum": True, "late_dos": True, "w_regs": True, "s_gl_late": True,
                  "gam_select": True, "frag_stores": False, "gam_zeros": False,
-                 "ag_frag": False, "a_regs": 168}
+                 "ag_frag": False, "a_regs": 168,
+                 "whole_rows": False}
 SWITCHES = {"tmadq": ("tma_dq", True), "notmadq": ("tma_dq", False),
             "mcs": ("merged_colsum", True), "nomcs": ("merged_colsum", False),
             "late": ("late_dos", True), "nolate": ("late_dos", False),
@@ -76,7 +77,8 @@ SWITCHES = {"tmadq": ("tma_dq", True), "notmadq": ("tma_dq", False),
             "fst": ("frag_stores", True), "nofst": ("frag_stores", False),
             "gz": ("gam_zeros", True), "nogz": ("gam_zeros", False),
             "agf": ("ag_frag", True), "noagf": ("ag_frag", False),
-            "a168": ("a_regs", 168), "a176": ("a_regs", 176), "a184": ("a_regs", 184)}
+            "a168": ("a_regs", 168), "a176": ("a_regs", 176), "a184": ("a_regs", 184),
+            "whole": ("whole_rows", True), "nowhole": ("whole_rows", False)}
 
 
 def build_flags(build: str) -> dict:
@@ -99,7 +101,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                  late_dos: bool = DEFAULT_BUILD["late_dos"], w_regs: bool = DEFAULT_BUILD["w_regs"],
                  s_gl_late: bool = DEFAULT_BUILD["s_gl_late"], gam_select: bool = DEFAULT_BUILD["gam_select"],
                  frag_stores: bool = DEFAULT_BUILD["frag_stores"], gam_zeros: bool = DEFAULT_BUILD["gam_zeros"],
-                 ag_frag: bool = DEFAULT_BUILD["ag_frag"], a_regs: int = DEFAULT_BUILD["a_regs"]):
+                 ag_frag: bool = DEFAULT_BUILD["ag_frag"], a_regs: int = DEFAULT_BUILD["a_regs"],
+                 whole_rows: bool = DEFAULT_BUILD["whole_rows"]):
     """Compile (once per configuration) the warp-specialised kernel (K = V = 128, chunk 64).
 
     `timing` adds cycle counters at every sync point (written to the `clk` argument, CTA by
@@ -122,7 +125,11 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     working (non-polling) samples were 1.40x FlashQLA's group's, mostly short-scoreboard waits
     right after loads (too few registers to hoist them; FlashQLA gives that group 184).
     `gam_zeros` (off, not yet run on a GPU): Pg and dP drop their causal select, since Gam is
-    already 0 above the diagonal (finite gemm results times 0).
+    already 0 above the diagonal (finite gemm results times 0). `whole_rows` (off, not yet run
+    on a GPU): dv, dk and dq of every chunk after the first visited (all whole) are stored
+    without the per-row test, which nvcc wrapped around each store (dv: 32 per thread; Nsight
+    Compute, session 8: ~170 of KV's 2257 instructions per warp and step, next to FlashQLA's
+    group's 1292).
     """
     accum = "float32"
     TT = T.dynamic("num_tokens")
@@ -227,17 +234,21 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
         T.copy(pg_f, pg_s)
 
     @T.macro
-    def store_rows(frag, stage_s, out, t0, eos, hh):
-        """A chunk's dq or dk rows (those before `eos`) from a group's fragment, through `stage_s`
-        (a free 64 x 128 buffer), so the global stores are whole rows instead of a wgmma
-        fragment's 4-byte pieces."""
+    def store_rows(frag, stage_s, out, t0, eos, hh, whole=False):
+        """A chunk's dq or dk rows (those before `eos`; all of them where `whole`) from a group's
+        fragment, through `stage_s` (a free 64 x 128 buffer), so the global stores are whole rows
+        instead of a wgmma fragment's 4-byte pieces."""
         T.copy(frag, stage_s)
-        for i, j in T.Parallel(BT, K):
-            if t0 + i < eos:
+        if whole:
+            for i, j in T.Parallel(BT, K):
                 out[t0 + i, hh, j] = stage_s[i, j]
+        else:
+            for i, j in T.Parallel(BT, K):
+                if t0 + i < eos:
+                    out[t0 + i, hh, j] = stage_s[i, j]
 
     @T.macro
-    def store_tile(frag, stage_s, out, t0, eos, hh, it, tma):
+    def store_tile(frag, stage_s, out, t0, eos, hh, it, tma, whole_rows):
         """`store_rows`, or with `tma` a full tile (every chunk after the first visited, the only
         partial one) in one TMA store from `stage_s`: the group that issued it waits for the
         store's read (`T.tma_store_wait`) before it writes `stage_s` again."""
@@ -245,6 +256,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
             T.copy(frag, stage_s)
             T.fence_proxy_async()
             T.tma_copy(stage_s, out[t0:t0 + BT, hh, 0:K])
+        elif whole_rows and it > 0:
+            store_rows(frag, stage_s, out, t0, eos, hh, True)
         else:
             store_rows(frag, stage_s, out, t0, eos, hh)
 
@@ -505,9 +518,13 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         phase_sync(phase, 1, it % 2, 2, 1, tick, tm_s)
                         # 3: dv = Ag^T dV' (b is inside Ag); dUs = -e^G dv; dG += rows of dUs * U
                         T.gemm(ag_s, dvp_s, kv1_f, transpose_A=True, clear_accum=True)
-                        for i, j in T.Parallel(BT, V):
-                            if t0 + i < eos:
+                        if whole_rows and it > 0:  # whole chunks (only the first visited can be partial)
+                            for i, j in T.Parallel(BT, V):
                                 dv[t0 + i, hh, j] = T.cast(kv1_f[i, j], dtype)
+                        else:
+                            for i, j in T.Parallel(BT, V):
+                                if t0 + i < eos:
+                                    dv[t0 + i, hh, j] = T.cast(kv1_f[i, j], dtype)
                         for i, j in T.Parallel(BT, V):
                             kv1_f[i, j] = -kv1_f[i, j] * eG_s[i]
                             kv2_f[i, j] = kv1_f[i, j] * T.cast(u_s[i, j], accum)
@@ -543,7 +560,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         phase_sync(phase, 5, it % 2, 6, 1, tick, tm_s)
                         # 7: dk += (dkk + dkk^T) K
                         T.gemm(ag_s, k_s, kv2_f)
-                        store_rows(kv2_f, u_s, dk, t0, eos, hh)  # u_s is free after phase 5
+                        store_tile(kv2_f, u_s, dk, t0, eos, hh, it, False, whole_rows)  # u_s is free after phase 5
                         phase_sync(phase, 6, it % 2, 7, 1, tick, tm_s)
                     loop_end(tick, tm_s, 1, n_chunks, clk, bx)
 
@@ -695,7 +712,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         T.fence_proxy_async()
                         phase_sync(phase, 5, it % 2, 6, 2, tick, tm_s)
                         # 7: dq (S writes dg and db)
-                        store_tile(a1_f, dvp_s, dq, t0, eos, hh, it, tma_dq)  # dvp_s is free after phase 5
+                        store_tile(a1_f, dvp_s, dq, t0, eos, hh, it, tma_dq, whole_rows)  # dvp_s is free after phase 5
                         phase_sync(phase, 6, it % 2, 7, 2, tick, tm_s)
                     if tma_dq:
                         T.tma_store_wait()
