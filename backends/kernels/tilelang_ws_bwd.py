@@ -221,31 +221,37 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
             for i, j in T.Parallel(BT, V):
                 w_s[i, j] = T.cast(T.cast(v_s[i, j], accum) - eG_s[i] * frag[i, j], dtype)
 
+    def gated(x_f, gam_f, i, j, zeros):
+        """scale Gam[i, j] x[i, j] (Pg from Q K^T, dP from dPg), 0 above the diagonal: with `zeros`
+        through Gam's own zeros there, else a select."""
+        value = scale * x_f[i, j] * gam_f[i, j]
+        return value if zeros else T.if_then_else(j <= i, value, T.cast(0, accum))
+
     @T.macro
     def store_pg(pg_f, pg_s, gam_f, zeros):
-        """Pg = scale Gam * (Q K^T) (`pg_f`, masked in place) into shared memory; with `zeros`
-        Gam's zeros above the diagonal are the mask."""
-        if zeros:
-            for i, j in T.Parallel(BT, BT):
-                pg_f[i, j] = scale * pg_f[i, j] * gam_f[i, j]
-        else:
-            for i, j in T.Parallel(BT, BT):
-                pg_f[i, j] = T.if_then_else(j <= i, scale * pg_f[i, j] * gam_f[i, j], T.cast(0, accum))
+        """Pg = scale Gam * (Q K^T) (`pg_f`, in place) into shared memory."""
+        for i, j in T.Parallel(BT, BT):
+            pg_f[i, j] = gated(pg_f, gam_f, i, j, zeros)
         T.copy(pg_f, pg_s)
 
     @T.macro
-    def store_rows(frag, stage_s, out, t0, eos, hh, whole=False):
-        """A chunk's dq or dk rows (those before `eos`; all of them where `whole`) from a group's
-        fragment, through `stage_s` (a free 64 x 128 buffer), so the global stores are whole rows
-        instead of a wgmma fragment's 4-byte pieces."""
-        T.copy(frag, stage_s)
+    def write_rows(src, out, t0, eos, hh, whole):
+        """A chunk's rows of `out` from `src` (64 x 128): those before `eos`, or all of them where
+        `whole` (no per-row test, which nvcc wraps around each store; `whole_rows`)."""
         if whole:
             for i, j in T.Parallel(BT, K):
-                out[t0 + i, hh, j] = stage_s[i, j]
+                out[t0 + i, hh, j] = T.cast(src[i, j], dtype)
         else:
             for i, j in T.Parallel(BT, K):
                 if t0 + i < eos:
-                    out[t0 + i, hh, j] = stage_s[i, j]
+                    out[t0 + i, hh, j] = T.cast(src[i, j], dtype)
+
+    @T.macro
+    def store_rows(frag, stage_s, out, t0, eos, hh, whole=False):
+        """A chunk's dq or dk rows from a group's fragment, through `stage_s` (a free 64 x 128
+        buffer), so the global stores are whole rows instead of a wgmma fragment's 4-byte pieces."""
+        T.copy(frag, stage_s)
+        write_rows(stage_s, out, t0, eos, hh, whole)
 
     @T.macro
     def store_tile(frag, stage_s, out, t0, eos, hh, it, tma, whole_rows):
@@ -518,13 +524,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         phase_sync(phase, 1, it % 2, 2, 1, tick, tm_s)
                         # 3: dv = Ag^T dV' (b is inside Ag); dUs = -e^G dv; dG += rows of dUs * U
                         T.gemm(ag_s, dvp_s, kv1_f, transpose_A=True, clear_accum=True)
-                        if whole_rows and it > 0:  # whole chunks (only the first visited can be partial)
-                            for i, j in T.Parallel(BT, V):
-                                dv[t0 + i, hh, j] = T.cast(kv1_f[i, j], dtype)
-                        else:
-                            for i, j in T.Parallel(BT, V):
-                                if t0 + i < eos:
-                                    dv[t0 + i, hh, j] = T.cast(kv1_f[i, j], dtype)
+                        # (every chunk after the first visited is whole)
+                        write_rows(kv1_f, dv, t0, eos, hh, whole_rows and it > 0)
                         for i, j in T.Parallel(BT, V):
                             kv1_f[i, j] = -kv1_f[i, j] * eG_s[i]
                             kv2_f[i, j] = kv1_f[i, j] * T.cast(u_s[i, j], accum)
@@ -659,20 +660,12 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         if late_dos:
                             T.wgmma_gemm(do_s, h_s, a1_f, transpose_B=True, clear_accum=True)
                         if frag_stores:  # dP in dPg's registers (not read again), stored with stmatrix
-                            if gam_zeros:
-                                for i, j in T.Parallel(BT, BT):
-                                    sq_f[i, j] = scale * sq_f[i, j] * gam_f[i, j]
-                            else:
-                                for i, j in T.Parallel(BT, BT):
-                                    sq_f[i, j] = T.if_then_else(j <= i, scale * sq_f[i, j] * gam_f[i, j], T.cast(0, accum))
-                            T.copy(sq_f, pg_s)
-                        elif gam_zeros:
                             for i, j in T.Parallel(BT, BT):
-                                pg_s[i, j] = T.cast(scale * sq_f[i, j] * gam_f[i, j], dtype)
+                                sq_f[i, j] = gated(sq_f, gam_f, i, j, gam_zeros)
+                            T.copy(sq_f, pg_s)
                         else:
                             for i, j in T.Parallel(BT, BT):
-                                pg_s[i, j] = T.cast(T.if_then_else(j <= i, scale * sq_f[i, j] * gam_f[i, j],
-                                                                   T.cast(0, accum)), dtype)
+                                pg_s[i, j] = T.cast(gated(sq_f, gam_f, i, j, gam_zeros), dtype)
                         T.wait_wgmma(0)
                         fence(a1_f)
                         for i, j in T.Parallel(BT, K):
