@@ -141,6 +141,10 @@ def cmd_tune(args) -> int:
 
     results = []
     written = 0
+    needs = {}  # optional library -> the backends that need it (a table entry is also written without them)
+    for n, b in registered_backends().items():
+        if b.optional_lib:
+            needs.setdefault(b.optional_lib, set()).add(n)
     for i, spec in enumerate(variants, 1):
         t0 = time.perf_counter()
         print(f"[{i}/{len(variants)}] {spec.label()} ...", file=sys.stderr, flush=True)
@@ -167,10 +171,6 @@ def cmd_tune(args) -> int:
             elif n not in candidates:
                 entry["candidates"][n] = {"unsupported": "left out by --backends"}
         if entry["winner"]:
-            needs = {}
-            for n, b in registered_backends().items():
-                if b.optional_lib:
-                    needs.setdefault(b.optional_lib, set()).add(n)
             tuning_table.record(dev.slug, dev.name, {problem.table_key(): entry,
                                 **tuning_table.without_optional(problem.table_key(), entry, needs)}, out_dir)
             written += 1

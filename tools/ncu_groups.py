@@ -82,8 +82,11 @@ def compare(ours: Path, peer: Path, warps_steps: float) -> None:
 
 
 def _rows(path: Path) -> tuple[list, list]:
+    """A source page's SASS rows and its header (the first row with a 'Source' column)."""
     rows = list(csv.reader(Path(path).read_text(errors="replace").splitlines()))
-    i = next(i for i, r in enumerate(rows) if any("Source" in c for c in r))
+    i = next((i for i, r in enumerate(rows) if any("Source" in c for c in r)), None)
+    if i is None:
+        raise ValueError(f"{path}: no header with a 'Source' column; first lines: {rows[:3]}")
     return [r for r in rows[i + 1:] if len(r) == len(rows[i])], rows[i]
 
 
@@ -97,12 +100,11 @@ def main(argv=None) -> int:
     p.add_argument("--warps-steps", type=float, default=64 * 64 * 4,
                    help="CTAs x chunk steps x 4 warps, for per-warp-and-step counts (default: B4 T4096 H16)")
     args = p.parse_args(argv)
-    rows = list(csv.reader(Path(args.csv).read_text(errors="replace").splitlines()))
-    head_i = next((i for i, r in enumerate(rows) if any("Source" in c for c in r)), None)
-    if head_i is None:
-        print(f"{args.csv}: no header with a 'Source' column; first lines: {rows[:3]}", file=sys.stderr)
+    try:
+        body, head = _rows(Path(args.csv))
+    except ValueError as e:
+        print(e, file=sys.stderr)
         return 2
-    head, body = rows[head_i], [r for r in rows[head_i + 1:] if len(r) == len(rows[head_i])]
     src = next(i for i, c in enumerate(head) if "Source" in c)
     stats = [i for i, c in enumerate(head) if re.search(r"stall|sampl", c, re.I)]
     print("columns found:", [head[i] for i in stats])
