@@ -9,9 +9,11 @@ and sat ~3 ms above their kernels (bench/results/nvidia-h200-sm90-starved.md), t
 host-bound call. Here each scan is one launch. Products are 3xTF32 (`tf32x3`: tensor cores,
 fp32-level error; plain TF32's 10-bit mantissa would reach every gradient of the segments after
 it). Resources for sm_90a (Triton 3.9 AOT, K = V = 128): `ieee` products lowered to FMA loops
-spilled 8-12 KB of stack per thread; `tf32x3` with 8 warps and no pipelining: 250-255 registers,
-no stack, 64 KB shared. One stage: the carried state needs the last step, but the maps' loads
-do not, so whether a second stage overlaps them is open (docs/measurements.md, session 8).
+spilled 8-12 KB of stack per thread. Launch options measured on the H200 (backward scan, B1
+T32768 H4, 32 segments; bench/results/ws_steps/s9call3-splitprof-scan.log): 16 value columns,
+8 warps, 2 stages 0.116 ms; 16/8/1 0.133; 32/8/1 (session 8's) 0.147; 32/8/2 0.146; 32/4/2
+0.251; 64/8/2 0.218. The carried state needs the last step but the maps' loads do not, so the
+second stage overlaps them once the state block is small.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ import triton
 import triton.language as tl
 
 #: value columns per program (the state block is K x BV fp32 in registers)
-BV = 32
+BV = 16
 #: launch options, see the module docstring
-NUM_WARPS, NUM_STAGES = 8, 1
+NUM_WARPS, NUM_STAGES = 8, 2
 #: Whether the kernels' GPU tests (tests/test_gpu.py: the scans against float64, the split
 #: oracle tests) have passed; while False, context_parallel.py runs them only with
 #: GDR_ALLOW_UNVERIFIED=1. Passed on the H200 in session 7 (bench/results/ws_steps/s7call3-*).
@@ -67,8 +69,8 @@ def not_supported_reason(K: int, V: int, dtype: torch.dtype, device: torch.devic
         return f"maps on {torch.device(device).type} (the kernels run on CUDA)"
     if dtype != torch.float32:
         return f"maps in {dtype} (the kernels scan in fp32; float64 calls use the torch scan)"
-    if K not in (16, 32, 64, 128) or not (V % BV == 0 or V == 16):
-        return f"K={K}, V={V} (the kernels take K in 16/32/64/128 and V = 16 or a multiple of {BV})"
+    if K not in (16, 32, 64, 128) or V % BV:
+        return f"K={K}, V={V} (the kernels take K in 16/32/64/128 and V a multiple of {BV})"
     return ""
 
 

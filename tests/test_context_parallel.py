@@ -362,7 +362,7 @@ def test_scan_kernels_say_what_they_do_not_take():
     assert "CUDA" in not_supported_reason(128, 128, torch.float32, torch.device("cpu"))
     assert "float64" in not_supported_reason(128, 128, torch.float64, torch.device("cuda"))
     assert "K=8, V=16" in not_supported_reason(8, 16, torch.float32, torch.device("cuda"))
-    assert "K=16, V=48" in not_supported_reason(16, 48, torch.float32, torch.device("cuda"))
+    assert "K=16, V=40" in not_supported_reason(16, 40, torch.float32, torch.device("cuda"))
 
 
 @pytest.mark.parametrize("spec", [ShapeSpec(B=1, T=1000, H=2, K=16, V=16, dtype="float32", h="none"),

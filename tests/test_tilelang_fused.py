@@ -55,11 +55,14 @@ def test_the_warp_specialised_kernel_takes_h200_calls_since_it_was_verified(monk
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile for sm_90a")
-@pytest.mark.parametrize("experiment", [{}, {"tma_dq": True},
+@pytest.mark.parametrize("experiment", [{},
                                         {"merged_colsum": False, "late_dos": False, "w_regs": False,
-                                         "s_gl_late": False, "gam_select": False},
-                                        {"frag_stores": True, "gam_zeros": True, "ag_frag": True}],
-                         ids=["default", "tmadq", "v7", "fst+gz+agf"])
+                                         "s_gl_late": False, "gam_select": False, "frag_stores": False,
+                                         "gam_zeros": False, "ag_frag": False, "s_early4": False, "s_early6": False},
+                                        {"frag_stores": False, "gam_zeros": False, "ag_frag": False,
+                                         "s_early4": False, "s_early6": False},
+                                        {"s_early4": False, "s_early6": False}],
+                         ids=["default", "v7", "v8", "v9"])
 def test_ws_kernel_compiles_for_sm90a_with_its_register_split(experiment):
     from gdr_dispatch.backends.kernels.tilelang_ws_bwd import DEFAULT_BUILD, NREG, build_ws_bwd
 
@@ -84,8 +87,19 @@ def test_ws_kernel_compiles_for_sm90a_with_its_register_split(experiment):
     sizes = {int(n) for n in re.findall(r"warpgroup_fence_operand\(reinterpret_cast<float\*>\(\w+ \+ 0\), (\d+)\)", src)}
     assert sizes and max(sizes) <= 128, sizes
     assert src.count("tma_load(") >= 6
-    if flags["tma_dq"]:  # dq's full tiles leave through TMA, waited for before dvp_s is reused
-        assert "tl::tma_store(dq_desc" in src and src.count("tma_store_wait") >= 2
+    # w_regs (W), frag_stores (dP, dkk, dkk + dkk^T) and ag_frag (Ag) store their 16-bit tiles by
+    # stmatrix, on top of the ten fragment copies every build has
+    expected = 10 + flags["w_regs"] + 3 * flags["frag_stores"] + flags["ag_frag"]
+    assert src.count("ptx_stmatrix") == expected, (src.count("ptx_stmatrix"), expected)
+    # s_early4: S arrives at phase 4's barrier before it writes the scaled dO into dvp_s, and its
+    # own wgmma reads dvp_s only after its 128-thread named barrier (the mbarrier no longer
+    # orders S's threads' writes before that read)
+    s_part = re.split(r"warpgroup_reg_(?:alloc|dealloc)<\d+>", src)[1]
+    arrive, wait = s_part.find("phase[3].arrive()"), s_part.find("phase[3].wait(")
+    write = s_part.find("((bfloat16_t*)dvp_s) +")
+    read = s_part.find("(&(((bfloat16_t*)dvp_s)[0]))")
+    assert (arrive < write < wait) == flags["s_early4"] and write < wait < read
+    assert "__sync_thread_partial(3, 128)" in s_part[wait:read]
 
 
 @pytest.mark.slow
@@ -189,7 +203,7 @@ def test_every_build_switch_reaches_the_ws_kernel_build(monkeypatch):
     monkeypatch.setattr(m, "build_ws_bwd", lambda *args, **kw: seen.update(kw) or "kernel")
     monkeypatch.setattr(m, "launch_packed", lambda kern, *args, **kw: kern)
     x = torch.zeros(1, 64, 1, 128)
-    flags = m.build_flags("tmadq+nomcs+nolate+nowreg+nosgl+nogsel+fst+gz+agf+a176+whole")  # all flipped
+    flags = m.build_flags("nomcs+nolate+nowreg+nosgl+nogsel+nofst+nogz+noagf+nos4e+nos6e")  # all flipped
     assert all(flags[key] != value for key, value in m.DEFAULT_BUILD.items())
     assert m.ws_bwd_given_h(x, x, x, x, torch.zeros(1, 64, 1, 64), torch.zeros(1, 64, 1), torch.zeros(1, 64, 1),
                             torch.zeros(1, 1, 1, 128, 128), None, 0.1, (64,), **flags) == "kernel"

@@ -11,7 +11,7 @@
 #                    20 repeated runs of each against the torch backend at B8 T4096 H32 -> $OUT/race.log
 #   timing[=SECONDS] tools/ws_probe.py --timing (cycles per chunk, per group and phase; TIMING_SHAPES
 #                    names the shapes, default B4T4096H16 B8T4096H32) -> $OUT/timing.log, $OUT/bench/timing.json
-#   wsbench[=SECONDS] tools/ws_probe.py --plain (ws vs plain kernel launchers; WS_SHAPES; WS_BUILDS='default,tmadq'
+#   wsbench[=SECONDS] tools/ws_probe.py --plain (ws vs plain kernel launchers; WS_SHAPES; WS_BUILDS='default,nofst'
 #                    times those ws builds side by side; WS_NO_PLAIN=' ' leaves the plain kernel out) -> $OUT/wsbench.log
 #   stage56[=SECONDS] bench/bench_stage56.py (wide kernel configs, crossover) -> $OUT/stage56.log, bench/stage56.json
 #   bench[=SECONDS]  bench/bench_gdr_bwd.py, h200-train      -> $OUT/bench/<device>.{json,md}
@@ -29,7 +29,7 @@
 # e.g.  bash tools/device_run.sh precompile tests=240 bench=200 tune=120
 # Env: PRECOMPILE_JOBS (default 8) compiles in parallel; BENCH_ARGS (with BENCH_MATCH/SKIP) adds bench flags; USER_TABLES=/tmp/tables lets the steps after a tune
 # dispatch with its table; TESTS_K='<pytest -k expression>' runs only those GPU tests (one pytest, tilelang_fused not
-# held back; TESTS_LOG names its log); RACE_KERNELS='ws' checks only that kernel; WS_ARGS='--build tmadq'
+# held back; TESTS_LOG names its log); RACE_KERNELS='ws' checks only that kernel; WS_ARGS='--build nofst'
 # passes flags to tools/ws_probe.py in the race, timing and wsbench steps (its ws builds only); BENCH_MATCH='<regex>' benches only the matching shapes and merges them into the
 # committed bench/results/<device>.json; BENCH_SKIP='a,b' leaves those runners out (merged, so
 # their committed numbers stay, marked as from an earlier run).
@@ -118,11 +118,10 @@ for arg in "$@"; do
                --kernel "$tag" ${WS_ARGS:-} > "$OUT/ncu-$tag.log" 2>&1
              ncu -i /tmp/ncu-$tag.ncu-rep --page details --csv > "$OUT/ncu-$tag-details.csv" 2>> "$OUT/ncu-$tag.log"
              ncu -i /tmp/ncu-$tag.ncu-rep --page source --csv --print-source sass > "$OUT/ncu-$tag-source.csv" 2>> "$OUT/ncu-$tag.log"
-             build=$(echo "${WS_ARGS:-}" | grep -o -- '--build [^ ]*')
              if [ "$tag" = ws ]; then
-               python3 tools/ncu_groups.py "$OUT/ncu-ws-source.csv" $build >> "$OUT/ncu-ws.log" 2>&1
+               python3 tools/ncu_groups.py "$OUT/ncu-ws-source.csv" >> "$OUT/ncu-ws.log" 2>&1
              elif [ -f "$OUT/ncu-ws-source.csv" ]; then  # after both: ours beside FlashQLA's, group by group
-               python3 tools/ncu_groups.py "$OUT/ncu-ws-source.csv" --top 0 --peer "$OUT/ncu-$tag-source.csv" $build \
+               python3 tools/ncu_groups.py "$OUT/ncu-ws-source.csv" --top 0 --peer "$OUT/ncu-$tag-source.csv" \
                  >> "$OUT/ncu-$tag.log" 2>&1
              fi ;;
     profile) timeout "$limit" python3 tools/profile_fla_adapter.py --B 8 --T 4096 --H 32 --rounds 3 > "$OUT/profile.log" 2>&1 ;;

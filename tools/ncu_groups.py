@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sass_report import GROUPS, caps_of, label_regions  # noqa: E402
+from sass_report import GROUPS, label_regions  # noqa: E402
 
 
 def number(cell: str) -> float | None:
@@ -95,7 +95,6 @@ def main(argv=None) -> int:
     p.add_argument("csv")
     p.add_argument("--group", default="A", help="the group whose hottest lines are listed")
     p.add_argument("--top", type=int, default=40)
-    p.add_argument("--build", default="default", help="the ws build profiled (its register caps label the groups)")
     p.add_argument("--peer", help="a peer kernel's source page (ncu-flashqla-source.csv): compared group by group")
     p.add_argument("--warps-steps", type=float, default=64 * 64 * 4,
                    help="CTAs x chunk steps x 4 warps, for per-warp-and-step counts (default: B4 T4096 H16)")
@@ -118,7 +117,7 @@ def main(argv=None) -> int:
     caps = [int(re.search(r"0x([0-9a-f]+)", body[i][src].split("USETMAXREG", 1)[1]).group(1), 16) for i in starts]
     bounds = starts + [len(body)]
     region = {}
-    for g, lo, hi in zip(label_regions(caps, caps_of(args.build)), bounds, bounds[1:]):
+    for g, lo, hi in zip(label_regions(caps), bounds, bounds[1:]):
         region[g] = (lo, hi)
     region["prologue"] = (0, starts[0])
     main_col = stats[0]

@@ -54,30 +54,23 @@ def sass_of(build: str, H: int, Hg: int, dtype: str) -> str:
     return kern._get_sass()
 
 
-def caps_of(build: str) -> tuple:
-    """The register caps (S, KV, A, producer) of a build (its `a_regs` switch)."""
-    from gdr_dispatch.backends.kernels.tilelang_ws_bwd import build_flags, register_caps
-
-    return register_caps(build_flags(build)["a_regs"])
-
-
-def label_regions(caps: list[int], nreg=None) -> list[str]:
+def label_regions(caps: list[int]) -> list[str]:
     """Role of each branch from its register cap (tilelang_ws_bwd.NREG: S, KV, A, producer).
     nvcc lays the branches out in reverse source order (producer first), so of two groups with
     the same cap the later one in the SASS is the earlier one in the source."""
     from gdr_dispatch.backends.kernels.tilelang_ws_bwd import NREG
 
-    order = list(zip(GROUPS, nreg or NREG))
+    order = list(zip(GROUPS, NREG))
     labels = []
     for cap in caps:
         match = [g for g, n in reversed(order) if n == cap and g not in labels]
         if not match:
-            raise SystemExit(f"a branch with register cap {cap} matches no role of the caps {nreg or NREG}")
+            raise SystemExit(f"a branch with register cap {cap} matches no role of the caps {NREG}")
         labels.append(match[0])
     return labels
 
 
-def role_regions(sass: str, nreg=None) -> tuple[list[tuple[str, list[str]]], int]:
+def role_regions(sass: str) -> tuple[list[tuple[str, list[str]]], int]:
     """The SASS instruction lines of each role branch, in GROUPS order, and the count before the
     first branch (the prologue). A branch opens at its `USETMAXREG` and runs to the next one's,
     so it includes the group's epilogue."""
@@ -87,12 +80,12 @@ def role_regions(sass: str, nreg=None) -> tuple[list[tuple[str, list[str]]], int
         raise SystemExit(f"expected {len(GROUPS)} USETMAXREG instructions (one per role), found {len(starts)}")
     caps = [int(re.search(r"0x([0-9a-f]+)", lines[i].split("USETMAXREG", 1)[1]).group(1), 16) for i in starts]
     bounds = starts + [len(lines)]
-    regions = sorted(zip(label_regions(caps, nreg), bounds, bounds[1:]), key=lambda r: GROUPS.index(r[0]))
+    regions = sorted(zip(label_regions(caps), bounds, bounds[1:]), key=lambda r: GROUPS.index(r[0]))
     return [(g, lines[lo:hi]) for g, lo, hi in regions], starts[0]
 
 
-def per_group(sass: str, nreg=None) -> dict:
-    regions, prologue = role_regions(sass, nreg)
+def per_group(sass: str) -> dict:
+    regions, prologue = role_regions(sass)
     out = {g: {name: (len(body) if pat is None else sum(bool(pat.search(l)) for l in body))
                for name, pat in COUNTS.items()}
            for g, body in regions}
@@ -100,14 +93,14 @@ def per_group(sass: str, nreg=None) -> dict:
     return out
 
 
-def per_phase(sass: str, nreg=None) -> dict:
+def per_phase(sass: str) -> dict:
     """Each consumer group's SASS cut at its mbarrier arrivals (`SYNCS.ARRIVE`: the producer's
     `full` is waited on, the phase barriers are arrived at), so segment k runs from one arrival to
     the next: instructions / spill instructions / named barriers (`BAR.SYNC`, the group's own
     128-thread syncs). Session 7 found 32 of KV's 34 phase-1 barriers this way: TileLang had put
     one before every store of an unrolled loop (docs/tilelang_ws.md, `wreg`)."""
     out = {}
-    for g, body in role_regions(sass, nreg)[0]:
+    for g, body in role_regions(sass)[0]:
         if g == "producer":
             continue
         cuts = [i for i, l in enumerate(body) if "SYNCS.ARRIVE" in l] + [len(body)]
@@ -132,12 +125,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.phases:
         for build in args.builds.split(","):
-            for g, segs in per_phase(sass_of(build, args.H, args.Hg, args.dtype), caps_of(build)).items():
+            for g, segs in per_phase(sass_of(build, args.H, args.Hg, args.dtype)).items():
                 print(f"{build} | {g} | " + "  ".join(f"{n}/{sp}/{b}" for n, sp, b in segs), flush=True)
         return 0
     print("build | group | " + " | ".join(COUNTS))
     for build in args.builds.split(","):
-        for g, c in per_group(sass_of(build, args.H, args.Hg, args.dtype), caps_of(build)).items():
+        for g, c in per_group(sass_of(build, args.H, args.Hg, args.dtype)).items():
             if g != "prologue":
                 print(f"{build} | {g} | " + " | ".join(str(c[n]) for n in COUNTS), flush=True)
     return 0

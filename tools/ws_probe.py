@@ -5,8 +5,8 @@
     python tools/ws_probe.py --only B8T4096H32 --check --repeat 20   # the race hunt of docs/tilelang_ws.md
     compute-sanitizer --tool racecheck python3 tools/ws_probe.py --only tiny --once --kernel plain
     python tools/ws_probe.py --only B4T4096H16 --timing     # cycles per chunk, per group and phase
-    python tools/ws_probe.py --build tmadq --check ...       # the same for another build (dq by TMA store)
-    python tools/ws_probe.py --builds default,tmadq          # builds side by side (switches: build_flags)
+    python tools/ws_probe.py --build nofst --check ...       # the same for another build (v9 without frag_stores)
+    python tools/ws_probe.py --builds default,nofst          # builds side by side (switches: build_flags)
     python tools/ws_probe.py --builds default --peer         # and FlashQLA in the same rounds
     python tools/ws_probe.py --warm-peer 8 --shapes B4T4096H16,B8T4096H32   # compile for --peer first
 

@@ -44,14 +44,10 @@ from .tilelang_launch import launch_packed, tl_dtype
 BT, K, V = 64, 128, 128
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x log2 e): one MUFU.EX2 under fast math
 
-def register_caps(a_regs: int = 168) -> tuple:
-    """Register caps per warpgroup (S, KV, A, producer), adding up to 512 slots of 128 threads =
-    the 64K-register file: A's cap taken from KV's (seed 000 used 160 / 144 / 184 / 24)."""
-    return (160, 328 - a_regs, a_regs, 24)
-
-
-#: The default build's caps: 160 + 160 + 168 + 24.
-NREG = register_caps()
+#: Register caps per warpgroup (S, KV, A, producer), adding up to 512 slots of 128 threads =
+#: the 64K-register file (seed 000 used 160 / 144 / 184 / 24). Moving 8 or 16 from KV to A
+#: cost 10-16 % (session 9, bench/results/ws_steps/s9call1-wsbench-switches-peer.log).
+NREG = (160, 160, 168, 24)
 #: Consumer phases per chunk (each closed by one 384-thread mbarrier).
 PHASES = 7
 
@@ -60,16 +56,15 @@ PHASES = 7
 #: chunks of clock cycles: [2 s] working before sync point s, [2 s + 1] waiting there (s = 0
 #: the producer's `full` barrier, 1-7 the phase ends), [16] the whole chunk loop, [17] chunks.
 TIMING_SLOTS = 18
-#: The build `tilelang_ws` runs (v8: the last five on, -1.6 to -3.3 % against all off,
-#: bench/results/ws_steps/s8call1-wsbench-switches-peer.log); they stay switches so tools can
-#: time the builds before them (`nomcs-nolate-...` is v7). Others, measured and either made the
-#: default or dropped: docs/tilelang_ws.md, "Steps", and git history (768934d has them all).
-DEFAULT_BUILD = {"tma_dq": False, "merged_colsum": True, "late_dos": True, "w_regs": True, "s_gl_late": True,
-                 "gam_select": True, "frag_stores": False, "gam_zeros": False,
-                 "ag_frag": False, "a_regs": 168,
-                 "whole_rows": False}
-SWITCHES = {"tmadq": ("tma_dq", True), "notmadq": ("tma_dq", False),
-            "mcs": ("merged_colsum", True), "nomcs": ("merged_colsum", False),
+#: The build `tilelang_ws` runs (v10: every switch on; `s4e+s6e` -2.9 to -5.7 % against v9,
+#: bench/results/ws_steps/s9call7-wsbench-v10-peer.log); they stay switches so tools can time
+#: the builds before them (`nos4e-nos6e` is v9, `...-nofst-nogz-noagf` v8). Others, measured and either made the
+#: default or dropped: docs/tilelang_ws.md, "Steps", and git history (768934d has them all;
+#: `tmadq`, `a176`, `whole` are at 6aee64e).
+DEFAULT_BUILD = {"merged_colsum": True, "late_dos": True, "w_regs": True, "s_gl_late": True,
+                 "gam_select": True, "frag_stores": True, "gam_zeros": True,
+                 "ag_frag": True, "s_early4": True, "s_early6": True}
+SWITCHES = {"mcs": ("merged_colsum", True), "nomcs": ("merged_colsum", False),
             "late": ("late_dos", True), "nolate": ("late_dos", False),
             "wreg": ("w_regs", True), "nowreg": ("w_regs", False),
             "sgl": ("s_gl_late", True), "nosgl": ("s_gl_late", False),
@@ -77,12 +72,12 @@ SWITCHES = {"tmadq": ("tma_dq", True), "notmadq": ("tma_dq", False),
             "fst": ("frag_stores", True), "nofst": ("frag_stores", False),
             "gz": ("gam_zeros", True), "nogz": ("gam_zeros", False),
             "agf": ("ag_frag", True), "noagf": ("ag_frag", False),
-            "a168": ("a_regs", 168), "a176": ("a_regs", 176), "a184": ("a_regs", 184),
-            "whole": ("whole_rows", True), "nowhole": ("whole_rows", False)}
+            "s4e": ("s_early4", True), "nos4e": ("s_early4", False),
+            "s6e": ("s_early6", True), "nos6e": ("s_early6", False)}
 
 
 def build_flags(build: str) -> dict:
-    """`'default'` or switches joined by '+' or '-' (e.g. `tmadq`) -> `build_ws_bwd`
+    """`'default'` or switches joined by '+' or '-' (e.g. `nofst-nogz`) -> `build_ws_bwd`
     keyword arguments; an unnamed setting keeps `DEFAULT_BUILD`'s value."""
     flags = dict(DEFAULT_BUILD)
     for word in re.split(r"[+-]", build):
@@ -97,39 +92,35 @@ def build_flags(build: str) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing: bool = False,
-                 tma_dq: bool = DEFAULT_BUILD["tma_dq"], merged_colsum: bool = DEFAULT_BUILD["merged_colsum"],
+                 merged_colsum: bool = DEFAULT_BUILD["merged_colsum"],
                  late_dos: bool = DEFAULT_BUILD["late_dos"], w_regs: bool = DEFAULT_BUILD["w_regs"],
                  s_gl_late: bool = DEFAULT_BUILD["s_gl_late"], gam_select: bool = DEFAULT_BUILD["gam_select"],
                  frag_stores: bool = DEFAULT_BUILD["frag_stores"], gam_zeros: bool = DEFAULT_BUILD["gam_zeros"],
-                 ag_frag: bool = DEFAULT_BUILD["ag_frag"], a_regs: int = DEFAULT_BUILD["a_regs"],
-                 whole_rows: bool = DEFAULT_BUILD["whole_rows"]):
+                 ag_frag: bool = DEFAULT_BUILD["ag_frag"], s_early4: bool = DEFAULT_BUILD["s_early4"],
+                 s_early6: bool = DEFAULT_BUILD["s_early6"]):
     """Compile (once per configuration) the warp-specialised kernel (K = V = 128, chunk 64).
 
     `timing` adds cycle counters at every sync point (written to the `clk` argument, CTA by
     CTA: `[N * H, 3, TIMING_SLOTS]`); the instrument of docs/tilelang_ws.md's phase table.
     The switches (`DEFAULT_BUILD`; each measured on the H200 before it became the default or
-    stayed off, docs/tilelang_ws.md "Steps"): `tma_dq` (off: within noise) stores A's full dq
-    tiles with one TMA store. `merged_colsum`: db's column sums from a 16-bit copy of dAb * A (a
-    transposed read, rounded as FlashQLA does), and the dG column sums of dAg * Ag and dPg * Pg
-    taken once, of their sum. `late_dos`: phase 5's dO S^T issued after dPg's dG terms, so its
-    accumulator is not live through the column sums (A's spills). `w_regs`: KV forms W in U's
-    registers and stores it with stmatrix (TileLang put a barrier before each element store of
-    the merged buffer). `s_gl_late`: S's G_L rows in phases 2-3 instead of phase 1. `gam_select`:
-    Gam as exp2 of a selected exponent (no branches). `frag_stores` (off, not yet run on a GPU):
-    A forms the 16-bit tiles it stores in phases 5-6 (dP, dkk, dkk + dkk^T) in an accumulator's
-    registers and stores them with stmatrix, not element by element (Nsight Compute, session 8:
-    A issued 152 shared stores per warp and chunk, FlashQLA's group 36 plus 72 stmatrix);
-    `ag_frag` (off) does so for phase 1's Ag. (Phase 4's two tiles so stored cost 15 spill
-    instructions for 12 fewer instructions in the static SASS: left element-wise.) `a_regs`
-    (168; `a176`, `a184` not yet run on a GPU) moves registers from KV's cap to A's: A's
-    working (non-polling) samples were 1.40x FlashQLA's group's, mostly short-scoreboard waits
-    right after loads (too few registers to hoist them; FlashQLA gives that group 184).
-    `gam_zeros` (off, not yet run on a GPU): Pg and dP drop their causal select, since Gam is
-    already 0 above the diagonal (finite gemm results times 0). `whole_rows` (off, not yet run
-    on a GPU): dv, dk and dq of every chunk after the first visited (all whole) are stored
-    without the per-row test, which nvcc wrapped around each store (dv: 32 per thread; Nsight
-    Compute, session 8: ~170 of KV's 2257 instructions per warp and step, next to FlashQLA's
-    group's 1292).
+    stayed off, docs/tilelang_ws.md "Steps"): `merged_colsum`: db's column sums from a 16-bit
+    copy of dAb * A (a transposed read, rounded as FlashQLA does), and the dG column sums of
+    dAg * Ag and dPg * Pg taken once, of their sum. `late_dos`: phase 5's dO S^T issued after
+    dPg's dG terms, so its accumulator is not live through the column sums (A's spills).
+    `w_regs`: KV forms W in U's registers and stores it with stmatrix (TileLang put a barrier
+    before each element store of the merged buffer). `s_gl_late`: S's G_L rows in phases 2-3
+    instead of phase 1. `gam_select`: Gam as exp2 of a selected exponent (no branches).
+    `frag_stores`: A forms the 16-bit tiles it stores in phases 5-6 (dP, dkk, dkk + dkk^T) in an
+    accumulator's registers and stores them with stmatrix, not element by element (Nsight
+    Compute, session 8: A issued 152 shared stores per warp and chunk, FlashQLA's group 36 plus
+    72 stmatrix); `ag_frag` does so for phase 1's Ag. (Phase 4's two tiles so stored cost 15
+    spill instructions for 12 fewer instructions in the static SASS: left element-wise.)
+    `gam_zeros`: Pg and dP drop their causal select, since Gam is already 0 above the diagonal
+    (finite gemm results times 0). `s_early4`, `s_early6`: S arrives
+    at phases 4 and 6 before its work there (the scaled dO; the 16-bit dS copy and the dg store),
+    since no other group reads that work before the next chunk, and waits after it (v9's timing
+    build had S bounding both phases while KV waited 1.6K cycles in phase 4 and A 0.8K in
+    phase 6; docs/tilelang_ws.md "Session 9").
     """
     accum = "float32"
     TT = T.dynamic("num_tokens")
@@ -138,7 +129,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     NP1 = T.dynamic("num_seqs_plus_1")
     NCLK = T.dynamic("num_clk")
     group = H // Hg
-    nreg_s, nreg_kv, nreg_a, nreg_p = register_caps(a_regs)
+    nreg_s, nreg_kv, nreg_a, nreg_p = NREG
     NS = TIMING_SLOTS
 
     @T.macro
@@ -160,6 +151,16 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
         if timing:
             clock_into(tick, 1)
         T.barrier_arrive(bars[p])
+        T.barrier_wait(bars[p], parity)
+        if timing:
+            account(tick, tm_s, grp, slot)
+
+    @T.macro
+    def phase_wait(bars, p, parity, slot, grp, tick, tm_s):
+        """Close phase `p` for a group that arrived early (its work in the phase is its own):
+        wait for the other consumer groups."""
+        if timing:
+            clock_into(tick, 1)
         T.barrier_wait(bars[p], parity)
         if timing:
             account(tick, tm_s, grp, slot)
@@ -235,37 +236,19 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
         T.copy(pg_f, pg_s)
 
     @T.macro
-    def write_rows(src, out, t0, eos, hh, whole):
-        """A chunk's rows of `out` from `src` (64 x 128): those before `eos`, or all of them where
-        `whole` (no per-row test, which nvcc wraps around each store; `whole_rows`)."""
-        if whole:
-            for i, j in T.Parallel(BT, K):
+    def write_rows(src, out, t0, eos, hh):
+        """A chunk's rows of `out` before `eos` from `src` (64 x 128). (Without the row test
+        for whole chunks, or stored with TMA by the producer: slower, session 9.)"""
+        for i, j in T.Parallel(BT, K):
+            if t0 + i < eos:
                 out[t0 + i, hh, j] = T.cast(src[i, j], dtype)
-        else:
-            for i, j in T.Parallel(BT, K):
-                if t0 + i < eos:
-                    out[t0 + i, hh, j] = T.cast(src[i, j], dtype)
 
     @T.macro
-    def store_rows(frag, stage_s, out, t0, eos, hh, whole=False):
+    def store_rows(frag, stage_s, out, t0, eos, hh):
         """A chunk's dq or dk rows from a group's fragment, through `stage_s` (a free 64 x 128
         buffer), so the global stores are whole rows instead of a wgmma fragment's 4-byte pieces."""
         T.copy(frag, stage_s)
-        write_rows(stage_s, out, t0, eos, hh, whole)
-
-    @T.macro
-    def store_tile(frag, stage_s, out, t0, eos, hh, it, tma, whole_rows):
-        """`store_rows`, or with `tma` a full tile (every chunk after the first visited, the only
-        partial one) in one TMA store from `stage_s`: the group that issued it waits for the
-        store's read (`T.tma_store_wait`) before it writes `stage_s` again."""
-        if tma and it > 0:
-            T.copy(frag, stage_s)
-            T.fence_proxy_async()
-            T.tma_copy(stage_s, out[t0:t0 + BT, hh, 0:K])
-        elif whole_rows and it > 0:
-            store_rows(frag, stage_s, out, t0, eos, hh, True)
-        else:
-            store_rows(frag, stage_s, out, t0, eos, hh)
+        write_rows(stage_s, out, t0, eos, hh)
 
     @T.macro
     def column_sums(x_f, buf_s, xt_f, out_r):
@@ -469,22 +452,33 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         if s_gl_late:
                             gl_rows(hrow_f, dh_s, h_s, gls_s, egl)
                         phase_sync(phase, 2, it % 2, 3, 0, tick, tm_s)
-                        # 4: scale e^G dO into dvp_s (dV' is read by now)
+                        # 4: scale e^G dO into dvp_s (dV' is read by now; only S reads it, in 5)
+                        if s_early4:
+                            T.barrier_arrive(phase[3])
                         for i, j in T.Parallel(BT, V):
                             dvp_s[i, j] = T.cast(scale * eG_s[i] * T.cast(do_s[i, j], accum), dtype)
                         T.fence_proxy_async()
-                        phase_sync(phase, 3, it % 2, 4, 0, tick, tm_s)
+                        if s_early4:
+                            phase_wait(phase, 3, it % 2, 4, 0, tick, tm_s)
+                        else:
+                            phase_sync(phase, 3, it % 2, 4, 0, tick, tm_s)
                         # 5: dS += K^T dUs + Q^T (scale e^G dO)
                         T.wgmma_gemm(k_s, u_s, dS_f, transpose_A=True)
                         T.wgmma_gemm(q_s, dvp_s, dS_f, transpose_A=True)
                         T.wait_wgmma(0)
                         fence(dS_f)
                         phase_sync(phase, 4, it % 2, 5, 0, tick, tm_s)
-                        # 6: the 16-bit copy for the next chunk (dh_s was last read in 5)
+                        # 6: the 16-bit copy for the next chunk (dh_s was last read in 5; read again
+                        # after phase 7, which S closes after this)
+                        if s_early6:
+                            T.barrier_arrive(phase[5])
                         T.copy(dS_f, dh_s)
                         T.fence_proxy_async()
                         store_dg(gscan_s, dGk_s, dGa_s, gls_s, glk_s, dg, t0, L, hh)  # every dG part is in by now
-                        phase_sync(phase, 5, it % 2, 6, 0, tick, tm_s)
+                        if s_early6:
+                            phase_wait(phase, 5, it % 2, 6, 0, tick, tm_s)
+                        else:
+                            phase_sync(phase, 5, it % 2, 6, 0, tick, tm_s)
                         # 7: db = its two parts (A's row part lands in phase 6)
                         for i in T.Parallel(BT):
                             if i < L:
@@ -524,8 +518,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         phase_sync(phase, 1, it % 2, 2, 1, tick, tm_s)
                         # 3: dv = Ag^T dV' (b is inside Ag); dUs = -e^G dv; dG += rows of dUs * U
                         T.gemm(ag_s, dvp_s, kv1_f, transpose_A=True, clear_accum=True)
-                        # (every chunk after the first visited is whole)
-                        write_rows(kv1_f, dv, t0, eos, hh, whole_rows and it > 0)
+                        write_rows(kv1_f, dv, t0, eos, hh)
                         for i, j in T.Parallel(BT, V):
                             kv1_f[i, j] = -kv1_f[i, j] * eG_s[i]
                             kv2_f[i, j] = kv1_f[i, j] * T.cast(u_s[i, j], accum)
@@ -561,7 +554,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         phase_sync(phase, 5, it % 2, 6, 1, tick, tm_s)
                         # 7: dk += (dkk + dkk^T) K
                         T.gemm(ag_s, k_s, kv2_f)
-                        store_tile(kv2_f, u_s, dk, t0, eos, hh, it, False, whole_rows)  # u_s is free after phase 5
+                        store_rows(kv2_f, u_s, dk, t0, eos, hh)  # u_s is free after phase 5
                         phase_sync(phase, 6, it % 2, 7, 1, tick, tm_s)
                     loop_end(tick, tm_s, 1, n_chunks, clk, bx)
 
@@ -594,8 +587,6 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         fence(pg_f)
                         store_pg(pg_f, pg_s, gam_f, gam_zeros)
                         T.fence_proxy_async()
-                        if tma_dq:  # the previous chunk's dq store has read dvp_s (KV writes it in phase 2)
-                            T.tma_store_wait()
                         phase_sync(phase, 0, it % 2, 1, 2, tick, tm_s)
                         # 2: nothing
                         phase_sync(phase, 1, it % 2, 2, 2, tick, tm_s)
@@ -705,10 +696,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         T.fence_proxy_async()
                         phase_sync(phase, 5, it % 2, 6, 2, tick, tm_s)
                         # 7: dq (S writes dg and db)
-                        store_tile(a1_f, dvp_s, dq, t0, eos, hh, it, tma_dq, whole_rows)  # dvp_s is free after phase 5
+                        store_rows(a1_f, dvp_s, dq, t0, eos, hh)  # dvp_s is free after phase 5
                         phase_sync(phase, 6, it % 2, 7, 2, tick, tm_s)
-                    if tma_dq:
-                        T.tma_store_wait()
                     loop_end(tick, tm_s, 2, n_chunks, clk, bx)
 
                 else:
