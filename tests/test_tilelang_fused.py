@@ -203,7 +203,7 @@ def test_every_build_switch_reaches_the_ws_kernel_build(monkeypatch):
     monkeypatch.setattr(m, "build_ws_bwd", lambda *args, **kw: seen.update(kw) or "kernel")
     monkeypatch.setattr(m, "launch_packed", lambda kern, *args, **kw: kern)
     x = torch.zeros(1, 64, 1, 128)
-    flags = m.build_flags("nomcs+nolate+nowreg+nosgl+nogsel+nofst+nogz+noagf+nos4e+nos6e")  # all flipped
+    flags = m.build_flags("nomcs+nolate+nowreg+nosgl+nogsel+nofst+nogz+noagf+nos4e+nos6e+kfree+gpre+lst")  # all flipped
     assert all(flags[key] != value for key, value in m.DEFAULT_BUILD.items())
     assert m.ws_bwd_given_h(x, x, x, x, torch.zeros(1, 64, 1, 64), torch.zeros(1, 64, 1), torch.zeros(1, 64, 1),
                             torch.zeros(1, 1, 1, 128, 128), None, 0.1, (64,), **flags) == "kernel"

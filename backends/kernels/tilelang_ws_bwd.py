@@ -63,7 +63,8 @@ TIMING_SLOTS = 18
 #: `tmadq`, `a176`, `whole` are at 6aee64e).
 DEFAULT_BUILD = {"merged_colsum": True, "late_dos": True, "w_regs": True, "s_gl_late": True,
                  "gam_select": True, "frag_stores": True, "gam_zeros": True,
-                 "ag_frag": True, "s_early4": True, "s_early6": True}
+                 "ag_frag": True, "s_early4": True, "s_early6": True,
+                 "k_free": False, "g_prefetch": False, "late_stores": False}
 SWITCHES = {"mcs": ("merged_colsum", True), "nomcs": ("merged_colsum", False),
             "late": ("late_dos", True), "nolate": ("late_dos", False),
             "wreg": ("w_regs", True), "nowreg": ("w_regs", False),
@@ -73,7 +74,10 @@ SWITCHES = {"mcs": ("merged_colsum", True), "nomcs": ("merged_colsum", False),
             "gz": ("gam_zeros", True), "nogz": ("gam_zeros", False),
             "agf": ("ag_frag", True), "noagf": ("ag_frag", False),
             "s4e": ("s_early4", True), "nos4e": ("s_early4", False),
-            "s6e": ("s_early6", True), "nos6e": ("s_early6", False)}
+            "s6e": ("s_early6", True), "nos6e": ("s_early6", False),
+            "kfree": ("k_free", True), "nokfree": ("k_free", False),
+            "gpre": ("g_prefetch", True), "nogpre": ("g_prefetch", False),
+            "lst": ("late_stores", True), "nolst": ("late_stores", False)}
 
 
 def build_flags(build: str) -> dict:
@@ -97,7 +101,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                  s_gl_late: bool = DEFAULT_BUILD["s_gl_late"], gam_select: bool = DEFAULT_BUILD["gam_select"],
                  frag_stores: bool = DEFAULT_BUILD["frag_stores"], gam_zeros: bool = DEFAULT_BUILD["gam_zeros"],
                  ag_frag: bool = DEFAULT_BUILD["ag_frag"], s_early4: bool = DEFAULT_BUILD["s_early4"],
-                 s_early6: bool = DEFAULT_BUILD["s_early6"]):
+                 s_early6: bool = DEFAULT_BUILD["s_early6"], k_free: bool = DEFAULT_BUILD["k_free"],
+                 g_prefetch: bool = DEFAULT_BUILD["g_prefetch"], late_stores: bool = DEFAULT_BUILD["late_stores"]):
     """Compile (once per configuration) the warp-specialised kernel (K = V = 128, chunk 64).
 
     `timing` adds cycle counters at every sync point (written to the `clk` argument, CTA by
@@ -120,7 +125,18 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     at phases 4 and 6 before its work there (the scaled dO; the 16-bit dS copy and the dg store),
     since no other group reads that work before the next chunk, and waits after it (v9's timing
     build had S bounding both phases while KV waited 1.6K cycles in phase 4 and A 0.8K in
-    phase 6; docs/tilelang_ws.md "Session 9").
+    phase 6; docs/tilelang_ws.md "Session 9"). `k_free` (off; neutral on v7 and on v10 alone):
+    KV arrives at a barrier of its own once its phase-7 gemm has read k_s (the tile's last
+    reader) and the producer loads the next k on it, not after phase 7. `g_prefetch` (off, not
+    yet run on a GPU): the producer loads the next chunk's g and b rows into its registers
+    after phase 1 and only writes them to shared memory after phase 6, instead of loading them
+    there: those synchronous global loads stand between phase 6 and the next k's TMA, which
+    may be why `k_free` alone did not move v10's `full` wait (1.0-1.8K cycles per step).
+    `late_stores` (off, not yet run on a GPU): KV and A stage dk and dq in shared memory before
+    phase 7's rendezvous and store their rows to global memory after it, so phase 7 closes (and
+    the producer loads the next k) ~1.5K cycles sooner and the stores run in the `full` wait;
+    the staging tiles' next writers are KV itself (u_s, phase 1) and KV after phase 1's
+    rendezvous (dvp_s, phase 2).
     """
     accum = "float32"
     TT = T.dynamic("num_tokens")
@@ -251,6 +267,18 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
         write_rows(stage_s, out, t0, eos, hh)
 
     @T.macro
+    def store_and_close(frag, stage_s, out, t0, eos, hh, bars, it, grp, tick, tm_s):
+        """KV's dk and A's dq: `store_rows`, then phase 7's rendezvous; with `late_stores` the
+        rendezvous comes between the staging copy and the row stores."""
+        if late_stores:
+            T.copy(frag, stage_s)
+            phase_sync(bars, PHASES - 1, it % 2, PHASES, grp, tick, tm_s)
+            write_rows(stage_s, out, t0, eos, hh)
+        else:
+            store_rows(frag, stage_s, out, t0, eos, hh)
+            phase_sync(bars, PHASES - 1, it % 2, PHASES, grp, tick, tm_s)
+
+    @T.macro
     def column_sums(x_f, buf_s, xt_f, out_r):
         """`out_r` = the column sums of the fp32 fragment `x_f`, as row sums of its transpose
         `xt_f`: moved through the 16-bit 64 x 64 buffer `buf_s` in two halves of its bits, so
@@ -364,6 +392,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                 hrow_f = T.alloc_fragment((K,), accum)
                 egl = T.alloc_local((1,), accum)
                 tick = T.alloc_local((4,), "int32")  # timing builds: clock readings
+                gpre = T.alloc_local((3,), accum)  # g_prefetch: the producer's g, g at the chunk end, b
                 kv1_f = T.alloc_fragment((BT, V), accum)  # KV
                 kv2_f = T.alloc_fragment((BT, K), accum)
                 kvr_f = T.alloc_fragment((BT,), accum)
@@ -381,6 +410,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                 full = T.alloc_barrier(arrive_count=128)  # the producer publishes a chunk
                 start = T.alloc_barrier(arrive_count=384)  # dS' copy of dht is in dh_s
                 phase = T.alloc_barrier(arrive_count=[384] * PHASES)
+                if k_free:
+                    kfree = T.alloc_barrier(arrive_count=128)  # KV's phase-7 gemm has read k_s
 
                 T.annotate_layout({
                     q_s: tilelang.layout.make_swizzled_layout(q_s),
@@ -554,8 +585,9 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         phase_sync(phase, 5, it % 2, 6, 1, tick, tm_s)
                         # 7: dk += (dkk + dkk^T) K
                         T.gemm(ag_s, k_s, kv2_f)
-                        store_rows(kv2_f, u_s, dk, t0, eos, hh)  # u_s is free after phase 5
-                        phase_sync(phase, 6, it % 2, 7, 1, tick, tm_s)
+                        if k_free:  # k_s is read (A's last read was in 6, S's in 5)
+                            T.barrier_arrive(kfree)
+                        store_and_close(kv2_f, u_s, dk, t0, eos, hh, phase, it, 1, tick, tm_s)  # u_s is free after phase 5
                     loop_end(tick, tm_s, 1, n_chunks, clk, bx)
 
                 elif tx < 384:
@@ -696,8 +728,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         T.fence_proxy_async()
                         phase_sync(phase, 5, it % 2, 6, 2, tick, tm_s)
                         # 7: dq (S writes dg and db)
-                        store_rows(a1_f, dvp_s, dq, t0, eos, hh)  # dvp_s is free after phase 5
-                        phase_sync(phase, 6, it % 2, 7, 2, tick, tm_s)
+                        store_and_close(a1_f, dvp_s, dq, t0, eos, hh, phase, it, 2, tick, tm_s)  # dvp_s is free after phase 5
                     loop_end(tick, tm_s, 2, n_chunks, clk, bx)
 
                 else:
@@ -708,18 +739,33 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         t0 = bos + c * BT
                         T.barrier_wait(phase[0], it % 2)  # v: read in phase 1
                         T.tma_copy(v[t0:t0 + BT, hh, 0:V], v_s, barrier=full)
+                        if g_prefetch:  # one row per thread (producer-loaded chunks are whole)
+                            if tx - 384 < BT:
+                                gpre[0] = g[t0 + tx - 384, hh]
+                                gpre[1] = g[t0 + BT - 1, hh]
+                                gpre[2] = T.cast(b[t0 + tx - 384, hh], accum)
                         T.barrier_wait(phase[4], it % 2)  # h, do: last read in phase 5
                         T.tma_copy(h[c0 + c, hh, 0:K, 0:V], h_s, barrier=full)
                         T.tma_copy(do[t0:t0 + BT, hh, 0:V], do_s, barrier=full)
                         T.barrier_wait(phase[5], it % 2)  # q, a, G, b: last read in phase 6
                         T.tma_copy(q[t0:t0 + BT, hg, 0:K], q_s, barrier=full)
                         T.tma_copy(a[t0:t0 + BT, hh, 0:BT], a_s, barrier=full)
-                        for i in T.Parallel(BT):
-                            G_s[i] = g[t0 + i, hh]
-                            eG_s[i] = T.exp2(g[t0 + i, hh] * LOG2E)
-                            eGL_s[i] = T.exp2((g[t0 + BT - 1, hh] - g[t0 + i, hh]) * LOG2E)
-                            b_s[i] = T.cast(b[t0 + i, hh], accum)
-                        T.barrier_wait(phase[6], it % 2)  # k: last read in phase 7
+                        if g_prefetch:
+                            if tx - 384 < BT:
+                                G_s[tx - 384] = gpre[0]
+                                eG_s[tx - 384] = T.exp2(gpre[0] * LOG2E)
+                                eGL_s[tx - 384] = T.exp2((gpre[1] - gpre[0]) * LOG2E)
+                                b_s[tx - 384] = gpre[2]
+                        else:
+                            for i in T.Parallel(BT):
+                                G_s[i] = g[t0 + i, hh]
+                                eG_s[i] = T.exp2(g[t0 + i, hh] * LOG2E)
+                                eGL_s[i] = T.exp2((g[t0 + BT - 1, hh] - g[t0 + i, hh]) * LOG2E)
+                                b_s[i] = T.cast(b[t0 + i, hh], accum)
+                        if k_free:
+                            T.barrier_wait(kfree, it % 2)  # k: read by KV's phase-7 gemm
+                        else:
+                            T.barrier_wait(phase[6], it % 2)  # k: last read in phase 7
                         T.tma_copy(k[t0:t0 + BT, hg, 0:K], k_s, barrier=full)
                         T.barrier_arrive(full)
 
