@@ -3,6 +3,7 @@ costs device time."""
 
 import importlib.util
 import inspect
+import json
 import sys
 from pathlib import Path
 
@@ -235,3 +236,28 @@ def test_ncu_groups_compares_a_peer_group_by_group(tmp_path, capsys):
     line = next(l for l in out.splitlines() if l.startswith("A | "))
     # (8 + 16 + 8) / 8 instructions; 30 / 20 working, 5 / 9 polling; short_sb only from work
     assert line.startswith("A | 4 / 4 | 30 / 20 | 5 / 9 | short_sb 30 / 20")
+
+
+def test_ws_probe_summarizes_builds_and_peers_per_shape(tmp_path, capsys):
+    """tools/ws_probe.py --summarize: one row per build and peer, one column per shape, each
+    build's change against that shape's first build and each peer's ratio."""
+    sys.path.insert(0, str(TOOLS))
+    import ws_probe
+
+    shapes = {"S1": [{"shape": "S1", "build": "default", "ws_ms": 1.0},
+                     {"shape": "S1", "build": "lst", "ws_ms": 0.95},
+                     {"shape": "S1", "peer": "flashqla_kernel", "ms": 0.8, "ratio_to_first_build": 1.25}],
+              "S2": [{"shape": "S2", "build": "default", "ws_ms": 2.0},
+                     {"shape": "S2", "build": "lst", "ws_ms": 2.1},
+                     {"shape": "S2", "head_sum_triton_ms": 0.1}]}
+    files = []
+    for name, rows in shapes.items():
+        files.append(str(tmp_path / f"{name}.json"))
+        with open(files[-1], "w") as f:
+            json.dump(rows, f)
+    assert ws_probe.main(["--summarize", *files]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "| build | S1 | S2 |"
+    assert lines[2] == "| default | 1.0000 | 2.0000 |"
+    assert lines[3] == "| lst | 0.9500 (-5.0 %) | 2.1000 (+5.0 %) |"
+    assert lines[4] == "| flashqla_kernel | 0.8000 (first build 1.25x) | - |"

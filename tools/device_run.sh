@@ -12,7 +12,8 @@
 #   timing[=SECONDS] tools/ws_probe.py --timing (cycles per chunk, per group and phase; TIMING_SHAPES
 #                    names the shapes, default B4T4096H16 B8T4096H32) -> $OUT/timing.log, $OUT/bench/timing.json
 #   wsbench[=SECONDS] tools/ws_probe.py --plain (ws vs plain kernel launchers; WS_SHAPES; WS_BUILDS='default,nofst'
-#                    times those ws builds side by side; WS_NO_PLAIN=' ' leaves the plain kernel out) -> $OUT/wsbench.log
+#                    times those ws builds side by side; WS_NO_PLAIN=' ' leaves the plain kernel out) -> $OUT/wsbench.log,
+#                    ending with a markdown table of every shape's builds and peers (ws_probe.py --summarize)
 #   stage56[=SECONDS] bench/bench_stage56.py (wide kernel configs, crossover) -> $OUT/stage56.log, bench/stage56.json
 #   bench[=SECONDS]  bench/bench_gdr_bwd.py, h200-train      -> $OUT/bench/<device>.{json,md}
 #   trainbench[=SECONDS] bench/bench_training_op.py (forward + backward of our op vs fla's and FlashQLA's ops;
@@ -94,7 +95,8 @@ for arg in "$@"; do
              for shape in ${WS_SHAPES:-B4T4096H16 B8T4096H32}; do
                timeout "$(( limit - ($(date +%s) - start) ))" python3 tools/ws_probe.py --only "$shape" ${WS_NO_PLAIN:---plain} ${WS_ARGS:-} ${WS_BUILDS:+--builds "$WS_BUILDS"} \
                  --out "$OUT/bench/wsbench-$shape.json" 2>&1 | grep -v TileLang
-             done > "$OUT/wsbench.log" 2>&1 ;;
+             done > "$OUT/wsbench.log" 2>&1
+             python3 tools/ws_probe.py --summarize "$OUT"/bench/wsbench-*.json >> "$OUT/wsbench.log" 2>&1 ;;
     stage56) timeout "$limit" python3 bench/bench_stage56.py --out "$OUT/bench" > "$OUT/stage56.log" 2>&1 ;;
     bench)   if [ -n "${BENCH_MATCH:-}${BENCH_SKIP:-}" ]; then
                cp bench/results/nvidia-h200-sm90.json "$OUT/bench/" 2>/dev/null

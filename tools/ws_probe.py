@@ -121,6 +121,31 @@ def phase_table(name, x, spec, launch) -> dict:
     return {"shape": name, "cycles_per_step": table, "loop_cycles_per_step": [round(v) for v in loop]}
 
 
+def summary_table(rows) -> str:
+    """Builds (rows) by shapes (columns) in ms with the change against each shape's first build,
+    then the peers with our first build's time over theirs: the table docs/tilelang_ws.md keeps
+    per session, so it is not copied out of the rows by hand."""
+    shapes = list(dict.fromkeys(r["shape"] for r in rows if "build" in r or "peer" in r))
+    cell = {(r["shape"], r.get("build") or r["peer"]): r for r in rows if "build" in r or "peer" in r}
+    names = list(dict.fromkeys(r.get("build") or r["peer"] for r in rows if "build" in r or "peer" in r))
+    first = {s: next(r["ws_ms"] for r in rows if r["shape"] == s and "build" in r) for s in shapes
+             if any(r["shape"] == s and "build" in r for r in rows)}
+    out = ["| build | " + " | ".join(shapes) + " |", "|---|" + "---|" * len(shapes)]
+    for name in names:
+        cells = []
+        for s in shapes:
+            r = cell.get((s, name))
+            if r is None:
+                cells.append("-")
+            elif "build" in r:
+                change = 100 * (r["ws_ms"] / first[s] - 1)
+                cells.append(f"{r['ws_ms']:.4f}" + ("" if r["ws_ms"] == first[s] else f" ({change:+.1f} %)"))
+            else:
+                cells.append(f"{r['ms']:.4f} (first build {r['ratio_to_first_build']:.2f}x)")
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default=None, help="one shape name")
@@ -135,11 +160,11 @@ def main(argv=None) -> int:
     p.add_argument("--timing", action="store_true",
                    help="run the timing build: cycles per chunk each consumer group works / waits per phase")
     p.add_argument("--build", default="default",
-                   help="the ws build of --once, --check and --timing: 'default' or switches joined by '+' (tmadq, "
-                        "notmadq; tilelang_ws_bwd.build_flags)")
+                   help="the ws build of --once, --check and --timing: 'default' or switches joined by '+' (e.g. "
+                        "nofst, lst; tilelang_ws_bwd.build_flags)")
     p.add_argument("--builds", default=None,
                    help="comma-separated ws builds to time (and --timing) side by side in this process, e.g. "
-                        "default,tmadq (default: --build)")
+                        "default,lst (default: --build)")
     p.add_argument("--rounds", type=int, default=1,
                    help="time the builds this many times, order reversed each round; keep each build's least median")
     p.add_argument("--reps", type=int, default=20, help="timed launches per median")
@@ -152,7 +177,12 @@ def main(argv=None) -> int:
                         "FlashQLA's kernels in turn, ~50-80 s each (session 7 lost a shape to it)")
     p.add_argument("--shapes", default=None, help="--warm-peer: shape names, comma- or space-separated")
     p.add_argument("--out", default=None)
+    p.add_argument("--summarize", nargs="+", default=None, metavar="JSON",
+                   help="only print the markdown table of these --out files (one per shape) and exit")
     args = p.parse_args(argv)
+    if args.summarize:
+        print(summary_table([row for f in args.summarize for row in json.load(open(f))]))
+        return 0
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
