@@ -61,8 +61,9 @@ def test_the_warp_specialised_kernel_takes_h200_calls_since_it_was_verified(monk
                                          "gam_zeros": False, "ag_frag": False, "s_early4": False, "s_early6": False},
                                         {"frag_stores": False, "gam_zeros": False, "ag_frag": False,
                                          "s_early4": False, "s_early6": False},
-                                        {"s_early4": False, "s_early6": False}],
-                         ids=["default", "v7", "v8", "v9"])
+                                        {"s_early4": False, "s_early6": False},
+                                        {"producer_stores": True, "g_prefetch": True}],
+                         ids=["default", "v7", "v8", "v9", "pst+gpre"])
 def test_ws_kernel_compiles_for_sm90a_with_its_register_split(experiment):
     from gdr_dispatch.backends.kernels.tilelang_ws_bwd import DEFAULT_BUILD, NREG, build_ws_bwd
 
@@ -74,6 +75,10 @@ def test_ws_kernel_compiles_for_sm90a_with_its_register_split(experiment):
     assert "workspace" not in src
     assert sum(NREG) * 128 <= 65536
     assert "__launch_bounds__(512, 1)" in src
+    # producer_stores: the producer's first two warps load (their TMA issue elected among 64),
+    # the other two store dk and dq from the staging tiles once KV and A have staged them
+    assert ("tl_shuffle_elect<64>" in src) == flags["producer_stores"]
+    assert ("dk_staged[0].wait" in src and "dq_stored[0].arrive" in src) == flags["producer_stores"]
     for n in NREG[:3]:
         assert f"warpgroup_reg_alloc<{n}>" in src
     assert f"warpgroup_reg_dealloc<{NREG[3]}>" in src
@@ -203,11 +208,16 @@ def test_every_build_switch_reaches_the_ws_kernel_build(monkeypatch):
     monkeypatch.setattr(m, "build_ws_bwd", lambda *args, **kw: seen.update(kw) or "kernel")
     monkeypatch.setattr(m, "launch_packed", lambda kern, *args, **kw: kern)
     x = torch.zeros(1, 64, 1, 128)
-    flags = m.build_flags("nomcs+nolate+nowreg+nosgl+nogsel+nofst+nogz+noagf+nos4e+nos6e+kfree+gpre+lst")  # all flipped
-    assert all(flags[key] != value for key, value in m.DEFAULT_BUILD.items())
-    assert m.ws_bwd_given_h(x, x, x, x, torch.zeros(1, 64, 1, 64), torch.zeros(1, 64, 1), torch.zeros(1, 64, 1),
-                            torch.zeros(1, 1, 1, 128, 128), None, 0.1, (64,), **flags) == "kernel"
-    assert seen == {"timing": False, **flags}
+    args = (x, x, x, x, torch.zeros(1, 64, 1, 64), torch.zeros(1, 64, 1), torch.zeros(1, 64, 1),
+            torch.zeros(1, 1, 1, 128, 128), None, 0.1, (64,))
+    flipped = "nomcs+nolate+nowreg+nosgl+nogsel+nofst+nogz+noagf+nos4e+nos6e+kfree+gpre"
+    for last in ("lst", "pst"):  # two ways of moving phase 7's stores: one at a time
+        flags = m.build_flags(f"{flipped}+{last}")
+        assert m.ws_bwd_given_h(*args, **flags) == "kernel"
+        assert seen == {"timing": False, **flags}
+    assert all(m.build_flags(f"{flipped}+lst+pst")[key] != value for key, value in m.DEFAULT_BUILD.items())
+    with pytest.raises(ValueError, match="late_stores and producer_stores"):
+        m.ws_bwd_given_h(*args, **m.build_flags("lst+pst"))
     with pytest.raises(TypeError, match="unknown build switch"):
         m.ws_bwd_given_h(x, x, x, x, x, x, x, x, None, 0.1, (64,), uw_kvv=True)
 

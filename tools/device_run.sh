@@ -7,6 +7,8 @@
 #   tests[=SECONDS]  tests/test_gpu.py, one line per test, tilelang_fused last -> $OUT/gpu_tests.log
 #   diag[=SECONDS]   tools/diag_transposed.py (fused-stage numerics vs float64) -> $OUT/diag.log, bench/diag_transposed.json
 #   repro[=SECONDS]  tools/repro_side_strips.py (the side kernel's strip products alone) -> $OUT/repro.log, bench/repro_side_strips.json
+#   smoke[=SECONDS]  tools/ws_probe.py --only tiny --check --check-kernels ws --repeat 2 (WS_ARGS='--build <b>'): a new ws build's
+#                    first launch, errors against the torch backend, under a short limit -> $OUT/smoke.log
 #   race[=SECONDS]   compute-sanitizer racecheck + synccheck on both TileLang kernels (tiny shape), then
 #                    20 repeated runs of each against the torch backend at B8 T4096 H32 -> $OUT/race.log
 #   timing[=SECONDS] tools/ws_probe.py --timing (cycles per chunk, per group and phase; TIMING_SHAPES
@@ -76,6 +78,8 @@ for arg in "$@"; do
              timeout "$(( limit - ($(date +%s) - start) ))" "${pytest_gpu[@]}" -k tilelang_fused >> "$OUT/gpu_tests.log" 2>&1 ;;
     diag)    timeout "$limit" python3 tools/diag_transposed.py "$OUT/bench/diag_transposed.json" > "$OUT/diag.log" 2>&1 ;;
     repro)   timeout "$limit" python3 tools/repro_side_strips.py "$OUT/bench/repro_side_strips.json" > "$OUT/repro.log" 2>&1 ;;
+    smoke)   [ -n "${precompile_pid:-}" ] && wait "$precompile_pid"  # a new build's first run: a hang costs only the limit
+             timeout "$limit" python3 tools/ws_probe.py --only tiny --check --check-kernels ws --repeat 2 ${WS_ARGS:-} 2>&1 | grep -v TileLang > "$OUT/smoke.log" ;;
     race)    [ -n "${precompile_pid:-}" ] && wait "$precompile_pid"
              RACE_KERNELS=${RACE_KERNELS:-ws plain} WS_ARGS=${WS_ARGS:-} timeout "$limit" bash -c 'for kern in $RACE_KERNELS; do for tool in racecheck synccheck; do
                  echo "== $tool $kern"; compute-sanitizer --tool $tool --print-limit 20 \

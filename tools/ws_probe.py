@@ -157,6 +157,7 @@ def main(argv=None) -> int:
     p.add_argument("--check", action="store_true",
                    help="per-output errors of both kernels against the torch backend, the ws kernel run twice "
                         "(a race moves its error between runs)")
+    p.add_argument("--check-kernels", default="ws,plain", help="--check: the kernels checked (ws, plain)")
     p.add_argument("--timing", action="store_true",
                    help="run the timing build: cycles per chunk each consumer group works / waits per phase")
     p.add_argument("--build", default="default",
@@ -227,8 +228,9 @@ def main(argv=None) -> int:
 
             ref = chunked_backward(validate(**call_kwargs(x)))
             names = ("dq", "dk", "dv", "dg", "db", "dh0")
-            plain = runner(fused_bwd_given_h, x)
-            for label, fn in (("ws", ws), ("plain", plain)):
+            kernels = {"ws": lambda: ws, "plain": lambda: runner(fused_bwd_given_h, x)}
+            for label in args.check_kernels.split(","):
+                fn = kernels[label]()
                 worst, first = {}, None
                 for rep in range(max(2, args.repeat)):
                     out = fn()

@@ -64,7 +64,7 @@ TIMING_SLOTS = 18
 DEFAULT_BUILD = {"merged_colsum": True, "late_dos": True, "w_regs": True, "s_gl_late": True,
                  "gam_select": True, "frag_stores": True, "gam_zeros": True,
                  "ag_frag": True, "s_early4": True, "s_early6": True,
-                 "k_free": False, "g_prefetch": False, "late_stores": False}
+                 "k_free": False, "g_prefetch": False, "late_stores": False, "producer_stores": False}
 SWITCHES = {"mcs": ("merged_colsum", True), "nomcs": ("merged_colsum", False),
             "late": ("late_dos", True), "nolate": ("late_dos", False),
             "wreg": ("w_regs", True), "nowreg": ("w_regs", False),
@@ -77,7 +77,8 @@ SWITCHES = {"mcs": ("merged_colsum", True), "nomcs": ("merged_colsum", False),
             "s6e": ("s_early6", True), "nos6e": ("s_early6", False),
             "kfree": ("k_free", True), "nokfree": ("k_free", False),
             "gpre": ("g_prefetch", True), "nogpre": ("g_prefetch", False),
-            "lst": ("late_stores", True), "nolst": ("late_stores", False)}
+            "lst": ("late_stores", True), "nolst": ("late_stores", False),
+            "pst": ("producer_stores", True), "nopst": ("producer_stores", False)}
 
 
 def build_flags(build: str) -> dict:
@@ -102,7 +103,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                  frag_stores: bool = DEFAULT_BUILD["frag_stores"], gam_zeros: bool = DEFAULT_BUILD["gam_zeros"],
                  ag_frag: bool = DEFAULT_BUILD["ag_frag"], s_early4: bool = DEFAULT_BUILD["s_early4"],
                  s_early6: bool = DEFAULT_BUILD["s_early6"], k_free: bool = DEFAULT_BUILD["k_free"],
-                 g_prefetch: bool = DEFAULT_BUILD["g_prefetch"], late_stores: bool = DEFAULT_BUILD["late_stores"]):
+                 g_prefetch: bool = DEFAULT_BUILD["g_prefetch"], late_stores: bool = DEFAULT_BUILD["late_stores"],
+                 producer_stores: bool = DEFAULT_BUILD["producer_stores"]):
     """Compile (once per configuration) the warp-specialised kernel (K = V = 128, chunk 64).
 
     `timing` adds cycle counters at every sync point (written to the `clk` argument, CTA by
@@ -136,7 +138,11 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     phase 7's rendezvous and store their rows to global memory after it, so phase 7 closes (and
     the producer loads the next k) ~1.5K cycles sooner and the stores run in the `full` wait;
     the staging tiles' next writers are KV itself (u_s, phase 1) and KV after phase 1's
-    rendezvous (dvp_s, phase 2).
+    rendezvous (dvp_s, phase 2). `producer_stores` (off, not yet run on a GPU): seed 000's
+    store warp: KV and A only stage dk and dq, and the producer's second two warps store the
+    rows (its first two keep the loads), so neither consumer issues those stores at all (KV
+    issued 2257 instructions per warp and step against FlashQLA's group's 1292, session 8); KV
+    waits for the previous chunk's stores before it writes u_s (phase 1) and dvp_s (phase 2).
     """
     accum = "float32"
     TT = T.dynamic("num_tokens")
@@ -267,10 +273,15 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
         write_rows(stage_s, out, t0, eos, hh)
 
     @T.macro
-    def store_and_close(frag, stage_s, out, t0, eos, hh, bars, it, grp, tick, tm_s):
+    def store_and_close(frag, stage_s, out, t0, eos, hh, bars, it, grp, tick, tm_s, staged):
         """KV's dk and A's dq: `store_rows`, then phase 7's rendezvous; with `late_stores` the
-        rendezvous comes between the staging copy and the row stores."""
-        if late_stores:
+        rendezvous comes between the staging copy and the row stores; with `producer_stores` the
+        group only stages the tile and tells the producer's store warps (`staged`)."""
+        if producer_stores:
+            T.copy(frag, stage_s)
+            T.barrier_arrive(staged)
+            phase_sync(bars, PHASES - 1, it % 2, PHASES, grp, tick, tm_s)
+        elif late_stores:
             T.copy(frag, stage_s)
             phase_sync(bars, PHASES - 1, it % 2, PHASES, grp, tick, tm_s)
             write_rows(stage_s, out, t0, eos, hh)
@@ -407,7 +418,13 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                 ac_f = T.alloc_fragment((BT,), accum)
 
                 # ---- barriers ----
-                full = T.alloc_barrier(arrive_count=128)  # the producer publishes a chunk
+                full = T.alloc_barrier(arrive_count=64 if producer_stores else 128)  # the producer publishes a chunk
+                dk_staged = dq_staged = None
+                if producer_stores:  # KV / A staged dk / dq; the store warps have stored them
+                    dk_staged = T.alloc_barrier(arrive_count=128)
+                    dq_staged = T.alloc_barrier(arrive_count=128)
+                    dk_stored = T.alloc_barrier(arrive_count=64)
+                    dq_stored = T.alloc_barrier(arrive_count=64)
                 start = T.alloc_barrier(arrive_count=384)  # dS' copy of dht is in dh_s
                 phase = T.alloc_barrier(arrive_count=[384] * PHASES)
                 if k_free:
@@ -529,6 +546,9 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         t0 = bos + c * BT
                         if it > 0:
                             full_wait(full, (it - 1) % 2, 1, tick, tm_s)
+                            if producer_stores:  # the last chunk's dk left u_s, its dq dvp_s
+                                T.barrier_wait(dk_stored, (it - 1) % 2)
+                                T.barrier_wait(dq_stored, (it - 1) % 2)
                         # 1: dV' = e^{G_L - G} K dS'
                         # and U = K S, W = V - e^G U (A forms P, Pg, Ag)
                         T.wgmma_gemm(k_s, h_s, kv2_f, clear_accum=True)
@@ -587,7 +607,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         T.gemm(ag_s, k_s, kv2_f)
                         if k_free:  # k_s is read (A's last read was in 6, S's in 5)
                             T.barrier_arrive(kfree)
-                        store_and_close(kv2_f, u_s, dk, t0, eos, hh, phase, it, 1, tick, tm_s)  # u_s is free after phase 5
+                        store_and_close(kv2_f, u_s, dk, t0, eos, hh, phase, it, 1, tick, tm_s, dk_staged)  # u_s is free after phase 5
                     loop_end(tick, tm_s, 1, n_chunks, clk, bx)
 
                 elif tx < 384:
@@ -728,46 +748,56 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         T.fence_proxy_async()
                         phase_sync(phase, 5, it % 2, 6, 2, tick, tm_s)
                         # 7: dq (S writes dg and db)
-                        store_and_close(a1_f, dvp_s, dq, t0, eos, hh, phase, it, 2, tick, tm_s)  # dvp_s is free after phase 5
+                        store_and_close(a1_f, dvp_s, dq, t0, eos, hh, phase, it, 2, tick, tm_s, dq_staged)  # dvp_s is free after phase 5
                     loop_end(tick, tm_s, 2, n_chunks, clk, bx)
 
                 else:
                     # ================= producer: the next (earlier) chunk =================
                     T.set_max_nreg(nreg_p, 0)
-                    for it in T.serial(n_chunks - 1):
-                        c = n_chunks - 2 - it  # the chunk the consumers need next
-                        t0 = bos + c * BT
-                        T.barrier_wait(phase[0], it % 2)  # v: read in phase 1
-                        T.tma_copy(v[t0:t0 + BT, hh, 0:V], v_s, barrier=full)
-                        if g_prefetch:  # one row per thread (producer-loaded chunks are whole)
-                            if tx - 384 < BT:
-                                gpre[0] = g[t0 + tx - 384, hh]
-                                gpre[1] = g[t0 + BT - 1, hh]
-                                gpre[2] = T.cast(b[t0 + tx - 384, hh], accum)
-                        T.barrier_wait(phase[4], it % 2)  # h, do: last read in phase 5
-                        T.tma_copy(h[c0 + c, hh, 0:K, 0:V], h_s, barrier=full)
-                        T.tma_copy(do[t0:t0 + BT, hh, 0:V], do_s, barrier=full)
-                        T.barrier_wait(phase[5], it % 2)  # q, a, G, b: last read in phase 6
-                        T.tma_copy(q[t0:t0 + BT, hg, 0:K], q_s, barrier=full)
-                        T.tma_copy(a[t0:t0 + BT, hh, 0:BT], a_s, barrier=full)
-                        if g_prefetch:
-                            if tx - 384 < BT:
-                                G_s[tx - 384] = gpre[0]
-                                eG_s[tx - 384] = T.exp2(gpre[0] * LOG2E)
-                                eGL_s[tx - 384] = T.exp2((gpre[1] - gpre[0]) * LOG2E)
-                                b_s[tx - 384] = gpre[2]
-                        else:
-                            for i in T.Parallel(BT):
-                                G_s[i] = g[t0 + i, hh]
-                                eG_s[i] = T.exp2(g[t0 + i, hh] * LOG2E)
-                                eGL_s[i] = T.exp2((g[t0 + BT - 1, hh] - g[t0 + i, hh]) * LOG2E)
-                                b_s[i] = T.cast(b[t0 + i, hh], accum)
-                        if k_free:
-                            T.barrier_wait(kfree, it % 2)  # k: read by KV's phase-7 gemm
-                        else:
-                            T.barrier_wait(phase[6], it % 2)  # k: last read in phase 7
-                        T.tma_copy(k[t0:t0 + BT, hg, 0:K], k_s, barrier=full)
-                        T.barrier_arrive(full)
+                    if (not producer_stores) or tx < 384 + BT:  # (a Python True without producer_stores)
+                        for it in T.serial(n_chunks - 1):
+                            c = n_chunks - 2 - it  # the chunk the consumers need next
+                            t0 = bos + c * BT
+                            T.barrier_wait(phase[0], it % 2)  # v: read in phase 1
+                            T.tma_copy(v[t0:t0 + BT, hh, 0:V], v_s, barrier=full)
+                            if g_prefetch:  # one row per thread (producer-loaded chunks are whole)
+                                if tx - 384 < BT:
+                                    gpre[0] = g[t0 + tx - 384, hh]
+                                    gpre[1] = g[t0 + BT - 1, hh]
+                                    gpre[2] = T.cast(b[t0 + tx - 384, hh], accum)
+                            T.barrier_wait(phase[4], it % 2)  # h, do: last read in phase 5
+                            T.tma_copy(h[c0 + c, hh, 0:K, 0:V], h_s, barrier=full)
+                            T.tma_copy(do[t0:t0 + BT, hh, 0:V], do_s, barrier=full)
+                            T.barrier_wait(phase[5], it % 2)  # q, a, G, b: last read in phase 6
+                            T.tma_copy(q[t0:t0 + BT, hg, 0:K], q_s, barrier=full)
+                            T.tma_copy(a[t0:t0 + BT, hh, 0:BT], a_s, barrier=full)
+                            if g_prefetch:
+                                if tx - 384 < BT:
+                                    G_s[tx - 384] = gpre[0]
+                                    eG_s[tx - 384] = T.exp2(gpre[0] * LOG2E)
+                                    eGL_s[tx - 384] = T.exp2((gpre[1] - gpre[0]) * LOG2E)
+                                    b_s[tx - 384] = gpre[2]
+                            else:
+                                for i in T.Parallel(BT):
+                                    G_s[i] = g[t0 + i, hh]
+                                    eG_s[i] = T.exp2(g[t0 + i, hh] * LOG2E)
+                                    eGL_s[i] = T.exp2((g[t0 + BT - 1, hh] - g[t0 + i, hh]) * LOG2E)
+                                    b_s[i] = T.cast(b[t0 + i, hh], accum)
+                            if k_free:
+                                T.barrier_wait(kfree, it % 2)  # k: read by KV's phase-7 gemm
+                            else:
+                                T.barrier_wait(phase[6], it % 2)  # k: last read in phase 7
+                            T.tma_copy(k[t0:t0 + BT, hg, 0:K], k_s, barrier=full)
+                            T.barrier_arrive(full)
+                    else:  # seed 000's store warps: dk and dq of each chunk, from their staging
+                        for it in T.serial(n_chunks):
+                            t0 = bos + (n_chunks - 1 - it) * BT
+                            T.barrier_wait(dk_staged, it % 2)
+                            write_rows(u_s, dk, t0, eos, hh)
+                            T.barrier_arrive(dk_stored)
+                            T.barrier_wait(dq_staged, it % 2)
+                            write_rows(dvp_s, dq, t0, eos, hh)
+                            T.barrier_arrive(dq_stored)
 
         return gdr_bwd_ws
 
@@ -798,6 +828,8 @@ def ws_bwd_given_h(q, k, v, do, a, g, b, h, dht, scale: float, seq_lens, chunk_s
     if unknown:
         raise TypeError(f"ws_bwd_given_h: unknown build switch(es) {sorted(unknown)}; known: {sorted(DEFAULT_BUILD)}")
     H, Hg, Kd, Vd = v.shape[2], q.shape[2], q.shape[3], v.shape[3]
+    if build.get("late_stores") and build.get("producer_stores"):
+        raise ValueError("ws_bwd_given_h: late_stores and producer_stores both move phase 7's stores; pick one")
     if (Kd, Vd, chunk_size) != (K, V, BT):
         raise ValueError(f"ws_bwd_given_h: built for K = V = {K}, chunk {BT}; got K={Kd}, V={Vd}, chunk {chunk_size}")
     kern = build_ws_bwd(*ws_config(q, v, b, scale), timing=clk is not None, **build)
