@@ -56,11 +56,11 @@ PHASES = 7
 #: chunks of clock cycles: [2 s] working before sync point s, [2 s + 1] waiting there (s = 0
 #: the producer's `full` barrier, 1-7 the phase ends), [16] the whole chunk loop, [17] chunks.
 TIMING_SLOTS = 18
-#: The build `tilelang_ws` runs (v10: every switch on; `s4e+s6e` -2.9 to -5.7 % against v9,
-#: bench/results/ws_steps/s9call7-wsbench-v10-peer.log); they stay switches so tools can time
-#: the builds before them (`nos4e-nos6e` is v9, `...-nofst-nogz-noagf` v8). Others, measured and either made the
-#: default or dropped: docs/tilelang_ws.md, "Steps", and git history (768934d has them all;
-#: `tmadq`, `a176`, `whole` are at 6aee64e).
+#: The build `tilelang_ws` runs (v10: `s4e+s6e` -2.9 to -5.7 % against v9,
+#: bench/results/ws_steps/s9call7-wsbench-v10-peer.log); measured switches stay so tools can
+#: time the builds before them (`nos4e-nos6e` is v9, `nos4e-nos6e-nofst-nogz-noagf` v8). Others,
+#: made the default or dropped: docs/tilelang_ws.md "Steps" and git history (768934d has them
+#: all; `tmadq`, `a176`, `whole` are at 6aee64e).
 DEFAULT_BUILD = {"merged_colsum": True, "late_dos": True, "w_regs": True, "s_gl_late": True,
                  "gam_select": True, "frag_stores": True, "gam_zeros": True,
                  "ag_frag": True, "s_early4": True, "s_early6": True,
@@ -109,40 +109,27 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
 
     `timing` adds cycle counters at every sync point (written to the `clk` argument, CTA by
     CTA: `[N * H, 3, TIMING_SLOTS]`); the instrument of docs/tilelang_ws.md's phase table.
-    The switches (`DEFAULT_BUILD`; each measured on the H200 before it became the default or
-    stayed off, docs/tilelang_ws.md "Steps"): `merged_colsum`: db's column sums from a 16-bit
-    copy of dAb * A (a transposed read, rounded as FlashQLA does), and the dG column sums of
-    dAg * Ag and dPg * Pg taken once, of their sum. `late_dos`: phase 5's dO S^T issued after
-    dPg's dG terms, so its accumulator is not live through the column sums (A's spills).
-    `w_regs`: KV forms W in U's registers and stores it with stmatrix (TileLang put a barrier
-    before each element store of the merged buffer). `s_gl_late`: S's G_L rows in phases 2-3
-    instead of phase 1. `gam_select`: Gam as exp2 of a selected exponent (no branches).
-    `frag_stores`: A forms the 16-bit tiles it stores in phases 5-6 (dP, dkk, dkk + dkk^T) in an
-    accumulator's registers and stores them with stmatrix, not element by element (Nsight
-    Compute, session 8: A issued 152 shared stores per warp and chunk, FlashQLA's group 36 plus
-    72 stmatrix); `ag_frag` does so for phase 1's Ag. (Phase 4's two tiles so stored cost 15
-    spill instructions for 12 fewer instructions in the static SASS: left element-wise.)
-    `gam_zeros`: Pg and dP drop their causal select, since Gam is already 0 above the diagonal
-    (finite gemm results times 0). `s_early4`, `s_early6`: S arrives
-    at phases 4 and 6 before its work there (the scaled dO; the 16-bit dS copy and the dg store),
-    since no other group reads that work before the next chunk, and waits after it (v9's timing
-    build had S bounding both phases while KV waited 1.6K cycles in phase 4 and A 0.8K in
-    phase 6; docs/tilelang_ws.md "Session 9"). `k_free` (off; neutral on v7 and on v10 alone):
-    KV arrives at a barrier of its own once its phase-7 gemm has read k_s (the tile's last
-    reader) and the producer loads the next k on it, not after phase 7. `g_prefetch` (off, not
-    yet run on a GPU): the producer loads the next chunk's g and b rows into its registers
-    after phase 1 and only writes them to shared memory after phase 6, instead of loading them
-    there: those synchronous global loads stand between phase 6 and the next k's TMA, which
-    may be why `k_free` alone did not move v10's `full` wait (1.0-1.8K cycles per step).
-    `late_stores` (off, not yet run on a GPU): KV and A stage dk and dq in shared memory before
-    phase 7's rendezvous and store their rows to global memory after it, so phase 7 closes (and
-    the producer loads the next k) ~1.5K cycles sooner and the stores run in the `full` wait;
-    the staging tiles' next writers are KV itself (u_s, phase 1) and KV after phase 1's
-    rendezvous (dvp_s, phase 2). `producer_stores` (off, not yet run on a GPU): seed 000's
-    store warp: KV and A only stage dk and dq, and the producer's second two warps store the
-    rows (its first two keep the loads), so neither consumer issues those stores at all (KV
-    issued 2257 instructions per warp and step against FlashQLA's group's 1292, session 8); KV
-    waits for the previous chunk's stores before it writes u_s (phase 1) and dvp_s (phase 2).
+    The switches (`DEFAULT_BUILD`; why each exists and what it measured on the H200:
+    docs/tilelang_ws.md "Steps" and "Next"), on in v10:
+    - `merged_colsum`: db's column sums from a 16-bit copy of dAb * A (rounded as FlashQLA
+      does); dG's column sums of dAg * Ag and dPg * Pg taken once, of their sum.
+    - `late_dos`: phase 5's dO S^T issued after dPg's dG terms (its accumulator not live beside
+      theirs: A's spills).
+    - `w_regs`: KV forms W in U's registers and stores it with stmatrix.
+    - `s_gl_late`: S's G_L rows in phases 2-3 instead of phase 1.
+    - `gam_select`: Gam as exp2 of a selected exponent (no branches).
+    - `frag_stores`, `ag_frag`: A's 16-bit tiles of phases 5-6 (dP, dkk, dkk + dkk^T) and of
+      phase 1 (Ag) formed in free accumulator registers and stored with stmatrix.
+    - `gam_zeros`: Pg and dP drop their causal select (Gam is already 0 above the diagonal).
+    - `s_early4`, `s_early6`: S arrives at phases 4 and 6 before its work there (no other group
+      reads it before the next chunk) and waits after it.
+    Off (prepared in session 9; `k_free` was neutral alone): `k_free` (the producer loads the
+    next k once KV's phase-7 gemm has read k_s), `g_prefetch` (the producer loads the next g
+    and b rows into registers after phase 1, not with synchronous loads after phase 6, where
+    they stand before k's TMA), `late_stores` (dk and dq rows stored after phase 7's
+    rendezvous), `producer_stores` (seed 000's store warps: KV and A only stage dk and dq, the
+    producer's last two warps store them; KV waits for the previous chunk's stores before it
+    writes u_s and dvp_s again).
     """
     accum = "float32"
     TT = T.dynamic("num_tokens")
