@@ -66,10 +66,11 @@ def group_profile(rows: list, head: list, warps_steps: float) -> dict:
     return out
 
 
-def compare(ours: Path, peer: Path, warps_steps: float) -> None:
-    """Ours beside a peer's kernel (FlashQLA's), group by group: the reading of session 8
-    (docs/tilelang_ws.md), where A's working samples were 1.37x its counterpart's."""
-    profiles = [group_profile(*_rows(p), warps_steps) for p in (ours, peer)]
+def compare(ours: tuple[list, list], peer: Path, warps_steps: float) -> None:
+    """Ours (`_rows` of our page, already read) beside a peer's kernel (FlashQLA's), group by
+    group: the reading of session 8 (docs/tilelang_ws.md), where A's working samples were 1.37x
+    its counterpart's."""
+    profiles = [group_profile(*ours, warps_steps), group_profile(*_rows(peer), warps_steps)]
     print("\ngroup | instructions per warp and step (ours / peer) | working samples | polling samples | "
           "top working stall reasons (ours / peer)")
     for g in NVCC_ORDER:
@@ -135,7 +136,7 @@ def main(argv=None) -> int:
         cells = {head[c]: body[i][c] for c in stats[1:] if (number(body[i][c]) or 0) > 0}
         print(f"{i - lo:5d} {number(body[i][main_col]) or 0:8.0f}  {body[i][src].strip()[:70]:<70} {cells}")
     if args.peer:
-        compare(Path(args.csv), Path(args.peer), args.warps_steps)
+        compare((body, head), Path(args.peer), args.warps_steps)
     return 0
 
 

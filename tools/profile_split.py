@@ -23,7 +23,7 @@ import torch
 
 from gdr_dispatch.context_parallel import SplitBackend
 from gdr_dispatch.contract import validate
-from gdr_dispatch.dispatch import measure_ms
+from gdr_dispatch.dispatch import measure_ms, relative_error
 from gdr_dispatch.registry import get_backend
 from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs
 
@@ -56,8 +56,7 @@ def graph_ms(fn, reps: int):
         out = fn()
     graph.replay()
     torch.cuda.synchronize()
-    diff = max(((o.float() - e.float()).norm() / e.float().norm().clamp_min(1e-30)).item()
-               for o, e in zip(out, eager) if e is not None)
+    diff = max(relative_error(o, e) for o, e in zip(out, eager) if e is not None)
     return measure_ms(graph.replay, "cuda", warmup=3, reps=reps), diff
 
 
@@ -89,7 +88,7 @@ def scan_configs(call, segments: int, configs: str, reps: int) -> None:
         ss.BV, ss.NUM_WARPS, ss.NUM_STAGES = cfg
         try:
             got = ss.backward_scan(Ms, Ds, None)[0]
-            diff = ((got - ref).norm() / ref.norm()).item()
+            diff = relative_error(got, ref)
             ms = measure_ms(lambda: ss.backward_scan(Ms, Ds, None), "cuda", warmup=3, reps=reps)
             print(f"backward scan BV={cfg[0]} warps={cfg[1]} stages={cfg[2]}: {ms:.4f} ms (results {diff:.1e} from "
                   f"the shipped {shipped})", flush=True)

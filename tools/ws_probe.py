@@ -125,11 +125,14 @@ def summary_table(rows) -> str:
     """Builds (rows) by shapes (columns) in ms with the change against each shape's first build,
     then the peers with our first build's time over theirs: the table docs/tilelang_ws.md keeps
     per session, so it is not copied out of the rows by hand."""
-    shapes = list(dict.fromkeys(r["shape"] for r in rows if "build" in r or "peer" in r))
-    cell = {(r["shape"], r.get("build") or r["peer"]): r for r in rows if "build" in r or "peer" in r}
-    names = list(dict.fromkeys(r.get("build") or r["peer"] for r in rows if "build" in r or "peer" in r))
-    first = {s: next(r["ws_ms"] for r in rows if r["shape"] == s and "build" in r) for s in shapes
-             if any(r["shape"] == s and "build" in r for r in rows)}
+    rows = [r for r in rows if "build" in r or "peer" in r]  # (not the head-sum rows)
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    cell = {(r["shape"], r.get("build") or r["peer"]): r for r in rows}
+    names = list(dict.fromkeys(r.get("build") or r["peer"] for r in rows))
+    first = {}  # each shape's first build, the reference of its column
+    for r in rows:
+        if "build" in r:
+            first.setdefault(r["shape"], r["ws_ms"])
     out = ["| build | " + " | ".join(shapes) + " |", "|---|" + "---|" * len(shapes)]
     for name in names:
         cells = []

@@ -65,20 +65,13 @@ DEFAULT_BUILD = {"merged_colsum": True, "late_dos": True, "w_regs": True, "s_gl_
                  "gam_select": True, "frag_stores": True, "gam_zeros": True,
                  "ag_frag": True, "s_early4": True, "s_early6": True,
                  "k_free": False, "g_prefetch": False, "late_stores": False, "producer_stores": False}
-SWITCHES = {"mcs": ("merged_colsum", True), "nomcs": ("merged_colsum", False),
-            "late": ("late_dos", True), "nolate": ("late_dos", False),
-            "wreg": ("w_regs", True), "nowreg": ("w_regs", False),
-            "sgl": ("s_gl_late", True), "nosgl": ("s_gl_late", False),
-            "gsel": ("gam_select", True), "nogsel": ("gam_select", False),
-            "fst": ("frag_stores", True), "nofst": ("frag_stores", False),
-            "gz": ("gam_zeros", True), "nogz": ("gam_zeros", False),
-            "agf": ("ag_frag", True), "noagf": ("ag_frag", False),
-            "s4e": ("s_early4", True), "nos4e": ("s_early4", False),
-            "s6e": ("s_early6", True), "nos6e": ("s_early6", False),
-            "kfree": ("k_free", True), "nokfree": ("k_free", False),
-            "gpre": ("g_prefetch", True), "nogpre": ("g_prefetch", False),
-            "lst": ("late_stores", True), "nolst": ("late_stores", False),
-            "pst": ("producer_stores", True), "nopst": ("producer_stores", False)}
+#: Build names: `<short>` turns a switch on, `no<short>` off.
+SHORT_NAMES = {"mcs": "merged_colsum", "late": "late_dos", "wreg": "w_regs", "sgl": "s_gl_late",
+               "gsel": "gam_select", "fst": "frag_stores", "gz": "gam_zeros", "agf": "ag_frag",
+               "s4e": "s_early4", "s6e": "s_early6", "kfree": "k_free", "gpre": "g_prefetch",
+               "lst": "late_stores", "pst": "producer_stores"}
+SWITCHES = {name: (key, on) for short, key in SHORT_NAMES.items()
+            for name, on in ((short, True), (f"no{short}", False))}
 
 
 def build_flags(build: str) -> dict:
@@ -155,21 +148,13 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
         tick[0] = tick[2]
 
     @T.macro
-    def phase_sync(bars, p, parity, slot, grp, tick, tm_s):
-        """Close phase `p`: arrive at its barrier and wait for the other consumer groups."""
+    def phase_sync(bars, p, parity, slot, grp, tick, tm_s, arrive=True):
+        """Close phase `p`: arrive at its barrier (not with `arrive=False`: a group that arrived
+        early, its work in the phase being its own) and wait for the other consumer groups."""
         if timing:
             clock_into(tick, 1)
-        T.barrier_arrive(bars[p])
-        T.barrier_wait(bars[p], parity)
-        if timing:
-            account(tick, tm_s, grp, slot)
-
-    @T.macro
-    def phase_wait(bars, p, parity, slot, grp, tick, tm_s):
-        """Close phase `p` for a group that arrived early (its work in the phase is its own):
-        wait for the other consumer groups."""
-        if timing:
-            clock_into(tick, 1)
+        if arrive:
+            T.barrier_arrive(bars[p])
         T.barrier_wait(bars[p], parity)
         if timing:
             account(tick, tm_s, grp, slot)
@@ -246,8 +231,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
 
     @T.macro
     def write_rows(src, out, t0, eos, hh):
-        """A chunk's rows of `out` before `eos` from `src` (64 x 128). (Without the row test
-        for whole chunks, or stored with TMA by the producer: slower, session 9.)"""
+        """A chunk's rows of `out` before `eos` from `src` (64 x 128). (Without the row test for
+        whole chunks (`whole`), or dq by a TMA store (`tmadq`): slower, session 9.)"""
         for i, j in T.Parallel(BT, K):
             if t0 + i < eos:
                 out[t0 + i, hh, j] = T.cast(src[i, j], dtype)
@@ -493,10 +478,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         for i, j in T.Parallel(BT, V):
                             dvp_s[i, j] = T.cast(scale * eG_s[i] * T.cast(do_s[i, j], accum), dtype)
                         T.fence_proxy_async()
-                        if s_early4:
-                            phase_wait(phase, 3, it % 2, 4, 0, tick, tm_s)
-                        else:
-                            phase_sync(phase, 3, it % 2, 4, 0, tick, tm_s)
+                        phase_sync(phase, 3, it % 2, 4, 0, tick, tm_s, arrive=not s_early4)
                         # 5: dS += K^T dUs + Q^T (scale e^G dO)
                         T.wgmma_gemm(k_s, u_s, dS_f, transpose_A=True)
                         T.wgmma_gemm(q_s, dvp_s, dS_f, transpose_A=True)
@@ -510,10 +492,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         T.copy(dS_f, dh_s)
                         T.fence_proxy_async()
                         store_dg(gscan_s, dGk_s, dGa_s, gls_s, glk_s, dg, t0, L, hh)  # every dG part is in by now
-                        if s_early6:
-                            phase_wait(phase, 5, it % 2, 6, 0, tick, tm_s)
-                        else:
-                            phase_sync(phase, 5, it % 2, 6, 0, tick, tm_s)
+                        phase_sync(phase, 5, it % 2, 6, 0, tick, tm_s, arrive=not s_early6)
                         # 7: db = its two parts (A's row part lands in phase 6)
                         for i in T.Parallel(BT):
                             if i < L:
