@@ -245,10 +245,10 @@ def test_ws_probe_summarizes_builds_and_peers_per_shape(tmp_path, capsys):
     import ws_probe
 
     shapes = {"S1": [{"shape": "S1", "build": "default", "ws_ms": 1.0},
-                     {"shape": "S1", "build": "lst", "ws_ms": 0.95},
+                     {"shape": "S1", "build": "pst", "ws_ms": 0.95},
                      {"shape": "S1", "peer": "flashqla_kernel", "ms": 0.8, "ratio_to_first_build": 1.25}],
               "S2": [{"shape": "S2", "build": "default", "ws_ms": 2.0},
-                     {"shape": "S2", "build": "lst", "ws_ms": 2.1},
+                     {"shape": "S2", "build": "pst", "ws_ms": 2.1},
                      {"shape": "S2", "head_sum_triton_ms": 0.1}]}
     files = []
     for name, rows in shapes.items():
@@ -259,5 +259,5 @@ def test_ws_probe_summarizes_builds_and_peers_per_shape(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "| build | S1 | S2 |"
     assert lines[2] == "| default | 1.0000 | 2.0000 |"
-    assert lines[3] == "| lst | 0.9500 (-5.0 %) | 2.1000 (+5.0 %) |"
+    assert lines[3] == "| pst | 0.9500 (-5.0 %) | 2.1000 (+5.0 %) |"
     assert lines[4] == "| flashqla_kernel | 0.8000 (first build 1.25x) | - |"

@@ -210,14 +210,11 @@ def test_every_build_switch_reaches_the_ws_kernel_build(monkeypatch):
     x = torch.zeros(1, 64, 1, 128)
     args = (x, x, x, x, torch.zeros(1, 64, 1, 64), torch.zeros(1, 64, 1), torch.zeros(1, 64, 1),
             torch.zeros(1, 1, 1, 128, 128), None, 0.1, (64,))
-    flipped = "nomcs+nolate+nowreg+nosgl+nogsel+nofst+nogz+noagf+nos4e+nos6e+kfree+gpre"
-    for last in ("lst", "pst"):  # two ways of moving phase 7's stores: one at a time
-        flags = m.build_flags(f"{flipped}+{last}")
-        assert m.ws_bwd_given_h(*args, **flags) == "kernel"
-        assert seen == {"timing": False, **flags}
-    assert all(m.build_flags(f"{flipped}+lst+pst")[key] != value for key, value in m.DEFAULT_BUILD.items())
-    with pytest.raises(ValueError, match="late_stores and producer_stores"):
-        m.ws_bwd_given_h(*args, **m.build_flags("lst+pst"))
+    flipped = "nomcs+nolate+nowreg+nosgl+nogsel+nofst+nogz+noagf+nos4e+nos6e+nokfree+nogpre+pst"
+    flags = m.build_flags(flipped)
+    assert all(flags[key] != value for key, value in m.DEFAULT_BUILD.items())
+    assert m.ws_bwd_given_h(*args, **flags) == "kernel"
+    assert seen == {"timing": False, **flags}
     with pytest.raises(TypeError, match="unknown build switch"):
         m.ws_bwd_given_h(x, x, x, x, x, x, x, x, None, 0.1, (64,), uw_kvv=True)
 

@@ -56,20 +56,21 @@ PHASES = 7
 #: chunks of clock cycles: [2 s] working before sync point s, [2 s + 1] waiting there (s = 0
 #: the producer's `full` barrier, 1-7 the phase ends), [16] the whole chunk loop, [17] chunks.
 TIMING_SLOTS = 18
-#: The build `tilelang_ws` runs (v10: `s4e+s6e` -2.9 to -5.7 % against v9,
-#: bench/results/ws_steps/s9call7-wsbench-v10-peer.log); measured switches stay so tools can
-#: time the builds before them (`nos4e-nos6e` is v9, `nos4e-nos6e-nofst-nogz-noagf` v8). Others,
-#: made the default or dropped: docs/tilelang_ws.md "Steps" and git history (768934d has them
-#: all; `tmadq`, `a176`, `whole` are at 6aee64e).
+#: The build `tilelang_ws` runs (v11: `kfree+gpre` -4.0 to -6.8 % against v10,
+#: bench/results/ws_steps/s10call1-wsbench-gpre-lst-pst.log, s10call2-wsbench-kfree-gpre.log);
+#: measured switches stay so tools can time the builds before them (`nokfree-nogpre` is v10,
+#: `nokfree-nogpre-nos4e-nos6e` v9). Others, made the default or dropped: docs/tilelang_ws.md
+#: "Steps" and git history (768934d has them all; `tmadq`, `a176`, `whole` are at 6aee64e,
+#: `late_stores` at 8a8cd45).
 DEFAULT_BUILD = {"merged_colsum": True, "late_dos": True, "w_regs": True, "s_gl_late": True,
                  "gam_select": True, "frag_stores": True, "gam_zeros": True,
                  "ag_frag": True, "s_early4": True, "s_early6": True,
-                 "k_free": False, "g_prefetch": False, "late_stores": False, "producer_stores": False}
+                 "k_free": True, "g_prefetch": True, "producer_stores": False}
 #: Build names: `<short>` turns a switch on, `no<short>` off.
 SHORT_NAMES = {"mcs": "merged_colsum", "late": "late_dos", "wreg": "w_regs", "sgl": "s_gl_late",
                "gsel": "gam_select", "fst": "frag_stores", "gz": "gam_zeros", "agf": "ag_frag",
                "s4e": "s_early4", "s6e": "s_early6", "kfree": "k_free", "gpre": "g_prefetch",
-               "lst": "late_stores", "pst": "producer_stores"}
+               "pst": "producer_stores"}
 SWITCHES = {name: (key, on) for short, key in SHORT_NAMES.items()
             for name, on in ((short, True), (f"no{short}", False))}
 
@@ -96,14 +97,14 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                  frag_stores: bool = DEFAULT_BUILD["frag_stores"], gam_zeros: bool = DEFAULT_BUILD["gam_zeros"],
                  ag_frag: bool = DEFAULT_BUILD["ag_frag"], s_early4: bool = DEFAULT_BUILD["s_early4"],
                  s_early6: bool = DEFAULT_BUILD["s_early6"], k_free: bool = DEFAULT_BUILD["k_free"],
-                 g_prefetch: bool = DEFAULT_BUILD["g_prefetch"], late_stores: bool = DEFAULT_BUILD["late_stores"],
+                 g_prefetch: bool = DEFAULT_BUILD["g_prefetch"],
                  producer_stores: bool = DEFAULT_BUILD["producer_stores"]):
     """Compile (once per configuration) the warp-specialised kernel (K = V = 128, chunk 64).
 
     `timing` adds cycle counters at every sync point (written to the `clk` argument, CTA by
     CTA: `[N * H, 3, TIMING_SLOTS]`); the instrument of docs/tilelang_ws.md's phase table.
     The switches (`DEFAULT_BUILD`; why each exists and what it measured on the H200:
-    docs/tilelang_ws.md "Steps" and "Next"), on in v10:
+    docs/tilelang_ws.md "Steps" and "Next"), on in v11:
     - `merged_colsum`: db's column sums from a 16-bit copy of dAb * A (rounded as FlashQLA
       does); dG's column sums of dAg * Ag and dPg * Pg taken once, of their sum.
     - `late_dos`: phase 5's dO S^T issued after dPg's dG terms (its accumulator not live beside
@@ -116,13 +117,12 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     - `gam_zeros`: Pg and dP drop their causal select (Gam is already 0 above the diagonal).
     - `s_early4`, `s_early6`: S arrives at phases 4 and 6 before its work there (no other group
       reads it before the next chunk) and waits after it.
-    Off (prepared in session 9; `k_free` was neutral alone): `k_free` (the producer loads the
-    next k once KV's phase-7 gemm has read k_s), `g_prefetch` (the producer loads the next g
-    and b rows into registers after phase 1, not with synchronous loads after phase 6, where
-    they stand before k's TMA), `late_stores` (dk and dq rows stored after phase 7's
-    rendezvous), `producer_stores` (seed 000's store warps: KV and A only stage dk and dq, the
+    - `k_free`, `g_prefetch`: the producer loads the next k once KV's phase-7 gemm has read
+      k_s, and the next g and b rows into registers after phase 1 (not with synchronous loads
+      after phase 6, where they stood before k's TMA; `k_free` alone was neutral).
+    Off: `producer_stores` (seed 000's store warps: KV and A only stage dk and dq, the
     producer's last two warps store them; KV waits for the previous chunk's stores before it
-    writes u_s and dvp_s again).
+    writes u_s and dvp_s again): -1.3 to -2.3 % at B8 T4096 H32, +0.9 to +2.4 % elsewhere.
     """
     accum = "float32"
     TT = T.dynamic("num_tokens")
@@ -246,17 +246,12 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
 
     @T.macro
     def store_and_close(frag, stage_s, out, t0, eos, hh, bars, it, grp, tick, tm_s, staged):
-        """KV's dk and A's dq: `store_rows`, then phase 7's rendezvous; with `late_stores` the
-        rendezvous comes between the staging copy and the row stores; with `producer_stores` the
-        group only stages the tile and tells the producer's store warps (`staged`)."""
+        """KV's dk and A's dq: `store_rows`, then phase 7's rendezvous; with `producer_stores`
+        the group only stages the tile and tells the producer's store warps (`staged`)."""
         if producer_stores:
             T.copy(frag, stage_s)
             T.barrier_arrive(staged)
             phase_sync(bars, PHASES - 1, it % 2, PHASES, grp, tick, tm_s)
-        elif late_stores:
-            T.copy(frag, stage_s)
-            phase_sync(bars, PHASES - 1, it % 2, PHASES, grp, tick, tm_s)
-            write_rows(stage_s, out, t0, eos, hh)
         else:
             store_rows(frag, stage_s, out, t0, eos, hh)
             phase_sync(bars, PHASES - 1, it % 2, PHASES, grp, tick, tm_s)
@@ -794,8 +789,6 @@ def ws_bwd_given_h(q, k, v, do, a, g, b, h, dht, scale: float, seq_lens, chunk_s
     if unknown:
         raise TypeError(f"ws_bwd_given_h: unknown build switch(es) {sorted(unknown)}; known: {sorted(DEFAULT_BUILD)}")
     H, Hg, Kd, Vd = v.shape[2], q.shape[2], q.shape[3], v.shape[3]
-    if build.get("late_stores") and build.get("producer_stores"):
-        raise ValueError("ws_bwd_given_h: late_stores and producer_stores both move phase 7's stores; pick one")
     if (Kd, Vd, chunk_size) != (K, V, BT):
         raise ValueError(f"ws_bwd_given_h: built for K = V = {K}, chunk {BT}; got K={Kd}, V={Vd}, chunk {chunk_size}")
     kern = build_ws_bwd(*ws_config(q, v, b, scale), timing=clk is not None, **build)
