@@ -210,11 +210,21 @@ def test_every_build_switch_reaches_the_ws_kernel_build(monkeypatch):
     x = torch.zeros(1, 64, 1, 128)
     args = (x, x, x, x, torch.zeros(1, 64, 1, 64), torch.zeros(1, 64, 1), torch.zeros(1, 64, 1),
             torch.zeros(1, 1, 1, 128, 128), None, 0.1, (64,))
-    flipped = "nomcs+nolate+nowreg+nosgl+nogsel+nofst+nogz+noagf+nos4e+nos6e+nokfree+nogpre+pst"
-    flags = m.build_flags(flipped)
-    assert all(flags[key] != value for key, value in m.DEFAULT_BUILD.items())
-    assert m.ws_bwd_given_h(*args, **flags) == "kernel"
-    assert seen == {"timing": False, **flags}
+    flipped = "nomcs+nolate+nowreg+nosgl+nogsel+nofst+nogz+noagf+nos4e+nos6e+nokfree+nogpre"
+    for last in ("pst", "sst"):  # two groups that can take phase 7's stores: one at a time
+        flags = m.build_flags(f"{flipped}+{last}")
+        assert m.ws_bwd_given_h(*args, **flags) == "kernel"
+        assert seen == {"timing": False, **flags}
+    assert all(m.build_flags(f"{flipped}+pst+sst")[key] != value for key, value in m.DEFAULT_BUILD.items())
     with pytest.raises(TypeError, match="unknown build switch"):
         m.ws_bwd_given_h(x, x, x, x, x, x, x, x, None, 0.1, (64,), uw_kvv=True)
+
+
+def test_ws_build_refuses_two_store_groups():
+    """`producer_stores` and `s_stores` would both wait for and store the same staging tiles
+    (a hang or a double store); the build itself refuses, before any compile."""
+    from gdr_dispatch.backends.kernels import tilelang_ws_bwd as m
+
+    with pytest.raises(ValueError, match="producer_stores and s_stores"):
+        m.build_ws_bwd(2, 2, 0.1, "bfloat16", "bfloat16", **m.build_flags("pst+sst"))
 

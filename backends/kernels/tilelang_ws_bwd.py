@@ -65,12 +65,12 @@ TIMING_SLOTS = 18
 DEFAULT_BUILD = {"merged_colsum": True, "late_dos": True, "w_regs": True, "s_gl_late": True,
                  "gam_select": True, "frag_stores": True, "gam_zeros": True,
                  "ag_frag": True, "s_early4": True, "s_early6": True,
-                 "k_free": True, "g_prefetch": True, "producer_stores": False}
+                 "k_free": True, "g_prefetch": True, "producer_stores": False, "s_stores": False}
 #: Build names: `<short>` turns a switch on, `no<short>` off.
 SHORT_NAMES = {"mcs": "merged_colsum", "late": "late_dos", "wreg": "w_regs", "sgl": "s_gl_late",
                "gsel": "gam_select", "fst": "frag_stores", "gz": "gam_zeros", "agf": "ag_frag",
                "s4e": "s_early4", "s6e": "s_early6", "kfree": "k_free", "gpre": "g_prefetch",
-               "pst": "producer_stores"}
+               "pst": "producer_stores", "sst": "s_stores"}
 SWITCHES = {name: (key, on) for short, key in SHORT_NAMES.items()
             for name, on in ((short, True), (f"no{short}", False))}
 
@@ -98,7 +98,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                  ag_frag: bool = DEFAULT_BUILD["ag_frag"], s_early4: bool = DEFAULT_BUILD["s_early4"],
                  s_early6: bool = DEFAULT_BUILD["s_early6"], k_free: bool = DEFAULT_BUILD["k_free"],
                  g_prefetch: bool = DEFAULT_BUILD["g_prefetch"],
-                 producer_stores: bool = DEFAULT_BUILD["producer_stores"]):
+                 producer_stores: bool = DEFAULT_BUILD["producer_stores"],
+                 s_stores: bool = DEFAULT_BUILD["s_stores"]):
     """Compile (once per configuration) the warp-specialised kernel (K = V = 128, chunk 64).
 
     `timing` adds cycle counters at every sync point (written to the `clk` argument, CTA by
@@ -123,7 +124,13 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     Off: `producer_stores` (seed 000's store warps: KV and A only stage dk and dq, the
     producer's last two warps store them; KV waits for the previous chunk's stores before it
     writes u_s and dvp_s again): -1.3 to -2.3 % at B8 T4096 H32, +0.9 to +2.4 % elsewhere.
+    `s_stores` (prepared in session 10): the same staging, but S stores the rows after it
+    arrives at phase 7 (S idles there and in the next chunk's phase 1); KV waits for dk's
+    stores before it writes u_s, for dq's before it writes dvp_s.
     """
+    if producer_stores and s_stores:
+        raise ValueError("build_ws_bwd: producer_stores and s_stores both take phase 7's stores; pick one")
+    staged_stores = producer_stores or s_stores  # KV and A stage dk and dq; another group stores them
     accum = "float32"
     TT = T.dynamic("num_tokens")
     NC = T.dynamic("num_chunks")
@@ -246,9 +253,9 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
 
     @T.macro
     def store_and_close(frag, stage_s, out, t0, eos, hh, bars, it, grp, tick, tm_s, staged):
-        """KV's dk and A's dq: `store_rows`, then phase 7's rendezvous; with `producer_stores`
-        the group only stages the tile and tells the producer's store warps (`staged`)."""
-        if producer_stores:
+        """KV's dk and A's dq: `store_rows`, then phase 7's rendezvous; with `producer_stores` or
+        `s_stores` the group only stages the tile and tells the storing group (`staged`)."""
+        if staged_stores:
             T.copy(frag, stage_s)
             T.barrier_arrive(staged)
             phase_sync(bars, PHASES - 1, it % 2, PHASES, grp, tick, tm_s)
@@ -387,11 +394,11 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                 # ---- barriers ----
                 full = T.alloc_barrier(arrive_count=64 if producer_stores else 128)  # the producer publishes a chunk
                 dk_staged = dq_staged = None
-                if producer_stores:  # KV / A staged dk / dq; the store warps have stored them
+                if staged_stores:  # KV / A staged dk / dq; the storing group (S or 64 producer threads) stored them
                     dk_staged = T.alloc_barrier(arrive_count=128)
                     dq_staged = T.alloc_barrier(arrive_count=128)
-                    dk_stored = T.alloc_barrier(arrive_count=64)
-                    dq_stored = T.alloc_barrier(arrive_count=64)
+                    dk_stored = T.alloc_barrier(arrive_count=128 if s_stores else 64)
+                    dq_stored = T.alloc_barrier(arrive_count=128 if s_stores else 64)
                 start = T.alloc_barrier(arrive_count=384)  # dS' copy of dht is in dh_s
                 phase = T.alloc_barrier(arrive_count=[384] * PHASES)
                 if k_free:
@@ -447,6 +454,9 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                     T.copy(dS_f, dh_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(start)
+                    if s_stores:  # phase 0 of the stored barriers: the first chunk has no last chunk
+                        T.barrier_arrive(dk_stored)
+                        T.barrier_arrive(dq_stored)
                     T.barrier_wait(start, 0)
                     loop_start(tick, tm_s, 0)
                     for it in T.serial(n_chunks):
@@ -489,10 +499,19 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         store_dg(gscan_s, dGk_s, dGa_s, gls_s, glk_s, dg, t0, L, hh)  # every dG part is in by now
                         phase_sync(phase, 5, it % 2, 6, 0, tick, tm_s, arrive=not s_early6)
                         # 7: db = its two parts (A's row part lands in phase 6)
+                        if s_stores:  # nobody waits for S's work here: arrive first (see s_early4)
+                            T.barrier_arrive(phase[6])
                         for i in T.Parallel(BT):
                             if i < L:
                                 db[t0 + i, hh] = T.cast(db_s[i], b_dtype)
-                        phase_sync(phase, 6, it % 2, 7, 0, tick, tm_s)
+                        if s_stores:  # dk and dq from KV's and A's staging tiles
+                            T.barrier_wait(dk_staged, it % 2)
+                            write_rows(u_s, dk, t0, eos, hh)
+                            T.barrier_arrive(dk_stored)
+                            T.barrier_wait(dq_staged, it % 2)
+                            write_rows(dvp_s, dq, t0, eos, hh)
+                            T.barrier_arrive(dq_stored)
+                        phase_sync(phase, 6, it % 2, 7, 0, tick, tm_s, arrive=not s_stores)
                     loop_end(tick, tm_s, 0, n_chunks, clk, bx)
                     T.copy(dS_f, dh0[n, hh, :, :])
 
@@ -516,6 +535,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         T.wgmma_gemm(k_s, dh_s, kv1_f, clear_accum=True)
                         T.wait_wgmma(1)
                         fence(kv2_f)
+                        if s_stores:  # S has stored the last chunk's dk from u_s (S's first arrival: none)
+                            T.barrier_wait(dk_stored, it % 2)
                         store_u_w(kv2_f, u_s, w_s, v_s, eG_s)  # while K dS' runs
                         T.wait_wgmma(0)
                         fence(kv1_f)
@@ -524,6 +545,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         T.fence_proxy_async()
                         phase_sync(phase, 0, it % 2, 1, 1, tick, tm_s)
                         # 2: dV' += Pg^T dO
+                        if s_stores:  # S has stored the last chunk's dq from dvp_s (S's first arrival: none)
+                            T.barrier_wait(dq_stored, it % 2)
                         T.gemm(pg_s, do_s, kv1_f, transpose_A=True)
                         T.copy(kv1_f, dvp_s)
                         T.fence_proxy_async()
