@@ -62,8 +62,9 @@ def test_the_warp_specialised_kernel_takes_h200_calls_since_it_was_verified(monk
                                         {"frag_stores": False, "gam_zeros": False, "ag_frag": False,
                                          "s_early4": False, "s_early6": False},
                                         {"s_early4": False, "s_early6": False},
-                                        {"producer_stores": True, "g_prefetch": True}],
-                         ids=["default", "v7", "v8", "v9", "pst+gpre"])
+                                        {"producer_stores": True},
+                                        {"s_stores": True}],
+                         ids=["default", "v7", "v8", "v9", "pst", "sst"])
 def test_ws_kernel_compiles_for_sm90a_with_its_register_split(experiment):
     from gdr_dispatch.backends.kernels.tilelang_ws_bwd import DEFAULT_BUILD, NREG, build_ws_bwd
 
@@ -78,7 +79,8 @@ def test_ws_kernel_compiles_for_sm90a_with_its_register_split(experiment):
     # producer_stores: the producer's first two warps load (their TMA issue elected among 64),
     # the other two store dk and dq from the staging tiles once KV and A have staged them
     assert ("tl_shuffle_elect<64>" in src) == flags["producer_stores"]
-    assert ("dk_staged[0].wait" in src and "dq_stored[0].arrive" in src) == flags["producer_stores"]
+    staged = flags["producer_stores"] or flags["s_stores"]
+    assert ("dk_staged[0].wait" in src and "dq_stored[0].arrive" in src) == staged
     for n in NREG[:3]:
         assert f"warpgroup_reg_alloc<{n}>" in src
     assert f"warpgroup_reg_dealloc<{NREG[3]}>" in src
@@ -105,6 +107,16 @@ def test_ws_kernel_compiles_for_sm90a_with_its_register_split(experiment):
     read = s_part.find("(&(((bfloat16_t*)dvp_s)[0]))")
     assert (arrive < write < wait) == flags["s_early4"] and write < wait < read
     assert "__sync_thread_partial(3, 128)" in s_part[wait:read]
+    if flags["s_stores"]:
+        # S: phase 7's arrival first, then dk's rows once KV staged them, then dq's, then the wait
+        order = [s_part.find("phase[6].arrive()"), s_part.find("dk_staged[0].wait"),
+                 s_part.rfind("dk_stored[0].arrive"), s_part.find("dq_staged[0].wait"),
+                 s_part.rfind("dq_stored[0].arrive"), s_part.find("phase[6].wait(")]
+        assert -1 not in order and order == sorted(order), order
+        # KV: the last chunk's dk stored before U overwrites u_s, its dq before dV' overwrites dvp_s
+        kv_part = re.split(r"warpgroup_reg_(?:alloc|dealloc)<\d+>", src)[2]
+        assert -1 < kv_part.find("dk_stored[0].wait") < kv_part.find("ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)u_s)")
+        assert -1 < kv_part.find("dq_stored[0].wait") < kv_part.find("ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)dvp_s)")
 
 
 @pytest.mark.slow
