@@ -264,6 +264,17 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
             phase_sync(bars, PHASES - 1, it % 2, PHASES, grp, tick, tm_s)
 
     @T.macro
+    def store_staged(dk_staged, dk_stored, dq_staged, dq_stored, u_s, dvp_s, dk, dq, it, t0, eos, hh):
+        """The storing group's part of `staged_stores`: a chunk's dk rows once KV has staged
+        them in u_s, then its dq rows from A's dvp_s, each followed by its `stored` arrival."""
+        T.barrier_wait(dk_staged, it % 2)
+        write_rows(u_s, dk, t0, eos, hh)
+        T.barrier_arrive(dk_stored)
+        T.barrier_wait(dq_staged, it % 2)
+        write_rows(dvp_s, dq, t0, eos, hh)
+        T.barrier_arrive(dq_stored)
+
+    @T.macro
     def column_sums(x_f, buf_s, xt_f, out_r):
         """`out_r` = the column sums of the fp32 fragment `x_f`, as row sums of its transpose
         `xt_f`: moved through the 16-bit 64 x 64 buffer `buf_s` in two halves of its bits, so
@@ -505,12 +516,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             if i < L:
                                 db[t0 + i, hh] = T.cast(db_s[i], b_dtype)
                         if s_stores:  # dk and dq from KV's and A's staging tiles
-                            T.barrier_wait(dk_staged, it % 2)
-                            write_rows(u_s, dk, t0, eos, hh)
-                            T.barrier_arrive(dk_stored)
-                            T.barrier_wait(dq_staged, it % 2)
-                            write_rows(dvp_s, dq, t0, eos, hh)
-                            T.barrier_arrive(dq_stored)
+                            store_staged(dk_staged, dk_stored, dq_staged, dq_stored, u_s, dvp_s, dk, dq, it, t0, eos, hh)
                         phase_sync(phase, 6, it % 2, 7, 0, tick, tm_s, arrive=not s_stores)
                     loop_end(tick, tm_s, 0, n_chunks, clk, bx)
                     T.copy(dS_f, dh0[n, hh, :, :])
@@ -776,12 +782,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                     else:  # seed 000's store warps: dk and dq of each chunk, from their staging
                         for it in T.serial(n_chunks):
                             t0 = bos + (n_chunks - 1 - it) * BT
-                            T.barrier_wait(dk_staged, it % 2)
-                            write_rows(u_s, dk, t0, eos, hh)
-                            T.barrier_arrive(dk_stored)
-                            T.barrier_wait(dq_staged, it % 2)
-                            write_rows(dvp_s, dq, t0, eos, hh)
-                            T.barrier_arrive(dq_stored)
+                            store_staged(dk_staged, dk_stored, dq_staged, dq_stored, u_s, dvp_s, dk, dq, it, t0, eos, hh)
 
         return gdr_bwd_ws
 
