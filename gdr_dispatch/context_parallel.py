@@ -21,9 +21,11 @@ state. So:
 Conditioning: the scan multiplies `M`s whose decay factor `e^{G_L}` is <= 1 and whose rank-64
 update is the delta rule's projection, so products shrink towards zero (underflow), never grow.
 
-Pass 1 runs on the kernels of the first registered backend that offers them for the
-segments' call (`Backend.split_passes`; today fla's state kernels, which compose a segment's
-`M` and `R` in one state pass and its `D` in one dh pass), else as batched tensor products here
+Pass 1 runs on our two Triton kernels (segment_maps.py: W, U0 and the local dV formed per
+chunk in registers) where they take the call, else on the kernels of the first registered
+backend that offers them (`Backend.split_passes`; today fla's state kernels, which compose a
+segment's `M` and `R` in one state pass and its `D` in one dh pass), else as batched tensor
+products here
 (any device, fp32 or fp64 accumulation; the per-chunk maps in one batch, each segment's
 composition in log2(chunks) batched levels): exact, and what the CPU tests hold the split to.
 Pass 2, the scans, runs as Triton kernels on CUDA for fp32 maps (segment_scan.py: one launch
@@ -96,11 +98,30 @@ log = logging.getLogger("gdr_dispatch")
 _logged: set = set()
 
 
+def _maps_kernels_refusal(seg_call: GDRCall) -> str:
+    """Why pass 1 does not run on our Triton kernels (segment_maps.py) for the segments' call,
+    "" when it does. Gated like a backend: while `segment_maps.GPU_VERIFIED` is False, only
+    GDR_ALLOW_UNVERIFIED=1 runs them."""
+    from . import segment_maps
+    from .registry import ALLOW_UNVERIFIED_ENV, unverified_allowed
+
+    why = segment_maps.not_supported_reason(seg_call.K, seg_call.V, seg_call.q.dtype, seg_call.chunk_size,
+                                            seg_call.q.device)
+    if not why and not segment_maps.GPU_VERIFIED and not unverified_allowed():
+        why = f"the Triton maps are not verified on a GPU yet; {ALLOW_UNVERIFIED_ENV}=1 runs them"
+    return why
+
+
 def pass_1_provider(seg_call: GDRCall):
-    """`(backend name, function)` of the first registered backend whose kernels run pass 1 for
-    the segments' call, or `("torch products", None)`."""
+    """`(name, function)` of what runs pass 1 for the segments' call: our Triton kernels
+    (segment_maps.py) where they take it, else the first registered backend whose kernels do,
+    else `("torch products", None)`."""
     from .registry import registered_backends
 
+    if not _maps_kernels_refusal(seg_call):
+        from . import segment_maps
+
+        return "gdr_dispatch", segment_maps.segment_maps
     problem = Problem.from_call(seg_call)
     for name, backend in registered_backends().items():
         fn = backend.split_passes(problem)
@@ -170,7 +191,8 @@ def split_backward(call: GDRCall, segments: int, run: Callable[..., GDRGrads]) -
     if tag not in _logged:
         _logged.add(tag)
         log.info("gdr_dispatch: split pass 1 (the segments' composed state maps) on %s, pass 2 (the scans) on %s, "
-                 "for %s", f"{provider}'s kernels" if maps is not None else provider,
+                 "for %s", (f"{provider}'s kernels" if maps is not None else provider)
+                 + ("" if provider == "gdr_dispatch" else f" (our Triton maps: {_maps_kernels_refusal(seg_call)})"),
                  "Triton kernels" if _scan_kernels(K, V, acc, dev) is not None
                  else f"torch products ({_scan_kernels_refusal(K, V, acc, dev)})",
                  tag[0].describe())

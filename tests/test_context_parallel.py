@@ -467,3 +467,85 @@ def test_the_segment_grid_is_a_reshape_on_a_full_grid_and_a_scatter_otherwise(le
         assert not cp._to_grid(x, pick, index, N, n_seg, "zeros")[n, j].any()
     assert torch.equal(cp._from_grid(grid, pick, index), x)
     assert (grid.data_ptr() == x.data_ptr()) == (not empty) and bool(empty) == (lens != (300, 300))
+
+
+# -- pass 1 as Triton kernels (gdr_dispatch/segment_maps.py; Triton's interpreter on the CPU) -----
+def _segments_call(spec, segments: int):
+    from gdr_dispatch import context_parallel as cp
+
+    call = validate(**call_kwargs(make_inputs(replace(spec, dtype="float16", h="none"), "cpu", seed=4)))
+    s, n_seg, seg_lens, pick = cp.segment_plan(call, segments)
+    flat = {n: getattr(call, n).reshape(1, -1, *getattr(call, n).shape[2:]) for n in ("q", "k", "v", "a", "g", "b", "do")}
+    offsets = torch.tensor([0] + seg_lens).cumsum(0).to(torch.int32)
+    return call, s, n_seg, pick, validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=call.chunk_size)
+
+
+@pytest.mark.parametrize("spec", FLA_PASS_SHAPES, ids=lambda s: s.label())
+def test_triton_pass_1_composes_the_same_maps_as_the_torch_products(spec):
+    """Our kernels' [M | R] (the state walk from [I | 0]) and D (the dh walk from zero) against
+    the batched products, to fp16 rounding; M measured against the identity's size, as for
+    fla's pass 1. Without `need_r` R is None and M, D are the same."""
+    from gdr_dispatch import context_parallel as cp
+    from gdr_dispatch.segment_maps import segment_maps
+
+    call, s, n_seg, pick, seg_call = _segments_call(spec, 3)
+    got = segment_maps(seg_call)
+    want = cp._torch_pass_1(call, s, n_seg)
+    for g, w, what in zip(got, want, "MRD"):
+        w = torch.stack([w[n, j] for n, j in pick]).float()
+        assert g.shape == w.shape, what
+        size = torch.eye(call.K).expand_as(w).norm() if what == "M" else w.norm()
+        assert ((g - w).norm() / size).item() < 5e-3, what
+    m, r, d = segment_maps(seg_call, need_r=False)
+    assert r is None and torch.equal(m, got[0]) and torch.equal(d, got[2])
+
+
+@pytest.mark.parametrize("h_mode", ["given", "none"])
+@pytest.mark.parametrize("spec", FLA_PASS_SHAPES, ids=lambda s: s.label())
+def test_split_with_triton_pass_1_matches_the_oracle(spec, h_mode, monkeypatch, caplog):
+    """The whole split with pass 1 on our kernels (forced: on a CPU they refuse), segments run
+    by the torch backend: every gradient within fp16 rounding of the float64 oracle, and the
+    log names the kernels."""
+    from conftest import case, rel_errors
+
+    from gdr_dispatch import context_parallel as cp
+
+    cp._logged.clear()
+    monkeypatch.setattr(cp, "_maps_kernels_refusal", lambda seg_call: "")
+    monkeypatch.setenv("GDR_CP", "3")
+    monkeypatch.setenv("GDR_BACKEND", "torch")
+    kwargs, ref = case(replace(spec, dtype="float16", h=h_mode))
+    with caplog.at_level(logging.INFO, "gdr_dispatch"):
+        errs = rel_errors(fused_gdr_bwd(**kwargs), ref)
+    assert not {n: e for n, e in errs.items() if not e < 5e-3}, errs
+    assert any("split pass 1" in r.getMessage() and "gdr_dispatch's kernels" in r.getMessage() for r in caplog.records)
+
+
+def test_triton_pass_1_waits_for_its_gpu_tests_and_says_what_it_does_not_take(monkeypatch):
+    """Until their GPU tests pass (segment_maps.GPU_VERIFIED) the split keeps fla's kernels or the
+    torch products unless GDR_ALLOW_UNVERIFIED is set, and every refusal says why."""
+    from gdr_dispatch import context_parallel as cp
+    from gdr_dispatch import segment_maps
+
+    _, _, _, _, seg_call = _segments_call(FLA_PASS_SHAPES[0], 3)
+    cuda = replace(seg_call, q=torch.empty(seg_call.q.shape, dtype=torch.float16, device="meta"))
+    monkeypatch.setattr(segment_maps, "not_supported_reason",
+                        lambda K, V, dtype, bt, dev: segment_maps._call_reason(K, V, dtype, bt))  # as if on CUDA
+    monkeypatch.delenv("GDR_ALLOW_UNVERIFIED", raising=False)
+    monkeypatch.setattr(segment_maps, "GPU_VERIFIED", False)
+    why = cp._maps_kernels_refusal(cuda)
+    assert "not verified on a GPU" in why and "GDR_ALLOW_UNVERIFIED=1" in why
+    assert cp.pass_1_provider(cuda)[0] != "gdr_dispatch"
+    monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+    assert cp._maps_kernels_refusal(cuda) == ""
+    assert cp.pass_1_provider(cuda) == ("gdr_dispatch", segment_maps.segment_maps)
+    monkeypatch.undo()
+    reason = segment_maps.not_supported_reason
+    assert reason(128, 128, torch.bfloat16, 64, torch.device("cuda")) == ""
+    assert "CUDA" in reason(128, 128, torch.bfloat16, 64, torch.device("cpu"))
+    assert "float32" in reason(128, 128, torch.float32, 64, torch.device("cuda"))
+    assert "chunk_size=32" in reason(128, 128, torch.float16, 32, torch.device("cuda"))
+    assert "K=128, V=256" in reason(128, 256, torch.float16, 64, torch.device("cuda"))
+    assert reason(128, 256, torch.float32, 64, torch.device("cpu")).count(";") == 2  # all three reasons at once
+    with pytest.raises(ValueError, match="float32"):
+        segment_maps.segment_maps(replace(seg_call, q=seg_call.q.float()))

@@ -97,6 +97,46 @@ def test_split_matches_oracle_on_gpu(name, backend, segments, h_mode, monkeypatc
     _check_backend(backend, name, "bfloat16", h_mode, monkeypatch)
 
 
+@pytest.mark.parametrize("h_mode", ["given", "none"])
+@pytest.mark.parametrize("name", ["varlen_1_63_64_65_vfirst", "T100_grouped_strong_decay"])
+def test_split_with_fla_pass_1_on_gpu(name, h_mode, monkeypatch):
+    """The split with pass 1 on fla's kernels (our Triton maps refused), so that path keeps its
+    GPU check now that the maps take the calls above."""
+    from gdr_dispatch import context_parallel as cp
+
+    monkeypatch.setattr(cp, "_maps_kernels_refusal", lambda seg_call: "refused by the test")
+    monkeypatch.setenv("GDR_CP", "4")
+    _check_backend("fla", name, "bfloat16", h_mode, monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", ["varlen_1_63_64_65_vfirst", "T100_grouped_strong_decay", "T128_h0_only"])
+def test_split_pass_1_kernels_on_gpu(name, dtype):
+    """Pass 1's Triton kernels (gdr_dispatch/segment_maps.py) at K = V = 128 against the batched
+    products in float64 on the same segments (3 per sequence): M against the identity's size,
+    R and D relative, within 16-bit rounding of the products' operands."""
+    from dataclasses import replace
+
+    from gdr_dispatch import context_parallel as cp
+    from gdr_dispatch.segment_maps import segment_maps
+
+    spec = replace(SHAPES[name], dtype=dtype, h="none")
+    kwargs, _ = case(spec, device="cuda", with_oracle=False)
+    call = validate(**kwargs)
+    s, n_seg, seg_lens, pick = cp.segment_plan(call, 3)
+    flat = {n: getattr(call, n).reshape(1, -1, *getattr(call, n).shape[2:]) for n in ("q", "k", "v", "a", "g", "b", "do")}
+    offsets = torch.tensor([0] + seg_lens, device="cuda").cumsum(0).to(torch.int32)
+    seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=call.chunk_size)
+    got = segment_maps(seg_call)
+    call64 = validate(**{n: (x.double() if torch.is_tensor(x) and x.is_floating_point() else x) for n, x in kwargs.items()})
+    want = cp._torch_pass_1(call64, s, n_seg)
+    for g, w, what in zip(got, want, "MRD"):
+        w = torch.stack([w[n, j] for n, j in pick])
+        size = torch.eye(call.K, dtype=w.dtype, device=w.device).expand_as(w).norm() if what == "M" else w.norm()
+        err = ((g.double() - w).norm() / size).item()
+        assert err < 1e-2, (what, err)
+
+
 @pytest.mark.parametrize("n_seg", [1, 7, 64])
 def test_split_scan_kernels_on_gpu(n_seg):
     """Pass 2's Triton scans (3xTF32 products, gdr_dispatch/segment_scan.py) at K = V = 128

@@ -10,7 +10,9 @@ bench read the split candidates 2.5-3 ms above their kernels with a 50 % spread 
 rounds (docs/measurements.md, "The context-parallel split"); session 8's profile found the
 split host-bound. `--graph` also captures each call in a CUDA graph and times its replays
 (the time in a training step captured whole, where no launch costs host time) and checks the
-replay's gradients against the eager call's.
+replay's gradients against the eager call's. `--pass1` times pass 1 alone, fla's kernels
+against ours (gdr_dispatch/segment_maps.py); with GDR_ALLOW_UNVERIFIED=1 in the environment
+the splits above run pass 1 on ours (until their GPU tests pass).
 """
 
 from __future__ import annotations
@@ -97,6 +99,41 @@ def scan_configs(call, segments: int, configs: str, reps: int) -> None:
     ss.BV, ss.NUM_WARPS, ss.NUM_STAGES = shipped
 
 
+def pass1_configs(call, segments: int, configs: str, reps: int) -> None:
+    """Pass 1 alone on the segments of one split call: fla's kernels (stage 1, the state and dh
+    passes) against ours (gdr_dispatch/segment_maps.py, under each `BC,WARPS,STAGES` of `configs`
+    beside the shipped one): median ms, host enqueue ms, and how far our maps are from fla's (M
+    against the identity's size, R and D relative; both round their products' operands to 16
+    bits, so ~1e-3 apart is agreement and O(1) a bug)."""
+    from gdr_dispatch import context_parallel as cp
+    from gdr_dispatch import segment_maps as sm
+    from gdr_dispatch.backends.common import fla_pipeline
+
+    s, n_seg, seg_lens, pick = cp.segment_plan(call, segments)
+    flat, offsets = cp._segments_inputs(call, seg_lens)
+    seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=call.chunk_size)
+    need_r = call.h is None
+    ref = fla_pipeline.segment_maps(seg_call, need_r=need_r)
+    fla_ms = measure_ms(lambda: fla_pipeline.segment_maps(seg_call, need_r=need_r), "cuda", warmup=3, reps=reps)
+    print(f"pass 1 on fla's kernels: {fla_ms:.4f} ms, host enqueue "
+          f"{host_ms(lambda: fla_pipeline.segment_maps(seg_call, need_r=need_r), reps):.3f} ms", flush=True)
+    eye = torch.eye(call.K, device=ref[0].device).expand_as(ref[0])
+    shipped = (sm.BC, sm.NUM_WARPS, sm.NUM_STAGES)
+    for cfg in [shipped] + [tuple(int(x) for x in c.split(",")) for c in filter(None, configs.split("/"))]:
+        sm.BC, sm.NUM_WARPS, sm.NUM_STAGES = cfg
+        try:
+            got = sm.segment_maps(seg_call, need_r=need_r)
+            far = {what: f"{((g - w).norm() / (eye.norm() if what == 'M' else w.norm())).item():.1e}"
+                   for g, w, what in zip(got, ref, "MRD") if w is not None}
+            ms = measure_ms(lambda: sm.segment_maps(seg_call, need_r=need_r), "cuda", warmup=3, reps=reps)
+            enqueue = host_ms(lambda: sm.segment_maps(seg_call, need_r=need_r), reps)
+            print(f"pass 1 on our kernels BC={cfg[0]} warps={cfg[1]} stages={cfg[2]}: {ms:.4f} ms, host enqueue "
+                  f"{enqueue:.3f} ms, from fla's maps {far}", flush=True)
+        except Exception as e:  # noqa: BLE001 - a configuration that does not compile is the answer
+            print(f"pass 1 on our kernels {cfg}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+    sm.BC, sm.NUM_WARPS, sm.NUM_STAGES = shipped
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--B", type=int, default=1)
@@ -109,10 +146,16 @@ def main() -> int:
     p.add_argument("--graph", action="store_true", help="also time each call's CUDA-graph replay")
     p.add_argument("--scan", default="", help="time the backward scan alone under these 'BV,WARPS,STAGES' "
                                               "configurations ('/'-separated) beside the shipped one, then stop")
+    p.add_argument("--pass1", nargs="?", const="", default=None,
+                   help="time pass 1 alone, fla's kernels against ours (gdr_dispatch/segment_maps.py) under the "
+                        "shipped and these 'BC,WARPS,STAGES' configurations ('/'-separated), then stop")
     a = p.parse_args()
     call = validate(**call_kwargs(make_inputs(ShapeSpec(B=a.B, T=a.T, H=a.H, h=a.h), "cuda", seed=1)))
     if a.scan:
         scan_configs(call, a.segments, a.scan, a.reps)
+        return 0
+    if a.pass1 is not None:
+        pass1_configs(call, a.segments, a.pass1, a.reps)
         return 0
     for name in a.backends.split(","):
         inner = get_backend(name)

@@ -1,0 +1,173 @@
+"""Pass 1 of the exact split (context_parallel.py) as two Triton kernels: every segment's
+composed state maps `(M, R, D)` from the call's own inputs, with `W`, `U0` and the local dV
+formed per chunk in registers (nothing of stage 1 goes to global memory).
+
+Why: on fla's kernels pass 1 is stage 1 with its conversions, the state pass and the dh pass,
+about eight launches with fla's Python around each; at B1 T32768 H4 in 32 segments it took
+~0.32 of the split's 0.71 ms (CUDA-graph replay, docs/measurements.md "Session 9"), and its
+launches are most of the split's host time. Here: two launches.
+
+- `_forward_maps`: one program per (segment, head, block of BC state columns) walks the
+  segment's chunks forwards. The state recurrence is linear in (state, values), so run from the
+  start state `[I | 0]` on the values `[0 | U0]` it ends at `[M | R]` (as fla's provider does).
+- `_backward_maps`: one program per (segment, head, block of BC value columns) walks them
+  backwards from a zero end gradient: `dS <- e^{G_L} dS + (scale Q e^G)^T dO - W^T (dV_loc +
+  Kt dS)`; the segment's start gradient is its `D`.
+
+Products take 16-bit operands (the state and U rounded to k's dtype, as fla's chain rounds
+them) with fp32 accumulation; the carried state stays fp32. Segments are whole chunks of
+their sequence (context_parallel.segment_plan), so `g`'s chunk-local cumsums hold as given.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+#: state columns per program (the carried block is K x BC fp32). Not timed yet; chosen by the
+#: compiler's report for sm_90a (Triton 3.9 AOT, K = V = 128, 8 warps, 255 registers each):
+#: BC 32 spills 56 / 840 bytes of stack (forward / backward kernel), BC 64 296 / 1056; BC 32 also
+#: doubles the programs on starved grids (the split's use)
+BC = 32
+#: launch options (not timed yet: docs/measurements.md, "The next device session"; 4 warps
+#: spilled more)
+NUM_WARPS, NUM_STAGES = 8, 1
+#: Whether the kernels' GPU tests (tests/test_gpu.py: the maps against float64, the split
+#: oracle tests with them) have passed; while False, context_parallel.py uses them only with
+#: GDR_ALLOW_UNVERIFIED=1 (fla's kernels or the torch products otherwise).
+GPU_VERIFIED = False
+
+
+@triton.jit
+def _chunk(k_ptr, a_ptr, g_ptr, b_ptr, t0, eos, hg, h, Hg, H, K: tl.constexpr, BT: tl.constexpr):
+    """A chunk's rows from t0: k `[BT, K]`, G `[BT]` (padded with the last valid G), Gam, Gam * A
+    `[BT, BT]`, b, and diag(b e^G) K (so W = (Gam * A) diag(b e^G) K; the last two rounded to
+    k's dtype: product operands only). W itself is never formed: W X = (Gam * A)(diag(b e^G) K X)
+    and W^T Y = (diag(b e^G) K)^T ((Gam * A)^T Y) take fewer products and registers."""
+    rt = tl.arange(0, BT)
+    rk = tl.arange(0, K)
+    t = t0 + rt
+    valid = t < eos
+    k = tl.load(k_ptr + (t[:, None].to(tl.int64) * Hg + hg) * K + rk[None, :], mask=valid[:, None], other=0.0)
+    G = tl.load(g_ptr + tl.minimum(t, eos - 1).to(tl.int64) * H + h)
+    b = tl.load(b_ptr + t.to(tl.int64) * H + h, mask=valid, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + (t[:, None].to(tl.int64) * H + h) * BT + rt[None, :], mask=valid[:, None], other=0.0)
+    # mask before exp: above the diagonal G_i - G_j can be large and positive
+    gam = tl.exp(tl.where(rt[:, None] >= rt[None, :], G[:, None] - G[None, :], float("-inf")))
+    ag = (gam * a.to(tl.float32)).to(k.dtype)
+    kbe = (k.to(tl.float32) * (b * tl.exp(G))[:, None]).to(k.dtype)
+    return k, G, gam, ag, b, kbe
+
+
+@triton.jit
+def _forward_maps(k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, out_ptr, Hg, H, NCOL,
+                  K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """Columns [c0, c0 + BC) of segment n's `[M | R]` (`out` `[S, H, K, NCOL]`, NCOL = K or
+    K + V): the state recurrence from `[I | 0]` on the values `[0 | U0]`."""
+    nh = tl.program_id(0)
+    n = nh // H
+    h = nh % H
+    hg = h // (H // Hg)
+    c0 = tl.program_id(1) * BC
+    bos = tl.load(cu_ptr + n)
+    eos = tl.load(cu_ptr + n + 1)
+    rk = tl.arange(0, K)
+    rt = tl.arange(0, BT)
+    rc = tl.arange(0, BC)
+    # [I | 0]: a block lies wholly in M (columns < K) or wholly in R (BC divides K)
+    S = tl.where(rk[:, None] == c0 + rc[None, :], 1.0, 0.0)
+    for t0 in range(bos, eos, BT):
+        k, G, gam, ag, b, kbe = _chunk(k_ptr, a_ptr, g_ptr, b_ptr, t0, eos, hg, h, Hg, H, K, BT)
+        gL = tl.sum(tl.where(rt == tl.minimum(eos - t0, BT) - 1, G, 0.0), axis=0)
+        u = -tl.dot(ag, tl.dot(kbe, S.to(k.dtype)).to(k.dtype))  # [BT, BC]: u_aug - W S, u_aug = 0 on M's columns
+        if c0 >= K:  # R's columns: u_aug = U0 = (Gam * A) diag(b) V
+            t = t0 + rt
+            v = tl.load(v_ptr + (t[:, None].to(tl.int64) * H + h) * V + (c0 - K + rc)[None, :],
+                        mask=(t < eos)[:, None], other=0.0)
+            u += tl.dot(ag, (v.to(tl.float32) * b[:, None]).to(k.dtype))
+        kt = (k.to(tl.float32) * tl.exp(gL - G)[:, None]).to(k.dtype)
+        S = tl.exp(gL) * S + tl.dot(tl.trans(kt), u.to(k.dtype))
+    nh64 = nh.to(tl.int64)
+    tl.store(out_ptr + (nh64 * K + rk[:, None]) * NCOL + c0 + rc[None, :], S)
+
+
+@triton.jit
+def _backward_maps(q_ptr, k_ptr, a_ptr, g_ptr, b_ptr, do_ptr, cu_ptr, out_ptr, scale, Hg, H,
+                   K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """Columns [c0, c0 + BC) of segment n's `D` (`out` `[S, H, K, V]`): the dh recurrence
+    from a zero gradient at the segment's end, walked back to its start."""
+    nh = tl.program_id(0)
+    n = nh // H
+    h = nh % H
+    hg = h // (H // Hg)
+    c0 = tl.program_id(1) * BC
+    bos = tl.load(cu_ptr + n)
+    eos = tl.load(cu_ptr + n + 1)
+    rk = tl.arange(0, K)
+    rt = tl.arange(0, BT)
+    rc = tl.arange(0, BC)
+    dS = tl.zeros([K, BC], dtype=tl.float32)
+    n_chunks = tl.cdiv(eos - bos, BT)
+    for i in range(n_chunks):
+        t0 = bos + (n_chunks - 1 - i) * BT
+        k, G, gam, ag, b, kbe = _chunk(k_ptr, a_ptr, g_ptr, b_ptr, t0, eos, hg, h, Hg, H, K, BT)
+        gL = tl.sum(tl.where(rt == tl.minimum(eos - t0, BT) - 1, G, 0.0), axis=0)
+        t = t0 + rt
+        valid = t < eos
+        q = tl.load(q_ptr + (t[:, None].to(tl.int64) * Hg + hg) * K + rk[None, :], mask=valid[:, None], other=0.0)
+        do = tl.load(do_ptr + (t[:, None].to(tl.int64) * H + h) * V + (c0 + rc)[None, :],
+                     mask=valid[:, None], other=0.0)
+        p = gam * tl.dot(q, tl.trans(k))  # [BT, BT]: Gam * Q K^T
+        kt = (k.to(tl.float32) * tl.exp(gL - G)[:, None]).to(k.dtype)
+        du = scale * tl.dot(tl.trans(p.to(k.dtype)), do) + tl.dot(kt, dS.to(k.dtype))  # dV_loc + Kt dS
+        qe = (q.to(tl.float32) * (scale * tl.exp(G))[:, None]).to(k.dtype)
+        dS = (tl.exp(gL) * dS + tl.dot(tl.trans(qe), do)
+              - tl.dot(tl.trans(kbe), tl.dot(tl.trans(ag), du.to(k.dtype)).to(k.dtype)))
+    nh64 = nh.to(tl.int64)
+    tl.store(out_ptr + (nh64 * K + rk[:, None]) * V + c0 + rc[None, :], dS)
+
+
+def _call_reason(K: int, V: int, dtype: torch.dtype, chunk_size: int) -> str:
+    why = []
+    if dtype not in (torch.bfloat16, torch.float16):
+        why.append(f"inputs in {dtype} (the kernels take bf16/fp16, the torch products keep fp32/fp64 exact)")
+    if chunk_size != 64:
+        why.append(f"chunk_size={chunk_size} (the kernels walk chunks of 64)")
+    bc = min(BC, K, V)
+    if K not in (16, 32, 64, 128) or V > 128 or V % bc or K % bc:
+        why.append(f"K={K}, V={V} (the kernels take K in 16/32/64/128 and V <= 128 a multiple of min({BC}, K, V))")
+    return "; ".join(why)
+
+
+def not_supported_reason(K: int, V: int, dtype: torch.dtype, chunk_size: int, device: torch.device) -> str:
+    """"" when the kernels take a segments' call, else every reason why not."""
+    why = [] if torch.device(device).type == "cuda" else [f"inputs on {torch.device(device).type} (the kernels run on CUDA)"]
+    return "; ".join(filter(None, why + [_call_reason(K, V, dtype, chunk_size)]))
+
+
+def segment_maps(seg_call, need_r: bool = True):
+    """Pass 1 on the kernels: each sequence of `seg_call` (the segments as one varlen call, K x V
+    state layout) is one segment; returns `(M, R, D)` fp32, `[S, H, K, K]`, `[S, H, K, V]` (None
+    without `need_r`: with `h` given the split takes the start states from `h`), `[S, H, K, V]`.
+    The interface of `Backend.split_passes`' functions."""
+    K, V, H, Hg, BT = seg_call.K, seg_call.V, seg_call.H, seg_call.Hg, seg_call.chunk_size
+    why = _call_reason(K, V, seg_call.q.dtype, BT)  # (the device is the caller's gate: tests run the interpreter)
+    if why:
+        raise ValueError(f"segment_maps: {why}")
+    if seg_call.B != 1 or seg_call.cu_seqlens is None:
+        raise ValueError("segment_maps: expects the segments as one varlen call (B == 1, cu_seqlens set)")
+    n_seg = seg_call.N
+    dev = seg_call.q.device
+    bc = min(BC, K, V)
+    q, k, v, do, a = (x.contiguous() for x in (seg_call.q, seg_call.k, seg_call.v, seg_call.do, seg_call.a))
+    g, b = seg_call.g.float().contiguous(), seg_call.b.contiguous()
+    cu = seg_call.cu_seqlens.to(torch.int32).contiguous()
+    ncol = K + V if need_r else K
+    fwd = torch.empty(n_seg, H, K, ncol, dtype=torch.float32, device=dev)
+    D = torch.empty(n_seg, H, K, V, dtype=torch.float32, device=dev)
+    _forward_maps[(n_seg * H, ncol // bc)](k, v, a, g, b, cu, fwd, Hg, H, ncol, K=K, V=V, BT=BT, BC=bc,
+                                           num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    _backward_maps[(n_seg * H, V // bc)](q, k, a, g, b, do, cu, D, float(seg_call.scale), Hg, H, K=K, V=V, BT=BT,
+                                         BC=bc, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return fwd[..., :K], (fwd[..., K:] if need_r else None), D
