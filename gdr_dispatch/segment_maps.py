@@ -14,8 +14,9 @@ launches are most of the split's host time. Here: two launches.
   backwards from a zero end gradient: `dS <- e^{G_L} dS + (scale Q e^G)^T dO - W^T (dV_loc +
   Kt dS)`; the segment's start gradient is its `D`.
 
-Products take 16-bit operands (the state and U rounded to k's dtype, as fla's chain rounds
-them) with fp32 accumulation; the carried state stays fp32. Segments are whole chunks of
+Products take 16-bit operands (the state, U and the inner products of W's two factors rounded
+to k's dtype, as fla's chain rounds its state and W) with fp32 accumulation; the carried state
+stays fp32. Segments are whole chunks of
 their sequence (context_parallel.segment_plan), so `g`'s chunk-local cumsums hold as given.
 """
 
