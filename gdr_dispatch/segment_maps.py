@@ -27,12 +27,13 @@ import triton
 import triton.language as tl
 
 #: state columns per program (the carried block is K x BC fp32). Not timed yet; chosen by the
-#: compiler's report for sm_90a (Triton 3.9 AOT, K = V = 128, 8 warps, 255 registers each):
-#: BC 32 spills 56 / 840 bytes of stack (forward / backward kernel), BC 64 296 / 1056; BC 32 also
-#: doubles the programs on starved grids (the split's use)
+#: compiler's report for sm_90a (tools/triton_report.py, K = V = 128, bf16, 8 warps): with
+#: Triton 3.6.0 (the GPU machine's) the forward kernel takes 220 registers and no stack, the
+#: backward 255 and 296 bytes of stack (BC 64: 255 / 16 and 255 / 376; Triton 3.9 spills less);
+#: BC 32 also doubles the programs on the starved grids the split is for
 BC = 32
 #: launch options (not timed yet: docs/measurements.md, "The next device session"; 4 warps
-#: spilled more)
+#: spilled 1.2-1.8 KB, 16 warps, capped at 128 registers, 0.15-0.9 KB)
 NUM_WARPS, NUM_STAGES = 8, 1
 #: Whether the kernels' GPU tests (tests/test_gpu.py: the maps against float64, the split
 #: oracle tests with them) have passed; while False, context_parallel.py uses them only with
@@ -41,11 +42,15 @@ GPU_VERIFIED = False
 
 
 @triton.jit
-def _chunk(k_ptr, a_ptr, g_ptr, b_ptr, t0, eos, hg, h, Hg, H, K: tl.constexpr, BT: tl.constexpr):
-    """A chunk's rows from t0: k `[BT, K]`, G `[BT]` (padded with the last valid G), Gam, Gam * A
-    `[BT, BT]`, b, and diag(b e^G) K (so W = (Gam * A) diag(b e^G) K; the last two rounded to
-    k's dtype: product operands only). W itself is never formed: W X = (Gam * A)(diag(b e^G) K X)
-    and W^T Y = (diag(b e^G) K)^T ((Gam * A)^T Y) take fewer products and registers."""
+def _chunk(k_ptr, a_ptr, g_ptr, b_ptr, t0, eos, hg, h, Hg, H, K: tl.constexpr, BT: tl.constexpr,
+           TRANSPOSED: tl.constexpr):
+    """A chunk's rows from t0: k `[BT, K]`, G `[BT]` (padded with the last valid G), b, Gam and
+    Gam * A `[BT, BT]` (the latter rounded to k's dtype: a product operand only), both
+    transposed with TRANSPOSED (formed so, not moved: the backward walk reads them only so).
+    W = (Gam * A) diag(b e^G) K is never formed, nor any other scaled copy of k or q: W X =
+    (Gam * A) diag(b e^G) (K X) and W^T Y = K^T diag(b e^G) (Gam * A)^T Y, and every diagonal
+    scales the rows of a `[BT, BC]` product instead of a `[BT, K]` operand (fewer products,
+    registers and elementwise work)."""
     rt = tl.arange(0, BT)
     rk = tl.arange(0, K)
     t = t0 + rt
@@ -53,12 +58,15 @@ def _chunk(k_ptr, a_ptr, g_ptr, b_ptr, t0, eos, hg, h, Hg, H, K: tl.constexpr, B
     k = tl.load(k_ptr + (t[:, None].to(tl.int64) * Hg + hg) * K + rk[None, :], mask=valid[:, None], other=0.0)
     G = tl.load(g_ptr + tl.minimum(t, eos - 1).to(tl.int64) * H + h)
     b = tl.load(b_ptr + t.to(tl.int64) * H + h, mask=valid, other=0.0).to(tl.float32)
-    a = tl.load(a_ptr + (t[:, None].to(tl.int64) * H + h) * BT + rt[None, :], mask=valid[:, None], other=0.0)
     # mask before exp: above the diagonal G_i - G_j can be large and positive
-    gam = tl.exp(tl.where(rt[:, None] >= rt[None, :], G[:, None] - G[None, :], float("-inf")))
+    if TRANSPOSED:  # [i, j] holds Gam[j, i], A[j, i]
+        a = tl.load(a_ptr + (t[None, :].to(tl.int64) * H + h) * BT + rt[:, None], mask=valid[None, :], other=0.0)
+        gam = tl.exp(tl.where(rt[None, :] >= rt[:, None], G[None, :] - G[:, None], float("-inf")))
+    else:
+        a = tl.load(a_ptr + (t[:, None].to(tl.int64) * H + h) * BT + rt[None, :], mask=valid[:, None], other=0.0)
+        gam = tl.exp(tl.where(rt[:, None] >= rt[None, :], G[:, None] - G[None, :], float("-inf")))
     ag = (gam * a.to(tl.float32)).to(k.dtype)
-    kbe = (k.to(tl.float32) * (b * tl.exp(G))[:, None]).to(k.dtype)
-    return k, G, gam, ag, b, kbe
+    return k, G, b, gam, ag
 
 
 @triton.jit
@@ -79,16 +87,16 @@ def _forward_maps(k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, out_ptr, Hg, H, NCO
     # [I | 0]: a block lies wholly in M (columns < K) or wholly in R (BC divides K)
     S = tl.where(rk[:, None] == c0 + rc[None, :], 1.0, 0.0)
     for t0 in range(bos, eos, BT):
-        k, G, gam, ag, b, kbe = _chunk(k_ptr, a_ptr, g_ptr, b_ptr, t0, eos, hg, h, Hg, H, K, BT)
+        k, G, b, gam, ag = _chunk(k_ptr, a_ptr, g_ptr, b_ptr, t0, eos, hg, h, Hg, H, K, BT, False)
         gL = tl.sum(tl.where(rt == tl.minimum(eos - t0, BT) - 1, G, 0.0), axis=0)
-        u = -tl.dot(ag, tl.dot(kbe, S.to(k.dtype)).to(k.dtype))  # [BT, BC]: u_aug - W S, u_aug = 0 on M's columns
+        ks = tl.dot(k, S.to(k.dtype)) * (b * tl.exp(G))[:, None]  # diag(b e^G) K S
+        u = -tl.dot(ag, ks.to(k.dtype))  # [BT, BC]: u_aug - W S, u_aug = 0 on M's columns
         if c0 >= K:  # R's columns: u_aug = U0 = (Gam * A) diag(b) V
             t = t0 + rt
             v = tl.load(v_ptr + (t[:, None].to(tl.int64) * H + h) * V + (c0 - K + rc)[None, :],
                         mask=(t < eos)[:, None], other=0.0)
             u += tl.dot(ag, (v.to(tl.float32) * b[:, None]).to(k.dtype))
-        kt = (k.to(tl.float32) * tl.exp(gL - G)[:, None]).to(k.dtype)
-        S = tl.exp(gL) * S + tl.dot(tl.trans(kt), u.to(k.dtype))
+        S = tl.exp(gL) * S + tl.dot(tl.trans(k), (u * tl.exp(gL - G)[:, None]).to(k.dtype))
     nh64 = nh.to(tl.int64)
     tl.store(out_ptr + (nh64 * K + rk[:, None]) * NCOL + c0 + rc[None, :], S)
 
@@ -112,19 +120,21 @@ def _backward_maps(q_ptr, k_ptr, a_ptr, g_ptr, b_ptr, do_ptr, cu_ptr, out_ptr, s
     n_chunks = tl.cdiv(eos - bos, BT)
     for i in range(n_chunks):
         t0 = bos + (n_chunks - 1 - i) * BT
-        k, G, gam, ag, b, kbe = _chunk(k_ptr, a_ptr, g_ptr, b_ptr, t0, eos, hg, h, Hg, H, K, BT)
+        k, G, b, gamt, agt = _chunk(k_ptr, a_ptr, g_ptr, b_ptr, t0, eos, hg, h, Hg, H, K, BT, True)
         gL = tl.sum(tl.where(rt == tl.minimum(eos - t0, BT) - 1, G, 0.0), axis=0)
         t = t0 + rt
         valid = t < eos
         q = tl.load(q_ptr + (t[:, None].to(tl.int64) * Hg + hg) * K + rk[None, :], mask=valid[:, None], other=0.0)
         do = tl.load(do_ptr + (t[:, None].to(tl.int64) * H + h) * V + (c0 + rc)[None, :],
                      mask=valid[:, None], other=0.0)
-        p = gam * tl.dot(q, tl.trans(k))  # [BT, BT]: Gam * Q K^T
-        kt = (k.to(tl.float32) * tl.exp(gL - G)[:, None]).to(k.dtype)
-        du = scale * tl.dot(tl.trans(p.to(k.dtype)), do) + tl.dot(kt, dS.to(k.dtype))  # dV_loc + Kt dS
-        qe = (q.to(tl.float32) * (scale * tl.exp(G))[:, None]).to(k.dtype)
-        dS = (tl.exp(gL) * dS + tl.dot(tl.trans(qe), do)
-              - tl.dot(tl.trans(kbe), tl.dot(tl.trans(ag), du.to(k.dtype)).to(k.dtype)))
+        # (Gam * Q K^T)^T formed as Gam^T * K Q^T: k stays in one register layout (it is also
+        # the A operand of K dS)
+        pt = gamt * tl.dot(k, tl.trans(q))
+        # dU = dV_loc + diag(e^{G_L - G}) K dS
+        du = scale * tl.dot(pt.to(k.dtype), do) + tl.dot(k, dS.to(k.dtype)) * tl.exp(gL - G)[:, None]
+        y = tl.dot(agt, du.to(k.dtype)) * (b * tl.exp(G))[:, None]  # W^T dU = K^T y
+        dS = (tl.exp(gL) * dS + tl.dot(tl.trans(q), (do.to(tl.float32) * (scale * tl.exp(G))[:, None]).to(k.dtype))
+              - tl.dot(tl.trans(k), y.to(k.dtype)))
     nh64 = nh.to(tl.int64)
     tl.store(out_ptr + (nh64 * K + rk[:, None]) * V + c0 + rc[None, :], dS)
 
