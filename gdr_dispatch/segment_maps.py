@@ -70,17 +70,22 @@ def _chunk(k_ptr, a_ptr, g_ptr, b_ptr, t0, eos, hg, h, Hg, H, K: tl.constexpr, B
 
 
 @triton.jit
+def _program(cu_ptr, Hg, H, BC: tl.constexpr):
+    """This program's (segment x head) index, its value head and q/k head, its first state
+    column, and its segment's token range [bos, eos)."""
+    nh = tl.program_id(0)
+    h = nh % H
+    bos = tl.load(cu_ptr + nh // H)
+    eos = tl.load(cu_ptr + nh // H + 1)
+    return nh, h, h // (H // Hg), tl.program_id(1) * BC, bos, eos
+
+
+@triton.jit
 def _forward_maps(k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, out_ptr, Hg, H, NCOL,
                   K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     """Columns [c0, c0 + BC) of segment n's `[M | R]` (`out` `[S, H, K, NCOL]`, NCOL = K or
     K + V): the state recurrence from `[I | 0]` on the values `[0 | U0]`."""
-    nh = tl.program_id(0)
-    n = nh // H
-    h = nh % H
-    hg = h // (H // Hg)
-    c0 = tl.program_id(1) * BC
-    bos = tl.load(cu_ptr + n)
-    eos = tl.load(cu_ptr + n + 1)
+    nh, h, hg, c0, bos, eos = _program(cu_ptr, Hg, H, BC)
     rk = tl.arange(0, K)
     rt = tl.arange(0, BT)
     rc = tl.arange(0, BC)
@@ -106,13 +111,7 @@ def _backward_maps(q_ptr, k_ptr, a_ptr, g_ptr, b_ptr, do_ptr, cu_ptr, out_ptr, s
                    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     """Columns [c0, c0 + BC) of segment n's `D` (`out` `[S, H, K, V]`): the dh recurrence
     from a zero gradient at the segment's end, walked back to its start."""
-    nh = tl.program_id(0)
-    n = nh // H
-    h = nh % H
-    hg = h // (H // Hg)
-    c0 = tl.program_id(1) * BC
-    bos = tl.load(cu_ptr + n)
-    eos = tl.load(cu_ptr + n + 1)
+    nh, h, hg, c0, bos, eos = _program(cu_ptr, Hg, H, BC)
     rk = tl.arange(0, K)
     rt = tl.arange(0, BT)
     rc = tl.arange(0, BC)

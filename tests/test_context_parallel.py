@@ -228,6 +228,30 @@ FLA_PASS_SHAPES = [
 ]
 
 
+def _segments_call(spec, segments: int):
+    """An fp16 call of `spec` cut into `segments`: `(call, s, n_seg, pick, seg_call)`, the last
+    the segments as one varlen call without states (pass 1's input)."""
+    from gdr_dispatch import context_parallel as cp
+
+    call = validate(**call_kwargs(make_inputs(replace(spec, dtype="float16", h="none"), "cpu", seed=4)))
+    s, n_seg, seg_lens, pick = cp.segment_plan(call, segments)
+    flat = {n: getattr(call, n).reshape(1, -1, *getattr(call, n).shape[2:]) for n in ("q", "k", "v", "a", "g", "b", "do")}
+    offsets = torch.tensor([0] + seg_lens).cumsum(0).to(torch.int32)
+    return call, s, n_seg, pick, validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=call.chunk_size)
+
+
+def _assert_same_maps(got, want, K: int, pick):
+    """A pass 1's `(M, R, D)` of the non-empty segments against the batched products' grid, to
+    fp16 rounding (an exchanged or transposed map is off by O(1)). M is measured against the
+    identity's size: composed over chunks it decays towards zero, and what the scan needs is
+    M S for states of order one."""
+    for g, w, what in zip(got, want, "MRD"):
+        w = torch.stack([w[n, j] for n, j in pick]).float()
+        assert g.shape == w.shape, what
+        size = torch.eye(K).expand_as(w).norm() if what == "M" else w.norm()
+        assert ((g - w).norm() / size).item() < 5e-3, what
+
+
 @pytest.fixture
 def fla_pass_1(monkeypatch):
     """The fla backend offers pass 1 on a CPU (its kernels are fake_fla's exact stand-ins; its
@@ -245,25 +269,13 @@ def fla_pass_1(monkeypatch):
 @pytest.mark.parametrize("spec", FLA_PASS_SHAPES, ids=lambda s: s.label())
 def test_fla_pass_1_composes_the_same_maps_as_the_torch_products(spec, fla_pass_1):
     """[M | R] from one state pass over [0 | u] started at [I | 0], D from the dh pass started at
-    zero: the same maps as the batched products, to fp16 rounding (an exchanged or transposed
-    map is off by O(1)). M is measured against the identity's size: composed over chunks it
-    decays towards zero, and what the scan needs is M S for states of order one."""
+    zero: the same maps as the batched products (`_assert_same_maps`)."""
     from gdr_dispatch import context_parallel as cp
 
-    call = validate(**call_kwargs(make_inputs(replace(spec, dtype="float16", h="none"), "cpu", seed=4)))
-    s, n_seg, seg_lens, pick = cp.segment_plan(call, 3)
-    flat = {n: getattr(call, n).reshape(1, -1, *getattr(call, n).shape[2:]) for n in ("q", "k", "v", "a", "g", "b", "do")}
-    offsets = torch.tensor([0] + seg_lens).cumsum(0).to(torch.int32)
-    seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=call.chunk_size)
+    call, s, n_seg, pick, seg_call = _segments_call(spec, 3)
     name, maps = cp.pass_1_provider(seg_call)
     assert name == "fla"
-    got = maps(seg_call)
-    want = cp._torch_pass_1(call, s, n_seg)
-    for g, w, what in zip(got, want, "MRD"):
-        w = torch.stack([w[n, j] for n, j in pick]).float()
-        assert g.shape == w.shape, what
-        size = torch.eye(call.K).expand_as(w).norm() if what == "M" else w.norm()
-        assert ((g - w).norm() / size).item() < 5e-3, what
+    _assert_same_maps(maps(seg_call), cp._torch_pass_1(call, s, n_seg), call.K, pick)
     assert fla_pass_1.count("chunk_gated_delta_rule_fwd_h") == 1 and fla_pass_1.count("chunk_gated_delta_rule_bwd_dhu") == 1
 
 
@@ -286,15 +298,21 @@ def test_fla_pass_1_without_r_runs_k_columns_and_keeps_m_and_d(fla_pass_1, monke
     assert torch.equal(m1, m2) and torch.equal(d1, d2)
 
 
+@pytest.mark.parametrize("provider", ["fla", "gdr_dispatch"])
 @pytest.mark.parametrize("h_mode", ["given", "none"])
 @pytest.mark.parametrize("spec", FLA_PASS_SHAPES, ids=lambda s: s.label())
-def test_split_with_fla_pass_1_matches_the_oracle(spec, h_mode, fla_pass_1, monkeypatch, caplog):
-    """The whole split with pass 1 on fla's kernels, segments run by the torch backend: every
-    gradient within fp16 rounding of the float64 oracle, and the log names the provider."""
+def test_split_with_each_pass_1_matches_the_oracle(spec, h_mode, provider, request, monkeypatch, caplog):
+    """The whole split with pass 1 on fla's kernels (fake_fla's stand-ins) or on ours (forced:
+    on a CPU they refuse), segments run by the torch backend: every gradient within fp16
+    rounding of the float64 oracle, and the log names the provider."""
     from conftest import case, rel_errors
 
     from gdr_dispatch import context_parallel as cp
 
+    if provider == "fla":
+        calls = request.getfixturevalue("fla_pass_1")
+    else:
+        monkeypatch.setattr(cp, "_maps_kernels_refusal", lambda seg_call: "")
     cp._logged.clear()
     monkeypatch.setenv("GDR_CP", "3")
     monkeypatch.setenv("GDR_BACKEND", "torch")
@@ -302,8 +320,9 @@ def test_split_with_fla_pass_1_matches_the_oracle(spec, h_mode, fla_pass_1, monk
     with caplog.at_level(logging.INFO, "gdr_dispatch"):
         errs = rel_errors(fused_gdr_bwd(**kwargs), ref)
     assert not {n: e for n, e in errs.items() if not e < 5e-3}, errs
-    assert "chunk_gated_delta_rule_fwd_h" in fla_pass_1
-    assert any("split pass 1" in r.getMessage() and "fla's kernels" in r.getMessage() for r in caplog.records)
+    if provider == "fla":
+        assert "chunk_gated_delta_rule_fwd_h" in calls
+    assert any("split pass 1" in r.getMessage() and f"{provider}'s kernels" in r.getMessage() for r in caplog.records)
 
 
 def test_without_a_provider_pass_1_is_the_torch_products(caplog):
@@ -470,55 +489,18 @@ def test_the_segment_grid_is_a_reshape_on_a_full_grid_and_a_scatter_otherwise(le
 
 
 # -- pass 1 as Triton kernels (gdr_dispatch/segment_maps.py; Triton's interpreter on the CPU) -----
-def _segments_call(spec, segments: int):
-    from gdr_dispatch import context_parallel as cp
-
-    call = validate(**call_kwargs(make_inputs(replace(spec, dtype="float16", h="none"), "cpu", seed=4)))
-    s, n_seg, seg_lens, pick = cp.segment_plan(call, segments)
-    flat = {n: getattr(call, n).reshape(1, -1, *getattr(call, n).shape[2:]) for n in ("q", "k", "v", "a", "g", "b", "do")}
-    offsets = torch.tensor([0] + seg_lens).cumsum(0).to(torch.int32)
-    return call, s, n_seg, pick, validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=call.chunk_size)
-
-
 @pytest.mark.parametrize("spec", FLA_PASS_SHAPES, ids=lambda s: s.label())
 def test_triton_pass_1_composes_the_same_maps_as_the_torch_products(spec):
     """Our kernels' [M | R] (the state walk from [I | 0]) and D (the dh walk from zero) against
-    the batched products, to fp16 rounding; M measured against the identity's size, as for
-    fla's pass 1. Without `need_r` R is None and M, D are the same."""
+    the batched products (`_assert_same_maps`). Without `need_r` R is None and M, D are the same."""
     from gdr_dispatch import context_parallel as cp
     from gdr_dispatch.segment_maps import segment_maps
 
     call, s, n_seg, pick, seg_call = _segments_call(spec, 3)
     got = segment_maps(seg_call)
-    want = cp._torch_pass_1(call, s, n_seg)
-    for g, w, what in zip(got, want, "MRD"):
-        w = torch.stack([w[n, j] for n, j in pick]).float()
-        assert g.shape == w.shape, what
-        size = torch.eye(call.K).expand_as(w).norm() if what == "M" else w.norm()
-        assert ((g - w).norm() / size).item() < 5e-3, what
+    _assert_same_maps(got, cp._torch_pass_1(call, s, n_seg), call.K, pick)
     m, r, d = segment_maps(seg_call, need_r=False)
     assert r is None and torch.equal(m, got[0]) and torch.equal(d, got[2])
-
-
-@pytest.mark.parametrize("h_mode", ["given", "none"])
-@pytest.mark.parametrize("spec", FLA_PASS_SHAPES, ids=lambda s: s.label())
-def test_split_with_triton_pass_1_matches_the_oracle(spec, h_mode, monkeypatch, caplog):
-    """The whole split with pass 1 on our kernels (forced: on a CPU they refuse), segments run
-    by the torch backend: every gradient within fp16 rounding of the float64 oracle, and the
-    log names the kernels."""
-    from conftest import case, rel_errors
-
-    from gdr_dispatch import context_parallel as cp
-
-    cp._logged.clear()
-    monkeypatch.setattr(cp, "_maps_kernels_refusal", lambda seg_call: "")
-    monkeypatch.setenv("GDR_CP", "3")
-    monkeypatch.setenv("GDR_BACKEND", "torch")
-    kwargs, ref = case(replace(spec, dtype="float16", h=h_mode))
-    with caplog.at_level(logging.INFO, "gdr_dispatch"):
-        errs = rel_errors(fused_gdr_bwd(**kwargs), ref)
-    assert not {n: e for n, e in errs.items() if not e < 5e-3}, errs
-    assert any("split pass 1" in r.getMessage() and "gdr_dispatch's kernels" in r.getMessage() for r in caplog.records)
 
 
 def test_triton_pass_1_waits_for_its_gpu_tests_and_says_what_it_does_not_take(monkeypatch):
