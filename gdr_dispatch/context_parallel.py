@@ -22,7 +22,8 @@ Conditioning: the scan multiplies `M`s whose decay factor `e^{G_L}` is <= 1 and 
 update is the delta rule's projection, so products shrink towards zero (underflow), never grow.
 
 Pass 1 runs on our two Triton kernels (segment_maps.py: W, U0 and the local dV formed per
-chunk in registers) where they take the call, else on the kernels of the first registered
+chunk in registers) where they take the call (with `h=None` a third then writes pass 3's `h`
+from the segments' start states), else on the kernels of the first registered
 backend that offers them (`Backend.split_passes`; today fla's state kernels, which compose a
 segment's `M` and `R` in one state pass and its `D` in one dh pass), else as batched tensor
 products here
@@ -187,14 +188,16 @@ def split_backward(call: GDRCall, segments: int, run: Callable[..., GDRGrads]) -
     seg_of = device_constant(tuple(j for _, j in pick), torch.int64, dev)
     seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=BT)  # no states: pass 1's input
     provider, maps = pass_1_provider(seg_call)
+    states = _states_kernel(call, seg_call, provider)
     tag = (Problem.from_call(call), segments, provider)
     if tag not in _logged:
         _logged.add(tag)
         log.info("gdr_dispatch: split pass 1 (the segments' composed state maps) on %s, pass 2 (the scans) on %s, "
-                 "for %s", (f"{provider}'s kernels" if maps is not None else provider)
+                 "%sfor %s", (f"{provider}'s kernels" if maps is not None else provider)
                  + ("" if provider == "gdr_dispatch" else f" (our Triton maps: {_maps_kernels_refusal(seg_call)})"),
                  "Triton kernels" if _scan_kernels(K, V, acc, dev) is not None
                  else f"torch products ({_scan_kernels_refusal(K, V, acc, dev)})",
+                 "pass 3's chunk states on gdr_dispatch's kernels (its backend takes h given), " if states else "",
                  tag[0].describe())
     if maps is not None:  # pass 1 on the provider's kernels, scattered to [N, n_seg, H, ...]
         m, r, d = maps(seg_call, need_r=call.h is None)  # with h given the starts come from h
@@ -203,7 +206,18 @@ def split_backward(call: GDRCall, segments: int, run: Callable[..., GDRGrads]) -
         Rs = None if r is None else _to_grid(r.to(acc), pick, (seq_of, seg_of), N, n_seg, "zeros")
     else:
         Ms, Rs, Ds = _torch_pass_1(call, s, n_seg)
-    return _scan_and_run(call, s, pick, (seq_of, seg_of), flat, offsets, Ms, Rs, Ds, run)
+    return _scan_and_run(call, s, pick, (seq_of, seg_of), flat, offsets, Ms, Rs, Ds, run, states)
+
+
+def _states_kernel(call: GDRCall, seg_call: GDRCall, provider: str):
+    """With `h=None` and pass 1 on our kernels: the function that makes pass 3's `h` from the
+    segments' start states on them too (segment_maps.segment_states; the backend then skips its
+    own state recompute, fla's stages 1-2 for most). None otherwise."""
+    if call.h is not None or provider != "gdr_dispatch":
+        return None
+    from . import segment_maps
+
+    return functools.partial(segment_maps.segment_states, seg_call, state_v_first=call.state_v_first)
 
 
 def _full_grid(pick, N: int, n_seg: int) -> bool:
@@ -293,9 +307,10 @@ def _scan_kernels(K: int, V: int, acc: torch.dtype, dev: torch.device):
     return segment_scan
 
 
-def _scan_and_run(call, s, pick, index, flat, offsets, Ms, Rs, Ds, run) -> GDRGrads:
+def _scan_and_run(call, s, pick, index, flat, offsets, Ms, Rs, Ds, run, states=None) -> GDRGrads:
     """Pass 2 (the scan over each sequence's segments) and pass 3 (the segments as one varlen
-    call of `run`); `index` holds the non-empty segments' (sequence, segment) index tensors."""
+    call of `run`); `index` holds the non-empty segments' (sequence, segment) index tensors;
+    `states` (`_states_kernel`), if given, makes pass 3's `h` from the segments' start states."""
     acc = call.acc_dtype
     N, H, K, V, BT = call.N, call.H, call.K, call.V, call.chunk_size
     dev = call.q.device
@@ -328,11 +343,13 @@ def _scan_and_run(call, s, pick, index, flat, offsets, Ms, Rs, Ds, run) -> GDRGr
     grad_end = _from_grid(ends, pick, index)
 
     # pass 3: the non-empty segments as the sequences of one varlen call
+    h = None if call.h is None else call.h.reshape(1, -1, *call.h.shape[2:])
+    if states is not None:
+        h = states(init)
     out_dt = _state_dtype(call)
     init, grad_end = init.to(out_dt), grad_end.to(out_dt)
     if call.state_v_first:
         init, grad_end = init.transpose(-1, -2).contiguous(), grad_end.transpose(-1, -2).contiguous()
-    h = None if call.h is None else call.h.reshape(1, -1, *call.h.shape[2:])
     grads = run(**flat, dht=grad_end, h=h, scale=call.scale, initial_state=init, cu_seqlens=offsets,
                 chunk_size=BT, state_v_first=call.state_v_first)
 
@@ -379,6 +396,11 @@ class SplitBackend(Backend):
         shape = (len(seg_lens), call.H, call.V, call.K) if call.state_v_first else (len(seg_lens), call.H, call.K, call.V)
         states = torch.zeros(shape, dtype=_state_dtype(call), device=call.q.device)
         h = None if call.h is None else call.h.reshape(1, -1, *call.h.shape[2:])
+        if h is None and not _maps_kernels_refusal(validate(**flat, scale=call.scale, cu_seqlens=offsets,
+                                                            chunk_size=call.chunk_size)):
+            # pass 3 takes h given then (`_states_kernel`)
+            nt = sum(chunk_counts(seg_lens, call.chunk_size))
+            h = torch.zeros(1, nt, call.H, *shape[2:], dtype=call.q.dtype, device=call.q.device)
         seg = validate(**flat, h=h, dht=states, initial_state=states, scale=call.scale, chunk_size=call.chunk_size,
                        cu_seqlens=offsets, state_v_first=call.state_v_first)
         return self.inner.compile_jobs(seg)

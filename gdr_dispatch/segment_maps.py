@@ -1,6 +1,7 @@
 """Pass 1 of the exact split (context_parallel.py) as two Triton kernels: every segment's
 composed state maps `(M, R, D)` from the call's own inputs, with `W`, `U0` and the local dV
-formed per chunk in registers (nothing of stage 1 goes to global memory).
+formed per chunk in registers (nothing of stage 1 goes to global memory). A third walks the
+states from the segments' start states for pass 3's `h` when the call has none.
 
 Why: on fla's kernels pass 1 is stage 1 with its conversions, the state pass and the dh pass,
 about eight launches with fla's Python around each; at B1 T32768 H4 in 32 segments it took
@@ -13,6 +14,9 @@ launches are most of the split's host time. Here: two launches.
 - `_backward_maps`: one program per (segment, head, block of BC value columns) walks them
   backwards from a zero end gradient: `dS <- e^{G_L} dS + (scale Q e^G)^T dO - W^T (dV_loc +
   Kt dS)`; the segment's start gradient is its `D`.
+- `_forward_states`: the forward walk from each segment's true start state (pass 2's result),
+  writing every chunk's start state: with `h=None` pass 3's backend then takes `h` given
+  instead of recomputing the states (fla's stages 1-2, four launches, for most backends).
 
 Products take 16-bit operands (the state, U and the inner products of W's two factors rounded
 to k's dtype, as fla's chain rounds its state and W) with fp32 accumulation; the carried state
@@ -21,6 +25,8 @@ their sequence (context_parallel.segment_plan), so `g`'s chunk-local cumsums hol
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import triton
@@ -81,29 +87,67 @@ def _program(cu_ptr, Hg, H, BC: tl.constexpr):
 
 
 @triton.jit
+def _values(v_ptr, t0, eos, h, H, col, ag, b, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """Columns [col, col + BC) of the chunk's U0 = (Gam * A) diag(b) V, fp32 `[BT, BC]`."""
+    rt = tl.arange(0, BT)
+    t = t0 + rt
+    v = tl.load(v_ptr + (t[:, None].to(tl.int64) * H + h) * V + (col + tl.arange(0, BC))[None, :],
+                mask=(t < eos)[:, None], other=0.0)
+    return tl.dot(ag, (v.to(tl.float32) * b[:, None]).to(ag.dtype))
+
+
+@triton.jit
+def _state_step(S, k, G, b, ag, u0, t0, eos, BT: tl.constexpr):
+    """One chunk of the state recurrence on a block of columns: S <- e^{G_L} S + (diag(e^{G_L -
+    G}) K)^T (U0 - W S), W S = (Gam * A) diag(b e^G) (K S)."""
+    rt = tl.arange(0, BT)
+    gL = tl.sum(tl.where(rt == tl.minimum(eos - t0, BT) - 1, G, 0.0), axis=0)
+    ks = tl.dot(k, S.to(k.dtype)) * (b * tl.exp(G))[:, None]
+    u = u0 - tl.dot(ag, ks.to(k.dtype))
+    return tl.exp(gL) * S + tl.dot(tl.trans(k), (u * tl.exp(gL - G)[:, None]).to(k.dtype))
+
+
+@triton.jit
 def _forward_maps(k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, out_ptr, Hg, H, NCOL,
                   K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     """Columns [c0, c0 + BC) of segment n's `[M | R]` (`out` `[S, H, K, NCOL]`, NCOL = K or
     K + V): the state recurrence from `[I | 0]` on the values `[0 | U0]`."""
     nh, h, hg, c0, bos, eos = _program(cu_ptr, Hg, H, BC)
     rk = tl.arange(0, K)
-    rt = tl.arange(0, BT)
     rc = tl.arange(0, BC)
     # [I | 0]: a block lies wholly in M (columns < K) or wholly in R (BC divides K)
     S = tl.where(rk[:, None] == c0 + rc[None, :], 1.0, 0.0)
     for t0 in range(bos, eos, BT):
         k, G, b, gam, ag = _chunk(k_ptr, a_ptr, g_ptr, b_ptr, t0, eos, hg, h, Hg, H, K, BT, False)
-        gL = tl.sum(tl.where(rt == tl.minimum(eos - t0, BT) - 1, G, 0.0), axis=0)
-        ks = tl.dot(k, S.to(k.dtype)) * (b * tl.exp(G))[:, None]  # diag(b e^G) K S
-        u = -tl.dot(ag, ks.to(k.dtype))  # [BT, BC]: u_aug - W S, u_aug = 0 on M's columns
-        if c0 >= K:  # R's columns: u_aug = U0 = (Gam * A) diag(b) V
-            t = t0 + rt
-            v = tl.load(v_ptr + (t[:, None].to(tl.int64) * H + h) * V + (c0 - K + rc)[None, :],
-                        mask=(t < eos)[:, None], other=0.0)
-            u += tl.dot(ag, (v.to(tl.float32) * b[:, None]).to(k.dtype))
-        S = tl.exp(gL) * S + tl.dot(tl.trans(k), (u * tl.exp(gL - G)[:, None]).to(k.dtype))
+        if c0 >= K:  # R's columns: the values U0
+            u0 = _values(v_ptr, t0, eos, h, H, c0 - K, ag, b, V, BT, BC)
+        else:  # M's: none
+            u0 = tl.zeros([BT, BC], dtype=tl.float32)
+        S = _state_step(S, k, G, b, ag, u0, t0, eos, BT)
     nh64 = nh.to(tl.int64)
     tl.store(out_ptr + (nh64 * K + rk[:, None]) * NCOL + c0 + rc[None, :], S)
+
+
+@triton.jit
+def _forward_states(k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, co_ptr, init_ptr, h_ptr, Hg, H,
+                    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                    V_FIRST: tl.constexpr):
+    """Columns [c0, c0 + BC) of every chunk-start state of segment n from its start state
+    `init` `[S, H, K, V]` (fp32): `h` `[NT, H, K, V]` (`[NT, H, V, K]` with V_FIRST) in h's dtype,
+    the segment's chunks from `co[n]` on."""
+    nh, h, hg, c0, bos, eos = _program(cu_ptr, Hg, H, BC)
+    rk = tl.arange(0, K)
+    rc = tl.arange(0, BC)
+    S = tl.load(init_ptr + (nh.to(tl.int64) * K + rk[:, None]) * V + c0 + rc[None, :])
+    c = tl.load(co_ptr + nh // H).to(tl.int64)
+    for t0 in range(bos, eos, BT):
+        if V_FIRST:
+            tl.store(h_ptr + ((c * H + h) * V + c0 + rc[None, :]) * K + rk[:, None], S.to(h_ptr.dtype.element_ty))
+        else:
+            tl.store(h_ptr + ((c * H + h) * K + rk[:, None]) * V + c0 + rc[None, :], S.to(h_ptr.dtype.element_ty))
+        k, G, b, gam, ag = _chunk(k_ptr, a_ptr, g_ptr, b_ptr, t0, eos, hg, h, Hg, H, K, BT, False)
+        S = _state_step(S, k, G, b, ag, _values(v_ptr, t0, eos, h, H, c0, ag, b, V, BT, BC), t0, eos, BT)
+        c += 1
 
 
 @triton.jit
@@ -181,3 +225,29 @@ def segment_maps(seg_call, need_r: bool = True):
     _backward_maps[(n_seg * H, V // bc)](q, k, a, g, b, do, cu, D, float(seg_call.scale), Hg, H, K=K, V=V, BT=BT,
                                          BC=bc, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return fwd[..., :K], (fwd[..., K:] if need_r else None), D
+
+
+def segment_states(seg_call, init: torch.Tensor, state_v_first: bool = False) -> torch.Tensor:
+    """Every chunk-start state of the segments' call from each segment's start state `init`
+    (`[S, H, K, V]`, fp32, K x V): `h` `[1, NT, H, K, V]` (`[1, NT, H, V, K]` with
+    `state_v_first`) in q's dtype, the contract's `h` for pass 3 (so its backend takes `h` given
+    instead of recomputing the states with fla's stages 1-2). One launch."""
+    from .contract import chunk_counts
+    from .graph_safe import device_constant
+
+    K, V, H, Hg, BT = seg_call.K, seg_call.V, seg_call.H, seg_call.Hg, seg_call.chunk_size
+    why = _call_reason(K, V, seg_call.q.dtype, BT)
+    if why:
+        raise ValueError(f"segment_states: {why}")
+    counts = chunk_counts(seg_call.seq_lens, BT)
+    dev = seg_call.q.device
+    starts = device_constant(tuple([0] + list(itertools.accumulate(counts))[:-1]), torch.int32, dev)
+    bc = min(BC, K, V)
+    shape = (1, sum(counts), H) + ((V, K) if state_v_first else (K, V))
+    h = torch.empty(shape, dtype=seg_call.q.dtype, device=dev)
+    k, v, a = (x.contiguous() for x in (seg_call.k, seg_call.v, seg_call.a))
+    _forward_states[(seg_call.N * H, V // bc)](k, v, a, seg_call.g.float().contiguous(), seg_call.b.contiguous(),
+                                               seg_call.cu_seqlens.to(torch.int32).contiguous(), starts,
+                                               init.float().contiguous(), h, Hg, H, K=K, V=V, BT=BT, BC=bc,
+                                               V_FIRST=state_v_first, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return h

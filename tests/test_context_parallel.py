@@ -323,6 +323,9 @@ def test_split_with_each_pass_1_matches_the_oracle(spec, h_mode, provider, reque
     if provider == "fla":
         assert "chunk_gated_delta_rule_fwd_h" in calls
     assert any("split pass 1" in r.getMessage() and f"{provider}'s kernels" in r.getMessage() for r in caplog.records)
+    # with h=None and our maps, pass 3's h comes from our state walk too (its backend takes h given)
+    states = any("pass 3's chunk states" in r.getMessage() for r in caplog.records)
+    assert states == (provider == "gdr_dispatch" and h_mode == "none")
 
 
 def test_without_a_provider_pass_1_is_the_torch_products(caplog):
@@ -442,6 +445,39 @@ def test_a_split_candidate_precompiles_the_inner_builds_of_its_segments_call():
     assert seg.h is not None and seg.state_v_first
 
 
+def test_a_split_candidate_on_our_maps_precompiles_pass_3_with_h_given(monkeypatch):
+    """With `h=None` and pass 1 on our kernels, pass 3 runs with `h` from our state walk: its
+    precompile call carries an `h` of the segments' chunks (both state layouts), not None."""
+    import gdr_dispatch.context_parallel as cp
+    from gdr_dispatch.registry import Backend
+
+    seen = []
+
+    class Recorder(Backend):
+        name = "recorder"
+
+        def not_supported_reasons(self, p):
+            return []
+
+        def run(self, call):
+            raise AssertionError("not run")
+
+        def compile_jobs(self, call):
+            seen.append(call)
+            return []
+
+    monkeypatch.setattr(cp, "_maps_kernels_refusal", lambda seg_call: "")
+    for v_first in (False, True):
+        spec = ShapeSpec(B=2, T=300, H=4, Hg=2, K=16, V=8, dtype="float16", h="none", state_v_first=v_first)
+        SplitBackend(Recorder(), 3).compile_jobs(validate(**call_kwargs(make_inputs(spec, "cpu", seed=1))))
+        seg = seen[-1]
+        assert seg.h is not None and seg.h.shape == ((1, 10, 4, 8, 16) if v_first else (1, 10, 4, 16, 8))
+        assert seg.h.dtype == torch.float16 and seg.state_v_first == v_first
+    monkeypatch.undo()
+    SplitBackend(Recorder(), 3).compile_jobs(validate(**call_kwargs(make_inputs(spec, "cpu", seed=1))))
+    assert seen[-1].h is None  # on a CPU our maps refuse: the backend recomputes the states itself
+
+
 def test_the_scan_kernels_wait_for_their_gpu_tests(monkeypatch):
     """Until their GPU tests pass (segment_scan.GPU_VERIFIED) the split keeps the torch scans
     on CUDA unless GDR_ALLOW_UNVERIFIED is set (the GPU tests set it), and says why; once
@@ -531,3 +567,21 @@ def test_triton_pass_1_waits_for_its_gpu_tests_and_says_what_it_does_not_take(mo
     assert reason(128, 256, torch.float32, 64, torch.device("cpu")).count(";") == 2  # all three reasons at once
     with pytest.raises(ValueError, match="float32"):
         segment_maps.segment_maps(replace(seg_call, q=seg_call.q.float()))
+
+
+@pytest.mark.parametrize("spec", [ShapeSpec(seqlens=(1, 63, 64, 65, 200), H=4, Hg=2, K=16, V=32),
+                                  ShapeSpec(seqlens=(130, 64), H=2, K=32, V=16, state_v_first=True)],
+                         ids=lambda s: s.label())
+def test_triton_states_are_the_chunk_start_states(spec):
+    """`segment_states` walks each sequence of a varlen call from its start state and writes
+    every chunk's start state in the contract's `h` layout (both state layouts): the `h` that
+    make_inputs computes in float64, to fp16 rounding."""
+    from gdr_dispatch.segment_maps import segment_states
+
+    x = make_inputs(replace(spec, dtype="float16", h="given"), "cpu", seed=6)
+    call = validate(**{**call_kwargs(x), "h": None})
+    init = cm.states_in(call.initial_state, call.state_v_first).float()
+    h = segment_states(call, init, call.state_v_first)
+    assert h.shape == x["h"].shape and h.dtype == torch.float16
+    err = ((h.double() - x["h"].double()).norm() / x["h"].double().norm()).item()
+    assert err < 5e-3, err

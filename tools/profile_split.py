@@ -74,9 +74,9 @@ def scan_configs(call, segments: int, configs: str, reps: int) -> None:
     captured = {}
     real = cp._scan_and_run
 
-    def grab(call, s, pick, index, flat, offsets, Ms, Rs, Ds, run):
+    def grab(call, s, pick, index, flat, offsets, Ms, Rs, Ds, run, states=None):
         captured.update(Ms=Ms, Ds=Ds)
-        return real(call, s, pick, index, flat, offsets, Ms, Rs, Ds, run)
+        return real(call, s, pick, index, flat, offsets, Ms, Rs, Ds, run, states)
 
     cp._scan_and_run = grab
     try:

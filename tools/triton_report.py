@@ -1,4 +1,4 @@
-"""The compiler's resource report of our Triton kernels for sm_90a, without a GPU: registers,
+"""The compiler's resource report of our Triton kernels (gdr_dispatch/segment_maps.py) for sm_90a, without a GPU: registers,
 spill stack and shared memory per kernel and launch configuration (read it before a device
 call; docs/measurements.md, "The context-parallel split").
 
@@ -51,13 +51,17 @@ def main() -> int:
         "_backward_maps": (sm._backward_maps, dict(q_ptr=ptr, k_ptr=ptr, a_ptr=ptr, g_ptr="*fp32", b_ptr=ptr,
                                                    do_ptr=ptr, cu_ptr="*i32", out_ptr="*fp32", scale="fp32",
                                                    Hg="i32", H="i32")),
+        "_forward_states": (sm._forward_states, dict(k_ptr=ptr, v_ptr=ptr, a_ptr=ptr, g_ptr="*fp32", b_ptr=ptr,
+                                                     cu_ptr="*i32", co_ptr="*i32", init_ptr="*fp32", h_ptr=ptr,
+                                                     Hg="i32", H="i32")),
     }
     print(f"Triton {triton.__version__}, sm_90a, K={a.K} V={a.V} {a.dtype}")
     for cfg in a.configs.split("/"):
         bc, warps = (int(x) for x in cfg.split(","))
         for name, (fn, sig) in kernels.items():
-            sig = {**sig, "K": "constexpr", "V": "constexpr", "BT": "constexpr", "BC": "constexpr"}
-            src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=dict(K=a.K, V=a.V, BT=64, BC=bc))
+            consts = dict(K=a.K, V=a.V, BT=64, BC=bc, **({"V_FIRST": False} if "h_ptr" in sig else {}))
+            sig = {**sig, **{name: "constexpr" for name in consts}}
+            src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
             kern = triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps": warps, "num_stages": 1})
             with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
                 f.write(kern.asm["cubin"])
