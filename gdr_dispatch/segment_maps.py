@@ -228,10 +228,11 @@ def segment_maps(seg_call, need_r: bool = True):
 
 
 def segment_states(seg_call, init: torch.Tensor, state_v_first: bool = False) -> torch.Tensor:
-    """Every chunk-start state of the segments' call from each segment's start state `init`
-    (`[S, H, K, V]`, fp32, K x V): `h` `[1, NT, H, K, V]` (`[1, NT, H, V, K]` with
-    `state_v_first`) in q's dtype, the contract's `h` for pass 3 (so its backend takes `h` given
-    instead of recomputing the states with fla's stages 1-2). One launch."""
+    """Every chunk-start state of a call (the split's: the segments as one varlen call) from each
+    sequence's start state `init` (`[N, H, K, V]`, fp32, K x V): the contract's `h`, `[B, NT,
+    H, K, V]` (`[B, NT, H, V, K]` with `state_v_first`) in q's dtype, for pass 3 (so its
+    backend takes `h` given instead of recomputing the states with fla's stages 1-2). One
+    launch."""
     from .contract import chunk_counts
     from .graph_safe import device_constant
 
@@ -242,12 +243,15 @@ def segment_states(seg_call, init: torch.Tensor, state_v_first: bool = False) ->
     counts = chunk_counts(seg_call.seq_lens, BT)
     dev = seg_call.q.device
     starts = device_constant(tuple([0] + list(itertools.accumulate(counts))[:-1]), torch.int32, dev)
+    if seg_call.cu_seqlens is None:  # B sequences of T tokens, laid out one after another
+        cu = device_constant(tuple(itertools.accumulate([0] + list(seg_call.seq_lens))), torch.int32, dev)
+    else:
+        cu = seg_call.cu_seqlens.to(torch.int32).contiguous()
     bc = min(BC, K, V)
-    shape = (1, sum(counts), H) + ((V, K) if state_v_first else (K, V))
-    h = torch.empty(shape, dtype=seg_call.q.dtype, device=dev)
+    h = torch.empty((seg_call.B, sum(counts) // seg_call.B, H) + ((V, K) if state_v_first else (K, V)),
+                    dtype=seg_call.q.dtype, device=dev)
     k, v, a = (x.contiguous() for x in (seg_call.k, seg_call.v, seg_call.a))
-    _forward_states[(seg_call.N * H, V // bc)](k, v, a, seg_call.g.float().contiguous(), seg_call.b.contiguous(),
-                                               seg_call.cu_seqlens.to(torch.int32).contiguous(), starts,
-                                               init.float().contiguous(), h, Hg, H, K=K, V=V, BT=BT, BC=bc,
+    _forward_states[(seg_call.N * H, V // bc)](k, v, a, seg_call.g.float().contiguous(), seg_call.b.contiguous(), cu,
+                                               starts, init.float().contiguous(), h, Hg, H, K=K, V=V, BT=BT, BC=bc,
                                                V_FIRST=state_v_first, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return h

@@ -570,12 +570,13 @@ def test_triton_pass_1_waits_for_its_gpu_tests_and_says_what_it_does_not_take(mo
 
 
 @pytest.mark.parametrize("spec", [ShapeSpec(seqlens=(1, 63, 64, 65, 200), H=4, Hg=2, K=16, V=32),
-                                  ShapeSpec(seqlens=(130, 64), H=2, K=32, V=16, state_v_first=True)],
+                                  ShapeSpec(seqlens=(130, 64), H=2, K=32, V=16, state_v_first=True),
+                                  ShapeSpec(B=2, T=100, H=4, Hg=2, K=16, V=16, strong_decay=True)],
                          ids=lambda s: s.label())
 def test_triton_states_are_the_chunk_start_states(spec):
-    """`segment_states` walks each sequence of a varlen call from its start state and writes
-    every chunk's start state in the contract's `h` layout (both state layouts): the `h` that
-    make_inputs computes in float64, to fp16 rounding."""
+    """`segment_states` walks each sequence of a call (varlen or not) from its start state and
+    writes every chunk's start state in the contract's `h` layout (both state layouts): the `h`
+    that make_inputs computes in float64, to fp16 rounding."""
     from gdr_dispatch.segment_maps import segment_states
 
     x = make_inputs(replace(spec, dtype="float16", h="given"), "cpu", seed=6)

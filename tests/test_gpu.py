@@ -137,6 +137,27 @@ def test_split_pass_1_kernels_on_gpu(name, dtype):
         assert err < 1e-2, (what, err)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", ["varlen_1_63_64_65_vfirst", "T100_grouped_strong_decay"])
+def test_split_states_kernel_on_gpu(name, dtype):
+    """Pass 3's chunk states on our kernel (gdr_dispatch/segment_maps.segment_states; with
+    `h=None` the split's backend takes them as `h`) against make_inputs' `h` (float64 walk),
+    in the call's state layout."""
+    from dataclasses import replace
+
+    from gdr_dispatch import chunked_math as cm
+    from gdr_dispatch.segment_maps import segment_states
+
+    spec = replace(SHAPES[name], dtype=dtype, h="given")
+    kwargs, _ = case(spec, device="cuda", with_oracle=False)
+    call = validate(**{**kwargs, "h": None})
+    init = cm.states_in(call.initial_state, call.state_v_first).float()
+    h = segment_states(call, init, call.state_v_first)
+    want = kwargs["h"].double()
+    assert h.shape == want.shape
+    assert ((h.double() - want).norm() / want.norm()).item() < 1e-2
+
+
 @pytest.mark.parametrize("n_seg", [1, 7, 64])
 def test_split_scan_kernels_on_gpu(n_seg):
     """Pass 2's Triton scans (3xTF32 products, gdr_dispatch/segment_scan.py) at K = V = 128
