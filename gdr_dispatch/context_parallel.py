@@ -97,6 +97,8 @@ def _compose(M, R, D):
 
 log = logging.getLogger("gdr_dispatch")
 _logged: set = set()
+#: `pass_1_provider`'s name for our own kernels (segment_maps.py)
+OUR_MAPS = "gdr_dispatch"
 
 
 def _maps_kernels_refusal(seg_call: GDRCall) -> str:
@@ -122,7 +124,7 @@ def pass_1_provider(seg_call: GDRCall):
     if not _maps_kernels_refusal(seg_call):
         from . import segment_maps
 
-        return "gdr_dispatch", segment_maps.segment_maps
+        return OUR_MAPS, segment_maps.segment_maps
     problem = Problem.from_call(seg_call)
     for name, backend in registered_backends().items():
         fn = backend.split_passes(problem)
@@ -194,7 +196,7 @@ def split_backward(call: GDRCall, segments: int, run: Callable[..., GDRGrads]) -
         _logged.add(tag)
         log.info("gdr_dispatch: split pass 1 (the segments' composed state maps) on %s, pass 2 (the scans) on %s, "
                  "%sfor %s", (f"{provider}'s kernels" if maps is not None else provider)
-                 + ("" if provider == "gdr_dispatch" else f" (our Triton maps: {_maps_kernels_refusal(seg_call)})"),
+                 + ("" if provider == OUR_MAPS else f" (our Triton maps: {_maps_kernels_refusal(seg_call)})"),
                  "Triton kernels" if _scan_kernels(K, V, acc, dev) is not None
                  else f"torch products ({_scan_kernels_refusal(K, V, acc, dev)})",
                  "pass 3's chunk states on gdr_dispatch's kernels (its backend takes h given), " if states else "",
@@ -213,7 +215,7 @@ def _states_kernel(call: GDRCall, seg_call: GDRCall, provider: str):
     """With `h=None` and pass 1 on our kernels: the function that makes pass 3's `h` from the
     segments' start states on them too (segment_maps.segment_states; the backend then skips its
     own state recompute, fla's stages 1-2 for most). None otherwise."""
-    if call.h is not None or provider != "gdr_dispatch":
+    if call.h is not None or provider != OUR_MAPS:
         return None
     from . import segment_maps
 
@@ -396,9 +398,9 @@ class SplitBackend(Backend):
         shape = (len(seg_lens), call.H, call.V, call.K) if call.state_v_first else (len(seg_lens), call.H, call.K, call.V)
         states = torch.zeros(shape, dtype=_state_dtype(call), device=call.q.device)
         h = None if call.h is None else call.h.reshape(1, -1, *call.h.shape[2:])
-        if h is None and not _maps_kernels_refusal(validate(**flat, scale=call.scale, cu_seqlens=offsets,
-                                                            chunk_size=call.chunk_size)):
-            # pass 3 takes h given then (`_states_kernel`)
+        # pass 3 takes h given where our maps run pass 1 (`_states_kernel`); what they check (K, V,
+        # dtype, chunk size, device) is the same for the unsplit call as for the segments'
+        if h is None and not _maps_kernels_refusal(call):
             nt = sum(chunk_counts(seg_lens, call.chunk_size))
             h = torch.zeros(1, nt, call.H, *shape[2:], dtype=call.q.dtype, device=call.q.device)
         seg = validate(**flat, h=h, dht=states, initial_state=states, scale=call.scale, chunk_size=call.chunk_size,

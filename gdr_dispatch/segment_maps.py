@@ -50,7 +50,8 @@ GPU_VERIFIED = False
 @triton.jit
 def _chunk(k_ptr, a_ptr, g_ptr, b_ptr, t0, eos, hg, h, Hg, H, K: tl.constexpr, BT: tl.constexpr,
            TRANSPOSED: tl.constexpr):
-    """A chunk's rows from t0: k `[BT, K]`, G `[BT]` (padded with the last valid G), b, Gam and
+    """A chunk's rows from t0: k `[BT, K]`, G `[BT]` (padded with the last valid G), G_L (the
+    last valid G), b, Gam and
     Gam * A `[BT, BT]` (the latter rounded to k's dtype: a product operand only), both
     transposed with TRANSPOSED (formed so, not moved: the backward walk reads them only so).
     W = (Gam * A) diag(b e^G) K is never formed, nor any other scaled copy of k or q: W X =
@@ -72,7 +73,8 @@ def _chunk(k_ptr, a_ptr, g_ptr, b_ptr, t0, eos, hg, h, Hg, H, K: tl.constexpr, B
         a = tl.load(a_ptr + (t[:, None].to(tl.int64) * H + h) * BT + rt[None, :], mask=valid[:, None], other=0.0)
         gam = tl.exp(tl.where(rt[:, None] >= rt[None, :], G[:, None] - G[None, :], float("-inf")))
     ag = (gam * a.to(tl.float32)).to(k.dtype)
-    return k, G, b, gam, ag
+    gL = tl.sum(tl.where(rt == tl.minimum(eos - t0, BT) - 1, G, 0.0), axis=0)
+    return k, G, gL, b, gam, ag
 
 
 @triton.jit
@@ -97,11 +99,9 @@ def _values(v_ptr, t0, eos, h, H, col, ag, b, V: tl.constexpr, BT: tl.constexpr,
 
 
 @triton.jit
-def _state_step(S, k, G, b, ag, u0, t0, eos, BT: tl.constexpr):
+def _state_step(S, k, G, gL, b, ag, u0):
     """One chunk of the state recurrence on a block of columns: S <- e^{G_L} S + (diag(e^{G_L -
     G}) K)^T (U0 - W S), W S = (Gam * A) diag(b e^G) (K S)."""
-    rt = tl.arange(0, BT)
-    gL = tl.sum(tl.where(rt == tl.minimum(eos - t0, BT) - 1, G, 0.0), axis=0)
     ks = tl.dot(k, S.to(k.dtype)) * (b * tl.exp(G))[:, None]
     u = u0 - tl.dot(ag, ks.to(k.dtype))
     return tl.exp(gL) * S + tl.dot(tl.trans(k), (u * tl.exp(gL - G)[:, None]).to(k.dtype))
@@ -118,12 +118,12 @@ def _forward_maps(k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, out_ptr, Hg, H, NCO
     # [I | 0]: a block lies wholly in M (columns < K) or wholly in R (BC divides K)
     S = tl.where(rk[:, None] == c0 + rc[None, :], 1.0, 0.0)
     for t0 in range(bos, eos, BT):
-        k, G, b, gam, ag = _chunk(k_ptr, a_ptr, g_ptr, b_ptr, t0, eos, hg, h, Hg, H, K, BT, False)
+        k, G, gL, b, gam, ag = _chunk(k_ptr, a_ptr, g_ptr, b_ptr, t0, eos, hg, h, Hg, H, K, BT, False)
         if c0 >= K:  # R's columns: the values U0
             u0 = _values(v_ptr, t0, eos, h, H, c0 - K, ag, b, V, BT, BC)
         else:  # M's: none
             u0 = tl.zeros([BT, BC], dtype=tl.float32)
-        S = _state_step(S, k, G, b, ag, u0, t0, eos, BT)
+        S = _state_step(S, k, G, gL, b, ag, u0)
     nh64 = nh.to(tl.int64)
     tl.store(out_ptr + (nh64 * K + rk[:, None]) * NCOL + c0 + rc[None, :], S)
 
@@ -145,8 +145,8 @@ def _forward_states(k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, co_ptr, init_ptr,
             tl.store(h_ptr + ((c * H + h) * V + c0 + rc[None, :]) * K + rk[:, None], S.to(h_ptr.dtype.element_ty))
         else:
             tl.store(h_ptr + ((c * H + h) * K + rk[:, None]) * V + c0 + rc[None, :], S.to(h_ptr.dtype.element_ty))
-        k, G, b, gam, ag = _chunk(k_ptr, a_ptr, g_ptr, b_ptr, t0, eos, hg, h, Hg, H, K, BT, False)
-        S = _state_step(S, k, G, b, ag, _values(v_ptr, t0, eos, h, H, c0, ag, b, V, BT, BC), t0, eos, BT)
+        k, G, gL, b, gam, ag = _chunk(k_ptr, a_ptr, g_ptr, b_ptr, t0, eos, hg, h, Hg, H, K, BT, False)
+        S = _state_step(S, k, G, gL, b, ag, _values(v_ptr, t0, eos, h, H, c0, ag, b, V, BT, BC))
         c += 1
 
 
@@ -163,8 +163,7 @@ def _backward_maps(q_ptr, k_ptr, a_ptr, g_ptr, b_ptr, do_ptr, cu_ptr, out_ptr, s
     n_chunks = tl.cdiv(eos - bos, BT)
     for i in range(n_chunks):
         t0 = bos + (n_chunks - 1 - i) * BT
-        k, G, b, gamt, agt = _chunk(k_ptr, a_ptr, g_ptr, b_ptr, t0, eos, hg, h, Hg, H, K, BT, True)
-        gL = tl.sum(tl.where(rt == tl.minimum(eos - t0, BT) - 1, G, 0.0), axis=0)
+        k, G, gL, b, gamt, agt = _chunk(k_ptr, a_ptr, g_ptr, b_ptr, t0, eos, hg, h, Hg, H, K, BT, True)
         t = t0 + rt
         valid = t < eos
         q = tl.load(q_ptr + (t[:, None].to(tl.int64) * Hg + hg) * K + rk[None, :], mask=valid[:, None], other=0.0)

@@ -414,13 +414,10 @@ def test_split_on_the_scan_kernels_stays_within_rounding(spec, monkeypatch):
         assert ((a - b).norm() / b.norm()).item() < 1e-5, name
 
 
-def test_a_split_candidate_precompiles_the_inner_builds_of_its_segments_call():
-    """A sweep precompiles `<backend>@split<n>` through the inner backend's `compile_jobs` on
-    pass 3's call: the segments as one varlen call with both states (FlashQLA keys its kernels
-    on those flags), not the unsplit call's."""
+def _compile_recorder(seen: list):
+    """A backend that takes every call, runs none, and records the calls its `compile_jobs`
+    gets (one job per call, naming its sequence count)."""
     from gdr_dispatch.registry import Backend
-
-    seen = []
 
     class Recorder(Backend):
         name = "recorder"
@@ -435,10 +432,18 @@ def test_a_split_candidate_precompiles_the_inner_builds_of_its_segments_call():
             seen.append(call)
             return [("m", "f", (call.N,))]
 
+    return Recorder()
+
+
+def test_a_split_candidate_precompiles_the_inner_builds_of_its_segments_call():
+    """A sweep precompiles `<backend>@split<n>` through the inner backend's `compile_jobs` on
+    pass 3's call: the segments as one varlen call with both states (FlashQLA keys its kernels
+    on those flags), not the unsplit call's."""
+    seen = []
     spec = ShapeSpec(B=2, T=300, H=4, Hg=2, K=16, V=8, initial_state=False, dht=False, dtype="float32",
                      h="given", state_v_first=True)
     call = validate(**call_kwargs(make_inputs(spec, "cpu", seed=1)))
-    assert SplitBackend(Recorder(), 3).compile_jobs(call) == [("m", "f", (6,))]
+    assert SplitBackend(_compile_recorder(seen), 3).compile_jobs(call) == [("m", "f", (6,))]
     (seg,) = seen
     assert seg.B == 1 and seg.seq_lens == (128, 128, 44) * 2  # 5 chunks in runs of 2, 2, 1
     assert seg.initial_state.dtype == seg.dht.dtype == torch.float32 and seg.initial_state.shape == (6, 4, 8, 16)
@@ -449,32 +454,17 @@ def test_a_split_candidate_on_our_maps_precompiles_pass_3_with_h_given(monkeypat
     """With `h=None` and pass 1 on our kernels, pass 3 runs with `h` from our state walk: its
     precompile call carries an `h` of the segments' chunks (both state layouts), not None."""
     import gdr_dispatch.context_parallel as cp
-    from gdr_dispatch.registry import Backend
 
     seen = []
-
-    class Recorder(Backend):
-        name = "recorder"
-
-        def not_supported_reasons(self, p):
-            return []
-
-        def run(self, call):
-            raise AssertionError("not run")
-
-        def compile_jobs(self, call):
-            seen.append(call)
-            return []
-
     monkeypatch.setattr(cp, "_maps_kernels_refusal", lambda seg_call: "")
     for v_first in (False, True):
         spec = ShapeSpec(B=2, T=300, H=4, Hg=2, K=16, V=8, dtype="float16", h="none", state_v_first=v_first)
-        SplitBackend(Recorder(), 3).compile_jobs(validate(**call_kwargs(make_inputs(spec, "cpu", seed=1))))
+        SplitBackend(_compile_recorder(seen), 3).compile_jobs(validate(**call_kwargs(make_inputs(spec, "cpu", seed=1))))
         seg = seen[-1]
         assert seg.h is not None and seg.h.shape == ((1, 10, 4, 8, 16) if v_first else (1, 10, 4, 16, 8))
         assert seg.h.dtype == torch.float16 and seg.state_v_first == v_first
     monkeypatch.undo()
-    SplitBackend(Recorder(), 3).compile_jobs(validate(**call_kwargs(make_inputs(spec, "cpu", seed=1))))
+    SplitBackend(_compile_recorder(seen), 3).compile_jobs(validate(**call_kwargs(make_inputs(spec, "cpu", seed=1))))
     assert seen[-1].h is None  # on a CPU our maps refuse: the backend recomputes the states itself
 
 
