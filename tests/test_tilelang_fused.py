@@ -61,10 +61,8 @@ def test_the_warp_specialised_kernel_takes_h200_calls_since_it_was_verified(monk
                                          "gam_zeros": False, "ag_frag": False, "s_early4": False, "s_early6": False},
                                         {"frag_stores": False, "gam_zeros": False, "ag_frag": False,
                                          "s_early4": False, "s_early6": False},
-                                        {"s_early4": False, "s_early6": False},
-                                        {"producer_stores": True},
-                                        {"s_stores": True}],
-                         ids=["default", "v7", "v8", "v9", "pst", "sst"])
+                                        {"s_early4": False, "s_early6": False}],
+                         ids=["default", "v7", "v8", "v9"])
 def test_ws_kernel_compiles_for_sm90a_with_its_register_split(experiment):
     from gdr_dispatch.backends.kernels.tilelang_ws_bwd import DEFAULT_BUILD, NREG, build_ws_bwd
 
@@ -76,11 +74,6 @@ def test_ws_kernel_compiles_for_sm90a_with_its_register_split(experiment):
     assert "workspace" not in src
     assert sum(NREG) * 128 <= 65536
     assert "__launch_bounds__(512, 1)" in src
-    # producer_stores: the producer's first two warps load (their TMA issue elected among 64),
-    # the other two store dk and dq from the staging tiles once KV and A have staged them
-    assert ("tl_shuffle_elect<64>" in src) == flags["producer_stores"]
-    staged = flags["producer_stores"] or flags["s_stores"]
-    assert ("dk_staged[0].wait" in src and "dq_stored[0].arrive" in src) == staged
     for n in NREG[:3]:
         assert f"warpgroup_reg_alloc<{n}>" in src
     assert f"warpgroup_reg_dealloc<{NREG[3]}>" in src
@@ -107,16 +100,6 @@ def test_ws_kernel_compiles_for_sm90a_with_its_register_split(experiment):
     read = s_part.find("(&(((bfloat16_t*)dvp_s)[0]))")
     assert (arrive < write < wait) == flags["s_early4"] and write < wait < read
     assert "__sync_thread_partial(3, 128)" in s_part[wait:read]
-    if flags["s_stores"]:
-        # S: phase 7's arrival first, then dk's rows once KV staged them, then dq's, then the wait
-        order = [s_part.find("phase[6].arrive()"), s_part.find("dk_staged[0].wait"),
-                 s_part.rfind("dk_stored[0].arrive"), s_part.find("dq_staged[0].wait"),
-                 s_part.rfind("dq_stored[0].arrive"), s_part.find("phase[6].wait(")]
-        assert -1 not in order and order == sorted(order), order
-        # KV: the last chunk's dk stored before U overwrites u_s, its dq before dV' overwrites dvp_s
-        kv_part = re.split(r"warpgroup_reg_(?:alloc|dealloc)<\d+>", src)[2]
-        assert -1 < kv_part.find("dk_stored[0].wait") < kv_part.find("ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)u_s)")
-        assert -1 < kv_part.find("dq_stored[0].wait") < kv_part.find("ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)dvp_s)")
 
 
 @pytest.mark.slow
@@ -223,20 +206,9 @@ def test_every_build_switch_reaches_the_ws_kernel_build(monkeypatch):
     args = (x, x, x, x, torch.zeros(1, 64, 1, 64), torch.zeros(1, 64, 1), torch.zeros(1, 64, 1),
             torch.zeros(1, 1, 1, 128, 128), None, 0.1, (64,))
     flipped = "nomcs+nolate+nowreg+nosgl+nogsel+nofst+nogz+noagf+nos4e+nos6e+nokfree+nogpre"
-    for last in ("pst", "sst"):  # two groups that can take phase 7's stores: one at a time
-        flags = m.build_flags(f"{flipped}+{last}")
-        assert m.ws_bwd_given_h(*args, **flags) == "kernel"
-        assert seen == {"timing": False, **flags}
-    assert all(m.build_flags(f"{flipped}+pst+sst")[key] != value for key, value in m.DEFAULT_BUILD.items())
+    flags = m.build_flags(flipped)
+    assert m.ws_bwd_given_h(*args, **flags) == "kernel"
+    assert seen == {"timing": False, **flags}
+    assert all(flags[key] != value for key, value in m.DEFAULT_BUILD.items())
     with pytest.raises(TypeError, match="unknown build switch"):
         m.ws_bwd_given_h(x, x, x, x, x, x, x, x, None, 0.1, (64,), uw_kvv=True)
-
-
-def test_ws_build_refuses_two_store_groups():
-    """`producer_stores` and `s_stores` would both wait for and store the same staging tiles
-    (a hang or a double store); the build itself refuses, before any compile."""
-    from gdr_dispatch.backends.kernels import tilelang_ws_bwd as m
-
-    with pytest.raises(ValueError, match="producer_stores and s_stores"):
-        m.build_ws_bwd(2, 2, 0.1, "bfloat16", "bfloat16", **m.build_flags("pst+sst"))
-

@@ -165,10 +165,10 @@ def main(argv=None) -> int:
                    help="run the timing build: cycles per chunk each consumer group works / waits per phase")
     p.add_argument("--build", default="default",
                    help="the ws build of --once, --check and --timing: 'default' or switches joined by '+' (e.g. "
-                        "nofst, pst; tilelang_ws_bwd.build_flags)")
+                        "nofst-nogz; tilelang_ws_bwd.build_flags)")
     p.add_argument("--builds", default=None,
                    help="comma-separated ws builds to time (and --timing) side by side in this process, e.g. "
-                        "default,pst (default: --build)")
+                        "default,nokfree (default: --build)")
     p.add_argument("--rounds", type=int, default=1,
                    help="time the builds this many times, order reversed each round; keep each build's least median")
     p.add_argument("--reps", type=int, default=20, help="timed launches per median")

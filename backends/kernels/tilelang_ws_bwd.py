@@ -61,16 +61,15 @@ TIMING_SLOTS = 18
 #: measured switches stay so tools can time the builds before them (`nokfree-nogpre` is v10,
 #: `nokfree-nogpre-nos4e-nos6e` v9). Others, made the default or dropped: docs/tilelang_ws.md
 #: "Steps" and git history (768934d has them all; `tmadq`, `a176`, `whole` are at 6aee64e,
-#: `late_stores` at 8a8cd45).
+#: `late_stores` at 8a8cd45, `producer_stores` and `s_stores` at 33910d4).
 DEFAULT_BUILD = {"merged_colsum": True, "late_dos": True, "w_regs": True, "s_gl_late": True,
                  "gam_select": True, "frag_stores": True, "gam_zeros": True,
                  "ag_frag": True, "s_early4": True, "s_early6": True,
-                 "k_free": True, "g_prefetch": True, "producer_stores": False, "s_stores": False}
+                 "k_free": True, "g_prefetch": True}
 #: Build names: `<short>` turns a switch on, `no<short>` off.
 SHORT_NAMES = {"mcs": "merged_colsum", "late": "late_dos", "wreg": "w_regs", "sgl": "s_gl_late",
                "gsel": "gam_select", "fst": "frag_stores", "gz": "gam_zeros", "agf": "ag_frag",
-               "s4e": "s_early4", "s6e": "s_early6", "kfree": "k_free", "gpre": "g_prefetch",
-               "pst": "producer_stores", "sst": "s_stores"}
+               "s4e": "s_early4", "s6e": "s_early6", "kfree": "k_free", "gpre": "g_prefetch"}
 SWITCHES = {name: (key, on) for short, key in SHORT_NAMES.items()
             for name, on in ((short, True), (f"no{short}", False))}
 
@@ -97,9 +96,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                  frag_stores: bool = DEFAULT_BUILD["frag_stores"], gam_zeros: bool = DEFAULT_BUILD["gam_zeros"],
                  ag_frag: bool = DEFAULT_BUILD["ag_frag"], s_early4: bool = DEFAULT_BUILD["s_early4"],
                  s_early6: bool = DEFAULT_BUILD["s_early6"], k_free: bool = DEFAULT_BUILD["k_free"],
-                 g_prefetch: bool = DEFAULT_BUILD["g_prefetch"],
-                 producer_stores: bool = DEFAULT_BUILD["producer_stores"],
-                 s_stores: bool = DEFAULT_BUILD["s_stores"]):
+                 g_prefetch: bool = DEFAULT_BUILD["g_prefetch"]):
     """Compile (once per configuration) the warp-specialised kernel (K = V = 128, chunk 64).
 
     `timing` adds cycle counters at every sync point (written to the `clk` argument, CTA by
@@ -121,16 +118,10 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     - `k_free`, `g_prefetch`: the producer loads the next k once KV's phase-7 gemm has read
       k_s, and the next g and b rows into registers after phase 1 (not with synchronous loads
       after phase 6, where they stood before k's TMA; `k_free` alone was neutral).
-    Off: `producer_stores` (seed 000's store warps: KV and A only stage dk and dq, the
-    producer's last two warps store them; KV waits for the previous chunk's stores before it
-    writes u_s and dvp_s again): -1.3 to -2.3 % at B8 T4096 H32, +0.9 to +2.4 % elsewhere.
-    `s_stores` (prepared in session 10): the same staging, but S stores the rows after it
-    arrives at phase 7 (S idles there and in the next chunk's phase 1); KV waits for dk's
-    stores before it writes u_s, for dq's before it writes dvp_s.
+    Dropped in session 11: another group storing phase 7's dk and dq rows from staging tiles
+    (the producer's spare warps, as seed 000 does, or S): mixed over three calls, and +20 % at
+    H32 from S (bench/results/ws_steps/s11call1-wsbench-sst-pst.log).
     """
-    if producer_stores and s_stores:
-        raise ValueError("build_ws_bwd: producer_stores and s_stores both take phase 7's stores; pick one")
-    staged_stores = producer_stores or s_stores  # KV and A stage dk and dq; another group stores them
     accum = "float32"
     TT = T.dynamic("num_tokens")
     NC = T.dynamic("num_chunks")
@@ -252,27 +243,10 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
         write_rows(stage_s, out, t0, eos, hh)
 
     @T.macro
-    def store_and_close(frag, stage_s, out, t0, eos, hh, bars, it, grp, tick, tm_s, staged):
-        """KV's dk and A's dq: `store_rows`, then phase 7's rendezvous; with `producer_stores` or
-        `s_stores` the group only stages the tile and tells the storing group (`staged`)."""
-        if staged_stores:
-            T.copy(frag, stage_s)
-            T.barrier_arrive(staged)
-            phase_sync(bars, PHASES - 1, it % 2, PHASES, grp, tick, tm_s)
-        else:
-            store_rows(frag, stage_s, out, t0, eos, hh)
-            phase_sync(bars, PHASES - 1, it % 2, PHASES, grp, tick, tm_s)
-
-    @T.macro
-    def store_staged(dk_staged, dk_stored, dq_staged, dq_stored, u_s, dvp_s, dk, dq, it, t0, eos, hh):
-        """The storing group's part of `staged_stores`: a chunk's dk rows once KV has staged
-        them in u_s, then its dq rows from A's dvp_s, each followed by its `stored` arrival."""
-        T.barrier_wait(dk_staged, it % 2)
-        write_rows(u_s, dk, t0, eos, hh)
-        T.barrier_arrive(dk_stored)
-        T.barrier_wait(dq_staged, it % 2)
-        write_rows(dvp_s, dq, t0, eos, hh)
-        T.barrier_arrive(dq_stored)
+    def store_and_close(frag, stage_s, out, t0, eos, hh, bars, it, grp, tick, tm_s):
+        """KV's dk and A's dq: `store_rows`, then phase 7's rendezvous."""
+        store_rows(frag, stage_s, out, t0, eos, hh)
+        phase_sync(bars, PHASES - 1, it % 2, PHASES, grp, tick, tm_s)
 
     @T.macro
     def column_sums(x_f, buf_s, xt_f, out_r):
@@ -403,13 +377,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                 ac_f = T.alloc_fragment((BT,), accum)
 
                 # ---- barriers ----
-                full = T.alloc_barrier(arrive_count=64 if producer_stores else 128)  # the producer publishes a chunk
-                dk_staged = dq_staged = None
-                if staged_stores:  # KV / A staged dk / dq; the storing group (S or 64 producer threads) stored them
-                    dk_staged = T.alloc_barrier(arrive_count=128)
-                    dq_staged = T.alloc_barrier(arrive_count=128)
-                    dk_stored = T.alloc_barrier(arrive_count=128 if s_stores else 64)
-                    dq_stored = T.alloc_barrier(arrive_count=128 if s_stores else 64)
+                full = T.alloc_barrier(arrive_count=128)  # the producer publishes a chunk
                 start = T.alloc_barrier(arrive_count=384)  # dS' copy of dht is in dh_s
                 phase = T.alloc_barrier(arrive_count=[384] * PHASES)
                 if k_free:
@@ -465,9 +433,6 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                     T.copy(dS_f, dh_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(start)
-                    if s_stores:  # phase 0 of the stored barriers: the first chunk has no last chunk
-                        T.barrier_arrive(dk_stored)
-                        T.barrier_arrive(dq_stored)
                     T.barrier_wait(start, 0)
                     loop_start(tick, tm_s, 0)
                     for it in T.serial(n_chunks):
@@ -510,14 +475,10 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         store_dg(gscan_s, dGk_s, dGa_s, gls_s, glk_s, dg, t0, L, hh)  # every dG part is in by now
                         phase_sync(phase, 5, it % 2, 6, 0, tick, tm_s, arrive=not s_early6)
                         # 7: db = its two parts (A's row part lands in phase 6)
-                        if s_stores:  # nobody waits for S's work here: arrive first (see s_early4)
-                            T.barrier_arrive(phase[6])
                         for i in T.Parallel(BT):
                             if i < L:
                                 db[t0 + i, hh] = T.cast(db_s[i], b_dtype)
-                        if s_stores:  # dk and dq from KV's and A's staging tiles
-                            store_staged(dk_staged, dk_stored, dq_staged, dq_stored, u_s, dvp_s, dk, dq, it, t0, eos, hh)
-                        phase_sync(phase, 6, it % 2, 7, 0, tick, tm_s, arrive=not s_stores)
+                        phase_sync(phase, 6, it % 2, 7, 0, tick, tm_s)
                     loop_end(tick, tm_s, 0, n_chunks, clk, bx)
                     T.copy(dS_f, dh0[n, hh, :, :])
 
@@ -532,17 +493,12 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         t0 = bos + c * BT
                         if it > 0:
                             full_wait(full, (it - 1) % 2, 1, tick, tm_s)
-                            if producer_stores:  # the last chunk's dk left u_s, its dq dvp_s
-                                T.barrier_wait(dk_stored, (it - 1) % 2)
-                                T.barrier_wait(dq_stored, (it - 1) % 2)
                         # 1: dV' = e^{G_L - G} K dS'
                         # and U = K S, W = V - e^G U (A forms P, Pg, Ag)
                         T.wgmma_gemm(k_s, h_s, kv2_f, clear_accum=True)
                         T.wgmma_gemm(k_s, dh_s, kv1_f, clear_accum=True)
                         T.wait_wgmma(1)
                         fence(kv2_f)
-                        if s_stores:  # S has stored the last chunk's dk from u_s (S's first arrival: none)
-                            T.barrier_wait(dk_stored, it % 2)
                         store_u_w(kv2_f, u_s, w_s, v_s, eG_s)  # while K dS' runs
                         T.wait_wgmma(0)
                         fence(kv1_f)
@@ -551,8 +507,6 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         T.fence_proxy_async()
                         phase_sync(phase, 0, it % 2, 1, 1, tick, tm_s)
                         # 2: dV' += Pg^T dO
-                        if s_stores:  # S has stored the last chunk's dq from dvp_s (S's first arrival: none)
-                            T.barrier_wait(dq_stored, it % 2)
                         T.gemm(pg_s, do_s, kv1_f, transpose_A=True)
                         T.copy(kv1_f, dvp_s)
                         T.fence_proxy_async()
@@ -597,7 +551,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         T.gemm(ag_s, k_s, kv2_f)
                         if k_free:  # k_s is read (A's last read was in 6, S's in 5)
                             T.barrier_arrive(kfree)
-                        store_and_close(kv2_f, u_s, dk, t0, eos, hh, phase, it, 1, tick, tm_s, dk_staged)  # u_s is free after phase 5
+                        store_and_close(kv2_f, u_s, dk, t0, eos, hh, phase, it, 1, tick, tm_s)  # u_s is free after phase 5
                     loop_end(tick, tm_s, 1, n_chunks, clk, bx)
 
                 elif tx < 384:
@@ -738,51 +692,46 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         T.fence_proxy_async()
                         phase_sync(phase, 5, it % 2, 6, 2, tick, tm_s)
                         # 7: dq (S writes dg and db)
-                        store_and_close(a1_f, dvp_s, dq, t0, eos, hh, phase, it, 2, tick, tm_s, dq_staged)  # dvp_s is free after phase 5
+                        store_and_close(a1_f, dvp_s, dq, t0, eos, hh, phase, it, 2, tick, tm_s)  # dvp_s is free after phase 5
                     loop_end(tick, tm_s, 2, n_chunks, clk, bx)
 
                 else:
                     # ================= producer: the next (earlier) chunk =================
                     T.set_max_nreg(nreg_p, 0)
-                    if (not producer_stores) or tx < 384 + BT:  # (a Python True without producer_stores)
-                        for it in T.serial(n_chunks - 1):
-                            c = n_chunks - 2 - it  # the chunk the consumers need next
-                            t0 = bos + c * BT
-                            T.barrier_wait(phase[0], it % 2)  # v: read in phase 1
-                            T.tma_copy(v[t0:t0 + BT, hh, 0:V], v_s, barrier=full)
-                            if g_prefetch:  # one row per thread (producer-loaded chunks are whole)
-                                if tx - 384 < BT:
-                                    gpre[0] = g[t0 + tx - 384, hh]
-                                    gpre[1] = g[t0 + BT - 1, hh]
-                                    gpre[2] = T.cast(b[t0 + tx - 384, hh], accum)
-                            T.barrier_wait(phase[4], it % 2)  # h, do: last read in phase 5
-                            T.tma_copy(h[c0 + c, hh, 0:K, 0:V], h_s, barrier=full)
-                            T.tma_copy(do[t0:t0 + BT, hh, 0:V], do_s, barrier=full)
-                            T.barrier_wait(phase[5], it % 2)  # q, a, G, b: last read in phase 6
-                            T.tma_copy(q[t0:t0 + BT, hg, 0:K], q_s, barrier=full)
-                            T.tma_copy(a[t0:t0 + BT, hh, 0:BT], a_s, barrier=full)
-                            if g_prefetch:
-                                if tx - 384 < BT:
-                                    G_s[tx - 384] = gpre[0]
-                                    eG_s[tx - 384] = T.exp2(gpre[0] * LOG2E)
-                                    eGL_s[tx - 384] = T.exp2((gpre[1] - gpre[0]) * LOG2E)
-                                    b_s[tx - 384] = gpre[2]
-                            else:
-                                for i in T.Parallel(BT):
-                                    G_s[i] = g[t0 + i, hh]
-                                    eG_s[i] = T.exp2(g[t0 + i, hh] * LOG2E)
-                                    eGL_s[i] = T.exp2((g[t0 + BT - 1, hh] - g[t0 + i, hh]) * LOG2E)
-                                    b_s[i] = T.cast(b[t0 + i, hh], accum)
-                            if k_free:
-                                T.barrier_wait(kfree, it % 2)  # k: read by KV's phase-7 gemm
-                            else:
-                                T.barrier_wait(phase[6], it % 2)  # k: last read in phase 7
-                            T.tma_copy(k[t0:t0 + BT, hg, 0:K], k_s, barrier=full)
-                            T.barrier_arrive(full)
-                    else:  # seed 000's store warps: dk and dq of each chunk, from their staging
-                        for it in T.serial(n_chunks):
-                            t0 = bos + (n_chunks - 1 - it) * BT
-                            store_staged(dk_staged, dk_stored, dq_staged, dq_stored, u_s, dvp_s, dk, dq, it, t0, eos, hh)
+                    for it in T.serial(n_chunks - 1):
+                        c = n_chunks - 2 - it  # the chunk the consumers need next
+                        t0 = bos + c * BT
+                        T.barrier_wait(phase[0], it % 2)  # v: read in phase 1
+                        T.tma_copy(v[t0:t0 + BT, hh, 0:V], v_s, barrier=full)
+                        if g_prefetch:  # one row per thread (producer-loaded chunks are whole)
+                            if tx - 384 < BT:
+                                gpre[0] = g[t0 + tx - 384, hh]
+                                gpre[1] = g[t0 + BT - 1, hh]
+                                gpre[2] = T.cast(b[t0 + tx - 384, hh], accum)
+                        T.barrier_wait(phase[4], it % 2)  # h, do: last read in phase 5
+                        T.tma_copy(h[c0 + c, hh, 0:K, 0:V], h_s, barrier=full)
+                        T.tma_copy(do[t0:t0 + BT, hh, 0:V], do_s, barrier=full)
+                        T.barrier_wait(phase[5], it % 2)  # q, a, G, b: last read in phase 6
+                        T.tma_copy(q[t0:t0 + BT, hg, 0:K], q_s, barrier=full)
+                        T.tma_copy(a[t0:t0 + BT, hh, 0:BT], a_s, barrier=full)
+                        if g_prefetch:
+                            if tx - 384 < BT:
+                                G_s[tx - 384] = gpre[0]
+                                eG_s[tx - 384] = T.exp2(gpre[0] * LOG2E)
+                                eGL_s[tx - 384] = T.exp2((gpre[1] - gpre[0]) * LOG2E)
+                                b_s[tx - 384] = gpre[2]
+                        else:
+                            for i in T.Parallel(BT):
+                                G_s[i] = g[t0 + i, hh]
+                                eG_s[i] = T.exp2(g[t0 + i, hh] * LOG2E)
+                                eGL_s[i] = T.exp2((g[t0 + BT - 1, hh] - g[t0 + i, hh]) * LOG2E)
+                                b_s[i] = T.cast(b[t0 + i, hh], accum)
+                        if k_free:
+                            T.barrier_wait(kfree, it % 2)  # k: read by KV's phase-7 gemm
+                        else:
+                            T.barrier_wait(phase[6], it % 2)  # k: last read in phase 7
+                        T.tma_copy(k[t0:t0 + BT, hg, 0:K], k_s, barrier=full)
+                        T.barrier_arrive(full)
 
         return gdr_bwd_ws
 
