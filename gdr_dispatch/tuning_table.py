@@ -232,6 +232,15 @@ def _file_mode(path: Path) -> int:
         return 0o666 & ~umask
 
 
+class _PlainDumper(yaml.SafeDumper):
+    """Writes every entry in full: an entry derived for machines without an optional peer
+    shares its candidates' dicts with the measured one, which the safe dumper would print as
+    `&id001` anchors and `*id001` aliases (valid, but unreadable in a table people diff)."""
+
+    def ignore_aliases(self, data):
+        return True
+
+
 def record(slug: str, device_name: str, new_entries: dict, directory: Optional[Path] = None) -> Path:
     """Merge `new_entries` into the device's table in `directory` (default: the user table)."""
     path = table_path(directory or user_table_dir(), slug)
@@ -254,7 +263,7 @@ def record(slug: str, device_name: str, new_entries: dict, directory: Optional[P
         fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(fd, "w") as f:
-                yaml.safe_dump(doc, f, sort_keys=False, width=120)
+                yaml.dump(doc, f, Dumper=_PlainDumper, sort_keys=False, width=120)
                 f.flush()
                 os.fsync(f.fileno())
             os.chmod(tmp, mode)

@@ -240,3 +240,18 @@ def test_a_tune_with_an_optional_peer_also_serves_users_without_it():
     assert tuning_table.without_optional(f"PROBLEM|{base}", entry, {"flash_qla": {"flash_qla"}}) == {}
     only = {"problem": "P", "winner": "flash_qla", "candidates": {"flash_qla": {"ms": 1.0}}}
     assert tuning_table.without_optional(key, only, {"flash_qla": {"flash_qla"}}) == {}
+
+
+def test_a_derived_entry_is_written_in_full(tmp_path):
+    """The derived entry shares its measured candidates' dicts with the measured one; the file
+    spells both out (the shipped table had `&id001` anchors and `*id001` aliases once)."""
+    base = "torch=2.11.0,triton=3.6.0,tilelang=0.1.15,fla=0.6.0"
+    key = f"PROBLEM|{base},flash_qla=0.1.3"
+    entry = {"problem": "P", "winner": "flash_qla", "measured_at": "t",
+             "candidates": {"flash_qla": {"ms": 1.0}, "fla": {"ms": 2.0}, "cross_check": {"ok": True}}}
+    entries = {key: entry, **tuning_table.without_optional(key, entry, {"flash_qla": {"flash_qla"}})}
+    path = tuning_table.record("dev", "Dev", entries, tmp_path)
+    text = path.read_text()
+    assert "&id" not in text and "*id" not in text
+    assert text.count("ms: 2.0") == 2
+    assert dict(tuning_table._read_entries(path)) == entries
