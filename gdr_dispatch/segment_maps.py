@@ -32,19 +32,19 @@ import torch
 import triton
 import triton.language as tl
 
-#: state columns per program (the carried block is K x BC fp32). Not timed yet; chosen by the
-#: compiler's report for sm_90a (tools/triton_report.py, K = V = 128, bf16, 8 warps): with
-#: Triton 3.6.0 (the GPU machine's) the forward kernel takes 220 registers and no stack, the
-#: backward 255 and 296 bytes of stack (BC 64: 255 / 16 and 255 / 376; Triton 3.9 spills less);
-#: BC 32 also doubles the programs on the starved grids the split is for
-BC = 32
-#: launch options (not timed yet: docs/measurements.md, "The next device session"; 4 warps
-#: spilled 1.2-1.8 KB, 16 warps, capped at 128 registers, 0.15-0.9 KB)
+#: state columns per program (the carried block is K x BC fp32) and launch options. BC 32 with
+#: one stage (8 or 4 warps; 16 with 8) reads shared memory out of bounds in the backward walk's
+#: products under Triton 3.6 on the H200 (compute-sanitizer; 64/8/1, 64/4/1, 16/4/1 and 32/8/2
+#: ran clean: bench/results/ws_steps/s11call5-*). 64/8/1 is the one the GPU tests passed with
+#: (97 of 97 split tests, session 11); pass 1 at B1 T32768 H4 in 32 segments, h given: 0.36
+#: ms, fla's 0.76. Resources (tools/triton_report.py, Triton 3.6): 255 registers each, stack
+#: 8 / 744 / 72 bytes (forward maps / backward maps / states).
+BC = 64
 NUM_WARPS, NUM_STAGES = 8, 1
 #: Whether the kernels' GPU tests (tests/test_gpu.py: the maps against float64, the split
 #: oracle tests with them) have passed; while False, context_parallel.py uses them only with
 #: GDR_ALLOW_UNVERIFIED=1 (fla's kernels or the torch products otherwise).
-GPU_VERIFIED = False
+GPU_VERIFIED = True
 
 
 @triton.jit
@@ -75,6 +75,13 @@ def _chunk(k_ptr, a_ptr, g_ptr, b_ptr, t0, eos, hg, h, Hg, H, K: tl.constexpr, B
     ag = (gam * a.to(tl.float32)).to(k.dtype)
     gL = tl.sum(tl.where(rt == tl.minimum(eos - t0, BT) - 1, G, 0.0), axis=0)
     return k, G, gL, b, gam, ag
+
+
+@triton.jit
+def _rows_t(x_ptr, t, valid, hg, Hg, K: tl.constexpr):
+    """A chunk's q or k rows `t` as the transposed tile `[K, BT]`."""
+    return tl.load(x_ptr + (t[None, :].to(tl.int64) * Hg + hg) * K + tl.arange(0, K)[:, None],
+                   mask=valid[None, :], other=0.0)
 
 
 @triton.jit
@@ -166,17 +173,18 @@ def _backward_maps(q_ptr, k_ptr, a_ptr, g_ptr, b_ptr, do_ptr, cu_ptr, out_ptr, s
         k, G, gL, b, gamt, agt = _chunk(k_ptr, a_ptr, g_ptr, b_ptr, t0, eos, hg, h, Hg, H, K, BT, True)
         t = t0 + rt
         valid = t < eos
-        q = tl.load(q_ptr + (t[:, None].to(tl.int64) * Hg + hg) * K + rk[None, :], mask=valid[:, None], other=0.0)
+        # Q^T and K^T as tiles of their own (not `tl.trans` views of q and k): the form the GPU
+        # tests passed (the out-of-bounds reads at BC 32, `BC` above, came with either form)
+        qt = _rows_t(q_ptr, t, valid, hg, Hg, K)
+        kt = _rows_t(k_ptr, t, valid, hg, Hg, K)
         do = tl.load(do_ptr + (t[:, None].to(tl.int64) * H + h) * V + (c0 + rc)[None, :],
                      mask=valid[:, None], other=0.0)
-        # (Gam * Q K^T)^T formed as Gam^T * K Q^T: k stays in one register layout (it is also
-        # the A operand of K dS)
-        pt = gamt * tl.dot(k, tl.trans(q))
+        pt = gamt * tl.dot(k, qt)  # (Gam * Q K^T)^T = Gam^T * K Q^T
         # dU = dV_loc + diag(e^{G_L - G}) K dS
         du = scale * tl.dot(pt.to(k.dtype), do) + tl.dot(k, dS.to(k.dtype)) * tl.exp(gL - G)[:, None]
         y = tl.dot(agt, du.to(k.dtype)) * (b * tl.exp(G))[:, None]  # W^T dU = K^T y
-        dS = (tl.exp(gL) * dS + tl.dot(tl.trans(q), (do.to(tl.float32) * (scale * tl.exp(G))[:, None]).to(k.dtype))
-              - tl.dot(tl.trans(k), y.to(k.dtype)))
+        dS = (tl.exp(gL) * dS + tl.dot(qt, (do.to(tl.float32) * (scale * tl.exp(G))[:, None]).to(k.dtype))
+              - tl.dot(kt, y.to(k.dtype)))
     nh64 = nh.to(tl.int64)
     tl.store(out_ptr + (nh64 * K + rk[:, None]) * V + c0 + rc[None, :], dS)
 
