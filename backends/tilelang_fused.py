@@ -3,7 +3,8 @@
 `kernels/tilelang_fused_bwd.py` does stages 3-7 in one CTA per (sequence, value head),
 walking the chunks backwards with `dh` in registers: seed 000's design without its warp
 specialisation yet, so it is correct but ~4x slower than FlashQLA's kernel
-(docs/measurements.md). With `h=None` fla's stages 1-2 recompute `h` first.
+(docs/measurements.md). With `h=None` the states are recomputed first
+(`common/tilelang_sm90.recompute_states`).
 """
 
 from __future__ import annotations

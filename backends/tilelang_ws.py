@@ -3,7 +3,9 @@
 `kernels/tilelang_ws_bwd.py`: seed 000's schedule (four role warpgroups, a TMA producer,
 mbarriers); the successor of `tilelang_fused`'s plain kernel, 1.4-1.6x faster than it on the
 H200 (docs/tilelang_ws.md). Verified on the H200: oracle tests, compute-sanitizer racecheck
-and synccheck, bit-identical reruns. With `h=None` fla's stages 1-2 recompute `h` first.
+and synccheck, bit-identical reruns. With `h=None` the states are recomputed first
+(`common/tilelang_sm90.recompute_states`: our state kernel once verified, fla's stages 1-2 until
+then).
 """
 
 from __future__ import annotations

@@ -158,6 +158,35 @@ def test_split_states_kernel_on_gpu(name, dtype):
     assert ((h.double() - want).norm() / want.norm()).item() < 1e-2
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", ["varlen_1_63_64_65_vfirst", "varlen_1_63_64_65", "T100_grouped_strong_decay",
+                                  "T128_h0_only"])
+def test_tilelang_states_kernel_on_gpu(name, dtype):
+    """The TileLang state kernel (backends/kernels/tilelang_states.py): its `h` against
+    make_inputs' (a float64 walk), its final state against the token-by-token forward in
+    float64, in the call's state layout."""
+    from dataclasses import replace
+
+    from gdr_dispatch.backends.kernels.tilelang_states import chunk_states
+    from gdr_dispatch.reference import recurrent_forward
+    from gdr_dispatch.shapes import call_kwargs, make_inputs
+
+    spec = replace(SHAPES[name], dtype=dtype, h="given")
+    inputs = make_inputs(spec, "cuda")
+    call = validate(**{**call_kwargs(inputs), "h": None})
+    h, ht = chunk_states(call.k, call.v, call.a, call.g, call.b, call.initial_state, call.seq_lens,
+                         call.chunk_size, call.cu_seqlens, call.state_v_first)
+    want = inputs["h"].double()
+    assert h.shape == want.shape and h.dtype == call.k.dtype
+    assert ((h.double() - want).norm() / want.norm()).item() < 1e-2
+    h0 = None if call.initial_state is None else call.initial_state.double()
+    _, ht_want = recurrent_forward(call.q.double(), call.k.double(), call.v.double(), inputs["g_raw"].double(),
+                                   call.b.double(), initial_state=h0, cu_seqlens=call.cu_seqlens,
+                                   state_v_first=call.state_v_first)
+    assert ht.shape == ht_want.shape
+    assert ((ht.double() - ht_want).norm() / ht_want.norm()).item() < 1e-2
+
+
 @pytest.mark.parametrize("n_seg", [1, 7, 64])
 def test_split_scan_kernels_on_gpu(n_seg):
     """Pass 2's Triton scans (3xTF32 products, gdr_dispatch/segment_scan.py) at K = V = 128

@@ -40,7 +40,11 @@ def compile_one(H: int, Hg: int, dtype: str, schedule: str = "plain", K: int = 1
                 BT: int = 64) -> tuple[float, str]:
     seen = _count_cubin_lookups()
     t0 = time.perf_counter()
-    if schedule.startswith("ws"):  # ws[-timing][-<switch>...], e.g. ws-nofst-timing
+    if schedule in ("states", "states-vfirst"):  # the state kernel (h=None), K x V or V x K states
+        from gdr_dispatch.backends.kernels.tilelang_states import build_states
+
+        build_states(H, Hg, dtype, dtype, schedule == "states-vfirst")
+    elif schedule.startswith("ws"):  # ws[-timing][-<switch>...], e.g. ws-nofst-timing
         from gdr_dispatch.backends.kernels.tilelang_ws_bwd import build_flags, build_ws_bwd
 
         words = schedule.split("-")[1:]
@@ -59,7 +63,7 @@ def main():
     p.add_argument("--config", action="append", required=True,
                    help="H,Hg,dtype[,ws[-timing][-<switch>...]] (K = V = 128, chunk 64; ws: the warp-specialised "
                         "kernel's default build, -timing: with cycle counters, switches, e.g. nofst: "
-                        "other builds, tilelang_ws_bwd.build_flags)")
+                        "other builds, tilelang_ws_bwd.build_flags; states[-vfirst]: the state kernel)")
     p.add_argument("--jobs", type=int, default=8)
     args = p.parse_args()
     configs = []

@@ -4,9 +4,10 @@ plans are for K = V = 128) and how a call reaches a kernel given `h`."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 from gdr_dispatch.contract import GDRCall, GDRGrads
-from gdr_dispatch.registry import Problem
+from gdr_dispatch.registry import ALLOW_UNVERIFIED_ENV, Problem, unverified_allowed
 
 from . import fla_pipeline
 from .toolchain import nvcc_found
@@ -34,15 +35,52 @@ def fused_sm90_limits(p: Problem, smem_note: str) -> list[str]:
     if elements >= 2 ** 31:
         reasons.append(f"the kernel indexes with 32-bit integers; this call's largest tensor has {elements} "
                        f"elements (>= 2^31): split the batch")
-    if not p.h_given and p.version("fla") is None:
-        reasons.append("with h=None the states are recomputed by fla-core's stages 1-2, and fla-core is not installed")
+    if not p.h_given and p.version("fla") is None and states_kernel_refusal():
+        reasons.append(f"with h=None the states are recomputed by fla-core's stages 1-2 (our state kernel: "
+                       f"{states_kernel_refusal()}), and fla-core is not installed")
     return reasons
 
 
+log = logging.getLogger("gdr_dispatch")
+_logged: set = set()
+
+
+def states_kernel_refusal() -> str:
+    """Why `h=None` does not recompute the states on our TileLang kernel
+    (kernels/tilelang_states.py), "" when it does; the backends' other limits are its own (sm90,
+    K = V = 128, chunk 64, bf16/fp16). Gated like a backend until its GPU tests pass."""
+    if importlib.util.find_spec("tilelang") is None:
+        return "tilelang is not installed"
+    from ..kernels import tilelang_states
+
+    if not tilelang_states.GPU_VERIFIED and not unverified_allowed():
+        return f"not verified on a GPU yet; {ALLOW_UNVERIFIED_ENV}=1 runs it"
+    return ""
+
+
+def recompute_states(call: GDRCall):
+    """The chunk-start states of an `h=None` call: our state kernel where `states_kernel_refusal`
+    allows it, else fla's stages 1-2. Says once per problem which ran."""
+    why = states_kernel_refusal()
+    key = (Problem.from_call(call), why)
+    if key not in _logged:
+        _logged.add(key)
+        log.info("gdr_dispatch: h=None: the chunk states on %s for %s",
+                 "our TileLang state kernel" if not why else f"fla's stages 1-2 (our state kernel: {why})",
+                 key[0].describe())
+    if why:
+        return fla_pipeline.recompute_states(call)
+    from ..kernels.tilelang_states import chunk_states
+
+    h, _ = chunk_states(call.k, call.v, call.a, call.g, call.b, call.initial_state, call.seq_lens,
+                        call.chunk_size, call.cu_seqlens, call.state_v_first)
+    return h
+
+
 def run_given_h(call: GDRCall, launcher) -> GDRGrads:
-    """`launcher` (a kernel's `*_given_h`) on the call; with `h=None` fla's stages 1-2 recompute
-    the chunk-start states first."""
-    h = call.h if call.h is not None else fla_pipeline.recompute_states(call)
+    """`launcher` (a kernel's `*_given_h`) on the call; with `h=None` the chunk-start states are
+    recomputed first (`recompute_states`)."""
+    h = call.h if call.h is not None else recompute_states(call)
     dq, dk, dv, dg, db, dh0 = launcher(
         call.q, call.k, call.v, call.do, call.a, call.g, call.b, h, call.dht, call.scale, call.seq_lens,
         call.chunk_size, call.cu_seqlens, has_h0=call.initial_state is not None, state_v_first=call.state_v_first,

@@ -1,0 +1,100 @@
+"""The chunk-start states `h` (the `h=None` recompute) side by side, on a GPU: our TileLang
+kernel (backends/kernels/tilelang_states.py), fla's stages 1-2 (what the fla-based backends
+run), and FlashQLA's `fused_gdr_h` where flash-qla is installed. Median of CUDA-event timings
+after warm-up, one process; each runner's `h` against ours (relative Frobenius).
+
+    python bench/bench_states.py                       # issue 14's shapes
+    python bench/bench_states.py --match B8 --no-peer --out bench/results/states.json
+
+Writes JSON and a markdown table (`--out`, `.md` beside it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from gdr_dispatch.contract import validate
+from gdr_dispatch.dispatch import measure_ms
+from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs
+
+SHAPES = {
+    "B8 T4096 H32": ShapeSpec(B=8, T=4096, H=32, K=128, V=128, h="none"),
+    "B16 T2048 H32": ShapeSpec(B=16, T=2048, H=32, K=128, V=128, h="none"),
+    "varlen 8x4096 H32 Hg16": ShapeSpec(seqlens=(4096,) * 8, H=32, Hg=16, K=128, V=128, h="none"),
+    "B4 T4096 H16": ShapeSpec(B=4, T=4096, H=16, K=128, V=128, h="none"),
+}
+
+
+def runners(call, peer: bool) -> dict:
+    from gdr_dispatch.backends.common import fla_pipeline
+    from gdr_dispatch.backends.kernels.tilelang_states import chunk_states
+
+    out = {
+        "tilelang_states": lambda: chunk_states(call.k, call.v, call.a, call.g, call.b, call.initial_state,
+                                                call.seq_lens, call.chunk_size, call.cu_seqlens,
+                                                call.state_v_first)[0],
+        "fla stages 1-2": lambda: fla_pipeline.recompute_states(call),
+    }
+    if peer:
+        try:
+            from flash_qla.ops.gated_delta_rule import chunk as fq
+        except ImportError as e:
+            print(f"FlashQLA left out: {e}", flush=True)
+        else:
+            a = call.a.to(call.q.dtype)
+            h0 = None if call.initial_state is None else call.initial_state.float()
+            out["flashqla fused_gdr_h"] = lambda: fq.fused_gdr_h(
+                k=call.k, v=call.v, a=a, g=call.g, b=call.b, initial_state=h0, output_final_state=False,
+                output_h=True, cu_seqlens=call.cu_seqlens, state_v_first=call.state_v_first)[0]
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--match", default="", help="only the shapes whose name contains this")
+    p.add_argument("--no-peer", action="store_true", help="leave FlashQLA out (its first call compiles ~1 min)")
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--out", default="", help="JSON path (a .md table is written beside it)")
+    a = p.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_states: needs a CUDA device", file=sys.stderr)
+        return 2
+    rows = []
+    for name, spec in SHAPES.items():
+        if a.match not in name:
+            continue
+        inputs = make_inputs(spec, "cuda")
+        call = validate(**call_kwargs(inputs))
+        row = {"shape": name}
+        ref = None
+        for label, fn in runners(call, not a.no_peer).items():
+            try:
+                got = fn()
+                if ref is None:
+                    ref = got.double()
+                else:
+                    row[f"{label} vs ours"] = ((got.double() - ref).norm() / ref.norm()).item()
+                row[label] = measure_ms(fn, "cuda", warmup=3, reps=a.reps)
+            except Exception as e:  # noqa: BLE001 - one runner's failure is its row's answer
+                row[label] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            print(name, label, row[label], row.get(f"{label} vs ours", ""), flush=True)
+        rows.append(row)
+    if a.out:
+        out = Path(a.out)
+        out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+        labels = [k for k in rows[0] if k != "shape" and not k.endswith(" vs ours")] if rows else []
+        lines = ["| shape | " + " | ".join(f"{x} ms" for x in labels) + " |", "|---" * (len(labels) + 1) + "|"]
+        for r in rows:
+            lines.append(f"| {r['shape']} | " + " | ".join(
+                f"{r[x]:.4f}" if isinstance(r.get(x), float) else str(r.get(x, "-")) for x in labels) + " |")
+        out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
