@@ -5,6 +5,7 @@ after warm-up, one process; each runner's `h` against ours (relative Frobenius).
 
     python bench/bench_states.py                       # issue 14's shapes
     python bench/bench_states.py --match B8 --no-peer --out bench/results/states.json
+    python bench/bench_states.py --builds default,s3,asynch,xdecay,s3+asynch+xdecay --no-peer
 
 Writes JSON and a markdown table (`--out`, `.md` beside it).
 """
@@ -30,16 +31,17 @@ SHAPES = {
 }
 
 
-def runners(call, peer: bool) -> dict:
+def runners(call, peer: bool, builds: list) -> dict:
     from gdr_dispatch.backends.common import fla_pipeline
-    from gdr_dispatch.backends.kernels.tilelang_states import chunk_states
+    from gdr_dispatch.backends.kernels.tilelang_states import build_flags, chunk_states
 
-    out = {
-        "tilelang_states": lambda: chunk_states(call.k, call.v, call.a, call.g, call.b, call.initial_state,
-                                                call.seq_lens, call.chunk_size, call.cu_seqlens,
-                                                call.state_v_first)[0],
-        "fla stages 1-2": lambda: fla_pipeline.recompute_states(call),
-    }
+    out = {}
+    for build in builds:  # the first is the reference every other runner's h is compared with
+        flags = build_flags(build)
+        out["tilelang_states" + ("" if build == "default" else f"[{build}]")] = (
+            lambda flags=flags: chunk_states(call.k, call.v, call.a, call.g, call.b, call.initial_state, call.seq_lens,
+                                             call.chunk_size, call.cu_seqlens, call.state_v_first, **flags)[0])
+    out["fla stages 1-2"] = lambda: fla_pipeline.recompute_states(call)
     if peer:
         try:
             from flash_qla.ops.gated_delta_rule import chunk as fq
@@ -59,6 +61,9 @@ def main() -> int:
     p.add_argument("--match", default="", help="only the shapes whose name contains this")
     p.add_argument("--no-peer", action="store_true", help="leave FlashQLA out (its first call compiles ~1 min)")
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--builds", default="default",
+                   help="state-kernel builds side by side, comma-separated: default or switches joined by '+' "
+                        "(s3, asynch, xdecay; tilelang_states.build_flags)")
     p.add_argument("--out", default="", help="JSON path (a .md table is written beside it)")
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -72,7 +77,7 @@ def main() -> int:
         call = validate(**call_kwargs(inputs))
         row = {"shape": name}
         ref = None
-        for label, fn in runners(call, not a.no_peer).items():
+        for label, fn in runners(call, not a.no_peer, a.builds.split(",")).items():
             try:
                 got = fn()
                 if ref is None:

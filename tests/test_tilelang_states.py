@@ -83,11 +83,13 @@ def test_the_kernels_algebra_gives_the_contracts_states(name):
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile for sm_90a")
-@pytest.mark.parametrize("v_first", [False, True], ids=["k_first", "v_first"])
-def test_state_kernel_compiles_for_sm90a_with_its_roles(v_first):
+@pytest.mark.parametrize("v_first, build", [(False, {}), (True, {}),
+                                             (False, {"stages": 3, "async_h": True, "x_decay": True})],
+                         ids=["k_first", "v_first", "s3_asynch_xdecay"])
+def test_state_kernel_compiles_for_sm90a_with_its_roles(v_first, build):
     from gdr_dispatch.backends.kernels.tilelang_states import NREG, build_states
 
-    src = build_states(4, 2, "bfloat16", "bfloat16", v_first).get_kernel_source()
+    src = build_states(4, 2, "bfloat16", "bfloat16", v_first, **build).get_kernel_source()
     assert sum(NREG) * 128 <= 65536
     assert "__launch_bounds__(512, 1)" in src
     for n in sorted(set(NREG[:3])):
@@ -102,12 +104,28 @@ def test_state_kernel_compiles_for_sm90a_with_its_roles(v_first):
     # k (in a loop of two 64-column boxes), v and a: the whole chunks by TMA, their bytes expected
     assert producer.count("tma_load(") == 3 and producer.count("expect_transaction") == 3
     assert re.search(r"for \(int i_\d+ = 0; i_\d+ < 2; \+\+i_\d+\) \{\s*tl::tma_load\(k_desc", producer)
-    # the producer refills a stage only after its last chunk's free barrier (parity of c/2 - 1)
-    assert re.search(r"free\[\(c_\d+ & 1\)\]\.wait\(\(\(\(c_\d+ >> 1\) \+ 1\) & 1\)\)", producer)
+    # the producer refills a stage only after its last chunk's free barrier (parity of c/stages - 1)
+    n = build.get("stages", 2)
+    refill = (r"free\[\(c_\d+ & 1\)\]\.wait\(\(\(\(c_\d+ >> 1\) \+ 1\) & 1\)\)" if n == 2 else
+              rf"free\[\(c_\d+ % {n}\)\]\.wait\(\(\(\(c_\d+ / {n}\) \+ 1\) & 1\)\)")
+    assert re.search(refill, producer)
     # the state groups wait for the stage's loads, then for X, and free the stage after S += X^T Y
     for part in roles[:2]:
         order = [part.find("ready["), part.find("xready["), part.find("free[")]
         assert -1 not in order and order == sorted(order), order
+        if build.get("async_h"):  # K S issued, the chunk-start state stored to h, then waited for
+            order = [part.find("warpgroup_commit_batch"), part.find("*(uint4*)(h + "), part.find("wait_wgmma<0>")]
+            assert -1 not in order and order == sorted(order), order
+        assert ("exp2" in part) != bool(build.get("x_decay"))  # with x_decay X forms the decays
+
+
+def test_chunk_states_refuses_unknown_switches():
+    from gdr_dispatch.backends.kernels.tilelang_states import chunk_states
+
+    x = torch.zeros(1, 64, 1, 128)
+    with pytest.raises(TypeError, match="unknown build switch"):
+        chunk_states(x, x, torch.zeros(1, 64, 1, 64), torch.zeros(1, 64, 1), torch.zeros(1, 64, 1), None, (64,),
+                     stagess=3)
 
 
 def test_h_none_recompute_waits_for_the_state_kernels_gpu_tests(monkeypatch, caplog):

@@ -28,9 +28,10 @@ import functools
 import tilelang
 import tilelang.language as T
 
+from .tilelang_common import fence_accumulator, parse_build
+
 BT, K, V = 64, 128, 128
 VH = V // 2  # value columns per state group
-STAGES = 2
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x log2 e)
 
 #: Register caps per warpgroup (S0, S1, X, producer), adding up to 512 slots of 128 threads.
@@ -42,12 +43,29 @@ NREG = (168, 168, 152, 24)
 #: GDR_ALLOW_UNVERIFIED=1 (fla's stages 1-2 otherwise).
 GPU_VERIFIED = False
 
+#: The build `chunk_states` runs (v1). The switches are prepared, not yet timed (predictions:
+#: docs/tilelang_states.md "Next" 2): `stages` of the load ring; `async_h`, K S issued before the
+#: chunk-start state's store to `h`, which then overlaps it; `x_decay`, the chunk's decay
+#: vectors formed once by X (a chunk ahead) instead of an exp2 per element in the state groups.
+DEFAULT_BUILD = {"stages": 2, "async_h": False, "x_decay": False}
+
+
+def build_flags(build: str) -> dict:
+    """`'default'` or switches joined by '+' (`s3`: three stages, `asynch`: async_h, `xdecay`:
+    x_decay) -> `build_states` keyword arguments (bench/bench_states.py --builds, precompile)."""
+    return parse_build(build, DEFAULT_BUILD, {"s3": ("stages", 3), "asynch": ("async_h", True),
+                                              "xdecay": ("x_decay", True)}, "state-kernel switch")
+
 
 @functools.lru_cache(maxsize=None)
-def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool):
+def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
+                 stages: int = DEFAULT_BUILD["stages"], async_h: bool = DEFAULT_BUILD["async_h"],
+                 x_decay: bool = DEFAULT_BUILD["x_decay"]):
     """Compile (once per configuration) the state kernel (K = V = 128, chunk 64). States in and
     out (`h0`, `h`, `ht`) in the contract's layout: `[..., K, V]`, or `[..., V, K]` with
-    `state_v_first` (then each state group holds its half transposed)."""
+    `state_v_first` (then each state group holds its half transposed); the switches:
+    `DEFAULT_BUILD`."""
+    STAGES = stages
     accum = "float32"
     TT = T.dynamic("num_tokens")
     NC = T.dynamic("num_chunks")
@@ -62,8 +80,8 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool)
                   pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True})
     def kernel_factory():
         @T.macro
-        def state_group(S_f, Y_f, s_s, y_s, v0, k_s, v_s, g_s, x_s, ready, xready, free, h0, h, ht,
-                        n, hh, bos, eos, n_chunks, c0):
+        def state_group(S_f, Y_f, s_s, y_s, v0, k_s, v_s, g_s, x_s, eg_s, egl_s, ready, xready, free, h0, h,
+                        ht, n, hh, bos, eos, n_chunks, c0):
             """One state group: value columns [v0, v0 + VH) of every chunk-start state."""
             T.set_max_nreg(nreg_s, 1)
             if state_v_first:
@@ -77,23 +95,36 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool)
                 # the chunk-start state: its 16-bit copy, for h and for K S
                 T.copy(S_f, s_s)
                 T.fence_proxy_async()
+                if async_h:  # K S first; the store to h runs beside it
+                    T.barrier_wait(ready[st], par)
+                    T.wgmma_gemm(k_s[st, :, :], s_s, Y_f, transpose_B=state_v_first, clear_accum=True)
                 if state_v_first:
                     for i, j in T.Parallel(VH, K):
                         h[c0 + c, hh, v0 + i, j] = s_s[i, j]
                 else:
                     for i, j in T.Parallel(K, VH):
                         h[c0 + c, hh, i, v0 + j] = s_s[i, j]
-                T.barrier_wait(ready[st], par)
-                T.gemm(k_s[st, :, :], s_s, Y_f, transpose_B=state_v_first, clear_accum=True)
+                if async_h:
+                    T.wait_wgmma(0)
+                    fence_accumulator(Y_f)
+                else:
+                    T.barrier_wait(ready[st], par)
+                    T.gemm(k_s[st, :, :], s_s, Y_f, transpose_B=state_v_first, clear_accum=True)
                 # Y = e^{G_L} K S - diag(e^{G_L - G}) V
-                for i, j in T.Parallel(BT, VH):
-                    Y_f[i, j] = (Y_f[i, j] * T.exp2(g_s[st, last] * LOG2E)
-                                 - T.exp2((g_s[st, last] - g_s[st, i]) * LOG2E) * T.cast(v_s[st, i, v0 + j], accum))
+                if x_decay:  # X's decay vectors for the chunk
+                    T.barrier_wait(xready[st], par)
+                    for i, j in T.Parallel(BT, VH):
+                        Y_f[i, j] = Y_f[i, j] * egl_s[st] - eg_s[st, i] * T.cast(v_s[st, i, v0 + j], accum)
+                else:
+                    for i, j in T.Parallel(BT, VH):
+                        Y_f[i, j] = (Y_f[i, j] * T.exp2(g_s[st, last] * LOG2E)
+                                     - T.exp2((g_s[st, last] - g_s[st, i]) * LOG2E) * T.cast(v_s[st, i, v0 + j], accum))
                 T.copy(Y_f, y_s)
                 T.fence_proxy_async()
                 for i, j in T.Parallel(half[0], half[1]):
-                    S_f[i, j] = S_f[i, j] * T.exp2(g_s[st, last] * LOG2E)
-                T.barrier_wait(xready[st], par)
+                    S_f[i, j] = S_f[i, j] * (egl_s[st] if x_decay else T.exp2(g_s[st, last] * LOG2E))
+                if not x_decay:
+                    T.barrier_wait(xready[st], par)
                 if state_v_first:  # S^T += Y^T X
                     T.gemm(y_s, x_s[st, :, :], S_f, transpose_A=True)
                 else:  # S += X^T Y
@@ -126,13 +157,18 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool)
                 n_chunks = T.ceildiv(eos - bos, BT)
                 c0 = chunk_offsets[n]
 
-                # ---- shared memory (~177 KiB): a two-stage ring of the loaded tiles and X ----
+                # ---- shared memory (~161 KiB with two stages, ~217 with three): the ring of the
+                # loaded tiles and X, each state group's 16-bit state and Y ----
                 k_s = T.alloc_shared((STAGES, BT, K), dtype)
                 v_s = T.alloc_shared((STAGES, BT, V), dtype)
                 a_s = T.alloc_shared((STAGES, BT, BT), dtype)
                 g_s = T.alloc_shared((STAGES, BT), accum)  # padded with the last valid G
                 b_s = T.alloc_shared((STAGES, BT), accum)  # 0 past the end
                 x_s = T.alloc_shared((STAGES, BT, K), dtype)
+                eg_s = egl_s = None
+                if x_decay:  # the chunk's decay vectors, by X
+                    eg_s = T.alloc_shared((STAGES, BT), accum)  # e^{G_L - G} per row
+                    egl_s = T.alloc_shared((STAGES,), accum)  # e^{G_L}
                 s0_s = T.alloc_shared(half, dtype)  # each state group's 16-bit state and Y
                 s1_s = T.alloc_shared(half, dtype)
                 y0_s = T.alloc_shared((BT, VH), dtype)
@@ -151,11 +187,11 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool)
 
                 tx = T.get_thread_binding()
                 if tx < 128:
-                    state_group(S0_f, Y0_f, s0_s, y0_s, 0, k_s, v_s, g_s, x_s, ready, xready, free, h0, h, ht,
-                                n, hh, bos, eos, n_chunks, c0)
+                    state_group(S0_f, Y0_f, s0_s, y0_s, 0, k_s, v_s, g_s, x_s, eg_s, egl_s, ready, xready, free,
+                                h0, h, ht, n, hh, bos, eos, n_chunks, c0)
                 elif tx < 256:
-                    state_group(S1_f, Y1_f, s1_s, y1_s, VH, k_s, v_s, g_s, x_s, ready, xready, free, h0, h, ht,
-                                n, hh, bos, eos, n_chunks, c0)
+                    state_group(S1_f, Y1_f, s1_s, y1_s, VH, k_s, v_s, g_s, x_s, eg_s, egl_s, ready, xready, free,
+                                h0, h, ht, n, hh, bos, eos, n_chunks, c0)
                 elif tx < 384:
                     # ================= X: -diag(b) A^T K, a chunk ahead of the states =================
                     T.set_max_nreg(nreg_x, 1)
@@ -167,6 +203,11 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool)
                         for i, j in T.Parallel(BT, K):
                             X_f[i, j] = -X_f[i, j] * b_s[st, i]
                         T.copy(X_f, x_s[st, :, :])
+                        if x_decay:
+                            last = T.min(BT, eos - (bos + c * BT)) - 1
+                            for i in T.Parallel(BT):
+                                eg_s[st, i] = T.exp2((g_s[st, last] - g_s[st, i]) * LOG2E)
+                            egl_s[st] = T.exp2(g_s[st, last] * LOG2E)
                         T.fence_proxy_async()
                         T.barrier_arrive(xready[st])
                         T.barrier_arrive(free[st])
@@ -209,10 +250,11 @@ def states_config(k, v, b, state_v_first: bool) -> tuple:
 
 
 def chunk_states(k, v, a, g, b, initial_state, seq_lens, chunk_size: int = 64, cu_seqlens=None,
-                 state_v_first: bool = False):
+                 state_v_first: bool = False, **build):
     """Every chunk-start state of a call and its final state: `(h, ht)`, `h` `[B, NT, H, K, V]`
     (`[1, total chunks, ...]` varlen; `[..., V, K]` with `state_v_first`) in k's dtype, `ht`
-    `[N, H, K, V]` fp32 (same layout rule). Fresh outputs; the inputs are read only."""
+    `[N, H, K, V]` fp32 (same layout rule). Fresh outputs; the inputs are read only. `build`:
+    `build_states`' switches (`DEFAULT_BUILD`'s keys), for tools that time the builds."""
     import itertools
 
     import torch
@@ -236,7 +278,10 @@ def chunk_states(k, v, a, g, b, initial_state, seq_lens, chunk_size: int = 64, c
         h0 = initial_state.float().contiguous()
     h = torch.empty(sum(counts), H, *state, dtype=k.dtype, device=dev)
     ht = torch.empty(N, H, *state, dtype=torch.float32, device=dev)
-    kern = build_states(*states_config(k, v, b, state_v_first))
+    unknown = set(build) - set(DEFAULT_BUILD)
+    if unknown:
+        raise TypeError(f"chunk_states: unknown build switch(es) {sorted(unknown)}; known: {sorted(DEFAULT_BUILD)}")
+    kern = build_states(*states_config(k, v, b, state_v_first), **build)
     TT = B * T_
     kern(k.reshape(TT, Hg, Kd).contiguous(), v.reshape(TT, H, Vd).contiguous(),
          a.reshape(TT, H, chunk_size).to(k.dtype).contiguous(), g.reshape(TT, H).float().contiguous(),

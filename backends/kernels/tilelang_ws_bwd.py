@@ -34,11 +34,11 @@ launcher), dv, dg (w.r.t. the raw gate), db, dh0 (always written).
 """
 
 import functools
-import re
 
 import tilelang
 import tilelang.language as T
 
+from .tilelang_common import fence_accumulator, parse_build
 from .tilelang_launch import launch_packed, tl_dtype
 
 BT, K, V = 64, 128, 128
@@ -77,15 +77,7 @@ SWITCHES = {name: (key, on) for short, key in SHORT_NAMES.items()
 def build_flags(build: str) -> dict:
     """`'default'` or switches joined by '+' or '-' (e.g. `nofst-nogz`) -> `build_ws_bwd`
     keyword arguments; an unnamed setting keeps `DEFAULT_BUILD`'s value."""
-    flags = dict(DEFAULT_BUILD)
-    for word in re.split(r"[+-]", build):
-        if word in ("", "default"):
-            continue
-        if word not in SWITCHES:
-            raise ValueError(f"unknown build switch {word!r} in {build!r}; known: default, {', '.join(SWITCHES)}")
-        key, value = SWITCHES[word]
-        flags[key] = value
-    return flags
+    return parse_build(build, DEFAULT_BUILD, SWITCHES)
 
 
 @functools.lru_cache(maxsize=None)
@@ -180,15 +172,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
         """Ag[i, j] = Gam[i, j] A[i, j] b[j], in the input dtype (Gam from A's register copy)."""
         return T.cast(gam_f[i, j] * T.cast(a_s[i, j], accum) * b_s[j], dtype)
 
-    def fence(frag):
-        """`T.warpgroup_fence_operand` on a consumer group's fp32 accumulator fragment, over its
-        registers per thread (its elements over the group's 128 threads): without `num_regs`
-        TileLang 0.1.15 fences the fragment's logical size (8192 on a 64-register array), an
-        inline asm loop indexing far past the array (docs/tilelang_ws.md, "Session 6")."""
-        n = 1
-        for d in frag.shape:
-            n *= int(d)
-        return T.warpgroup_fence_operand(frag, num_regs=n // 128)
+    fence = fence_accumulator
 
     @T.macro
     def gl_rows(hrow_f, dh_s, h_s, gls_s, egl):
