@@ -6,6 +6,7 @@ after warm-up, one process; each runner's `h` against ours (relative Frobenius).
     python bench/bench_states.py                       # issue 14's shapes
     python bench/bench_states.py --match B8 --no-peer --out bench/results/states.json
     python bench/bench_states.py --builds default,s3,asynch,xdecay,s3+asynch+xdecay --no-peer
+    python bench/bench_states.py --match B8 --no-peer --timing   # where a chunk step's cycles go
 
 Writes JSON and a markdown table (`--out`, `.md` beside it).
 """
@@ -56,6 +57,29 @@ def runners(call, peer: bool, builds: list) -> dict:
     return out
 
 
+def timing(call, build: str) -> str:
+    """The timing build on `call`: per role group, the mean over CTAs of its cycles per chunk at
+    each mark (`tilelang_states.TIMING_NAMES`: the work before and the wait at each barrier)."""
+    from gdr_dispatch.backends.kernels import tilelang_states as ts
+
+    NS, groups = ts.TIMING_SLOTS, list(ts.TIMING_NAMES)
+    clk = torch.zeros(call.N * call.H * len(groups) * NS, dtype=torch.int32, device="cuda")
+    run = (lambda: ts.chunk_states(call.k, call.v, call.a, call.g, call.b, call.initial_state, call.seq_lens,
+                                   call.chunk_size, call.cu_seqlens, call.state_v_first, clk=clk,
+                                   **ts.build_flags(build)))
+    run()
+    clk.zero_()
+    run()
+    torch.cuda.synchronize()
+    c = clk.view(-1, len(groups), NS).double()
+    per_chunk = (c[..., :NS - 1] / c[..., NS - 1:].clamp(min=1)).mean(0)  # [groups, slots]
+    lines = [f"build {build}: cycles per chunk step (mean over {c.shape[0]} CTAs)"]
+    for i, g in enumerate(groups):
+        parts = "  ".join(f"{name} {per_chunk[i, j]:.0f}" for j, name in enumerate(ts.TIMING_NAMES[g]))
+        lines.append(f"{g:9s} {parts}  | loop {per_chunk[i, NS - 2]:.0f}")
+    return "\n".join(lines)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--match", default="", help="only the shapes whose name contains this")
@@ -65,6 +89,8 @@ def main() -> int:
                    help="state-kernel builds side by side, comma-separated: default or switches joined by '+' "
                         "(s3, asynch, xdecay; tilelang_states.build_flags)")
     p.add_argument("--out", default="", help="JSON path (a .md table is written beside it)")
+    p.add_argument("--timing", action="store_true",
+                   help="also run each build's timing build (cycle counters per role group and barrier)")
     a = p.parse_args()
     if not torch.cuda.is_available():
         print("bench_states: needs a CUDA device", file=sys.stderr)
@@ -89,6 +115,9 @@ def main() -> int:
                 row[label] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
             print(name, label, row[label], row.get(f"{label} vs ours", ""), flush=True)
         rows.append(row)
+        if a.timing:
+            for build in a.builds.split(","):
+                print(timing(call, build), flush=True)
     if a.out:
         out = Path(a.out)
         out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))

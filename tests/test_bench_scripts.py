@@ -261,3 +261,33 @@ def test_ws_probe_summarizes_builds_and_peers_per_shape(tmp_path, capsys):
     assert lines[2] == "| default | 1.0000 | 2.0000 |"
     assert lines[3] == "| pst | 0.9500 (-5.0 %) | 2.1000 (+5.0 %) |"
     assert lines[4] == "| flashqla_kernel | 0.8000 (first build 1.25x) | - |"
+
+
+def test_bench_states_timing_reads_each_groups_counters_per_chunk(monkeypatch):
+    """bench_states.py --timing: the counters of every CTA and role group, divided by the CTA's
+    chunks and averaged, under each group's own names (the kernel writes them; made up here)."""
+    import bench_states
+
+    from gdr_dispatch.backends.kernels import tilelang_states as ts
+    from gdr_dispatch.contract import validate
+    from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs
+
+    call = validate(**call_kwargs(make_inputs(ShapeSpec(seqlens=(64, 192), H=1, K=16, V=8, h="none"), "cpu")))
+    NS = ts.TIMING_SLOTS
+
+    def fake(*args, clk=None, **build):
+        assert build == ts.build_flags("s3")
+        c = clk.view(call.N * call.H, 4, NS)
+        for cta, chunks in enumerate((1, 3)):
+            c[cta, :, :NS - 1] = torch.arange(NS - 1, dtype=torch.int32) * 10 * chunks * (cta + 1)
+            c[cta, :, NS - 1] = chunks
+        return None, None
+
+    monkeypatch.setattr(ts, "chunk_states", fake)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(bench_states.torch, "zeros", lambda *a, **kw: torch.empty(*a, dtype=kw["dtype"]))
+    out = bench_states.timing(call, "s3").splitlines()
+    assert out[0] == "build s3: cycles per chunk step (mean over 2 CTAs)"
+    # slot j per chunk: 10 j (first CTA) and 20 j (second): mean 15 j
+    assert out[1].startswith("S0") and "work 0  ready wait 15  work 30  xready wait 45  work 60" in out[1]
+    assert out[3].startswith("X") and "ready wait 0  work 15" in out[3] and out[3].endswith("| loop 90")

@@ -119,6 +119,19 @@ def test_state_kernel_compiles_for_sm90a_with_its_roles(v_first, build):
         assert ("exp2" in part) != bool(build.get("x_decay"))  # with x_decay X forms the decays
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile for sm_90a")
+def test_state_kernel_timing_build_counts_per_group_and_leaves_the_plain_build_alone():
+    from gdr_dispatch.backends.kernels.tilelang_states import build_states
+
+    plain = build_states(4, 2, "bfloat16", "bfloat16", False).get_kernel_source()
+    timed = build_states(4, 2, "bfloat16", "bfloat16", False, timing=True).get_kernel_source()
+    assert "clock64" not in plain and "clock64" in timed
+    roles = re.split(r"warpgroup_reg_(?:alloc|dealloc)<\d+>", timed)[1:]
+    # each group's lane 0 writes its counters once, after its loop
+    assert all(("% 128) == 0)" in part or "threadIdx.x) == 0)" in part) and "clk[" in part for part in roles)
+
+
 def test_chunk_states_refuses_unknown_switches():
     from gdr_dispatch.backends.kernels.tilelang_states import chunk_states
 

@@ -1,9 +1,10 @@
-"""Static SASS of the warp-specialised kernel, per role group: the report to read before a
-device call (docs/tilelang_ws.md, "Next").
+"""Static SASS of a warp-specialised kernel, per role group: the report to read before a
+device call (docs/tilelang_ws.md, docs/tilelang_states.md).
 
-    python tools/sass_report.py                          # the default build, H = Hg = 2, bf16
+    python tools/sass_report.py                          # the backward's default build, H = Hg = 2, bf16
     python tools/sass_report.py --builds default,nogam,uwkv
     python tools/sass_report.py --phases --builds default,wreg   # per group and phase
+    python tools/sass_report.py --kernel states --builds default,s3+asynch+xdecay   # the state kernel
 
 Compiles each build on this machine (about a minute each with nvcc for sm_90a; no GPU needed),
 then splits its SASS at the `USETMAXREG` instructions that open the role branches and counts
@@ -19,7 +20,12 @@ import argparse
 import re
 import sys
 
-GROUPS = ("S", "KV", "A", "producer")
+#: Each kernel's role groups in source order, its register caps' module, and its builder.
+KERNELS = {
+    "ws": (("S", "KV", "A", "producer"), "gdr_dispatch.backends.kernels.tilelang_ws_bwd"),
+    "states": (("S0", "S1", "X", "producer"), "gdr_dispatch.backends.kernels.tilelang_states"),
+}
+GROUPS = KERNELS["ws"][0]
 COUNTS = {
     "instr": None,
     "LDS": re.compile(r"\bLDS(M)?\b"),
@@ -46,21 +52,27 @@ def _cuobjdump_on_path() -> None:
         os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
-def sass_of(build: str, H: int, Hg: int, dtype: str) -> str:
+def sass_of(build: str, H: int, Hg: int, dtype: str, kernel: str = "ws") -> str:
     _cuobjdump_on_path()
+    if kernel == "states":
+        from gdr_dispatch.backends.kernels.tilelang_states import build_flags, build_states
+
+        return build_states(H, Hg, dtype, dtype, False, **build_flags(build))._get_sass()
     from gdr_dispatch.backends.kernels.tilelang_ws_bwd import build_flags, build_ws_bwd
 
     kern = build_ws_bwd(H, Hg, 128 ** -0.5, dtype, dtype, **build_flags(build))
     return kern._get_sass()
 
 
-def label_regions(caps: list[int]) -> list[str]:
-    """Role of each branch from its register cap (tilelang_ws_bwd.NREG: S, KV, A, producer).
-    nvcc lays the branches out in reverse source order (producer first), so of two groups with
-    the same cap the later one in the SASS is the earlier one in the source."""
-    from gdr_dispatch.backends.kernels.tilelang_ws_bwd import NREG
+def label_regions(caps: list[int], kernel: str = "ws") -> list[str]:
+    """Role of each branch from its register cap (the kernel module's NREG, in its groups'
+    order). nvcc lays the branches out in reverse source order (producer first), so of two groups
+    with the same cap the later one in the SASS is the earlier one in the source."""
+    import importlib
 
-    order = list(zip(GROUPS, NREG))
+    groups, module = KERNELS[kernel]
+    NREG = importlib.import_module(module).NREG
+    order = list(zip(groups, NREG))
     labels = []
     for cap in caps:
         match = [g for g, n in reversed(order) if n == cap and g not in labels]
@@ -70,22 +82,23 @@ def label_regions(caps: list[int]) -> list[str]:
     return labels
 
 
-def role_regions(sass: str) -> tuple[list[tuple[str, list[str]]], int]:
+def role_regions(sass: str, kernel: str = "ws") -> tuple[list[tuple[str, list[str]]], int]:
     """The SASS instruction lines of each role branch, in GROUPS order, and the count before the
     first branch (the prologue). A branch opens at its `USETMAXREG` and runs to the next one's,
     so it includes the group's epilogue."""
     lines = [l for l in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/", l)]
     starts = [i for i, l in enumerate(lines) if "USETMAXREG" in l]
-    if len(starts) != len(GROUPS):
-        raise SystemExit(f"expected {len(GROUPS)} USETMAXREG instructions (one per role), found {len(starts)}")
+    groups = KERNELS[kernel][0]
+    if len(starts) != len(groups):
+        raise SystemExit(f"expected {len(groups)} USETMAXREG instructions (one per role), found {len(starts)}")
     caps = [int(re.search(r"0x([0-9a-f]+)", lines[i].split("USETMAXREG", 1)[1]).group(1), 16) for i in starts]
     bounds = starts + [len(lines)]
-    regions = sorted(zip(label_regions(caps), bounds, bounds[1:]), key=lambda r: GROUPS.index(r[0]))
+    regions = sorted(zip(label_regions(caps, kernel), bounds, bounds[1:]), key=lambda r: groups.index(r[0]))
     return [(g, lines[lo:hi]) for g, lo, hi in regions], starts[0]
 
 
-def per_group(sass: str) -> dict:
-    regions, prologue = role_regions(sass)
+def per_group(sass: str, kernel: str = "ws") -> dict:
+    regions, prologue = role_regions(sass, kernel)
     out = {g: {name: (len(body) if pat is None else sum(bool(pat.search(l)) for l in body))
                for name, pat in COUNTS.items()}
            for g, body in regions}
@@ -93,14 +106,14 @@ def per_group(sass: str) -> dict:
     return out
 
 
-def per_phase(sass: str) -> dict:
+def per_phase(sass: str, kernel: str = "ws") -> dict:
     """Each consumer group's SASS cut at its mbarrier arrivals (`SYNCS.ARRIVE`: the producer's
     `full` is waited on, the phase barriers are arrived at), so segment k runs from one arrival to
     the next: instructions / spill instructions / named barriers (`BAR.SYNC`, the group's own
     128-thread syncs). Session 7 found 32 of KV's 34 phase-1 barriers this way: TileLang had put
     one before every store of an unrolled loop (docs/tilelang_ws.md, `wreg`)."""
     out = {}
-    for g, body in role_regions(sass)[0]:
+    for g, body in role_regions(sass, kernel)[0]:
         if g == "producer":
             continue
         cuts = [i for i, l in enumerate(body) if "SYNCS.ARRIVE" in l] + [len(body)]
@@ -115,7 +128,10 @@ def per_phase(sass: str) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--builds", default="default", help="comma-separated builds (tilelang_ws_bwd.build_flags)")
+    p.add_argument("--kernel", choices=sorted(KERNELS), default="ws",
+                   help="ws: the backward (tilelang_ws_bwd.py); states: the state kernel (tilelang_states.py)")
+    p.add_argument("--builds", default="default",
+                   help="comma-separated builds (the kernel module's build_flags)")
     p.add_argument("--H", type=int, default=2)
     p.add_argument("--Hg", type=int, default=2)
     p.add_argument("--dtype", default="bfloat16")
@@ -125,12 +141,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.phases:
         for build in args.builds.split(","):
-            for g, segs in per_phase(sass_of(build, args.H, args.Hg, args.dtype)).items():
+            for g, segs in per_phase(sass_of(build, args.H, args.Hg, args.dtype, args.kernel), args.kernel).items():
                 print(f"{build} | {g} | " + "  ".join(f"{n}/{sp}/{b}" for n, sp, b in segs), flush=True)
         return 0
     print("build | group | " + " | ".join(COUNTS))
     for build in args.builds.split(","):
-        for g, c in per_group(sass_of(build, args.H, args.Hg, args.dtype)).items():
+        for g, c in per_group(sass_of(build, args.H, args.Hg, args.dtype, args.kernel), args.kernel).items():
             if g != "prologue":
                 print(f"{build} | {g} | " + " | ".join(str(c[n]) for n in COUNTS), flush=True)
     return 0

@@ -49,6 +49,14 @@ GPU_VERIFIED = False
 #: vectors formed once by X (a chunk ahead) instead of an exp2 per element in the state groups.
 DEFAULT_BUILD = {"stages": 2, "async_h": False, "x_decay": False}
 
+#: `timing=True` builds: int32 cycle counters per CTA and role group (S0, S1, X, producer), summed
+#: over the chunks: the work before and the wait at each barrier a group waits on, in order
+#: (`TIMING_NAMES`), then the whole loop [6] and the chunk count [7] (bench/bench_states.py --timing).
+TIMING_SLOTS = 8
+TIMING_NAMES = {"S0": ("work", "ready wait", "work", "xready wait", "work"),
+                "S1": ("work", "ready wait", "work", "xready wait", "work"),
+                "X": ("ready wait", "work"), "producer": ("free wait", "work")}
+
 
 def build_flags(build: str) -> dict:
     """`'default'` or switches joined by '+' (`s3`: three stages, `asynch`: async_h, `xdecay`:
@@ -60,17 +68,19 @@ def build_flags(build: str) -> dict:
 @functools.lru_cache(maxsize=None)
 def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
                  stages: int = DEFAULT_BUILD["stages"], async_h: bool = DEFAULT_BUILD["async_h"],
-                 x_decay: bool = DEFAULT_BUILD["x_decay"]):
+                 x_decay: bool = DEFAULT_BUILD["x_decay"], timing: bool = False):
     """Compile (once per configuration) the state kernel (K = V = 128, chunk 64). States in and
     out (`h0`, `h`, `ht`) in the contract's layout: `[..., K, V]`, or `[..., V, K]` with
     `state_v_first` (then each state group holds its half transposed); the switches:
-    `DEFAULT_BUILD`."""
+    `DEFAULT_BUILD`; `timing` adds the cycle counters (`TIMING_SLOTS`, into `clk`)."""
     STAGES = stages
     accum = "float32"
     TT = T.dynamic("num_tokens")
     NC = T.dynamic("num_chunks")
     N = T.dynamic("num_seqs")
     NP1 = T.dynamic("num_seqs_plus_1")
+    NCLK = T.dynamic("num_clk")
+    NS = TIMING_SLOTS
     group = H // Hg
     nreg_s, _, nreg_x, nreg_p = NREG
     half = (VH, K) if state_v_first else (K, VH)  # a state group's part of the state
@@ -80,14 +90,41 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
                   pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True})
     def kernel_factory():
         @T.macro
+        def mark(acc, marks, i):
+            """timing: the cycles since the last mark into slot i."""
+            if timing:
+                marks[1] = T.cast(T.call_extern("int64", "clock64"), "int32")
+                acc[i] = acc[i] + (marks[1] - marks[0])
+                marks[0] = marks[1]
+
+        @T.macro
+        def timing_start(acc, marks):
+            if timing:
+                for j in T.serial(NS):
+                    acc[j] = 0
+                marks[0] = T.cast(T.call_extern("int64", "clock64"), "int32")
+                marks[2] = marks[0]
+
+        @T.macro
+        def timing_end(acc, marks, grp, n_chunks, clk, bx):
+            if timing:
+                marks[1] = T.cast(T.call_extern("int64", "clock64"), "int32")
+                if T.get_thread_binding() % 128 == 0:
+                    for j in T.serial(NS - 2):
+                        clk[(bx * 4 + grp) * NS + j] = acc[j]
+                    clk[(bx * 4 + grp) * NS + NS - 2] = marks[1] - marks[2]
+                    clk[(bx * 4 + grp) * NS + NS - 1] = n_chunks
+
+        @T.macro
         def state_group(S_f, Y_f, s_s, y_s, v0, k_s, v_s, g_s, x_s, eg_s, egl_s, ready, xready, free, h0, h,
-                        ht, n, hh, bos, eos, n_chunks, c0):
+                        ht, n, hh, bos, eos, n_chunks, c0, acc, marks, grp, clk, bx):
             """One state group: value columns [v0, v0 + VH) of every chunk-start state."""
             T.set_max_nreg(nreg_s, 1)
             if state_v_first:
                 T.copy(h0[n, hh, v0:v0 + VH, 0:K], S_f)
             else:
                 T.copy(h0[n, hh, 0:K, v0:v0 + VH], S_f)
+            timing_start(acc, marks)
             for c in T.serial(n_chunks):
                 st = c % STAGES
                 par = (c // STAGES) % 2
@@ -96,7 +133,9 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
                 T.copy(S_f, s_s)
                 T.fence_proxy_async()
                 if async_h:  # K S first; the store to h runs beside it
+                    mark(acc, marks, 0)
                     T.barrier_wait(ready[st], par)
+                    mark(acc, marks, 1)
                     T.wgmma_gemm(k_s[st, :, :], s_s, Y_f, transpose_B=state_v_first, clear_accum=True)
                 if state_v_first:
                     for i, j in T.Parallel(VH, K):
@@ -108,11 +147,15 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
                     T.wait_wgmma(0)
                     fence_accumulator(Y_f)
                 else:
+                    mark(acc, marks, 0)
                     T.barrier_wait(ready[st], par)
+                    mark(acc, marks, 1)
                     T.gemm(k_s[st, :, :], s_s, Y_f, transpose_B=state_v_first, clear_accum=True)
                 # Y = e^{G_L} K S - diag(e^{G_L - G}) V
                 if x_decay:  # X's decay vectors for the chunk
+                    mark(acc, marks, 2)
                     T.barrier_wait(xready[st], par)
+                    mark(acc, marks, 3)
                     for i, j in T.Parallel(BT, VH):
                         Y_f[i, j] = Y_f[i, j] * egl_s[st] - eg_s[st, i] * T.cast(v_s[st, i, v0 + j], accum)
                 else:
@@ -124,12 +167,16 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
                 for i, j in T.Parallel(half[0], half[1]):
                     S_f[i, j] = S_f[i, j] * (egl_s[st] if x_decay else T.exp2(g_s[st, last] * LOG2E))
                 if not x_decay:
+                    mark(acc, marks, 2)
                     T.barrier_wait(xready[st], par)
+                    mark(acc, marks, 3)
                 if state_v_first:  # S^T += Y^T X
                     T.gemm(y_s, x_s[st, :, :], S_f, transpose_A=True)
                 else:  # S += X^T Y
                     T.gemm(x_s[st, :, :], y_s, S_f, transpose_A=True)
                 T.barrier_arrive(free[st])
+                mark(acc, marks, 4)
+            timing_end(acc, marks, grp, n_chunks, clk, bx)
             if state_v_first:
                 T.copy(S_f, ht[n, hh, v0:v0 + VH, 0:K])
             else:
@@ -147,6 +194,7 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
             chunk_offsets: T.Tensor((NP1,), "int32"),
             h: T.Tensor((NC, H) + state, dtype),
             ht: T.Tensor((N, H) + state, accum),
+            clk: T.Tensor((NCLK,), "int32"),  # timing builds only (one element otherwise)
         ):
             with T.Kernel(N * H, threads=512) as bx:
                 n = bx // H
@@ -180,6 +228,8 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
                 Y0_f = T.alloc_fragment((BT, VH), accum)
                 Y1_f = T.alloc_fragment((BT, VH), accum)
                 X_f = T.alloc_fragment((BT, K), accum)
+                acc = T.alloc_local((NS,), "int32")  # timing builds: each thread's counters
+                marks = T.alloc_local((3,), "int32")  # timing builds: the last mark, now, the loop's start
 
                 ready = T.alloc_barrier(arrive_count=[128] * STAGES)
                 xready = T.alloc_barrier(arrive_count=[128] * STAGES)
@@ -188,17 +238,19 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
                 tx = T.get_thread_binding()
                 if tx < 128:
                     state_group(S0_f, Y0_f, s0_s, y0_s, 0, k_s, v_s, g_s, x_s, eg_s, egl_s, ready, xready, free,
-                                h0, h, ht, n, hh, bos, eos, n_chunks, c0)
+                                h0, h, ht, n, hh, bos, eos, n_chunks, c0, acc, marks, 0, clk, bx)
                 elif tx < 256:
                     state_group(S1_f, Y1_f, s1_s, y1_s, VH, k_s, v_s, g_s, x_s, eg_s, egl_s, ready, xready, free,
-                                h0, h, ht, n, hh, bos, eos, n_chunks, c0)
+                                h0, h, ht, n, hh, bos, eos, n_chunks, c0, acc, marks, 1, clk, bx)
                 elif tx < 384:
                     # ================= X: -diag(b) A^T K, a chunk ahead of the states =================
                     T.set_max_nreg(nreg_x, 1)
+                    timing_start(acc, marks)
                     for c in T.serial(n_chunks):
                         st = c % STAGES
                         par = (c // STAGES) % 2
                         T.barrier_wait(ready[st], par)
+                        mark(acc, marks, 0)
                         T.gemm(a_s[st, :, :], k_s[st, :, :], X_f, transpose_A=True, clear_accum=True)
                         for i, j in T.Parallel(BT, K):
                             X_f[i, j] = -X_f[i, j] * b_s[st, i]
@@ -211,15 +263,19 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
                         T.fence_proxy_async()
                         T.barrier_arrive(xready[st])
                         T.barrier_arrive(free[st])
+                        mark(acc, marks, 1)
+                    timing_end(acc, marks, 2, n_chunks, clk, bx)
                 else:
                     # ================= producer: chunk c into stage c % STAGES =================
                     T.set_max_nreg(nreg_p, 0)
                     p = tx - 384
+                    timing_start(acc, marks)
                     for c in T.serial(n_chunks):
                         st = c % STAGES
                         t0 = bos + c * BT
                         if c >= STAGES:  # the stage's last chunk is done with it
                             T.barrier_wait(free[st], (c // STAGES + 1) % 2)
+                        mark(acc, marks, 0)
                         if t0 + BT <= eos:
                             T.tma_copy(k[t0:t0 + BT, hg, 0:K], k_s[st, :, :], barrier=ready[st])
                             T.tma_copy(v[t0:t0 + BT, hh, 0:V], v_s[st, :, :], barrier=ready[st])
@@ -237,6 +293,8 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
                             b_s[st, p] = T.if_then_else(t0 + p < eos, T.cast(b[t0 + p, hh], accum),
                                                         T.cast(0, accum))
                         T.barrier_arrive(ready[st])
+                        mark(acc, marks, 1)
+                    timing_end(acc, marks, 3, n_chunks, clk, bx)
 
         return gdr_states
 
@@ -250,11 +308,12 @@ def states_config(k, v, b, state_v_first: bool) -> tuple:
 
 
 def chunk_states(k, v, a, g, b, initial_state, seq_lens, chunk_size: int = 64, cu_seqlens=None,
-                 state_v_first: bool = False, **build):
+                 state_v_first: bool = False, clk=None, **build):
     """Every chunk-start state of a call and its final state: `(h, ht)`, `h` `[B, NT, H, K, V]`
     (`[1, total chunks, ...]` varlen; `[..., V, K]` with `state_v_first`) in k's dtype, `ht`
     `[N, H, K, V]` fp32 (same layout rule). Fresh outputs; the inputs are read only. `build`:
-    `build_states`' switches (`DEFAULT_BUILD`'s keys), for tools that time the builds."""
+    `build_states`' switches (`DEFAULT_BUILD`'s keys), for tools that time the builds; `clk`
+    (int32, `[N * H * 4 * TIMING_SLOTS]`) asks for the timing build and receives its counters."""
     import itertools
 
     import torch
@@ -281,9 +340,11 @@ def chunk_states(k, v, a, g, b, initial_state, seq_lens, chunk_size: int = 64, c
     unknown = set(build) - set(DEFAULT_BUILD)
     if unknown:
         raise TypeError(f"chunk_states: unknown build switch(es) {sorted(unknown)}; known: {sorted(DEFAULT_BUILD)}")
-    kern = build_states(*states_config(k, v, b, state_v_first), **build)
+    kern = build_states(*states_config(k, v, b, state_v_first), timing=clk is not None, **build)
+    if clk is None:
+        clk = torch.zeros(1, dtype=torch.int32, device=dev)
     TT = B * T_
     kern(k.reshape(TT, Hg, Kd).contiguous(), v.reshape(TT, H, Vd).contiguous(),
          a.reshape(TT, H, chunk_size).to(k.dtype).contiguous(), g.reshape(TT, H).float().contiguous(),
-         b.reshape(TT, H).contiguous(), h0, cu, offsets, h, ht)
+         b.reshape(TT, H).contiguous(), h0, cu, offsets, h, ht, clk)
     return h.view(B, -1, H, *state), ht
