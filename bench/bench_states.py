@@ -7,6 +7,7 @@ after warm-up, one process; each runner's `h` against ours (relative Frobenius).
     python bench/bench_states.py --match B8 --no-peer --out bench/results/states.json
     python bench/bench_states.py --builds default,s3,asynch,xdecay,s3+asynch+xdecay --no-peer
     python bench/bench_states.py --match B8 --no-peer --timing   # where a chunk step's cycles go
+    compute-sanitizer --tool racecheck python bench/bench_states.py --tiny --builds default,s3+asynch+xdecay
 
 Writes JSON and a markdown table (`--out`, `.md` beside it).
 """
@@ -80,6 +81,25 @@ def timing(call, build: str) -> str:
     return "\n".join(lines)
 
 
+def tiny(build: str) -> int:
+    """One small call (varlen 1/63/64/65/200, grouped heads, both state layouts) run once, its
+    `h` against make_inputs' float64 walk: the run for compute-sanitizer (racecheck, synccheck)."""
+    from dataclasses import replace
+
+    from gdr_dispatch.backends.kernels.tilelang_states import build_flags, chunk_states
+
+    base = ShapeSpec(seqlens=(1, 63, 64, 65, 200), H=2, Hg=1, K=128, V=128, h="given")
+    for spec in (base, replace(base, state_v_first=True)):
+        inputs = make_inputs(spec, "cuda")
+        call = validate(**{**call_kwargs(inputs), "h": None})
+        h, _ = chunk_states(call.k, call.v, call.a, call.g, call.b, call.initial_state, call.seq_lens,
+                            call.chunk_size, call.cu_seqlens, call.state_v_first, **build_flags(build))
+        want = inputs["h"].double()
+        print(f"tiny {build} state_v_first={spec.state_v_first}: h from the float64 walk "
+              f"{((h.double() - want).norm() / want.norm()).item():.1e}", flush=True)
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--match", default="", help="only the shapes whose name contains this")
@@ -89,12 +109,18 @@ def main() -> int:
                    help="state-kernel builds side by side, comma-separated: default or switches joined by '+' "
                         "(s3, asynch, xdecay; tilelang_states.build_flags)")
     p.add_argument("--out", default="", help="JSON path (a .md table is written beside it)")
+    p.add_argument("--tiny", action="store_true",
+                   help="run each build once on a small call and check it (for compute-sanitizer), nothing else")
     p.add_argument("--timing", action="store_true",
                    help="also run each build's timing build (cycle counters per role group and barrier)")
     a = p.parse_args()
     if not torch.cuda.is_available():
         print("bench_states: needs a CUDA device", file=sys.stderr)
         return 2
+    if a.tiny:
+        for build in a.builds.split(","):
+            tiny(build)
+        return 0
     rows = []
     for name, spec in SHAPES.items():
         if a.match not in name:

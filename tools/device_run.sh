@@ -23,6 +23,10 @@
 #   tune[=SECONDS]   gdr-dispatch tune --preset h200-train (TUNE_ARGS replaces the preset, e.g. '--grid
 #                    tools/tune_saturated.yaml --backends fla,tilelang_ws') -> $OUT/tune.log (TUNE_LOG), $OUT/<device>.yaml
 #   profile[=SECONDS] tools/profile_fla_adapter.py           -> $OUT/profile.log
+#   states[=SECONDS] bench/bench_states.py (the h=None state kernel beside fla's stages 1-2 and FlashQLA's fused_gdr_h;
+#                    STATES_ARGS adds flags: --builds a,b --timing --no-peer --match B8) -> $OUT/states.log, $OUT/bench/states.{json,md}
+#   statesrace[=SECONDS] compute-sanitizer racecheck + synccheck on the state kernel (bench_states.py --tiny;
+#                    STATES_BUILDS='default,s3+asynch+xdecay') -> $OUT/statesrace.log
 #   splitprof[=SECONDS] tools/profile_split.py (a split call's GPU vs host time, top ops; --graph in SPLIT_ARGS adds CUDA-graph replays; SPLIT_ARGS, default
 #                    B1 T32768 H4, 16 segments, tilelang_ws and fla) -> $OUT/splitprof.log
 #   ncu[=SECONDS]    Nsight Compute, one launch of the ws kernel (NCU_SHAPE, default B4T4096H16; WS_ARGS
@@ -86,6 +90,12 @@ for arg in "$@"; do
                    python3 tools/ws_probe.py --only tiny --once --kernel $kern $WS_ARGS 2>&1 | grep -v TileLang | tail -n 25
                done; done; python3 tools/ws_probe.py --only B8T4096H32 --check --repeat 20 $WS_ARGS 2>&1 | grep -v TileLang' \
                > "$OUT/race.log" 2>&1 ;;
+    states)  # the state kernel (issue 14): STATES_ARGS for bench/bench_states.py, e.g. '--builds default,s3 --timing'
+             timeout "$limit" python3 bench/bench_states.py ${STATES_ARGS:-} --out "$OUT/bench/states.json" 2>&1 \
+               | grep -v TileLang > "$OUT/states.log" ;;
+    statesrace) timeout "$limit" bash -c 'for tool in racecheck synccheck; do echo "== $tool"; compute-sanitizer --tool $tool \
+                  --print-limit 20 python3 bench/bench_states.py --tiny --builds "${STATES_BUILDS:-default}" 2>&1 \
+                  | grep -v TileLang | tail -n 25; done' > "$OUT/statesrace.log" 2>&1 ;;
     timing)  [ -n "${precompile_pid:-}" ] && wait "$precompile_pid"
              for shape in ${TIMING_SHAPES:-B4T4096H16 B8T4096H32}; do
                timeout "$(( limit - ($(date +%s) - start) ))" python3 tools/ws_probe.py --only "$shape" --timing ${WS_ARGS:-} ${WS_BUILDS:+--builds "$WS_BUILDS"} \
