@@ -35,14 +35,13 @@ SHAPES = {
 
 def runners(call, peer: bool, builds: list) -> dict:
     from gdr_dispatch.backends.common import fla_pipeline
-    from gdr_dispatch.backends.kernels.tilelang_states import build_flags, chunk_states
+    from gdr_dispatch.backends.kernels.tilelang_states import build_flags, call_states
 
     out = {}
     for build in builds:  # the first is the reference every other runner's h is compared with
         flags = build_flags(build)
         out["tilelang_states" + ("" if build == "default" else f"[{build}]")] = (
-            lambda flags=flags: chunk_states(call.k, call.v, call.a, call.g, call.b, call.initial_state, call.seq_lens,
-                                             call.chunk_size, call.cu_seqlens, call.state_v_first, **flags)[0])
+            lambda flags=flags: call_states(call, **flags)[0])
     out["fla stages 1-2"] = lambda: fla_pipeline.recompute_states(call)
     if peer:
         try:
@@ -65,12 +64,9 @@ def timing(call, build: str) -> str:
 
     NS, groups = ts.TIMING_SLOTS, list(ts.TIMING_NAMES)
     clk = torch.zeros(call.N * call.H * len(groups) * NS, dtype=torch.int32, device="cuda")
-    run = (lambda: ts.chunk_states(call.k, call.v, call.a, call.g, call.b, call.initial_state, call.seq_lens,
-                                   call.chunk_size, call.cu_seqlens, call.state_v_first, clk=clk,
-                                   **ts.build_flags(build)))
-    run()
-    clk.zero_()
-    run()
+    for _ in range(2):  # the first call compiles; the second counts alone
+        clk.zero_()
+        ts.call_states(call, clk=clk, **ts.build_flags(build))
     torch.cuda.synchronize()
     c = clk.view(-1, len(groups), NS).double()
     per_chunk = (c[..., :NS - 1] / c[..., NS - 1:].clamp(min=1)).mean(0)  # [groups, slots]
@@ -86,14 +82,13 @@ def tiny(build: str) -> int:
     `h` against make_inputs' float64 walk: the run for compute-sanitizer (racecheck, synccheck)."""
     from dataclasses import replace
 
-    from gdr_dispatch.backends.kernels.tilelang_states import build_flags, chunk_states
+    from gdr_dispatch.backends.kernels.tilelang_states import build_flags, call_states
 
     base = ShapeSpec(seqlens=(1, 63, 64, 65, 200), H=2, Hg=1, K=128, V=128, h="given")
     for spec in (base, replace(base, state_v_first=True)):
         inputs = make_inputs(spec, "cuda")
         call = validate(**{**call_kwargs(inputs), "h": None})
-        h, _ = chunk_states(call.k, call.v, call.a, call.g, call.b, call.initial_state, call.seq_lens,
-                            call.chunk_size, call.cu_seqlens, call.state_v_first, **build_flags(build))
+        h, _ = call_states(call, **build_flags(build))
         want = inputs["h"].double()
         print(f"tiny {build} state_v_first={spec.state_v_first}: h from the float64 walk "
               f"{((h.double() - want).norm() / want.norm()).item():.1e}", flush=True)

@@ -167,15 +167,14 @@ def test_tilelang_states_kernel_on_gpu(name, dtype):
     float64, in the call's state layout."""
     from dataclasses import replace
 
-    from gdr_dispatch.backends.kernels.tilelang_states import chunk_states
+    from gdr_dispatch.backends.kernels.tilelang_states import call_states
     from gdr_dispatch.reference import recurrent_forward
     from gdr_dispatch.shapes import call_kwargs, make_inputs
 
     spec = replace(SHAPES[name], dtype=dtype, h="given")
     inputs = make_inputs(spec, "cuda")
     call = validate(**{**call_kwargs(inputs), "h": None})
-    h, ht = chunk_states(call.k, call.v, call.a, call.g, call.b, call.initial_state, call.seq_lens,
-                         call.chunk_size, call.cu_seqlens, call.state_v_first)
+    h, ht = call_states(call)
     want = inputs["h"].double()
     assert h.shape == want.shape and h.dtype == call.k.dtype
     assert ((h.double() - want).norm() / want.norm()).item() < 1e-2

@@ -35,9 +35,11 @@ def fused_sm90_limits(p: Problem, smem_note: str) -> list[str]:
     if elements >= 2 ** 31:
         reasons.append(f"the kernel indexes with 32-bit integers; this call's largest tensor has {elements} "
                        f"elements (>= 2^31): split the batch")
-    if not p.h_given and p.version("fla") is None and states_kernel_refusal():
-        reasons.append(f"with h=None the states are recomputed by fla-core's stages 1-2 (our state kernel: "
-                       f"{states_kernel_refusal()}), and fla-core is not installed")
+    if not p.h_given and p.version("fla") is None:
+        why = states_kernel_refusal()
+        if why:
+            reasons.append(f"with h=None the states are recomputed by fla-core's stages 1-2 (our state kernel: "
+                           f"{why}), and fla-core is not installed")
     return reasons
 
 
@@ -70,11 +72,9 @@ def recompute_states(call: GDRCall):
                  key[0].describe())
     if why:
         return fla_pipeline.recompute_states(call)
-    from ..kernels.tilelang_states import chunk_states
+    from ..kernels.tilelang_states import call_states
 
-    h, _ = chunk_states(call.k, call.v, call.a, call.g, call.b, call.initial_state, call.seq_lens,
-                        call.chunk_size, call.cu_seqlens, call.state_v_first)
-    return h
+    return call_states(call)[0]
 
 
 def run_given_h(call: GDRCall, launcher) -> GDRGrads:

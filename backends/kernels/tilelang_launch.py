@@ -22,6 +22,19 @@ def tl_dtype(dt) -> str:
     return str(dt).replace("torch.", "")
 
 
+def packed_sequences(B: int, T_: int, seq_lens, chunk_size: int, cu_seqlens, dev) -> tuple:
+    """The calling convention's sequence tensors: `(cu, offsets, counts)`, int32 `cu_seqlens`
+    (B sequences of T tokens when None), each sequence's first chunk in `h` (a cached device
+    constant: graph-capture safe) and its chunk count."""
+    if cu_seqlens is None:
+        cu = torch.arange(0, (B + 1) * T_, T_, dtype=torch.int32, device=dev)
+    else:
+        cu = cu_seqlens.to(torch.int32)
+    counts = [-(-n // chunk_size) for n in seq_lens]
+    offsets = device_constant((0, *itertools.accumulate(counts)), torch.int32, dev)
+    return cu, offsets, counts
+
+
 def launch_packed(kern, q, k, v, do, a, g, b, h, dht, seq_lens, chunk_size: int, cu_seqlens, has_h0: bool,
                   state_v_first: bool, dq_dtype: torch.dtype, db_dtype: torch.dtype, extra=()):
     """Pack the call, run `kern(q, k, v, do, a, g, b, h, dht, cu, offsets, dq, dk, dv, dg, db, dh0)`
@@ -35,12 +48,7 @@ def launch_packed(kern, q, k, v, do, a, g, b, h, dht, seq_lens, chunk_size: int,
     H, V = v.shape[2], v.shape[3]
     N = len(seq_lens)
     dev = q.device
-    if cu_seqlens is None:
-        cu = torch.arange(0, (B + 1) * T_, T_, dtype=torch.int32, device=dev)
-    else:
-        cu = cu_seqlens.to(torch.int32)
-    counts = [-(-n // chunk_size) for n in seq_lens]
-    offsets = device_constant((0, *itertools.accumulate(counts)), torch.int32, dev)  # kept: graph-capture safe
+    cu, offsets, _ = packed_sequences(B, T_, seq_lens, chunk_size, cu_seqlens, dev)
     if dht is None:
         dht_in = torch.zeros(N, H, K, V, dtype=torch.float32, device=dev)
     else:

@@ -29,6 +29,7 @@ import tilelang
 import tilelang.language as T
 
 from .tilelang_common import fence_accumulator, parse_build
+from .tilelang_launch import packed_sequences, tl_dtype
 
 BT, K, V = 64, 128, 128
 VH = V // 2  # value columns per state group
@@ -81,6 +82,7 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
     NP1 = T.dynamic("num_seqs_plus_1")
     NCLK = T.dynamic("num_clk")
     NS = TIMING_SLOTS
+    NG = len(TIMING_NAMES)
     group = H // Hg
     nreg_s, _, nreg_x, nreg_p = NREG
     half = (VH, K) if state_v_first else (K, VH)  # a state group's part of the state
@@ -111,9 +113,17 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
                 marks[1] = T.cast(T.call_extern("int64", "clock64"), "int32")
                 if T.get_thread_binding() % 128 == 0:
                     for j in T.serial(NS - 2):
-                        clk[(bx * 4 + grp) * NS + j] = acc[j]
-                    clk[(bx * 4 + grp) * NS + NS - 2] = marks[1] - marks[2]
-                    clk[(bx * 4 + grp) * NS + NS - 1] = n_chunks
+                        clk[(bx * NG + grp) * NS + j] = acc[j]
+                    clk[(bx * NG + grp) * NS + NS - 2] = marks[1] - marks[2]
+                    clk[(bx * NG + grp) * NS + NS - 1] = n_chunks
+
+        @T.macro
+        def timed_wait(bars, st, parity, acc, marks, slot):
+            """A state group's wait at barrier `bars[st]` (a barrier passed alone reaches a macro as
+            a plain variable); timing: the work before it into `slot`, the wait into `slot + 1`."""
+            mark(acc, marks, slot)
+            T.barrier_wait(bars[st], parity)
+            mark(acc, marks, slot + 1)
 
         @T.macro
         def state_group(S_f, Y_f, s_s, y_s, v0, k_s, v_s, g_s, x_s, eg_s, egl_s, ready, xready, free, h0, h,
@@ -133,9 +143,7 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
                 T.copy(S_f, s_s)
                 T.fence_proxy_async()
                 if async_h:  # K S first; the store to h runs beside it
-                    mark(acc, marks, 0)
-                    T.barrier_wait(ready[st], par)
-                    mark(acc, marks, 1)
+                    timed_wait(ready, st, par, acc, marks, 0)
                     T.wgmma_gemm(k_s[st, :, :], s_s, Y_f, transpose_B=state_v_first, clear_accum=True)
                 if state_v_first:
                     for i, j in T.Parallel(VH, K):
@@ -147,15 +155,11 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
                     T.wait_wgmma(0)
                     fence_accumulator(Y_f)
                 else:
-                    mark(acc, marks, 0)
-                    T.barrier_wait(ready[st], par)
-                    mark(acc, marks, 1)
+                    timed_wait(ready, st, par, acc, marks, 0)
                     T.gemm(k_s[st, :, :], s_s, Y_f, transpose_B=state_v_first, clear_accum=True)
                 # Y = e^{G_L} K S - diag(e^{G_L - G}) V
                 if x_decay:  # X's decay vectors for the chunk
-                    mark(acc, marks, 2)
-                    T.barrier_wait(xready[st], par)
-                    mark(acc, marks, 3)
+                    timed_wait(xready, st, par, acc, marks, 2)
                     for i, j in T.Parallel(BT, VH):
                         Y_f[i, j] = Y_f[i, j] * egl_s[st] - eg_s[st, i] * T.cast(v_s[st, i, v0 + j], accum)
                 else:
@@ -167,9 +171,7 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
                 for i, j in T.Parallel(half[0], half[1]):
                     S_f[i, j] = S_f[i, j] * (egl_s[st] if x_decay else T.exp2(g_s[st, last] * LOG2E))
                 if not x_decay:
-                    mark(acc, marks, 2)
-                    T.barrier_wait(xready[st], par)
-                    mark(acc, marks, 3)
+                    timed_wait(xready, st, par, acc, marks, 2)
                 if state_v_first:  # S^T += Y^T X
                     T.gemm(y_s, x_s[st, :, :], S_f, transpose_A=True)
                 else:  # S += X^T Y
@@ -303,8 +305,7 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
 
 def states_config(k, v, b, state_v_first: bool) -> tuple:
     """`build_states`' arguments for a call (the launcher's and precompile jobs')."""
-    return (v.shape[2], k.shape[2], str(k.dtype).replace("torch.", ""), str(b.dtype).replace("torch.", ""),
-            bool(state_v_first))
+    return (v.shape[2], k.shape[2], tl_dtype(k.dtype), tl_dtype(b.dtype), bool(state_v_first))
 
 
 def chunk_states(k, v, a, g, b, initial_state, seq_lens, chunk_size: int = 64, cu_seqlens=None,
@@ -313,23 +314,20 @@ def chunk_states(k, v, a, g, b, initial_state, seq_lens, chunk_size: int = 64, c
     (`[1, total chunks, ...]` varlen; `[..., V, K]` with `state_v_first`) in k's dtype, `ht`
     `[N, H, K, V]` fp32 (same layout rule). Fresh outputs; the inputs are read only. `build`:
     `build_states`' switches (`DEFAULT_BUILD`'s keys), for tools that time the builds; `clk`
-    (int32, `[N * H * 4 * TIMING_SLOTS]`) asks for the timing build and receives its counters."""
-    import itertools
-
+    (int32, `[N * H * len(TIMING_NAMES) * TIMING_SLOTS]`) asks for the timing build and receives
+    its counters."""
     import torch
 
-    from gdr_dispatch.graph_safe import device_constant
-
+    unknown = set(build) - set(DEFAULT_BUILD)
+    if unknown:
+        raise TypeError(f"chunk_states: unknown build switch(es) {sorted(unknown)}; known: {sorted(DEFAULT_BUILD)}")
     B, T_, Hg, Kd = k.shape
     H, Vd = v.shape[2], v.shape[3]
     if (Kd, Vd, chunk_size) != (K, V, BT):
         raise ValueError(f"chunk_states: built for K = V = {K}, chunk {BT}; got K={Kd}, V={Vd}, chunk {chunk_size}")
     N = len(seq_lens)
     dev = k.device
-    cu = (torch.arange(0, (B + 1) * T_, T_, dtype=torch.int32, device=dev) if cu_seqlens is None
-          else cu_seqlens.to(torch.int32))
-    counts = [-(-n // chunk_size) for n in seq_lens]
-    offsets = device_constant((0, *itertools.accumulate(counts)), torch.int32, dev)
+    cu, offsets, counts = packed_sequences(B, T_, seq_lens, chunk_size, cu_seqlens, dev)
     state = (Vd, Kd) if state_v_first else (Kd, Vd)
     if initial_state is None:
         h0 = torch.zeros(N, H, *state, dtype=torch.float32, device=dev)
@@ -337,9 +335,6 @@ def chunk_states(k, v, a, g, b, initial_state, seq_lens, chunk_size: int = 64, c
         h0 = initial_state.float().contiguous()
     h = torch.empty(sum(counts), H, *state, dtype=k.dtype, device=dev)
     ht = torch.empty(N, H, *state, dtype=torch.float32, device=dev)
-    unknown = set(build) - set(DEFAULT_BUILD)
-    if unknown:
-        raise TypeError(f"chunk_states: unknown build switch(es) {sorted(unknown)}; known: {sorted(DEFAULT_BUILD)}")
     kern = build_states(*states_config(k, v, b, state_v_first), timing=clk is not None, **build)
     if clk is None:
         clk = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -348,3 +343,9 @@ def chunk_states(k, v, a, g, b, initial_state, seq_lens, chunk_size: int = 64, c
          a.reshape(TT, H, chunk_size).to(k.dtype).contiguous(), g.reshape(TT, H).float().contiguous(),
          b.reshape(TT, H).contiguous(), h0, cu, offsets, h, ht, clk)
     return h.view(B, -1, H, *state), ht
+
+
+def call_states(call, clk=None, **build):
+    """`chunk_states` on a validated call (`contract.GDRCall`): `(h, ht)`."""
+    return chunk_states(call.k, call.v, call.a, call.g, call.b, call.initial_state, call.seq_lens, call.chunk_size,
+                        call.cu_seqlens, call.state_v_first, clk=clk, **build)
