@@ -12,7 +12,7 @@ from __future__ import annotations
 from gdr_dispatch.contract import GDRCall, GDRGrads
 from gdr_dispatch.registry import Backend, Problem, register
 
-from .common.tilelang_sm90 import fused_sm90_limits, run_given_h
+from .common.tilelang_sm90 import fused_sm90_limits, run_given_h, states_compile_jobs
 
 
 class TileLangFusedBackend(Backend):
@@ -30,9 +30,10 @@ class TileLangFusedBackend(Backend):
     def compile_jobs(self, call: GDRCall) -> list[tuple[str, str, tuple]]:
         from .kernels import tilelang_fused_bwd as m
 
-        h_dtype = call.h.dtype if call.h is not None else call.k.dtype  # fla's recompute gives k's dtype
-        return [(m.__name__, m.build_fused_bwd.__name__,
-                 m.fused_config(call.q, call.v, call.b, h_dtype, call.scale, call.chunk_size))]
+        h_dtype = call.h.dtype if call.h is not None else call.k.dtype  # the recompute gives k's dtype
+        return states_compile_jobs(call) + [(m.__name__, m.build_fused_bwd.__name__,
+                                             m.fused_config(call.q, call.v, call.b, h_dtype, call.scale,
+                                                            call.chunk_size))]
 
 
 register(TileLangFusedBackend())

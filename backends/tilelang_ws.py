@@ -4,8 +4,7 @@
 mbarriers); the successor of `tilelang_fused`'s plain kernel, 1.4-1.6x faster than it on the
 H200 (docs/tilelang_ws.md). Verified on the H200: oracle tests, compute-sanitizer racecheck
 and synccheck, bit-identical reruns. With `h=None` the states are recomputed first
-(`common/tilelang_sm90.recompute_states`: our state kernel once verified, fla's stages 1-2 until
-then).
+(`common/tilelang_sm90.recompute_states`: our TileLang state kernel, docs/tilelang_states.md).
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from __future__ import annotations
 from gdr_dispatch.contract import GDRCall, GDRGrads
 from gdr_dispatch.registry import Backend, Problem, register
 
-from .common.tilelang_sm90 import fused_sm90_limits, run_given_h
+from .common.tilelang_sm90 import fused_sm90_limits, run_given_h, states_compile_jobs
 
 
 class TileLangWSBackend(Backend):
@@ -32,7 +31,8 @@ class TileLangWSBackend(Backend):
     def compile_jobs(self, call: GDRCall) -> list[tuple[str, str, tuple]]:
         from .kernels import tilelang_ws_bwd as m
 
-        return [(m.__name__, m.build_ws_bwd.__name__, m.ws_config(call.q, call.v, call.b, call.scale))]
+        return states_compile_jobs(call) + [(m.__name__, m.build_ws_bwd.__name__,
+                                             m.ws_config(call.q, call.v, call.b, call.scale))]
 
 
 register(TileLangWSBackend())

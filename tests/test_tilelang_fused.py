@@ -170,13 +170,17 @@ def test_compile_jobs_are_the_builds_the_launchers_make(backend, module, launche
     import importlib
     import pickle
 
-    from gdr_dispatch.backends.common import fla_pipeline
+    from gdr_dispatch.backends.common import tilelang_sm90
     from gdr_dispatch.contract import validate
     from gdr_dispatch.shapes import call_kwargs, make_inputs
 
     call = validate(**call_kwargs(make_inputs(ShapeSpec(**spec, K=128, V=128, h=h_mode), "cpu")))
-    (job,) = get_backend(backend).compile_jobs(call)
-    pickle.dumps(job)
+    *first, job = get_backend(backend).compile_jobs(call)
+    pickle.dumps([*first, job])
+    # with h=None the state kernel's build comes first (tests/test_tilelang_states.py checks that it
+    # is the build chunk_states asks for)
+    assert first == (tilelang_sm90.states_compile_jobs(call) if h_mode == "none" else [])
+    assert (len(first) == 1) == (h_mode == "none")
     mod = importlib.import_module(job[0])
     built = []
 
@@ -185,8 +189,8 @@ def test_compile_jobs_are_the_builds_the_launchers_make(backend, module, launche
         raise RuntimeError("stop before launching")
 
     monkeypatch.setattr(mod, job[1], build)
-    # with h=None the launcher gets fla's recomputed states, in k's dtype
-    monkeypatch.setattr(fla_pipeline, "recompute_states",
+    # with h=None the launcher gets the recomputed states, in k's dtype
+    monkeypatch.setattr(tilelang_sm90, "recompute_states",
                         lambda c: torch.zeros(c.B, c.num_chunks // c.B if c.cu_seqlens is None else c.num_chunks,
                                               c.H, c.K, c.V, dtype=c.k.dtype))
     with pytest.raises(RuntimeError, match="stop before launching"):

@@ -84,12 +84,16 @@ def test_the_kernels_algebra_gives_the_contracts_states(name):
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile for sm_90a")
 @pytest.mark.parametrize("v_first, build", [(False, {}), (True, {}),
-                                             (False, {"stages": 3, "async_h": True, "x_decay": True})],
-                         ids=["k_first", "v_first", "s3_asynch_xdecay"])
+                                             (False, {"stages": 3, "async_h": True, "x_decay": True}),
+                                             (False, {"tma_gb": False}),
+                                             (False, {"tma_gb": False, "gb_ahead": False, "tma_h": False}),
+                                             (True, {"tma_gb": False, "gb_ahead": False, "tma_h": False})],
+                         ids=["k_first", "v_first", "s3_asynch_xdecay", "v2", "v1", "v1_v_first"])
 def test_state_kernel_compiles_for_sm90a_with_its_roles(v_first, build):
-    from gdr_dispatch.backends.kernels.tilelang_states import NREG, build_states
+    from gdr_dispatch.backends.kernels.tilelang_states import DEFAULT_BUILD, NREG, build_states
 
     src = build_states(4, 2, "bfloat16", "bfloat16", v_first, **build).get_kernel_source()
+    build = {**DEFAULT_BUILD, **build}
     assert sum(NREG) * 128 <= 65536
     assert "__launch_bounds__(512, 1)" in src
     for n in sorted(set(NREG[:3])):
@@ -101,11 +105,14 @@ def test_state_kernel_compiles_for_sm90a_with_its_roles(v_first, build):
     ids = [set(re.findall(r"__sync_thread_partial\((\d+), 128\)", part)) for part in roles]
     assert all(not (x & y) for i, x in enumerate(ids) for y in ids[i + 1:]), ids
     producer = roles[3]
-    # k (in a loop of two 64-column boxes), v and a: the whole chunks by TMA, their bytes expected
-    assert producer.count("tma_load(") == 3 and producer.count("expect_transaction") == 3
+    # k (in a loop of two 64-column boxes), v and a (and with tma_gb g and b, 256 bytes each): the whole
+    # chunks by TMA, their bytes expected
+    n_tma = 5 if build["tma_gb"] else 3
+    assert producer.count("tma_load(") == n_tma and producer.count("expect_transaction") == n_tma
+    assert (producer.count("expect_transaction(256)") == 2) == build["tma_gb"]
     assert re.search(r"for \(int i_\d+ = 0; i_\d+ < 2; \+\+i_\d+\) \{\s*tl::tma_load\(k_desc", producer)
     # the producer refills a stage only after its last chunk's free barrier (parity of c/stages - 1)
-    n = build.get("stages", 2)
+    n = build["stages"]
     refill = (r"free\[\(c_\d+ & 1\)\]\.wait\(\(\(\(c_\d+ >> 1\) \+ 1\) & 1\)\)" if n == 2 else
               rf"free\[\(c_\d+ % {n}\)\]\.wait\(\(\(\(c_\d+ / {n}\) \+ 1\) & 1\)\)")
     assert re.search(refill, producer)
@@ -113,10 +120,24 @@ def test_state_kernel_compiles_for_sm90a_with_its_roles(v_first, build):
     for part in roles[:2]:
         order = [part.find("ready["), part.find("xready["), part.find("free[")]
         assert -1 not in order and order == sorted(order), order
-        if build.get("async_h"):  # K S issued, the chunk-start state stored to h, then waited for
-            order = [part.find("warpgroup_commit_batch"), part.find("*(uint4*)(h + "), part.find("wait_wgmma<0>")]
+        if build["async_h"]:  # K S issued, the chunk-start state stored to h, then waited for
+            store_h = "tl::tma_store(h_desc" if build["tma_h"] else "*(uint4*)(h + "
+            order = [part.find("warpgroup_commit_batch"), part.find(store_h), part.find("wait_wgmma<0>")]
             assert -1 not in order and order == sorted(order), order
-        assert ("exp2" in part) != bool(build.get("x_decay"))  # with x_decay X forms the decays
+        assert ("exp2" in part) != build["x_decay"]  # with x_decay X forms the decays
+        if build["tma_h"]:  # one elected thread stores h by TMA; its read of s_s is waited for
+            assert "*(uint4*)(h + " not in part  # before the stage is freed (s_s is rewritten next)
+            store = re.search(r"tl_shuffle_elect<128>\(\)\) \{\s*(#pragma unroll\s*for [^{]*\{\s*)?tl::tma_store\(h_desc",
+                              part)
+            assert store, "h is not stored by one elected thread's TMA"
+            order = [store.start(), part.find("xready["), part.find("tma_store_wait<0, true>()"), part.find("free[")]
+            assert -1 not in order and order == sorted(order), order
+    if build["gb_ahead"] and not build["tma_gb"]:  # g and b of chunk c + 1 are loaded after chunk c's ready arrival
+        loop = producer[producer.find("for (int c_"):]
+        assert "g_r[0] = " in producer[:producer.find("for (int c_")]  # chunk 0's before the loop
+        stored = loop.find("= g_r[0];")
+        arrive = loop.find("].arrive()", stored)
+        assert -1 < stored < arrive < loop.find("g_r[0] = ", arrive) and "ready[" in loop[arrive - 20:arrive]
 
 
 @pytest.mark.slow
@@ -162,3 +183,42 @@ def test_h_none_recompute_waits_for_the_state_kernels_gpu_tests(monkeypatch, cap
     assert ran == ["fla", "ours"]
     assert "fla's stages 1-2 (our state kernel: not verified on a GPU yet" in caplog.text
     assert "on our TileLang state kernel" in caplog.text
+
+
+def test_head_major_copies_are_fresh_transposes_with_padded_rows():
+    """The launcher's g and b for the TMA loads (tma_gb): `[H, width]` fp32, token t of head h at
+    [h, t], rows padded to `width` (the kernel's TMA boxes need 16-byte row strides)."""
+    from gdr_dispatch.backends.kernels.tilelang_states import _head_major
+
+    x = torch.randn(7, 3, dtype=torch.bfloat16)
+    out = _head_major(x, 8)
+    assert out.shape == (3, 8) and out.dtype == torch.float32 and out.stride() == (8, 1)
+    assert torch.equal(out[:, :7], x.float().t())
+    assert out.data_ptr() != x.data_ptr()
+
+
+@pytest.mark.parametrize("v_first", [False, True])
+def test_the_state_kernels_compile_job_is_the_build_chunk_states_asks_for(v_first, monkeypatch):
+    """`tune` compiles an `h=None` call's state kernel in a worker first (the sm90 TileLang
+    backends' `compile_jobs`): the job must be the very `build_states` call (lru_cache key) the
+    launcher then makes, or the sweep compiles it twice."""
+    from gdr_dispatch.backends.common import tilelang_sm90
+    from gdr_dispatch.backends.kernels import tilelang_states
+    from gdr_dispatch.contract import validate
+    from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs
+
+    spec = ShapeSpec(seqlens=(1, 63, 130), H=4, Hg=2, K=128, V=128, h="none", state_v_first=v_first)
+    call = validate(**call_kwargs(make_inputs(spec, "cpu")))
+    monkeypatch.setattr(tilelang_states, "GPU_VERIFIED", True)
+    (job,) = tilelang_sm90.states_compile_jobs(call)
+    asked = []
+
+    def build(*args, **kwargs):
+        asked.append((args, kwargs))
+        raise RuntimeError("stop before launching")
+
+    monkeypatch.setattr(tilelang_states, job[1], build)
+    with pytest.raises(RuntimeError, match="stop before launching"):
+        tilelang_states.call_states(call)
+    assert asked == [(job[2], {})] and job[0] == tilelang_states.__name__
+

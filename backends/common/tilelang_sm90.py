@@ -77,6 +77,16 @@ def recompute_states(call: GDRCall):
     return call_states(call)[0]
 
 
+def states_compile_jobs(call: GDRCall) -> list:
+    """`compile_jobs`' entry for the state kernel an `h=None` call runs first (none when `h` is given
+    or fla's stages 1-2 recompute it): the very build `chunk_states` asks for."""
+    if call.h is not None or states_kernel_refusal():
+        return []
+    from ..kernels import tilelang_states as m
+
+    return [(m.__name__, m.build_states.__name__, m.states_config(call.k, call.v, call.b, call.state_v_first))]
+
+
 def run_given_h(call: GDRCall, launcher) -> GDRGrads:
     """`launcher` (a kernel's `*_given_h`) on the call; with `h=None` the chunk-start states are
     recomputed first (`recompute_states`)."""

@@ -40,15 +40,18 @@ LOG2E = 1.4426950408889634  # exp(x) = exp2(x log2 e)
 NREG = (168, 168, 152, 24)
 
 #: Whether the GPU tests (tests/test_gpu.py: `h` against the float64 walk, the backends' h=None
-#: paths on it) have passed on the H200; while False, backends use it only with
+#: paths on it) have passed on the H200 (session 12, the default build: bench/results/ws_steps/
+#: s12call3-gpu_tests.log, s12call4-gpu_tests.log); while False, backends use it only with
 #: GDR_ALLOW_UNVERIFIED=1 (fla's stages 1-2 otherwise).
-GPU_VERIFIED = False
+GPU_VERIFIED = True
 
-#: The build `chunk_states` runs (v1). The switches are prepared, not yet timed (predictions:
-#: docs/tilelang_states.md "Next" 2): `stages` of the load ring; `async_h`, K S issued before the
-#: chunk-start state's store to `h`, which then overlaps it; `x_decay`, the chunk's decay
-#: vectors formed once by X (a chunk ahead) instead of an exp2 per element in the state groups.
-DEFAULT_BUILD = {"stages": 2, "async_h": False, "x_decay": False}
+#: The build `chunk_states` runs (v2; docs/tilelang_states.md, "Session 12"): `gb_ahead`, the
+#: producer loads g and b a chunk ahead (in v1 each chunk's plain loads, queued behind its TMA
+#: loads, held the producer ~4.6K cycles and paced the kernel); `tma_h`, the chunk-start state
+#: stored to `h` by one thread's TMA instead of 128 threads' stores. Switches timed against it in
+#: session 12 (bench/results/nvidia-h200-sm90-states.md): `stages`, `async_h` (K S issued before
+#: the store to `h`), `x_decay` (the decay vectors formed once by X).
+DEFAULT_BUILD = {"stages": 2, "async_h": False, "x_decay": False, "gb_ahead": True, "tma_h": True, "tma_gb": True}
 
 #: `timing=True` builds: int32 cycle counters per CTA and role group (S0, S1, X, producer), summed
 #: over the chunks: the work before and the wait at each barrier a group waits on, in order
@@ -61,15 +64,20 @@ TIMING_NAMES = {"S0": ("work", "ready wait", "work", "xready wait", "work"),
 
 def build_flags(build: str) -> dict:
     """`'default'` or switches joined by '+' (`s3`: three stages, `asynch`: async_h, `xdecay`:
-    x_decay) -> `build_states` keyword arguments (bench/bench_states.py --builds, precompile)."""
+    x_decay, `gbsync`: g and b loaded in their chunk, `sth`: h by plain stores; `gbsync+sth` is v1)
+    -> `build_states` keyword arguments (bench/bench_states.py --builds, precompile)."""
     return parse_build(build, DEFAULT_BUILD, {"s3": ("stages", 3), "asynch": ("async_h", True),
-                                              "xdecay": ("x_decay", True)}, "state-kernel switch")
+                                              "xdecay": ("x_decay", True), "gbsync": ("gb_ahead", False),
+                                              "sth": ("tma_h", False), "gbplain": ("tma_gb", False)},
+                     "state-kernel switch")
 
 
 @functools.lru_cache(maxsize=None)
 def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
                  stages: int = DEFAULT_BUILD["stages"], async_h: bool = DEFAULT_BUILD["async_h"],
-                 x_decay: bool = DEFAULT_BUILD["x_decay"], timing: bool = False):
+                 x_decay: bool = DEFAULT_BUILD["x_decay"], gb_ahead: bool = DEFAULT_BUILD["gb_ahead"],
+                 tma_h: bool = DEFAULT_BUILD["tma_h"], tma_gb: bool = DEFAULT_BUILD["tma_gb"],
+                 timing: bool = False):
     """Compile (once per configuration) the state kernel (K = V = 128, chunk 64). States in and
     out (`h0`, `h`, `ht`) in the contract's layout: `[..., K, V]`, or `[..., V, K]` with
     `state_v_first` (then each state group holds its half transposed); the switches:
@@ -81,6 +89,7 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
     N = T.dynamic("num_seqs")
     NP1 = T.dynamic("num_seqs_plus_1")
     NCLK = T.dynamic("num_clk")
+    TTP = T.dynamic("num_tokens_padded")  # tma_gb: g and b head-major, rows of TTP (a multiple of 4)
     NS = TIMING_SLOTS
     NG = len(TIMING_NAMES)
     group = H // Hg
@@ -145,7 +154,12 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
                 if async_h:  # K S first; the store to h runs beside it
                     timed_wait(ready, st, par, acc, marks, 0)
                     T.wgmma_gemm(k_s[st, :, :], s_s, Y_f, transpose_B=state_v_first, clear_accum=True)
-                if state_v_first:
+                if tma_h:  # one thread's TMA store; its read of s_s is waited for before the next copy
+                    if state_v_first:
+                        T.tma_copy(s_s, h[c0 + c, hh, v0:v0 + VH, 0:K])
+                    else:
+                        T.tma_copy(s_s, h[c0 + c, hh, 0:K, v0:v0 + VH])
+                elif state_v_first:
                     for i, j in T.Parallel(VH, K):
                         h[c0 + c, hh, v0 + i, j] = s_s[i, j]
                 else:
@@ -176,6 +190,8 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
                     T.gemm(y_s, x_s[st, :, :], S_f, transpose_A=True)
                 else:  # S += X^T Y
                     T.gemm(x_s[st, :, :], y_s, S_f, transpose_A=True)
+                if tma_h:  # s_s is rewritten at the next chunk's start
+                    T.tma_store_wait(0)
                 T.barrier_arrive(free[st])
                 mark(acc, marks, 4)
             timing_end(acc, marks, grp, n_chunks, clk, bx)
@@ -189,8 +205,8 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
             k: T.Tensor((TT, Hg, K), dtype),
             v: T.Tensor((TT, H, V), dtype),
             a: T.Tensor((TT, H, BT), dtype),
-            g: T.Tensor((TT, H), accum),
-            b: T.Tensor((TT, H), b_dtype),
+            g: T.Tensor((H, TTP) if tma_gb else (TT, H), accum),
+            b: T.Tensor((H, TTP) if tma_gb else (TT, H), accum if tma_gb else b_dtype),
             h0: T.Tensor((N,) + (H,) + state, accum),
             cu_seqlens: T.Tensor((NP1,), "int32"),
             chunk_offsets: T.Tensor((NP1,), "int32"),
@@ -230,6 +246,8 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
                 Y0_f = T.alloc_fragment((BT, VH), accum)
                 Y1_f = T.alloc_fragment((BT, VH), accum)
                 X_f = T.alloc_fragment((BT, K), accum)
+                g_r = T.alloc_local((1,), accum)  # gb_ahead: the producer's next g and b
+                b_r = T.alloc_local((1,), accum)
                 acc = T.alloc_local((NS,), "int32")  # timing builds: each thread's counters
                 marks = T.alloc_local((3,), "int32")  # timing builds: the last mark, now, the loop's start
 
@@ -271,6 +289,9 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
                     # ================= producer: chunk c into stage c % STAGES =================
                     T.set_max_nreg(nreg_p, 0)
                     p = tx - 384
+                    if gb_ahead and not tma_gb and p < BT:  # chunk 0's g and b
+                        g_r[0] = g[T.min(bos + p, eos - 1), hh]
+                        b_r[0] = T.if_then_else(bos + p < eos, T.cast(b[bos + p, hh], accum), T.cast(0, accum))
                     timing_start(acc, marks)
                     for c in T.serial(n_chunks):
                         st = c % STAGES
@@ -282,6 +303,12 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
                             T.tma_copy(k[t0:t0 + BT, hg, 0:K], k_s[st, :, :], barrier=ready[st])
                             T.tma_copy(v[t0:t0 + BT, hh, 0:V], v_s[st, :, :], barrier=ready[st])
                             T.tma_copy(a[t0:t0 + BT, hh, 0:BT], a_s[st, :, :], barrier=ready[st])
+                            if tma_gb and bos % 4 == 0:  # a TMA box must start 16-byte aligned
+                                T.tma_copy(g[hh, t0:t0 + BT], g_s[st, :], barrier=ready[st])
+                                T.tma_copy(b[hh, t0:t0 + BT], b_s[st, :], barrier=ready[st])
+                            elif tma_gb and p < BT:  # a sequence starting elsewhere: plain loads
+                                g_s[st, p] = g[hh, t0 + p]
+                                b_s[st, p] = b[hh, t0 + p]
                         else:  # the sequence's last chunk, partial
                             for i, j in T.Parallel(BT, K):
                                 k_s[st, i, j] = T.if_then_else(t0 + i < eos, k[t0 + i, hg, j], T.cast(0, dtype))
@@ -289,12 +316,23 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
                                 v_s[st, i, j] = T.if_then_else(t0 + i < eos, v[t0 + i, hh, j], T.cast(0, dtype))
                             for i, j in T.Parallel(BT, BT):
                                 a_s[st, i, j] = T.if_then_else(t0 + i < eos, a[t0 + i, hh, j], T.cast(0, dtype))
+                            if tma_gb and p < BT:
+                                g_s[st, p] = g[hh, T.min(t0 + p, eos - 1)]
+                                b_s[st, p] = T.if_then_else(t0 + p < eos, b[hh, t0 + p], T.cast(0, accum))
                             T.fence_proxy_async()
-                        if p < BT:
+                        if gb_ahead and not tma_gb:  # loaded a chunk ago: the latency is not this chunk's
+                            if p < BT:
+                                g_s[st, p] = g_r[0]
+                                b_s[st, p] = b_r[0]
+                        elif not tma_gb and p < BT:
                             g_s[st, p] = g[T.min(t0 + p, eos - 1), hh]
                             b_s[st, p] = T.if_then_else(t0 + p < eos, T.cast(b[t0 + p, hh], accum),
                                                         T.cast(0, accum))
                         T.barrier_arrive(ready[st])
+                        if gb_ahead and not tma_gb and p < BT and c + 1 < n_chunks:  # the next chunk's, in flight meanwhile
+                            g_r[0] = g[T.min(t0 + BT + p, eos - 1), hh]
+                            b_r[0] = T.if_then_else(t0 + BT + p < eos, T.cast(b[t0 + BT + p, hh], accum),
+                                                    T.cast(0, accum))
                         mark(acc, marks, 1)
                     timing_end(acc, marks, 3, n_chunks, clk, bx)
 
@@ -335,14 +373,30 @@ def chunk_states(k, v, a, g, b, initial_state, seq_lens, chunk_size: int = 64, c
         h0 = initial_state.float().contiguous()
     h = torch.empty(sum(counts), H, *state, dtype=k.dtype, device=dev)
     ht = torch.empty(N, H, *state, dtype=torch.float32, device=dev)
-    kern = build_states(*states_config(k, v, b, state_v_first), timing=clk is not None, **build)
+    if clk is not None:
+        build = {**build, "timing": True}
+    # the plain build by its positional arguments alone: the key `compile_jobs` warms (lru_cache)
+    kern = build_states(*states_config(k, v, b, state_v_first), **build)
     if clk is None:
         clk = torch.zeros(1, dtype=torch.int32, device=dev)
     TT = B * T_
+    g, b = g.reshape(TT, H), b.reshape(TT, H)
+    if {**DEFAULT_BUILD, **build}["tma_gb"]:  # head-major fp32 copies, rows padded to 16 bytes (TMA's stride rule)
+        g, b = (_head_major(x, -(-TT // 4) * 4) for x in (g, b))
+    else:
+        g, b = g.float().contiguous(), b.contiguous()
     kern(k.reshape(TT, Hg, Kd).contiguous(), v.reshape(TT, H, Vd).contiguous(),
-         a.reshape(TT, H, chunk_size).to(k.dtype).contiguous(), g.reshape(TT, H).float().contiguous(),
-         b.reshape(TT, H).contiguous(), h0, cu, offsets, h, ht, clk)
+         a.reshape(TT, H, chunk_size).to(k.dtype).contiguous(), g, b, h0, cu, offsets, h, ht, clk)
     return h.view(B, -1, H, *state), ht
+
+
+def _head_major(x, width: int):
+    """`[TT, H]` -> a fresh fp32 `[H, width]` (width >= TT; the padding is never read)."""
+    import torch
+
+    out = torch.empty(x.shape[1], width, dtype=torch.float32, device=x.device)
+    out[:, :x.shape[0]].copy_(x.t())
+    return out
 
 
 def call_states(call, clk=None, **build):
