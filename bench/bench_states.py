@@ -1,13 +1,15 @@
 """The chunk-start states `h` (the `h=None` recompute) side by side, on a GPU: our TileLang
 kernel (backends/kernels/tilelang_states.py), fla's stages 1-2 (what the fla-based backends
-run), and FlashQLA's `fused_gdr_h` where flash-qla is installed. Median of CUDA-event timings
-after warm-up, one process; each runner's `h` against ours (relative Frobenius).
+run), and FlashQLA's `fused_gdr_h` where flash-qla is installed, in one process. Each runner per
+call (median of CUDA-event timings, each call synchronised: the launcher's host work inside) and
+queued (calls back to back between two events: the GPU's time when the host runs ahead), in
+`--rounds` rounds, the least kept; each runner's `h` against ours (relative Frobenius).
 
     python bench/bench_states.py                       # issue 14's shapes
     python bench/bench_states.py --match B8 --no-peer --out bench/results/states.json
-    python bench/bench_states.py --builds default,s3,asynch,xdecay,s3+asynch+xdecay --no-peer
+    python bench/bench_states.py --builds default,s3,sth --no-peer --rounds 3
     python bench/bench_states.py --match B8 --no-peer --timing   # where a chunk step's cycles go
-    compute-sanitizer --tool racecheck python bench/bench_states.py --tiny --builds default,s3+asynch+xdecay
+    compute-sanitizer --tool racecheck python bench/bench_states.py --tiny --builds default,s3
 
 Writes JSON and a markdown table (`--out`, `.md` beside it).
 """
@@ -103,7 +105,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3, help="rounds of all runners in turn; the least median is kept")
     p.add_argument("--builds", default="default",
                    help="state-kernel builds side by side, comma-separated: default or switches joined by '+' "
-                        "(s3, asynch, xdecay, gbsync, sth; tilelang_states.build_flags)")
+                        "(s3, sth; tilelang_states.build_flags)")
     p.add_argument("--out", default="", help="JSON path (a .md table is written beside it)")
     p.add_argument("--tiny", action="store_true",
                    help="run each build once on a small call and check it (for compute-sanitizer), nothing else")
@@ -140,7 +142,7 @@ def main() -> int:
                 row[label] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
                 print(name, label, row[label], flush=True)
         # rounds of every runner in turn, the least median kept: timed one after another, builds
-        # ranked differently from shape to shape (session 12, call 2: `gbsync` 1.23x the default at
+        # ranked differently from shape to shape (session 12, call 2: one build 1.23x the default at
         # B8 T4096 H32, 0.97x at B16 T2048 H32); in turn, a drift falls on all of them alike
         for _ in range(a.rounds):
             for label, fn in live.items():

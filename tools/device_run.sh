@@ -26,7 +26,7 @@
 #   states[=SECONDS] bench/bench_states.py (the h=None state kernel beside fla's stages 1-2 and FlashQLA's fused_gdr_h;
 #                    STATES_ARGS adds flags: --builds a,b --timing --no-peer --match B8) -> $OUT/states.log, $OUT/bench/states.{json,md}
 #   statesrace[=SECONDS] compute-sanitizer racecheck + synccheck on the state kernel (bench_states.py --tiny;
-#                    STATES_BUILDS='default,s3+asynch+xdecay') -> $OUT/statesrace.log
+#                    STATES_BUILDS='default,s3') -> $OUT/statesrace.log
 #   splitprof[=SECONDS] tools/profile_split.py (a split call's GPU vs host time, top ops; --graph in SPLIT_ARGS adds CUDA-graph replays; SPLIT_ARGS, default
 #                    B1 T32768 H4, 16 segments, tilelang_ws and fla) -> $OUT/splitprof.log
 #   ncu[=SECONDS]    Nsight Compute, one launch of the ws kernel (NCU_SHAPE, default B4T4096H16; WS_ARGS

@@ -44,7 +44,7 @@ def compile_one(H: int, Hg: int, dtype: str, schedule: str = "plain", K: int = 1
         from gdr_dispatch.backends.kernels.tilelang_states import build_flags as states_flags, build_states
 
         words = schedule.split("-")[1:]
-        build_states(H, Hg, dtype, dtype, "vfirst" in words, timing="timing" in words,
+        build_states(H, Hg, dtype, "vfirst" in words, timing="timing" in words,
                      **states_flags("+".join(w for w in words if w not in ("vfirst", "timing"))))
     elif schedule.startswith("ws"):  # ws[-timing][-<switch>...], e.g. ws-nofst-timing
         from gdr_dispatch.backends.kernels.tilelang_ws_bwd import build_flags, build_ws_bwd
@@ -65,7 +65,7 @@ def main():
     p.add_argument("--config", action="append", required=True,
                    help="H,Hg,dtype[,ws[-timing][-<switch>...]] (K = V = 128, chunk 64; ws: the warp-specialised "
                         "kernel's default build, -timing: with cycle counters, switches, e.g. nofst: "
-                        "other builds, tilelang_ws_bwd.build_flags; states[-vfirst][-timing][-s3][-asynch][-xdecay]: the state kernel)")
+                        "other builds, tilelang_ws_bwd.build_flags; states[-vfirst][-timing][-s3][-sth]: the state kernel)")
     p.add_argument("--jobs", type=int, default=8)
     args = p.parse_args()
     configs = []

@@ -4,7 +4,7 @@ device call (docs/tilelang_ws.md, docs/tilelang_states.md).
     python tools/sass_report.py                          # the backward's default build, H = Hg = 2, bf16
     python tools/sass_report.py --builds default,nogam,uwkv
     python tools/sass_report.py --phases --builds default,wreg   # per group and phase
-    python tools/sass_report.py --kernel states --builds default,s3+asynch+xdecay   # the state kernel
+    python tools/sass_report.py --kernel states --builds default,s3,sth   # the state kernel
 
 Compiles each build on this machine (about a minute each with nvcc for sm_90a; no GPU needed),
 then splits its SASS at the `USETMAXREG` instructions that open the role branches and counts
@@ -57,7 +57,7 @@ def sass_of(build: str, H: int, Hg: int, dtype: str, kernel: str = "ws") -> str:
     if kernel == "states":
         from gdr_dispatch.backends.kernels.tilelang_states import build_flags, build_states
 
-        return build_states(H, Hg, dtype, dtype, False, **build_flags(build))._get_sass()
+        return build_states(H, Hg, dtype, False, **build_flags(build))._get_sass()
     from gdr_dispatch.backends.kernels.tilelang_ws_bwd import build_flags, build_ws_bwd
 
     kern = build_ws_bwd(H, Hg, 128 ** -0.5, dtype, dtype, **build_flags(build))

@@ -84,7 +84,7 @@ def states_compile_jobs(call: GDRCall) -> list:
         return []
     from ..kernels import tilelang_states as m
 
-    return [(m.__name__, m.build_states.__name__, m.states_config(call.k, call.v, call.b, call.state_v_first))]
+    return [(m.__name__, m.build_states.__name__, m.states_config(call.k, call.v, call.state_v_first))]
 
 
 def run_given_h(call: GDRCall, launcher) -> GDRGrads:

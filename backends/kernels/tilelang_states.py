@@ -9,9 +9,11 @@ value head) walks the chunks forwards; four warpgroups, one role each:
     the 16-bit copy of the chunk-start state (written to `h` and read by the next gemm),
     `Y = e^{G_L} K S - diag(e^{G_L - G}) V`, then `S <- e^{G_L} S + X^T Y`.
   * X (256-383): `X = -diag(b) A^T K` per chunk; it needs no state, so it runs ahead.
-  * producer (384-511): TMA loads of each chunk's k, v and a into a two-stage ring, g and b by
-    plain loads; a sequence's last chunk, when partial, by masked loads (rows past the end are
-    zero, g is padded with the last valid G).
+  * producer (384-511): TMA loads of each chunk's k, v, a, g and b into a two-stage ring (g and
+    b from the launcher's head-major fp32 copies: 256-byte boxes, which must start 16-byte
+    aligned, so a sequence starting off a multiple of 4 tokens loads them by plain loads); a
+    sequence's last chunk, when partial, by masked loads (rows past the end are zero, g is padded
+    with the last valid G).
 
 Why `X^T Y`: the contract's update `S' = e^{G_L} S + (K * e^{G_L - G})^T U` with `U = (Gam * A)
 diag(b) (V - diag(e^G) K S)` is, because `Gam * A = diag(e^G) A diag(e^-G)` for the lower
@@ -28,7 +30,7 @@ import functools
 import tilelang
 import tilelang.language as T
 
-from .tilelang_common import fence_accumulator, parse_build
+from .tilelang_common import parse_build
 from .tilelang_launch import packed_sequences, tl_dtype
 
 BT, K, V = 64, 128, 128
@@ -45,13 +47,11 @@ NREG = (168, 168, 152, 24)
 #: GDR_ALLOW_UNVERIFIED=1 (fla's stages 1-2 otherwise).
 GPU_VERIFIED = True
 
-#: The build `chunk_states` runs (v2; docs/tilelang_states.md, "Session 12"): `gb_ahead`, the
-#: producer loads g and b a chunk ahead (in v1 each chunk's plain loads, queued behind its TMA
-#: loads, held the producer ~4.6K cycles and paced the kernel); `tma_h`, the chunk-start state
-#: stored to `h` by one thread's TMA instead of 128 threads' stores. Switches timed against it in
-#: session 12 (bench/results/nvidia-h200-sm90-states.md): `stages`, `async_h` (K S issued before
-#: the store to `h`), `x_decay` (the decay vectors formed once by X).
-DEFAULT_BUILD = {"stages": 2, "async_h": False, "x_decay": False, "gb_ahead": True, "tma_h": True, "tma_gb": True}
+#: The build `chunk_states` runs (v3, docs/tilelang_states.md "Session 12"): `stages` of the load
+#: ring; `tma_h`, the chunk-start state stored to `h` by one thread's TMA instead of 128 threads'
+#: plain stores. Timed and removed in session 12 (their code is at 0b5e38e): K S issued before the
+#: store to `h`, the decay vectors formed once by X, g and b loaded a chunk ahead or by plain loads.
+DEFAULT_BUILD = {"stages": 2, "tma_h": True}
 
 #: `timing=True` builds: int32 cycle counters per CTA and role group (S0, S1, X, producer), summed
 #: over the chunks: the work before and the wait at each barrier a group waits on, in order
@@ -63,20 +63,14 @@ TIMING_NAMES = {"S0": ("work", "ready wait", "work", "xready wait", "work"),
 
 
 def build_flags(build: str) -> dict:
-    """`'default'` or switches joined by '+' (`s3`: three stages, `asynch`: async_h, `xdecay`:
-    x_decay, `gbsync`: g and b loaded in their chunk, `sth`: h by plain stores; `gbsync+sth` is v1)
-    -> `build_states` keyword arguments (bench/bench_states.py --builds, precompile)."""
-    return parse_build(build, DEFAULT_BUILD, {"s3": ("stages", 3), "asynch": ("async_h", True),
-                                              "xdecay": ("x_decay", True), "gbsync": ("gb_ahead", False),
-                                              "sth": ("tma_h", False), "gbplain": ("tma_gb", False)},
-                     "state-kernel switch")
+    """`'default'` or switches joined by '+' (`s3`: three stages, `sth`: h by plain stores) ->
+    `build_states` keyword arguments (bench/bench_states.py --builds, precompile)."""
+    return parse_build(build, DEFAULT_BUILD, {"s3": ("stages", 3), "sth": ("tma_h", False)}, "state-kernel switch")
 
 
 @functools.lru_cache(maxsize=None)
-def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
-                 stages: int = DEFAULT_BUILD["stages"], async_h: bool = DEFAULT_BUILD["async_h"],
-                 x_decay: bool = DEFAULT_BUILD["x_decay"], gb_ahead: bool = DEFAULT_BUILD["gb_ahead"],
-                 tma_h: bool = DEFAULT_BUILD["tma_h"], tma_gb: bool = DEFAULT_BUILD["tma_gb"],
+def build_states(H: int, Hg: int, dtype: str, state_v_first: bool,
+                 stages: int = DEFAULT_BUILD["stages"], tma_h: bool = DEFAULT_BUILD["tma_h"],
                  timing: bool = False):
     """Compile (once per configuration) the state kernel (K = V = 128, chunk 64). States in and
     out (`h0`, `h`, `ht`) in the contract's layout: `[..., K, V]`, or `[..., V, K]` with
@@ -89,7 +83,7 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
     N = T.dynamic("num_seqs")
     NP1 = T.dynamic("num_seqs_plus_1")
     NCLK = T.dynamic("num_clk")
-    TTP = T.dynamic("num_tokens_padded")  # tma_gb: g and b head-major, rows of TTP (a multiple of 4)
+    TTP = T.dynamic("num_tokens_padded")  # g and b come head-major, rows of TTP (a multiple of 4)
     NS = TIMING_SLOTS
     NG = len(TIMING_NAMES)
     group = H // Hg
@@ -135,7 +129,7 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
             mark(acc, marks, slot + 1)
 
         @T.macro
-        def state_group(S_f, Y_f, s_s, y_s, v0, k_s, v_s, g_s, x_s, eg_s, egl_s, ready, xready, free, h0, h,
+        def state_group(S_f, Y_f, s_s, y_s, v0, k_s, v_s, g_s, x_s, ready, xready, free, h0, h,
                         ht, n, hh, bos, eos, n_chunks, c0, acc, marks, grp, clk, bx):
             """One state group: value columns [v0, v0 + VH) of every chunk-start state."""
             T.set_max_nreg(nreg_s, 1)
@@ -151,9 +145,6 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
                 # the chunk-start state: its 16-bit copy, for h and for K S
                 T.copy(S_f, s_s)
                 T.fence_proxy_async()
-                if async_h:  # K S first; the store to h runs beside it
-                    timed_wait(ready, st, par, acc, marks, 0)
-                    T.wgmma_gemm(k_s[st, :, :], s_s, Y_f, transpose_B=state_v_first, clear_accum=True)
                 if tma_h:  # one thread's TMA store; its read of s_s is waited for before the next copy
                     if state_v_first:
                         T.tma_copy(s_s, h[c0 + c, hh, v0:v0 + VH, 0:K])
@@ -165,27 +156,17 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
                 else:
                     for i, j in T.Parallel(K, VH):
                         h[c0 + c, hh, i, v0 + j] = s_s[i, j]
-                if async_h:
-                    T.wait_wgmma(0)
-                    fence_accumulator(Y_f)
-                else:
-                    timed_wait(ready, st, par, acc, marks, 0)
-                    T.gemm(k_s[st, :, :], s_s, Y_f, transpose_B=state_v_first, clear_accum=True)
+                timed_wait(ready, st, par, acc, marks, 0)
+                T.gemm(k_s[st, :, :], s_s, Y_f, transpose_B=state_v_first, clear_accum=True)
                 # Y = e^{G_L} K S - diag(e^{G_L - G}) V
-                if x_decay:  # X's decay vectors for the chunk
-                    timed_wait(xready, st, par, acc, marks, 2)
-                    for i, j in T.Parallel(BT, VH):
-                        Y_f[i, j] = Y_f[i, j] * egl_s[st] - eg_s[st, i] * T.cast(v_s[st, i, v0 + j], accum)
-                else:
-                    for i, j in T.Parallel(BT, VH):
-                        Y_f[i, j] = (Y_f[i, j] * T.exp2(g_s[st, last] * LOG2E)
-                                     - T.exp2((g_s[st, last] - g_s[st, i]) * LOG2E) * T.cast(v_s[st, i, v0 + j], accum))
+                for i, j in T.Parallel(BT, VH):
+                    Y_f[i, j] = (Y_f[i, j] * T.exp2(g_s[st, last] * LOG2E)
+                                 - T.exp2((g_s[st, last] - g_s[st, i]) * LOG2E) * T.cast(v_s[st, i, v0 + j], accum))
                 T.copy(Y_f, y_s)
                 T.fence_proxy_async()
                 for i, j in T.Parallel(half[0], half[1]):
-                    S_f[i, j] = S_f[i, j] * (egl_s[st] if x_decay else T.exp2(g_s[st, last] * LOG2E))
-                if not x_decay:
-                    timed_wait(xready, st, par, acc, marks, 2)
+                    S_f[i, j] = S_f[i, j] * T.exp2(g_s[st, last] * LOG2E)
+                timed_wait(xready, st, par, acc, marks, 2)
                 if state_v_first:  # S^T += Y^T X
                     T.gemm(y_s, x_s[st, :, :], S_f, transpose_A=True)
                 else:  # S += X^T Y
@@ -205,8 +186,8 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
             k: T.Tensor((TT, Hg, K), dtype),
             v: T.Tensor((TT, H, V), dtype),
             a: T.Tensor((TT, H, BT), dtype),
-            g: T.Tensor((H, TTP) if tma_gb else (TT, H), accum),
-            b: T.Tensor((H, TTP) if tma_gb else (TT, H), accum if tma_gb else b_dtype),
+            g: T.Tensor((H, TTP), accum),  # head-major fp32 (the launcher's copies): TMA boxes per chunk
+            b: T.Tensor((H, TTP), accum),
             h0: T.Tensor((N,) + (H,) + state, accum),
             cu_seqlens: T.Tensor((NP1,), "int32"),
             chunk_offsets: T.Tensor((NP1,), "int32"),
@@ -231,10 +212,6 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
                 g_s = T.alloc_shared((STAGES, BT), accum)  # padded with the last valid G
                 b_s = T.alloc_shared((STAGES, BT), accum)  # 0 past the end
                 x_s = T.alloc_shared((STAGES, BT, K), dtype)
-                eg_s = egl_s = None
-                if x_decay:  # the chunk's decay vectors, by X
-                    eg_s = T.alloc_shared((STAGES, BT), accum)  # e^{G_L - G} per row
-                    egl_s = T.alloc_shared((STAGES,), accum)  # e^{G_L}
                 s0_s = T.alloc_shared(half, dtype)  # each state group's 16-bit state and Y
                 s1_s = T.alloc_shared(half, dtype)
                 y0_s = T.alloc_shared((BT, VH), dtype)
@@ -246,8 +223,6 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
                 Y0_f = T.alloc_fragment((BT, VH), accum)
                 Y1_f = T.alloc_fragment((BT, VH), accum)
                 X_f = T.alloc_fragment((BT, K), accum)
-                g_r = T.alloc_local((1,), accum)  # gb_ahead: the producer's next g and b
-                b_r = T.alloc_local((1,), accum)
                 acc = T.alloc_local((NS,), "int32")  # timing builds: each thread's counters
                 marks = T.alloc_local((3,), "int32")  # timing builds: the last mark, now, the loop's start
 
@@ -257,10 +232,10 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
 
                 tx = T.get_thread_binding()
                 if tx < 128:
-                    state_group(S0_f, Y0_f, s0_s, y0_s, 0, k_s, v_s, g_s, x_s, eg_s, egl_s, ready, xready, free,
+                    state_group(S0_f, Y0_f, s0_s, y0_s, 0, k_s, v_s, g_s, x_s, ready, xready, free,
                                 h0, h, ht, n, hh, bos, eos, n_chunks, c0, acc, marks, 0, clk, bx)
                 elif tx < 256:
-                    state_group(S1_f, Y1_f, s1_s, y1_s, VH, k_s, v_s, g_s, x_s, eg_s, egl_s, ready, xready, free,
+                    state_group(S1_f, Y1_f, s1_s, y1_s, VH, k_s, v_s, g_s, x_s, ready, xready, free,
                                 h0, h, ht, n, hh, bos, eos, n_chunks, c0, acc, marks, 1, clk, bx)
                 elif tx < 384:
                     # ================= X: -diag(b) A^T K, a chunk ahead of the states =================
@@ -275,11 +250,6 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
                         for i, j in T.Parallel(BT, K):
                             X_f[i, j] = -X_f[i, j] * b_s[st, i]
                         T.copy(X_f, x_s[st, :, :])
-                        if x_decay:
-                            last = T.min(BT, eos - (bos + c * BT)) - 1
-                            for i in T.Parallel(BT):
-                                eg_s[st, i] = T.exp2((g_s[st, last] - g_s[st, i]) * LOG2E)
-                            egl_s[st] = T.exp2(g_s[st, last] * LOG2E)
                         T.fence_proxy_async()
                         T.barrier_arrive(xready[st])
                         T.barrier_arrive(free[st])
@@ -289,9 +259,6 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
                     # ================= producer: chunk c into stage c % STAGES =================
                     T.set_max_nreg(nreg_p, 0)
                     p = tx - 384
-                    if gb_ahead and not tma_gb and p < BT:  # chunk 0's g and b
-                        g_r[0] = g[T.min(bos + p, eos - 1), hh]
-                        b_r[0] = T.if_then_else(bos + p < eos, T.cast(b[bos + p, hh], accum), T.cast(0, accum))
                     timing_start(acc, marks)
                     for c in T.serial(n_chunks):
                         st = c % STAGES
@@ -303,10 +270,10 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
                             T.tma_copy(k[t0:t0 + BT, hg, 0:K], k_s[st, :, :], barrier=ready[st])
                             T.tma_copy(v[t0:t0 + BT, hh, 0:V], v_s[st, :, :], barrier=ready[st])
                             T.tma_copy(a[t0:t0 + BT, hh, 0:BT], a_s[st, :, :], barrier=ready[st])
-                            if tma_gb and bos % 4 == 0:  # a TMA box must start 16-byte aligned
+                            if bos % 4 == 0:  # a TMA box must start 16-byte aligned
                                 T.tma_copy(g[hh, t0:t0 + BT], g_s[st, :], barrier=ready[st])
                                 T.tma_copy(b[hh, t0:t0 + BT], b_s[st, :], barrier=ready[st])
-                            elif tma_gb and p < BT:  # a sequence starting elsewhere: plain loads
+                            elif p < BT:  # a sequence starting elsewhere: plain loads
                                 g_s[st, p] = g[hh, t0 + p]
                                 b_s[st, p] = b[hh, t0 + p]
                         else:  # the sequence's last chunk, partial
@@ -316,23 +283,11 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
                                 v_s[st, i, j] = T.if_then_else(t0 + i < eos, v[t0 + i, hh, j], T.cast(0, dtype))
                             for i, j in T.Parallel(BT, BT):
                                 a_s[st, i, j] = T.if_then_else(t0 + i < eos, a[t0 + i, hh, j], T.cast(0, dtype))
-                            if tma_gb and p < BT:
+                            if p < BT:
                                 g_s[st, p] = g[hh, T.min(t0 + p, eos - 1)]
                                 b_s[st, p] = T.if_then_else(t0 + p < eos, b[hh, t0 + p], T.cast(0, accum))
                             T.fence_proxy_async()
-                        if gb_ahead and not tma_gb:  # loaded a chunk ago: the latency is not this chunk's
-                            if p < BT:
-                                g_s[st, p] = g_r[0]
-                                b_s[st, p] = b_r[0]
-                        elif not tma_gb and p < BT:
-                            g_s[st, p] = g[T.min(t0 + p, eos - 1), hh]
-                            b_s[st, p] = T.if_then_else(t0 + p < eos, T.cast(b[t0 + p, hh], accum),
-                                                        T.cast(0, accum))
                         T.barrier_arrive(ready[st])
-                        if gb_ahead and not tma_gb and p < BT and c + 1 < n_chunks:  # the next chunk's, in flight meanwhile
-                            g_r[0] = g[T.min(t0 + BT + p, eos - 1), hh]
-                            b_r[0] = T.if_then_else(t0 + BT + p < eos, T.cast(b[t0 + BT + p, hh], accum),
-                                                    T.cast(0, accum))
                         mark(acc, marks, 1)
                     timing_end(acc, marks, 3, n_chunks, clk, bx)
 
@@ -341,9 +296,9 @@ def build_states(H: int, Hg: int, dtype: str, b_dtype: str, state_v_first: bool,
     return kernel_factory()
 
 
-def states_config(k, v, b, state_v_first: bool) -> tuple:
+def states_config(k, v, state_v_first: bool) -> tuple:
     """`build_states`' arguments for a call (the launcher's and precompile jobs')."""
-    return (v.shape[2], k.shape[2], tl_dtype(k.dtype), tl_dtype(b.dtype), bool(state_v_first))
+    return (v.shape[2], k.shape[2], tl_dtype(k.dtype), bool(state_v_first))
 
 
 def chunk_states(k, v, a, g, b, initial_state, seq_lens, chunk_size: int = 64, cu_seqlens=None,
@@ -376,15 +331,14 @@ def chunk_states(k, v, a, g, b, initial_state, seq_lens, chunk_size: int = 64, c
     if clk is not None:
         build = {**build, "timing": True}
     # the plain build by its positional arguments alone: the key `compile_jobs` warms (lru_cache)
-    kern = build_states(*states_config(k, v, b, state_v_first), **build)
+    kern = build_states(*states_config(k, v, state_v_first), **build)
     if clk is None:
         clk = torch.zeros(1, dtype=torch.int32, device=dev)
     TT = B * T_
     g, b = g.reshape(TT, H), b.reshape(TT, H)
-    if {**DEFAULT_BUILD, **build}["tma_gb"]:  # head-major fp32 copies, rows padded to 16 bytes (TMA's stride rule)
-        g, b = (_head_major(x, -(-TT // 4) * 4) for x in (g, b))
-    else:
-        g, b = g.float().contiguous(), b.contiguous()
+    # g and b head-major fp32, rows padded to 16 bytes (TMA's stride rule): a chunk's 64 values of
+    # each are one TMA box (in v1 the producer's plain loads of them paced the kernel)
+    g, b = (_head_major(x, -(-TT // 4) * 4) for x in (g, b))
     kern(k.reshape(TT, Hg, Kd).contiguous(), v.reshape(TT, H, Vd).contiguous(),
          a.reshape(TT, H, chunk_size).to(k.dtype).contiguous(), g, b, h0, cu, offsets, h, ht, clk)
     return h.view(B, -1, H, *state), ht
