@@ -18,8 +18,9 @@ fullgraph=True)` traces a model that uses them without a graph break.
 Memory, per layer call (bf16 inputs, K = V = 128, chunk 64): `G` is 4 bytes and `a` 128 bytes
 per token and value head, always saved. `save_states=True` (or `GDR_SAVE_STATES=1`) also keeps
 `h`: K x V x 2 bytes per chunk and value head, i.e. 512 bytes per token and head (4x what `a`
-costs); the backward then skips the state recompute. The default recomputes it (fla's stages 1-2,
-about a fifth of the backward's time at the h200-train shapes; docs/measurements.md).
+costs); the backward then skips the state recompute. The default recomputes it (on sm90 with the
+TileLang backends our state kernel, ~0.36 ms at B8 T4096 H32, docs/tilelang_states.md; else fla's
+stages 1-2, about a fifth of the backward's time at the h200-train shapes, docs/measurements.md).
 """
 
 from __future__ import annotations

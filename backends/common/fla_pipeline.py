@@ -2,7 +2,8 @@
 
 Stages 1-4 (the WY recompute, the state recompute or `v_new` from a given `h`, the local
 dv, the dh recurrence) are shared by the `fla`, `triton_wide` and `triton_transposed`
-backends; stages 1-2 alone recompute `h` for `tilelang_fused`. The contract's inputs are
+backends; stages 1-2 alone recompute `h` for the sm90 TileLang backends where our state
+kernel cannot (common/tilelang_sm90.recompute_states). The contract's inputs are
 converted to fla's conventions here: `a` -> `Gam * a` and `g` -> `g / ln 2` in one pass
 (kernels/gate_wy_inverse.py); a given `h` is not recomputed, `v_new = u - w h` comes from
 one chunk-parallel kernel (kernels/corrected_values.py).

@@ -24,10 +24,10 @@ def tl_dtype(dt) -> str:
 
 def packed_sequences(B: int, T_: int, seq_lens, chunk_size: int, cu_seqlens, dev) -> tuple:
     """The calling convention's sequence tensors: `(cu, offsets, counts)`, int32 `cu_seqlens`
-    (B sequences of T tokens when None), each sequence's first chunk in `h` (a cached device
-    constant: graph-capture safe) and its chunk count."""
-    if cu_seqlens is None:
-        cu = torch.arange(0, (B + 1) * T_, T_, dtype=torch.int32, device=dev)
+    (B sequences of T tokens when None), each sequence's first chunk in `h` (both cached device
+    constants: graph-capture safe once built) and its chunk count."""
+    if cu_seqlens is None:  # a cached constant too: one launch less per call
+        cu = device_constant(tuple(range(0, (B + 1) * T_, T_)), torch.int32, dev)
     else:
         cu = cu_seqlens.to(torch.int32)
     counts = [-(-n // chunk_size) for n in seq_lens]
