@@ -81,7 +81,8 @@ def timing(call, build: str) -> str:
 
 def tiny(build: str) -> int:
     """One small call (varlen 1/63/64/65/200, grouped heads, both state layouts) run once, its
-    `h` against make_inputs' float64 walk: the run for compute-sanitizer (racecheck, synccheck)."""
+    `h` against make_inputs' float64 walk: the run for compute-sanitizer (racecheck, synccheck).
+    The last sequence starts at token 193, off the 16-byte grid: its g and b take the plain loads."""
     from dataclasses import replace
 
     from gdr_dispatch.backends.kernels.tilelang_states import build_flags, call_states
