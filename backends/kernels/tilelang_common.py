@@ -30,3 +30,20 @@ def fence_accumulator(frag):
     for d in frag.shape:
         n *= int(d)
     return T.warpgroup_fence_operand(frag, num_regs=n // 128)
+
+
+@T.macro
+def cta_sequence(bx, H: int, group: int, cu_seqlens, chunk_offsets, BT: int):
+    """The prologue of a CTA per (sequence, value head) over packed sequences: `(n, hh, hg, bos,
+    eos, n_chunks, c0)`: the sequence, its value head and key head, its first and one-past-last
+    token, its chunk count and its first chunk in `h` (the calling convention of
+    tilelang_launch.packed_sequences)."""
+    n = bx // H
+    hh = bx % H
+    hg = hh // group
+    bos = cu_seqlens[n]
+    eos = cu_seqlens[n + 1]
+    n_chunks = T.ceildiv(eos - bos, BT)
+    c0 = chunk_offsets[n]
+    return n, hh, hg, bos, eos, n_chunks, c0
+

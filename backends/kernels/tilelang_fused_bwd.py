@@ -32,6 +32,7 @@ import functools
 import tilelang
 import tilelang.language as T
 
+from .tilelang_common import cta_sequence
 from .tilelang_launch import launch_packed, tl_dtype
 
 
@@ -75,13 +76,7 @@ def build_fused_bwd(H: int, Hg: int, K: int, V: int, BT: int, scale: float, dtyp
             dh0: T.Tensor((N, H) + state, accum),
         ):
             with T.Kernel(N * H, threads=threads) as bx:
-                n = bx // H
-                hh = bx % H
-                hg = hh // G_
-                bos = cu_seqlens[n]
-                eos = cu_seqlens[n + 1]
-                n_chunks = T.ceildiv(eos - bos, BT)
-                c0 = chunk_offsets[n]
+                n, hh, hg, bos, eos, n_chunks, c0 = cta_sequence(bx, H, G_, cu_seqlens, chunk_offsets, BT)
 
                 q_s = T.alloc_shared((BT, K), dtype)
                 k_s = T.alloc_shared((BT, K), dtype)

@@ -32,7 +32,7 @@ import tilelang.language as T
 
 from gdr_dispatch.graph_safe import device_constant
 
-from .tilelang_common import parse_build
+from .tilelang_common import cta_sequence, parse_build
 from .tilelang_launch import packed_sequences, tl_dtype
 
 BT, K, V = 64, 128, 128
@@ -198,13 +198,7 @@ def build_states(H: int, Hg: int, dtype: str, state_v_first: bool,
             clk: T.Tensor((NCLK,), "int32"),  # timing builds only (one element otherwise)
         ):
             with T.Kernel(N * H, threads=512) as bx:
-                n = bx // H
-                hh = bx % H
-                hg = hh // group
-                bos = cu_seqlens[n]
-                eos = cu_seqlens[n + 1]
-                n_chunks = T.ceildiv(eos - bos, BT)
-                c0 = chunk_offsets[n]
+                n, hh, hg, bos, eos, n_chunks, c0 = cta_sequence(bx, H, group, cu_seqlens, chunk_offsets, BT)
 
                 # ---- shared memory (~161 KiB with two stages, ~217 with three): the ring of the
                 # loaded tiles and X, each state group's 16-bit state and Y ----

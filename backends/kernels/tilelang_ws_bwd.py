@@ -38,7 +38,7 @@ import functools
 import tilelang
 import tilelang.language as T
 
-from .tilelang_common import fence_accumulator, parse_build
+from .tilelang_common import cta_sequence, fence_accumulator, parse_build
 from .tilelang_launch import launch_packed, tl_dtype
 
 BT, K, V = 64, 128, 128
@@ -305,13 +305,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
             clk: T.Tensor((NCLK,), "int32"),  # timing builds only (one element otherwise)
         ):
             with T.Kernel(N * H, threads=512) as bx:
-                n = bx // H
-                hh = bx % H
-                hg = hh // group
-                bos = cu_seqlens[n]
-                eos = cu_seqlens[n + 1]
-                n_chunks = T.ceildiv(eos - bos, BT)
-                c0 = chunk_offsets[n]
+                n, hh, hg, bos, eos, n_chunks, c0 = cta_sequence(bx, H, group, cu_seqlens, chunk_offsets, BT)
 
                 # ---- shared memory (~208 KiB) ----
                 # loaded per chunk (producer)
