@@ -50,7 +50,7 @@ import torch
 from . import chunked_math as cm
 from .contract import GDRCall, GDRGrads, chunk_counts, validate
 from .graph_safe import device_constant
-from .registry import Backend, Problem
+from .registry import Backend, Problem, first_time
 
 
 def segment_length(seq_lens, chunk_size: int, segments: int) -> int:
@@ -96,7 +96,6 @@ def _compose(M, R, D):
 
 
 log = logging.getLogger("gdr_dispatch")
-_logged: set = set()
 #: `pass_1_provider`'s name for our own kernels (segment_maps.py)
 OUR_MAPS = "gdr_dispatch"
 
@@ -191,16 +190,15 @@ def split_backward(call: GDRCall, segments: int, run: Callable[..., GDRGrads]) -
     seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=BT)  # no states: pass 1's input
     provider, maps = pass_1_provider(seg_call)
     states = _states_kernel(call, seg_call, provider)
-    tag = (Problem.from_call(call), segments, provider)
-    if tag not in _logged:
-        _logged.add(tag)
+    problem = Problem.from_call(call)
+    if first_time(("split passes", problem, segments, provider)):
         log.info("gdr_dispatch: split pass 1 (the segments' composed state maps) on %s, pass 2 (the scans) on %s, "
                  "%sfor %s", (f"{provider}'s kernels" if maps is not None else provider)
                  + ("" if provider == OUR_MAPS else f" (our Triton maps: {_maps_kernels_refusal(seg_call)})"),
                  "Triton kernels" if _scan_kernels(K, V, acc, dev) is not None
                  else f"torch products ({_scan_kernels_refusal(K, V, acc, dev)})",
                  "pass 3's chunk states on gdr_dispatch's kernels (its backend takes h given), " if states else "",
-                 tag[0].describe())
+                 problem.describe())
     if maps is not None:  # pass 1 on the provider's kernels, scattered to [N, n_seg, H, ...]
         m, r, d = maps(seg_call, need_r=call.h is None)  # with h given the starts come from h
         Ms = _to_grid(m.to(acc), pick, (seq_of, seg_of), N, n_seg, "eye")

@@ -26,7 +26,7 @@ import torch
 
 from . import tuning_table
 from .contract import GDRCall, GDRGrads, validate
-from .registry import Backend, Problem, env_flag, get_backend, registered_backends
+from .registry import Backend, Problem, env_flag, first_time, forget_said, get_backend, registered_backends
 
 log = logging.getLogger("gdr_dispatch")
 
@@ -79,14 +79,13 @@ class Choice:
 
 
 _decided: dict = {}  # table key (or (key, why not autotuned)) -> Choice, this process
-_logged: set = set()
 _outputs_checked: set = set()  # (backend, Problem) pairs whose output shapes and dtypes were checked
 
 
 def clear_caches() -> None:
     """Forget this process's decisions and cached tables (after editing a table by hand, in tests)."""
     _decided.clear()
-    _logged.clear()
+    forget_said()
     _outputs_checked.clear()
     tuning_table.forget()
 
@@ -222,10 +221,8 @@ def _log_choice(problem: Problem, choice: Choice) -> None:
     name = choice.backend.name
     # the Problem itself is the key (hashing it is ~4x cheaper than building table_key(),
     # and a forced backend makes a new Choice on every call)
-    tag = (problem, name, choice.source)
-    if tag in _logged:
+    if not first_time(("backend", problem, name, choice.source)):
         return
-    _logged.add(tag)
     others = []
     cands = (choice.entry or {}).get("candidates", {})
     for other, (ok, reason) in choice.verdicts.items():
@@ -420,8 +417,7 @@ def fused_gdr_bwd(q, k, v, a, g, b, do, dht=None, h=None, *, scale=None, initial
         from .context_parallel import split_backward
 
         problem = Problem.from_call(call)
-        if ("split", problem, segments) not in _logged:
-            _logged.add(("split", problem, segments))
+        if first_time(("split", problem, segments)):
             log.info("gdr_dispatch: split=%d (GDR_CP) for %s: each sequence in %d segments of whole chunks, "
                      "run as one varlen call", segments, problem.describe(), segments)
         return split_backward(call, segments, run=lambda **kw: _run(validate(**kw)))

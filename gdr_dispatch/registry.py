@@ -48,6 +48,24 @@ def env_flag(name: str, default: bool) -> bool:
     raise ValueError(f"{name}: expected one of 1/0, true/false, yes/no, on/off, got {raw!r}")
 
 
+_said: set = set()  # first_time's keys, this process
+
+
+def first_time(key) -> bool:
+    """True the first time this process sees `key`, False after: the log lines that say once per
+    problem what ran (dispatch, the split, the forward, the h=None recompute). Keys start with a
+    word naming their line, so two lines' keys never meet."""
+    if key in _said:
+        return False
+    _said.add(key)
+    return True
+
+
+def forget_said() -> None:
+    """Let every once-per-problem log line be said again (`dispatch.clear_caches`, tests)."""
+    _said.clear()
+
+
 def unverified_allowed() -> bool:
     """True inside `allow_unverified()` or with GDR_ALLOW_UNVERIFIED=1 (read per call)."""
     return _allow_unverified.get() or env_flag(ALLOW_UNVERIFIED_ENV, False)

@@ -36,13 +36,13 @@ import torch
 from .contract import (ACTIVATION_DTYPES, GATE_DTYPES, _expect_dtype, _expect_shape, _expect_tensor,
                        check_cu_seqlens_form, check_sizes, check_state)
 from .graph_safe import offsets_of
-from .registry import Problem, device_info, env_flag, get_backend, library_versions, registered_backends
+from .registry import (Problem, device_info, env_flag, first_time, get_backend, library_versions,
+                       registered_backends)
 
 CHUNK = 64
 SAVE_STATES_ENV = "GDR_SAVE_STATES"
 FORWARD_ENV = "GDR_FORWARD"
 log = logging.getLogger("gdr_dispatch")
-_LOGGED: set = set()
 
 def _empty(ref: torch.Tensor) -> torch.Tensor:
     return ref.new_empty(0)
@@ -114,8 +114,7 @@ def chunk_gdr_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     """`(o, final_state or [], G, a, h or [])`: the output and the backward's residuals."""
     problem = forward_problem(q, v, beta, initial_state, cu_seqlens, state_v_first)
     backend, how = forward_choice(problem)
-    if (problem, backend.name) not in _LOGGED:
-        _LOGGED.add((problem, backend.name))
+    if first_time(("forward", problem, backend.name)):
         log.info("gdr_dispatch: forward %s for %s (%s)", backend.name, problem.describe(), how)
     o, ht, G, a, h = backend.forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first,
                                      output_final_state, CHUNK, need_states=save_states)

@@ -313,7 +313,7 @@ def test_split_with_each_pass_1_matches_the_oracle(spec, h_mode, provider, reque
         calls = request.getfixturevalue("fla_pass_1")
     else:
         monkeypatch.setattr(cp, "_maps_kernels_refusal", lambda seg_call: "")
-    cp._logged.clear()
+    registry.forget_said()
     monkeypatch.setenv("GDR_CP", "3")
     monkeypatch.setenv("GDR_BACKEND", "torch")
     kwargs, ref = case(replace(spec, dtype="float16", h=h_mode))

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from gdr_dispatch.contract import validate
+from gdr_dispatch.registry import forget_said
 from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs
 
 CASES = {
@@ -163,7 +164,7 @@ def test_h_none_recompute_waits_for_the_state_kernels_gpu_tests(monkeypatch, cap
     monkeypatch.setattr(tilelang_states, "chunk_states", lambda *a, **kw: ran.append("ours") or ("h from ours", None))
     monkeypatch.setattr(tilelang_states, "GPU_VERIFIED", False)
     monkeypatch.delenv("GDR_ALLOW_UNVERIFIED", raising=False)
-    tilelang_sm90._logged.clear()
+    forget_said()
     with caplog.at_level(logging.INFO, logger="gdr_dispatch"):
         assert tilelang_sm90.recompute_states(call) == "h from fla"
         monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")

@@ -181,7 +181,7 @@ def test_the_forward_comes_from_the_lowest_ranked_backend_that_takes_it_and_is_n
     p = training.forward_problem(x["q"], x["v"], x["beta"], x["initial_state"], None, False)
     assert training.select_forward(p).name == "torch"
     with caplog.at_level(logging.INFO, logger="gdr_dispatch"):
-        training._LOGGED.clear()
+        registry.forget_said()
         chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"])
     assert any(r.getMessage().startswith("gdr_dispatch: forward torch for") for r in caplog.records)
 

@@ -7,7 +7,7 @@ import importlib.util
 import logging
 
 from gdr_dispatch.contract import GDRCall, GDRGrads
-from gdr_dispatch.registry import ALLOW_UNVERIFIED_ENV, Problem, unverified_allowed
+from gdr_dispatch.registry import ALLOW_UNVERIFIED_ENV, Problem, first_time, unverified_allowed
 
 from . import fla_pipeline
 from .toolchain import nvcc_found
@@ -44,7 +44,6 @@ def fused_sm90_limits(p: Problem, smem_note: str) -> list[str]:
 
 
 log = logging.getLogger("gdr_dispatch")
-_logged: set = set()
 
 
 def states_kernel_refusal() -> str:
@@ -64,12 +63,11 @@ def recompute_states(call: GDRCall):
     """The chunk-start states of an `h=None` call: our state kernel where `states_kernel_refusal`
     allows it, else fla's stages 1-2. Says once per problem which ran."""
     why = states_kernel_refusal()
-    key = (Problem.from_call(call), why)
-    if key not in _logged:
-        _logged.add(key)
+    problem = Problem.from_call(call)
+    if first_time(("h=None states", problem, why)):
         log.info("gdr_dispatch: h=None: the chunk states on %s for %s",
                  "our TileLang state kernel" if not why else f"fla's stages 1-2 (our state kernel: {why})",
-                 key[0].describe())
+                 problem.describe())
     if why:
         return fla_pipeline.recompute_states(call)
     from ..kernels.tilelang_states import call_states
