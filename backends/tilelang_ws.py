@@ -12,7 +12,7 @@ from __future__ import annotations
 from gdr_dispatch.contract import GDRCall, GDRGrads
 from gdr_dispatch.registry import Backend, Problem, register
 
-from .common.tilelang_sm90 import fused_sm90_limits, run_given_h, states_compile_jobs
+from .common.tilelang_sm90 import fused_sm90_limits, own_state_recompute, run_given_h, states_compile_jobs
 
 
 class TileLangWSBackend(Backend):
@@ -27,6 +27,9 @@ class TileLangWSBackend(Backend):
         from .kernels.tilelang_ws_bwd import ws_bwd_given_h
 
         return run_given_h(call, ws_bwd_given_h)
+
+    def own_state_recompute(self) -> bool:
+        return own_state_recompute()
 
     def compile_jobs(self, call: GDRCall) -> list[tuple[str, str, tuple]]:
         from .kernels import tilelang_ws_bwd as m

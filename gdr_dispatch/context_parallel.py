@@ -23,8 +23,9 @@ update is the delta rule's projection, so products shrink towards zero (underflo
 
 Pass 1 runs on our two Triton kernels (segment_maps.py: W, U0 and the local dV formed per
 chunk in registers) where they take the call (with `h=None` a third then writes pass 3's `h`
-from the segments' start states), else on the kernels of the first registered
-backend that offers them (`Backend.split_passes`; today fla's state kernels, which compose a
+from the segments' start states, unless the backend recomputes them in a kernel of its own,
+`Backend.own_state_recompute`), else on the kernels of the first registered backend that
+offers them (`Backend.split_passes`; today fla's state kernels, which compose a
 segment's `M` and `R` in one state pass and its `D` in one dh pass), else as batched tensor
 products here
 (any device, fp32 or fp64 accumulation; the per-chunk maps in one batch, each segment's
@@ -170,7 +171,7 @@ def _state_dtype(call: GDRCall) -> torch.dtype:
     return call.acc_dtype if call.acc_dtype == torch.float64 else torch.float32
 
 
-def split_backward(call: GDRCall, segments: int, run: Callable[..., GDRGrads]) -> GDRGrads:
+def split_backward(call: GDRCall, segments: int, run: Callable[..., GDRGrads], states_by_run: bool = False) -> GDRGrads:
     """The backward of `call` with each sequence cut into runs of whole chunks.
 
     Every sequence is cut at multiples of `segment_length(...)` chunks (at most `segments`
@@ -178,6 +179,8 @@ def split_backward(call: GDRCall, segments: int, run: Callable[..., GDRGrads]) -
     `fused_gdr_bwd`); it receives the non-empty segments as one varlen call with
     `initial_state` and `dht` set. Pass 1 on a backend's kernels (`pass_1_provider`) or as
     batched tensor products; pass 2 as log2(`segments`) levels of batched products.
+    `states_by_run`: with `h=None`, `run`'s backend recomputes the segments' chunk states itself
+    (`Backend.own_state_recompute`); else pass 1's Triton kernels write them where they ran.
     """
     acc = call.acc_dtype
     N, H, K, V, BT = call.N, call.H, call.K, call.V, call.chunk_size
@@ -189,15 +192,16 @@ def split_backward(call: GDRCall, segments: int, run: Callable[..., GDRGrads]) -
     seg_of = device_constant(tuple(j for _, j in pick), torch.int64, dev)
     seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=BT)  # no states: pass 1's input
     provider, maps = pass_1_provider(seg_call)
-    states = _states_kernel(call, seg_call, provider)
+    states = None if states_by_run else _states_kernel(call, seg_call, provider)
     problem = Problem.from_call(call)
-    if first_time(("split passes", problem, segments, provider)):
+    if first_time(("split passes", problem, segments, provider, states_by_run)):
         log.info("gdr_dispatch: split pass 1 (the segments' composed state maps) on %s, pass 2 (the scans) on %s, "
                  "%sfor %s", (f"{provider}'s kernels" if maps is not None else provider)
                  + ("" if provider == OUR_MAPS else f" (our Triton maps: {_maps_kernels_refusal(seg_call)})"),
                  "Triton kernels" if _scan_kernels(K, V, acc, dev) is not None
                  else f"torch products ({_scan_kernels_refusal(K, V, acc, dev)})",
-                 "pass 3's chunk states on gdr_dispatch's kernels (its backend takes h given), " if states else "",
+                 "pass 3's chunk states on gdr_dispatch's kernels (its backend takes h given), " if states
+                 else "pass 3's chunk states by its backend, " if states_by_run and call.h is None else "",
                  problem.describe())
     if maps is not None:  # pass 1 on the provider's kernels, scattered to [N, n_seg, H, ...]
         m, r, d = maps(seg_call, need_r=call.h is None)  # with h given the starts come from h
@@ -320,20 +324,22 @@ def _scan_and_run(call, s, pick, index, flat, offsets, Ms, Rs, Ds, run, states=N
     S0 = None if h0 is None else h0.to(acc)
     dS_end = None if dht is None else dht.to(acc)
     kernels = _scan_kernels(K, V, acc, dev)
+    ends = None
     if call.h is not None:  # every non-empty segment starts on a real chunk: the caller's state there (as unsplit)
         first_chunk = list(itertools.accumulate([0] + chunk_counts(call.seq_lens, BT)))
         rows = device_constant(tuple(first_chunk[n] + j * s for n, j in pick), torch.int64, dev)
         init = cm.states_in(call.h, call.state_v_first).reshape(-1, H, K, V)[rows].to(acc)
-    elif kernels is not None:
-        init = _from_grid(kernels.forward_scan(Ms, Rs, S0), pick, index)
+    elif kernels is not None:  # both scans in one launch
+        starts, ends, dh0 = kernels.both_scans(Ms, Rs, S0, Ds, dS_end)
+        init = _from_grid(starts, pick, index)
     else:
         S0 = torch.zeros(N, H, K, V, dtype=acc, device=dev) if S0 is None else S0
         A, B = _prefix_maps(Ms, Rs)  # segment j's end state = A_j S0 + B_j
         starts = torch.cat([S0[:, None], (A[:, :-1] @ S0[:, None] + B[:, :-1])], dim=1)  # [N, n_seg, H, K, V]
         init = _from_grid(starts, pick, index)
-    if kernels is not None:
+    if ends is None and kernels is not None:
         ends, dh0 = kernels.backward_scan(Ms, Ds, dS_end)
-    else:
+    elif ends is None:
         dS_end = torch.zeros(N, H, K, V, dtype=acc, device=dev) if dS_end is None else dS_end
         # dS_j = M_j^T dS_{j+1} + D_j from dS_{n_seg} = dht, as a prefix over the reversed segments
         Ab, Bb = _prefix_maps(Ms.flip(1).transpose(-1, -2), Ds.flip(1))  # dS_{n_seg-1-i} = Ab_i dht + Bb_i
@@ -385,7 +391,8 @@ class SplitBackend(Backend):
         return [] if ok else [f"{self.inner.name} on the segments: {why}"]
 
     def run(self, call: GDRCall) -> GDRGrads:
-        return split_backward(call, self.segments, run=lambda **kw: self.inner.run(validate(**kw)))
+        return split_backward(call, self.segments, run=lambda **kw: self.inner.run(validate(**kw)),
+                              states_by_run=self.inner.own_state_recompute())
 
     def compile_jobs(self, call: GDRCall) -> list[tuple[str, str, tuple]]:
         """The inner backend's builds for pass 3's call (the segments as one varlen call with both
@@ -396,9 +403,10 @@ class SplitBackend(Backend):
         shape = (len(seg_lens), call.H, call.V, call.K) if call.state_v_first else (len(seg_lens), call.H, call.K, call.V)
         states = torch.zeros(shape, dtype=_state_dtype(call), device=call.q.device)
         h = None if call.h is None else call.h.reshape(1, -1, *call.h.shape[2:])
-        # pass 3 takes h given where our maps run pass 1 (`_states_kernel`); what they check (K, V,
-        # dtype, chunk size, device) is the same for the unsplit call as for the segments'
-        if h is None and not _maps_kernels_refusal(call):
+        # pass 3 takes h given where our maps run pass 1 (`_states_kernel`) unless the backend
+        # recomputes them itself; what the maps check (K, V, dtype, chunk size, device) is the same
+        # for the unsplit call as for the segments'
+        if h is None and not self.inner.own_state_recompute() and not _maps_kernels_refusal(call):
             nt = sum(chunk_counts(seg_lens, call.chunk_size))
             h = torch.zeros(1, nt, call.H, *shape[2:], dtype=call.q.dtype, device=call.q.device)
         seg = validate(**flat, h=h, dht=states, initial_state=states, scale=call.scale, chunk_size=call.chunk_size,

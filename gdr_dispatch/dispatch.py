@@ -420,7 +420,11 @@ def fused_gdr_bwd(q, k, v, a, g, b, do, dht=None, h=None, *, scale=None, initial
         if first_time(("split", problem, segments)):
             log.info("gdr_dispatch: split=%d (GDR_CP) for %s: each sequence in %d segments of whole chunks, "
                      "run as one varlen call", segments, problem.describe(), segments)
-        return split_backward(call, segments, run=lambda **kw: _run(validate(**kw)))
+        # a forced backend that recomputes the states in its own kernel does so for pass 3 too,
+        # as its `<backend>@split<n>` candidate does (SplitBackend)
+        forced = os.environ.get("GDR_BACKEND", "").strip()
+        return split_backward(call, segments, run=lambda **kw: _run(validate(**kw)),
+                              states_by_run=bool(forced) and get_backend(forced).own_state_recompute())
     return _run(call)
 
 

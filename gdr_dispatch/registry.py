@@ -315,6 +315,13 @@ class Backend:
         run it."""
         return None
 
+    def own_state_recompute(self) -> bool:
+        """Whether this backend's `h=None` path recomputes the chunk states in one kernel of its
+        own, from `initial_state`: the context-parallel split then leaves its pass 3 `h=None`
+        instead of writing `h` with its Triton walk (segment_maps.segment_states; docs/
+        measurements.md, "Session 13")."""
+        return False
+
     def compile_jobs(self, call: GDRCall) -> list[tuple[str, str, tuple]]:
         """The kernel builds a first `run(call)` would compile, as picklable `(module, function,
         args)`: a sweep runs them in parallel processes beforehand (`run_compile_job`), since

@@ -35,12 +35,14 @@ import triton.language as tl
 #: state columns per program (the carried block is K x BC fp32) and launch options. BC 32 with
 #: one stage (8 or 4 warps; 16 with 8) reads shared memory out of bounds in the backward walk's
 #: products under Triton 3.6 on the H200 (compute-sanitizer; 64/8/1, 64/4/1, 16/4/1 and 32/8/2
-#: ran clean: bench/results/ws_steps/s11call5-*). 64/8/1 is the one the GPU tests passed with
-#: (97 of 97 split tests, session 11); pass 1 at B1 T32768 H4 in 32 segments, h given: 0.36
-#: ms, fla's 0.76. Resources (tools/triton_report.py, Triton 3.6): 255 registers each, stack
-#: 8 / 744 / 72 bytes (forward maps / backward maps / states).
+#: ran clean: bench/results/ws_steps/s11call5-*; 16/4/1 failed at 32K tokens). 64/4/1 since
+#: session 13: memcheck clean at 32 segments of 1024 tokens and on the ragged call, the 113 split
+#: GPU tests passed (ws_steps/s13call2-*); at B1 T32768 H4 in 32 segments, h=None, the two maps
+#: took 0.130 + 0.130 ms against 64/8/1's 0.255 + 0.221 (s13call1/2-splitprof*). Resources
+#: (tools/triton_report.py, Triton 3.6, 8 warps): 255 registers each, stack 8 / 744 / 72 bytes
+#: (forward maps / backward maps / states).
 BC = 64
-NUM_WARPS, NUM_STAGES = 8, 1
+NUM_WARPS, NUM_STAGES = 4, 1
 #: Whether the kernels' GPU tests (tests/test_gpu.py: the maps against float64, the split
 #: oracle tests with them) have passed; while False, context_parallel.py uses them only with
 #: GDR_ALLOW_UNVERIFIED=1 (fla's kernels or the torch products otherwise).

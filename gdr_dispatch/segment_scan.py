@@ -13,7 +13,9 @@ spilled 8-12 KB of stack per thread. Launch options measured on the H200 (backwa
 T32768 H4, 32 segments; bench/results/ws_steps/s9call3-splitprof-scan.log): 16 value columns,
 8 warps, 2 stages 0.116 ms; 16/8/1 0.133; 32/8/1 (session 8's) 0.147; 32/8/2 0.146; 32/4/2
 0.251; 64/8/2 0.218. The carried state needs the last step but the maps' loads do not, so the
-second stage overlaps them once the state block is small.
+second stage overlaps them once the state block is small. With `h=None` the split needs both
+scans; `both_scans` runs them as one launch (they took 0.089 ms each in turn at B1 T32768 H4 in 32
+segments, bench/results/ws_steps/s13call1-splitprof.log).
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ GPU_VERIFIED = True
 
 
 @triton.jit
-def _scan(M, X, START, EACH, LAST, n_seg, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-          HAS_START: tl.constexpr, REVERSE: tl.constexpr):
+def _scan_body(M, X, START, EACH, LAST, n_seg, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+               HAS_START: tl.constexpr, REVERSE: tl.constexpr):
     """Through the segments of sequence n in order (last to first with REVERSE): EACH[n, j] = the
     carried state before segment j, then state = M_j state + X_j (M_j^T with REVERSE); LAST[n] =
     the state after the last. The state starts at START[n] (0 without HAS_START)."""
@@ -61,6 +63,24 @@ def _scan(M, X, START, EACH, LAST, n_seg, H, K: tl.constexpr, V: tl.constexpr, B
         x = tl.load(X + (base * K + rk[:, None]) * V + rv[None, :])
         S = tl.dot(m, S, input_precision="tf32x3") + x
     tl.store(LAST + ((n * H + h).to(tl.int64) * K + rk[:, None]) * V + rv[None, :], S)
+
+
+@triton.jit
+def _scan(M, X, START, EACH, LAST, n_seg, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+          HAS_START: tl.constexpr, REVERSE: tl.constexpr):
+    """One scan (`_scan_body`)."""
+    _scan_body(M, X, START, EACH, LAST, n_seg, H, K, V, BV, HAS_START, REVERSE)
+
+
+@triton.jit
+def _scans(M, R, S0, STARTS, S_LAST, D, G_END, ENDS, FIRST, n_seg, H, K: tl.constexpr, V: tl.constexpr,
+           BV: tl.constexpr, HAS_S0: tl.constexpr, HAS_G_END: tl.constexpr):
+    """Both scans in one launch: grid axis 2 picks the direction (they share only the maps; each
+    alone fills 32 programs at B1 H4, so one after the other they took twice one's time)."""
+    if tl.program_id(2) == 0:
+        _scan_body(M, R, S0, STARTS, S_LAST, n_seg, H, K, V, BV, HAS_S0, False)
+    else:
+        _scan_body(M, D, G_END, ENDS, FIRST, n_seg, H, K, V, BV, HAS_G_END, True)
 
 
 def not_supported_reason(K: int, V: int, dtype: torch.dtype, device: torch.device) -> str:
@@ -93,6 +113,22 @@ def forward_scan(Ms: torch.Tensor, Rs: torch.Tensor, S0) -> torch.Tensor:
     `Rs` `[N, n_seg, H, K, V]` and the sequences' start states `S0` `[N, H, K, V]` (None: 0):
     S_0 = S0, S_{j+1} = M_j S_j + R_j."""
     return _run_scan(Ms, Rs, S0, reverse=False)[0]
+
+
+def both_scans(Ms: torch.Tensor, Rs: torch.Tensor, S0, Ds: torch.Tensor, G_end):
+    """`forward_scan` and `backward_scan` in one launch (the split with `h=None` needs both):
+    `(starts, ends, first)`."""
+    N, n_seg, H, K, V = Rs.shape
+    bv = min(BV, V)
+    r, d = Rs.contiguous(), Ds.contiguous()
+    starts, ends = torch.empty_like(r), torch.empty_like(d)
+    last, first = (torch.empty(N, H, K, V, dtype=r.dtype, device=r.device) for _ in range(2))
+    # r and d: placeholder pointers where a start is absent (never read then)
+    _scans[(N * H, V // bv, 2)](Ms.contiguous(), r, r if S0 is None else S0.contiguous(), starts, last,
+                                d, d if G_end is None else G_end.contiguous(), ends, first, n_seg, H,
+                                K=K, V=V, BV=bv, HAS_S0=S0 is not None, HAS_G_END=G_end is not None,
+                                num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return starts, ends, first
 
 
 def backward_scan(Ms: torch.Tensor, Ds: torch.Tensor, G_end) -> tuple[torch.Tensor, torch.Tensor]:

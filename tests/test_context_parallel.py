@@ -366,6 +366,9 @@ def test_scan_kernels_equal_the_step_by_step_scan(K, V, n_seg, given):
     f32 = (lambda x: None if x is None else x.float())
     starts = segment_scan.forward_scan(f32(M), f32(R), f32(S0))
     ends, first = segment_scan.backward_scan(f32(M), f32(D), f32(G_end))
+    # both in one launch (the split with h=None): the same results as one by one
+    for got, want in zip(segment_scan.both_scans(f32(M), f32(R), f32(S0), f32(D), f32(G_end)), (starts, ends, first)):
+        assert torch.equal(got, want)
     S = torch.zeros(N, H, K, V, dtype=torch.float64) if S0 is None else S0
     for j in range(n_seg):
         assert torch.allclose(starts[:, j].double(), S, rtol=1e-5, atol=1e-5), j
@@ -466,6 +469,44 @@ def test_a_split_candidate_on_our_maps_precompiles_pass_3_with_h_given(monkeypat
     monkeypatch.undo()
     SplitBackend(_compile_recorder(seen), 3).compile_jobs(validate(**call_kwargs(make_inputs(spec, "cpu", seed=1))))
     assert seen[-1].h is None  # on a CPU our maps refuse: the backend recomputes the states itself
+
+
+@pytest.mark.parametrize("own", [False, True], ids=["split_writes_h", "backend_recomputes"])
+def test_pass_3_leaves_h_none_to_a_backend_with_its_own_state_kernel(own, monkeypatch):
+    """With `h=None` the split writes pass 3's `h` from the segments' start states (where its
+    Triton maps ran pass 1), unless the backend recomputes the states in one kernel of its own
+    (`Backend.own_state_recompute`: then it gets `h=None` and the start states as
+    `initial_state`). The gradients are the unsplit call's either way."""
+    import gdr_dispatch.context_parallel as cp
+    from gdr_dispatch.registry import get_backend
+
+    torch_backend = get_backend("torch")
+    walked = []
+
+    def walk(call, seg_call, provider):  # the Triton walk's stand-in: records, leaves h=None
+        return lambda init: walked.append(init)
+
+    monkeypatch.setattr(cp, "_states_kernel", walk)
+    spec = ShapeSpec(B=2, T=300, H=4, Hg=2, K=16, V=8, dtype="float64", h="none")
+    call = validate(**call_kwargs(make_inputs(spec, "cpu", seed=3)))
+    seen = []
+
+    class Inner(type(torch_backend)):
+        name = "inner"
+
+        def own_state_recompute(self):
+            return own
+
+        def run(self, c):
+            seen.append(c.h)
+            return super().run(c)
+
+    got = cp.SplitBackend(Inner(), 3).run(call)  # (the torch backend recomputes h either way)
+    want = torch_backend.run(call)
+    assert seen == [None] and len(walked) == (0 if own else 1)
+    for name in want._fields:
+        if getattr(want, name) is not None:
+            assert torch.allclose(getattr(got, name), getattr(want, name), rtol=1e-9, atol=1e-10), name
 
 
 def test_the_scan_kernels_wait_for_their_gpu_tests(monkeypatch):

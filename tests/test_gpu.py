@@ -137,6 +137,32 @@ def test_split_pass_1_kernels_on_gpu(name, dtype):
         assert err < 1e-2, (what, err)
 
 
+@pytest.mark.parametrize("segments", [2, 4])
+@pytest.mark.parametrize("backend", ["tilelang_ws", "tilelang_fused"])
+@pytest.mark.parametrize("name", SPLIT_CASES)
+def test_split_candidate_with_own_states_on_gpu(name, backend, segments, monkeypatch):
+    """The tuner's `<backend>@split<n>` candidate (SplitBackend) with `h=None` around a backend
+    that recomputes the segments' states in its own kernel (`own_state_recompute`: our TileLang
+    state kernel from the segments' start states), against the oracle; the split's own Triton
+    walk of the states must not run."""
+    from gdr_dispatch import segment_maps
+    from gdr_dispatch.context_parallel import SplitBackend
+
+    monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+    monkeypatch.setattr(segment_maps, "segment_states", lambda *a, **k: pytest.fail("the split walked the states"))
+    spec = ShapeSpec(**{**SHAPES[name].__dict__, "dtype": "bfloat16", "h": "none", "extra": {}})
+    inner = registered_backends()[backend]
+    split = SplitBackend(inner, segments)
+    ok, reason = split.supported(spec.problem(torch.device("cuda")))
+    if not ok:
+        pytest.skip(f"{split.name} does not take {spec.label()}: {reason}")
+    assert inner.own_state_recompute()
+    kwargs, ref = _case(spec)
+    errs = rel_errors(split.run(validate(**kwargs)), ref)
+    bad = {n: f"{e:.2e}" for n, e in errs.items() if not e <= TOL["bfloat16"]}
+    assert not bad, f"{split.name} {spec.label()}: {bad}"
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("name", ["varlen_1_63_64_65_vfirst", "T100_grouped_strong_decay"])
 def test_split_states_kernel_on_gpu(name, dtype):
@@ -206,6 +232,9 @@ def test_split_scan_kernels_on_gpu(n_seg):
     cuda = (lambda x: x.float().cuda())
     starts = segment_scan.forward_scan(cuda(M), cuda(R), cuda(S0)).double().cpu()
     ends, first = (x.double().cpu() for x in segment_scan.backward_scan(cuda(M), cuda(D), cuda(G_end)))
+    both = segment_scan.both_scans(cuda(M), cuda(R), cuda(S0), cuda(D), cuda(G_end))  # one launch, h=None's
+    for got, want in zip(both, (starts, ends, first)):
+        assert torch.equal(got.double().cpu(), want)
     S, G = S0, G_end
     want_s, want_e = [], [None] * n_seg
     for j in range(n_seg):

@@ -59,6 +59,11 @@ def states_kernel_refusal() -> str:
     return ""
 
 
+def own_state_recompute() -> bool:
+    """`Backend.own_state_recompute` of the sm90 TileLang backends: `h=None` runs our state kernel."""
+    return not states_kernel_refusal()
+
+
 def recompute_states(call: GDRCall):
     """The chunk-start states of an `h=None` call: our state kernel where `states_kernel_refusal`
     allows it, else fla's stages 1-2. Says once per problem which ran."""

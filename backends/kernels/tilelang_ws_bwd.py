@@ -38,6 +38,8 @@ import functools
 import tilelang
 import tilelang.language as T
 
+from gdr_dispatch.graph_safe import device_constant
+
 from .tilelang_common import cta_sequence, fence_accumulator, parse_build
 from .tilelang_launch import launch_packed, tl_dtype
 
@@ -743,8 +745,8 @@ def ws_bwd_given_h(q, k, v, do, a, g, b, h, dht, scale: float, seq_lens, chunk_s
     if (Kd, Vd, chunk_size) != (K, V, BT):
         raise ValueError(f"ws_bwd_given_h: built for K = V = {K}, chunk {BT}; got K={Kd}, V={Vd}, chunk {chunk_size}")
     kern = build_ws_bwd(*ws_config(q, v, b, scale), timing=clk is not None, **build)
-    if clk is None:
-        clk = torch.zeros(1, dtype=torch.int32, device=q.device)
+    if clk is None:  # the plain build never touches it: a cached constant, one launch less per call
+        clk = device_constant((0,), torch.int32, q.device)
     # TMA copies bytes: h_s holds q's dtype
     return launch_packed(kern, q, k, v, do, a, g, b, h.to(q.dtype), dht, seq_lens, chunk_size, cu_seqlens, has_h0,
                          state_v_first, dq_dtype=q.dtype, db_dtype=b.dtype, extra=(clk,))
