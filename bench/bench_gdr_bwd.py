@@ -6,6 +6,8 @@ For each shape, with `h` given and with `h=None`:
   * every registered backend that supports the call, through `fused_gdr_bwd` with
     GDR_BACKEND forcing it (so validation and dispatch are inside the time), except `torch`,
     which runs once as the exact reference for the error column;
+  * `dispatched`: `fused_gdr_bwd` with nothing forced (the tables' pick, named in the JSON
+    row's `dispatched_pick` and the markdown's notes);
   * `fla-op`: fla-core's own `chunk_gated_delta_rule_bwd`, fed fla's conventions prepared
     outside the timing (as its forward would have saved them); it always recomputes `h`;
   * `flashqla`: FlashQLA, when importable. With `h` given: its fused kernel plus the
@@ -115,6 +117,17 @@ def forced(name, kwargs, segments=None):
     return run
 
 
+def dispatched(kwargs):
+    """`fused_gdr_bwd` as a user calls it: no GDR_BACKEND or GDR_CP, the tables decide."""
+    def run():
+        saved = {n: os.environ.pop(n) for n in ("GDR_BACKEND", "GDR_CP") if n in os.environ}
+        try:
+            return fused_gdr_bwd(**kwargs)
+        finally:
+            os.environ.update(saved)
+    return run
+
+
 def max_error(grads, ref):
     return max(relative_error(getattr(grads, n), getattr(ref, n)) for n in GDRGrads._fields)
 
@@ -140,6 +153,11 @@ def bench_shape(spec, warmup, reps, skip, splits=(), split_backends=(), rounds=1
         if not isinstance(runners.get(name), str) and name in runners:
             for n in splits:
                 runners[f"{name}@split{n}"] = forced(name, kwargs, segments=n)
+    if "dispatched" not in skip:  # what the tables pick (the row's `dispatched_pick`)
+        from gdr_dispatch.dispatch import select_backend
+
+        runners["dispatched"] = dispatched(kwargs)
+        pick = select_backend(problem or Problem.from_call(validate(**kwargs))).backend.name
     if "fla-op" not in skip:
         runners["fla-op"] = fla_op_runner(x)
     if "flashqla" not in skip:
@@ -147,6 +165,8 @@ def bench_shape(spec, warmup, reps, skip, splits=(), split_backends=(), rounds=1
         if splits and x["h"] is None:  # its own (approximate) intra-card split
             runners["flashqla-auto_cp"] = flashqla_runner(x, auto_cp=True) or "not importable"
     row = {"shape": spec.label(), "h": spec.h, "runs": {}}
+    if "dispatched" in runners:
+        row["dispatched_pick"] = pick
     nbytes, flops = bytes_and_flops(spec)
     row["floor_ms"] = round(floor_ms(spec, HBM_GBS, BF16_TFLOPS), 4)
     row["bytes"], row["flops"] = nbytes, flops
@@ -218,6 +238,9 @@ def to_markdown(rows, names, device, unverified=()):
     if unverified:
         lines += ["", "* refused by the dispatcher when this ran (not yet GPU-verified by tests/test_gpu.py), "
                   "run by --unverified"]
+    picks = [f"{r['shape']}: {r['dispatched_pick']}" for r in rows if r.get("dispatched_pick")]
+    if picks:
+        lines += ["", "dispatched: the backend the tables picked, " + "; ".join(picks)]
     if notes:
         lines += ["", "Not run:"] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"

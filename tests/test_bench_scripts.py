@@ -53,6 +53,26 @@ def test_bench_merge_replaces_remeasured_runs_and_keeps_the_rest():
     assert merge_rows([], fresh) == fresh
 
 
+def test_bench_dispatched_runner_forces_nothing_and_names_the_pick(monkeypatch):
+    """`dispatched` is the user's call: GDR_BACKEND and GDR_CP (which the forced runners set
+    around their own calls) are out of the environment during it and restored after; the
+    markdown names the tables' pick per row."""
+    import bench_gdr_bwd as bench
+
+    seen = []
+    monkeypatch.setattr(bench, "fused_gdr_bwd", lambda **kw: seen.append(
+        (kw, {n: bench.os.environ.get(n) for n in ("GDR_BACKEND", "GDR_CP")})) or "grads")
+    monkeypatch.setenv("GDR_BACKEND", "torch")
+    monkeypatch.setenv("GDR_CP", "4")
+    assert bench.dispatched({"q": 1})() == "grads"
+    assert seen == [({"q": 1}, {"GDR_BACKEND": None, "GDR_CP": None})]
+    assert bench.os.environ["GDR_BACKEND"] == "torch" and bench.os.environ["GDR_CP"] == "4"
+    row = {"shape": "B1 T64 h=none", "h": "none", "floor_ms": 0.1, "dispatched_pick": "fla@split4",
+           "runs": {"dispatched": {"ms": 1.0, "max_rel_err": 1e-3}}}
+    md = bench.to_markdown([row], ["dispatched"], "dev")
+    assert "the backend the tables picked, B1 T64 h=none: fla@split4" in md
+
+
 @pytest.mark.parametrize("script", sorted(str(p.relative_to(ROOT)) for d in (BENCH, TOOLS) for p in d.glob("*.py")))
 def test_scripts_import(script):
     """Import errors and syntax errors surface here rather than on the GPU machine."""

@@ -12,7 +12,8 @@ split host-bound. `--graph` also captures each call in a CUDA graph and times it
 (the time in a training step captured whole, where no launch costs host time) and checks the
 replay's gradients against the eager call's. `--pass1` times pass 1 alone, fla's kernels
 against ours (gdr_dispatch/segment_maps.py); with GDR_ALLOW_UNVERIFIED=1 in the environment
-the splits above run pass 1 on ours (until their GPU tests pass).
+the splits above run pass 1 on ours (until their GPU tests pass). `--pyprof N` adds a cProfile
+of N enqueues of each split call (which Python spends the host time).
 """
 
 from __future__ import annotations
@@ -134,6 +135,27 @@ def pass1_configs(call, segments: int, configs: str, reps: int) -> None:
     sm.BC, sm.NUM_WARPS, sm.NUM_STAGES = shipped
 
 
+def python_profile(fn, n: int) -> None:
+    """cProfile over `n` enqueues (the GPU drained before each, as `host_ms`): the functions with
+    the most own time and the most time inside them, per call."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    for _ in range(n):
+        torch.cuda.synchronize()
+        prof.enable()
+        fn()
+        prof.disable()
+    torch.cuda.synchronize()
+    for key in ("tottime", "cumulative"):
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(25)
+        print(f"Python profile of {n} enqueues, by {key} (seconds are totals over the {n}):\n"
+              + out.getvalue().split("\n\n", 1)[-1], flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--B", type=int, default=1)
@@ -146,6 +168,8 @@ def main() -> int:
     p.add_argument("--graph", action="store_true", help="also time each call's CUDA-graph replay")
     p.add_argument("--scan", default="", help="time the backward scan alone under these 'BV,WARPS,STAGES' "
                                               "configurations ('/'-separated) beside the shipped one, then stop")
+    p.add_argument("--pyprof", type=int, default=0, metavar="N",
+                   help="also profile N enqueues of each split call in Python (cProfile: where its host time goes)")
     p.add_argument("--pass1", nargs="?", const="", default=None,
                    help="time pass 1 alone, fla's kernels against ours (gdr_dispatch/segment_maps.py) under the "
                         "shipped and these 'BC,WARPS,STAGES' configurations ('/'-separated), then stop")
@@ -178,6 +202,8 @@ def main() -> int:
                 except Exception as e:  # noqa: BLE001 - a call that cannot be captured is the answer
                     print(f"{label}: CUDA-graph capture failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
                           flush=True)
+            if a.pyprof and backend is not inner:
+                python_profile(fn, a.pyprof)
             print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60), flush=True)
             print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60), flush=True)
     return 0
