@@ -38,7 +38,8 @@ import triton.language as tl
 #: ran clean: bench/results/ws_steps/s11call5-*; 16/4/1 failed at 32K tokens). 64/4/1 since
 #: session 13: memcheck clean at 32 segments of 1024 tokens and on the ragged call, the 113 split
 #: GPU tests passed (ws_steps/s13call2-*); at B1 T32768 H4 in 32 segments, h=None, the two maps
-#: took 0.130 + 0.130 ms against 64/8/1's 0.255 + 0.221 (s13call1/2-splitprof*). Resources
+#: took 0.130 + 0.130 ms against 64/8/1's 0.255 + 0.221 (s13call1/2-splitprof*); M and R in
+#: tensors of their own since call 4 (pass-1 GPU cases and memcheck again clean). Resources
 #: (tools/triton_report.py, Triton 3.6, 8 warps): 255 registers each, stack 8 / 744 / 72 bytes
 #: (forward maps / backward maps / states).
 BC = 64
@@ -117,10 +118,11 @@ def _state_step(S, k, G, gL, b, ag, u0):
 
 
 @triton.jit
-def _forward_maps(k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, out_ptr, Hg, H, NCOL,
+def _forward_maps(k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, m_ptr, r_ptr, Hg, H,
                   K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """Columns [c0, c0 + BC) of segment n's `[M | R]` (`out` `[S, H, K, NCOL]`, NCOL = K or
-    K + V): the state recurrence from `[I | 0]` on the values `[0 | U0]`."""
+    """Columns [c0, c0 + BC) of segment n's `[M | R]` (`m` `[S, H, K, K]`, `r` `[S, H, K, V]`;
+    the grid's column blocks cover M, or M then R): the state recurrence from `[I | 0]` on the
+    values `[0 | U0]`."""
     nh, h, hg, c0, bos, eos = _program(cu_ptr, Hg, H, BC)
     rk = tl.arange(0, K)
     rc = tl.arange(0, BC)
@@ -134,7 +136,10 @@ def _forward_maps(k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, out_ptr, Hg, H, NCO
             u0 = tl.zeros([BT, BC], dtype=tl.float32)
         S = _state_step(S, k, G, gL, b, ag, u0)
     nh64 = nh.to(tl.int64)
-    tl.store(out_ptr + (nh64 * K + rk[:, None]) * NCOL + c0 + rc[None, :], S)
+    if c0 >= K:  # M and R apart: the scans read each whole (a slice of one [M | R] cost two copies)
+        tl.store(r_ptr + (nh64 * K + rk[:, None]) * V + c0 - K + rc[None, :], S)
+    else:
+        tl.store(m_ptr + (nh64 * K + rk[:, None]) * K + c0 + rc[None, :], S)
 
 
 @triton.jit
@@ -227,13 +232,14 @@ def segment_maps(seg_call, need_r: bool = True):
     g, b = seg_call.g.float().contiguous(), seg_call.b.contiguous()
     cu = seg_call.cu_seqlens.to(torch.int32).contiguous()
     ncol = K + V if need_r else K
-    fwd = torch.empty(n_seg, H, K, ncol, dtype=torch.float32, device=dev)
+    M = torch.empty(n_seg, H, K, K, dtype=torch.float32, device=dev)
+    R = torch.empty(n_seg, H, K, V, dtype=torch.float32, device=dev) if need_r else None
     D = torch.empty(n_seg, H, K, V, dtype=torch.float32, device=dev)
-    _forward_maps[(n_seg * H, ncol // bc)](k, v, a, g, b, cu, fwd, Hg, H, ncol, K=K, V=V, BT=BT, BC=bc,
-                                           num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    _forward_maps[(n_seg * H, ncol // bc)](k, v, a, g, b, cu, M, M if R is None else R, Hg, H, K=K, V=V, BT=BT,
+                                           BC=bc, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     _backward_maps[(n_seg * H, V // bc)](q, k, a, g, b, do, cu, D, float(seg_call.scale), Hg, H, K=K, V=V, BT=BT,
                                          BC=bc, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    return fwd[..., :K], (fwd[..., K:] if need_r else None), D
+    return M, R, D
 
 
 def segment_states(seg_call, init: torch.Tensor, state_v_first: bool = False) -> torch.Tensor:
