@@ -17,7 +17,8 @@ For each shape, with `h` given and with `h=None`:
     `--split-backends`, as `<backend>@split<n>`, and FlashQLA's own `auto_cp=True` split
     (`flashqla-auto_cp`, h=None rows); `--splits auto`: on starved grids only (fewer sequence x
     head programs than SMs), the segment counts the autotuner would try there.
-Times are medians of CUDA-event timings after warm-up (gdr_dispatch.dispatch.measure_ms); with
+Times are medians of CUDA-event timings after warm-up (gdr_dispatch.dispatch.measure_ms), each
+with the host's enqueue time beside it (`host_ms`; near `ms` the call is host-bound); with
 `--rounds N` (default 2) each runner is timed N times in alternating order and the least median
 kept (the JSON's `ms_rounds` has all).
 The floor is max(bytes / 4.3 TB/s, FLOPs / 790 TFLOP/s), the copy bandwidth and bf16
@@ -39,12 +40,14 @@ import torch
 
 from gdr_dispatch import GDRGrads, Problem, fused_gdr_bwd, registered_backends
 from gdr_dispatch.contract import validate
-from gdr_dispatch.dispatch import measure_ms, more_rounds, relative_error
+from gdr_dispatch.dispatch import host_enqueue_ms, measure_ms, more_rounds, relative_error
 from gdr_dispatch.registry import ALLOW_UNVERIFIED_ENV, device_info, library_versions
 from gdr_dispatch.shapes import PRESETS, bytes_and_flops, call_kwargs, floor_ms, load_grid, make_inputs
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
+#: a runner whose enqueue alone takes this share of its time is marked host-bound in the markdown
+HOST_BOUND = 0.8
 HBM_GBS = 4300.0  # device-to-device copy on the H200 here (KINDS.md, 2026-11-04)
 BF16_TFLOPS = 790.0  # 8192^3 bf16 matmul on the H200 here (KINDS.md)
 
@@ -178,7 +181,8 @@ def bench_shape(spec, warmup, reps, skip, splits=(), split_backends=(), rounds=1
         try:
             err = max_error(fn(), ref)
             ms = measure_ms(fn, "cuda", warmup=warmup, reps=reps)
-            row["runs"][name] = {"ms": round(ms, 4), "max_rel_err": float(f"{err:.3e}")}
+            row["runs"][name] = {"ms": round(ms, 4), "max_rel_err": float(f"{err:.3e}"),
+                                 "host_ms": round(host_enqueue_ms(fn), 4)}
         except Exception as e:  # noqa: BLE001 - a failing runner is reported, the sweep goes on
             row["runs"][name] = {"failed": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
         print(f"    {name}: {row['runs'][name]}  [{time.perf_counter() - t0:.1f} s]", file=sys.stderr, flush=True)
@@ -238,6 +242,11 @@ def to_markdown(rows, names, device, unverified=()):
     if unverified:
         lines += ["", "* refused by the dispatcher when this ran (not yet GPU-verified by tests/test_gpu.py), "
                   "run by --unverified"]
+    bound = sorted({f"{r['shape'].rsplit(' h=', 1)[0]} h={r['h']} {n}" for r in rows for n, v in r["runs"].items()
+                    if "host_ms" in v and "ms" in v and v["host_ms"] >= HOST_BOUND * v["ms"]})
+    if bound:
+        lines += ["", f"Host-bound (the enqueue alone took >= {HOST_BOUND:.0%} of the time; such cells move with the "
+                  "machine's CPU): " + "; ".join(bound)]
     picks = [f"{r['shape']}: {r['dispatched_pick']}" for r in rows if r.get("dispatched_pick")]
     if picks:
         lines += ["", "dispatched: the backend the tables picked, " + "; ".join(picks)]

@@ -269,6 +269,21 @@ def measure_ms(fn: Callable[[], object], device_type: str, warmup: int = AUTOTUN
     return statistics.median(times)
 
 
+def host_enqueue_ms(fn: Callable[[], object], reps: int = 5) -> float:
+    """Median host time of one call's enqueue in ms, the GPU drained before each (no sync
+    inside). Near `measure_ms`'s reading the call is host-bound: the split's eager time at B1
+    T32768 H4 was its host's 0.6-1.2 ms, varying between machines, over 0.64 ms of kernels
+    (docs/measurements.md, "Session 13")."""
+    out = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(out)
+
+
 def more_rounds(runners: dict, runs: dict, rounds: int, measure: Callable) -> None:
     """Time each runner that has a first reading (`runs[name]["ms"]`) `rounds - 1` more times,
     in alternating order (reversed first), and keep the least median; `ms_rounds` keeps all.

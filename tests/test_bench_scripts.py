@@ -71,6 +71,9 @@ def test_bench_dispatched_runner_forces_nothing_and_names_the_pick(monkeypatch):
            "runs": {"dispatched": {"ms": 1.0, "max_rel_err": 1e-3}}}
     md = bench.to_markdown([row], ["dispatched"], "dev")
     assert "the backend the tables picked, B1 T64 h=none: fla@split4" in md
+    assert "Host-bound" not in md
+    row["runs"]["dispatched"]["host_ms"] = 0.9  # the enqueue alone: 90 % of the time
+    assert "Host-bound (the enqueue alone took >= 80% of the time" in bench.to_markdown([row], ["dispatched"], "dev")
 
 
 @pytest.mark.parametrize("script", sorted(str(p.relative_to(ROOT)) for d in (BENCH, TOOLS) for p in d.glob("*.py")))

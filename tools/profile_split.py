@@ -19,28 +19,14 @@ of N enqueues of each split call (which Python spends the host time).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from gdr_dispatch.context_parallel import SplitBackend
 from gdr_dispatch.contract import validate
-from gdr_dispatch.dispatch import measure_ms, relative_error
+from gdr_dispatch.dispatch import host_enqueue_ms, measure_ms, relative_error
 from gdr_dispatch.registry import get_backend
 from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs
-
-
-def host_ms(fn, reps: int) -> float:
-    """Median host time of one call's enqueue (the GPU drained before each)."""
-    out = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t) * 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(out)
 
 
 def graph_ms(fn, reps: int):
@@ -117,7 +103,7 @@ def pass1_configs(call, segments: int, configs: str, reps: int) -> None:
     ref = fla_pipeline.segment_maps(seg_call, need_r=need_r)
     fla_ms = measure_ms(lambda: fla_pipeline.segment_maps(seg_call, need_r=need_r), "cuda", warmup=3, reps=reps)
     print(f"pass 1 on fla's kernels: {fla_ms:.4f} ms, host enqueue "
-          f"{host_ms(lambda: fla_pipeline.segment_maps(seg_call, need_r=need_r), reps):.3f} ms", flush=True)
+          f"{host_enqueue_ms(lambda: fla_pipeline.segment_maps(seg_call, need_r=need_r), reps):.3f} ms", flush=True)
     eye = torch.eye(call.K, device=ref[0].device).expand_as(ref[0])
     shipped = (sm.BC, sm.NUM_WARPS, sm.NUM_STAGES)
     for cfg in [shipped] + [tuple(int(x) for x in c.split(",")) for c in filter(None, configs.split("/"))]:
@@ -127,7 +113,7 @@ def pass1_configs(call, segments: int, configs: str, reps: int) -> None:
             far = {what: f"{((g - w).norm() / (eye.norm() if what == 'M' else w.norm())).item():.1e}"
                    for g, w, what in zip(got, ref, "MRD") if w is not None}
             ms = measure_ms(lambda: sm.segment_maps(seg_call, need_r=need_r), "cuda", warmup=3, reps=reps)
-            enqueue = host_ms(lambda: sm.segment_maps(seg_call, need_r=need_r), reps)
+            enqueue = host_enqueue_ms(lambda: sm.segment_maps(seg_call, need_r=need_r), reps)
             print(f"pass 1 on our kernels BC={cfg[0]} warps={cfg[1]} stages={cfg[2]}: {ms:.4f} ms, host enqueue "
                   f"{enqueue:.3f} ms, from fla's maps {far}", flush=True)
         except Exception as e:  # noqa: BLE001 - a configuration that does not compile is the answer
@@ -136,7 +122,7 @@ def pass1_configs(call, segments: int, configs: str, reps: int) -> None:
 
 
 def python_profile(fn, n: int) -> None:
-    """cProfile over `n` enqueues (the GPU drained before each, as `host_ms`): the functions with
+    """cProfile over `n` enqueues (the GPU drained before each, as `host_enqueue_ms`): the functions with
     the most own time and the most time inside them, per call."""
     import cProfile
     import io
@@ -187,7 +173,7 @@ def main() -> int:
             def fn(backend=backend):
                 return backend.run(call)
             ms = measure_ms(fn, "cuda", warmup=3, reps=a.reps)
-            enqueue = host_ms(fn, a.reps)
+            enqueue = host_enqueue_ms(fn, a.reps)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                     torch.profiler.ProfilerActivity.CUDA]) as prof:
                 fn()
