@@ -163,6 +163,33 @@ def test_split_candidate_with_own_states_on_gpu(name, backend, segments, monkeyp
     assert not bad, f"{split.name} {spec.label()}: {bad}"
 
 
+@pytest.mark.parametrize("backend", ["tilelang_ws", "fla"])
+@pytest.mark.parametrize("name", ["T100_grouped_all_optional", "varlen_1_63_64_65_vfirst"])
+def test_split_captures_in_a_cuda_graph_on_gpu(name, backend, monkeypatch):
+    """The split (GDR_CP=4 around `backend`, `h=None`) replays from a CUDA graph after an eager
+    warm-up, with the eager call's gradients: eager it is bound by its host's enqueue at the
+    starved shapes (docs/measurements.md, "Session 13"), captured it is not."""
+    monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+    monkeypatch.setenv("GDR_BACKEND", backend)
+    monkeypatch.setenv("GDR_CP", "4")
+    spec = ShapeSpec(**{**SHAPES[name].__dict__, "dtype": "bfloat16", "h": "none", "extra": {}})
+    kwargs, _ = _case(spec)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):  # warm-up: compiles, and caches the segments' index tensors
+            eager = fused_gdr_bwd(**kwargs)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fused_gdr_bwd(**kwargs)
+    graph.replay()
+    torch.cuda.synchronize()
+    for n in eager._fields:
+        if getattr(eager, n) is not None:
+            assert dsp.relative_error(getattr(captured, n), getattr(eager, n)) < 1e-3, n
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("name", ["varlen_1_63_64_65_vfirst", "T100_grouped_strong_decay"])
 def test_split_states_kernel_on_gpu(name, dtype):
