@@ -136,14 +136,16 @@ def pass_1_provider(seg_call: GDRCall):
 def segment_plan(call: GDRCall, segments: int):
     """Chunks per segment `s`, segments per sequence `n_seg`, and the non-empty segments in
     order: their token counts and `(sequence, segment)` indices."""
-    s, n_seg, seg_lens, pick = _plan(tuple(call.seq_lens), call.chunk_size, segments)
+    s, n_seg, seg_lens, pick, _ = _plan(tuple(call.seq_lens), call.chunk_size, segments)
     return s, n_seg, list(seg_lens), list(pick)
 
 
 @functools.lru_cache(maxsize=256)
 def _plan(seq_lens: tuple, BT: int, segments: int):
     """`segment_plan`'s, once per lengths (a training run repeats a handful; the Python loop
-    over the segments was ~50 us of the split's host time per call at 32 segments, on a CPU)."""
+    over the segments was ~50 us of the split's host time per call at 32 segments, on a CPU),
+    and the index tuples the split's device constants hold: the segments' token offsets, each
+    segment's sequence and its place in it."""
     s = segment_length(seq_lens, BT, segments)
     n_seg = -(-max(chunk_counts(seq_lens, BT)) // s)
     seg_lens, pick = [], []
@@ -153,17 +155,18 @@ def _plan(seq_lens: tuple, BT: int, segments: int):
             if piece > 0:
                 seg_lens.append(piece)
                 pick.append((n, j))
-    return s, n_seg, tuple(seg_lens), tuple(pick)
+    indices = (tuple(itertools.accumulate([0] + seg_lens)), tuple(n for n, _ in pick), tuple(j for _, j in pick))
+    return s, n_seg, tuple(seg_lens), tuple(pick), indices
 
 
-def _segments_inputs(call: GDRCall, seg_lens: list) -> tuple[dict, torch.Tensor]:
+def _segments_inputs(call: GDRCall, offsets: tuple) -> tuple[dict, torch.Tensor]:
     """The call's per-token tensors as one packed sequence, and the segments' `cu_seqlens` (a
     cached device constant: a fresh host-to-device copy, and `validate`'s read of a fresh
     cu_seqlens back to the host, stalled the stream on every split call): the inputs of pass 1's
     and pass 3's calls."""
     flat = {name: getattr(call, name).reshape(1, call.B * call.T, *getattr(call, name).shape[2:])
             for name in ("q", "k", "v", "a", "g", "b", "do")}
-    return flat, device_constant(tuple(itertools.accumulate([0] + seg_lens)), torch.int32, call.q.device)
+    return flat, device_constant(offsets, torch.int32, call.q.device)
 
 
 def _state_dtype(call: GDRCall) -> torch.dtype:
@@ -171,13 +174,14 @@ def _state_dtype(call: GDRCall) -> torch.dtype:
     return call.acc_dtype if call.acc_dtype == torch.float64 else torch.float32
 
 
-def split_backward(call: GDRCall, segments: int, run: Callable[..., GDRGrads], states_by_run: bool = False) -> GDRGrads:
+def split_backward(call: GDRCall, segments: int, run: Callable[[GDRCall], GDRGrads],
+                   states_by_run: bool = False) -> GDRGrads:
     """The backward of `call` with each sequence cut into runs of whole chunks.
 
     Every sequence is cut at multiples of `segment_length(...)` chunks (at most `segments`
-    runs; shorter sequences get fewer). `run(**kwargs)` computes one backward call (e.g.
-    `fused_gdr_bwd`); it receives the non-empty segments as one varlen call with
-    `initial_state` and `dht` set. Pass 1 on a backend's kernels (`pass_1_provider`) or as
+    runs; shorter sequences get fewer). `run(call)` computes one validated backward call (a
+    backend's `run`, or the dispatcher's); it receives the non-empty segments as one varlen
+    call with `initial_state` and `dht` set. Pass 1 on a backend's kernels (`pass_1_provider`) or as
     batched tensor products; pass 2 as log2(`segments`) levels of batched products.
     `states_by_run`: with `h=None`, `run`'s backend recomputes the segments' chunk states itself
     (`Backend.own_state_recompute`); else pass 1's Triton kernels write them where they ran.
@@ -185,11 +189,11 @@ def split_backward(call: GDRCall, segments: int, run: Callable[..., GDRGrads], s
     acc = call.acc_dtype
     N, H, K, V, BT = call.N, call.H, call.K, call.V, call.chunk_size
     dev = call.q.device
-    s, n_seg, seg_lens, pick = segment_plan(call, segments)
-    flat, offsets = _segments_inputs(call, seg_lens)
+    s, n_seg, _, pick, (token_offsets, seqs, places) = _plan(call.seq_lens, BT, segments)
+    flat, offsets = _segments_inputs(call, token_offsets)
     # each non-empty segment's (sequence, segment) indices into the [N, n_seg, ...] maps
-    seq_of = device_constant(tuple(n for n, _ in pick), torch.int64, dev)
-    seg_of = device_constant(tuple(j for _, j in pick), torch.int64, dev)
+    seq_of = device_constant(seqs, torch.int64, dev)
+    seg_of = device_constant(places, torch.int64, dev)
     seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=BT)  # no states: pass 1's input
     provider, maps = pass_1_provider(seg_call)
     states = None if states_by_run else _states_kernel(call, seg_call, provider)
@@ -210,7 +214,7 @@ def split_backward(call: GDRCall, segments: int, run: Callable[..., GDRGrads], s
         Rs = None if r is None else _to_grid(r.to(acc), pick, (seq_of, seg_of), N, n_seg, "zeros")
     else:
         Ms, Rs, Ds = _torch_pass_1(call, s, n_seg)
-    return _scan_and_run(call, s, pick, (seq_of, seg_of), flat, offsets, Ms, Rs, Ds, run, states)
+    return _scan_and_run(call, s, pick, (seq_of, seg_of), seg_call, Ms, Rs, Ds, run, states)
 
 
 def _states_kernel(call: GDRCall, seg_call: GDRCall, provider: str):
@@ -311,7 +315,7 @@ def _scan_kernels(K: int, V: int, acc: torch.dtype, dev: torch.device):
     return segment_scan
 
 
-def _scan_and_run(call, s, pick, index, flat, offsets, Ms, Rs, Ds, run, states=None) -> GDRGrads:
+def _scan_and_run(call, s, pick, index, seg_call, Ms, Rs, Ds, run, states=None) -> GDRGrads:
     """Pass 2 (the scan over each sequence's segments) and pass 3 (the segments as one varlen
     call of `run`); `index` holds the non-empty segments' (sequence, segment) index tensors;
     `states` (`_states_kernel`), if given, makes pass 3's `h` from the segments' start states."""
@@ -356,8 +360,9 @@ def _scan_and_run(call, s, pick, index, flat, offsets, Ms, Rs, Ds, run, states=N
     init, grad_end = init.to(out_dt), grad_end.to(out_dt)
     if call.state_v_first:
         init, grad_end = init.transpose(-1, -2).contiguous(), grad_end.transpose(-1, -2).contiguous()
-    grads = run(**flat, dht=grad_end, h=h, scale=call.scale, initial_state=init, cu_seqlens=offsets,
-                chunk_size=BT, state_v_first=call.state_v_first)
+    # pass 1's validated call with the states added: they are ours and right by construction, so
+    # no second `validate` (~35 us of host time per split call, which is host-bound eager)
+    grads = run(replace(seg_call, dht=grad_end, h=h, initial_state=init, state_v_first=call.state_v_first))
 
     def back(x):
         return x.reshape(call.B, call.T, *x.shape[2:])
@@ -391,15 +396,14 @@ class SplitBackend(Backend):
         return [] if ok else [f"{self.inner.name} on the segments: {why}"]
 
     def run(self, call: GDRCall) -> GDRGrads:
-        return split_backward(call, self.segments, run=lambda **kw: self.inner.run(validate(**kw)),
-                              states_by_run=self.inner.own_state_recompute())
+        return split_backward(call, self.segments, run=self.inner.run, states_by_run=self.inner.own_state_recompute())
 
     def compile_jobs(self, call: GDRCall) -> list[tuple[str, str, tuple]]:
         """The inner backend's builds for pass 3's call (the segments as one varlen call with both
         states in fp32): FlashQLA's kernels key on those flags, so a sweep that precompiled only
         the unsplit call still compiled them on first use (about a minute, session 6)."""
-        _, _, seg_lens, _ = segment_plan(call, self.segments)
-        flat, offsets = _segments_inputs(call, seg_lens)
+        _, _, seg_lens, _, (token_offsets, _, _) = _plan(call.seq_lens, call.chunk_size, self.segments)
+        flat, offsets = _segments_inputs(call, token_offsets)
         shape = (len(seg_lens), call.H, call.V, call.K) if call.state_v_first else (len(seg_lens), call.H, call.K, call.V)
         states = torch.zeros(shape, dtype=_state_dtype(call), device=call.q.device)
         h = None if call.h is None else call.h.reshape(1, -1, *call.h.shape[2:])

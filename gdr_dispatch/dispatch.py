@@ -438,7 +438,7 @@ def fused_gdr_bwd(q, k, v, a, g, b, do, dht=None, h=None, *, scale=None, initial
         # a forced backend that recomputes the states in its own kernel does so for pass 3 too,
         # as its `<backend>@split<n>` candidate does (SplitBackend)
         forced = os.environ.get("GDR_BACKEND", "").strip()
-        return split_backward(call, segments, run=lambda **kw: _run(validate(**kw)),
+        return split_backward(call, segments, run=_run,
                               states_by_run=bool(forced) and get_backend(forced).own_state_recompute())
     return _run(call)
 

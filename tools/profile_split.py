@@ -61,9 +61,9 @@ def scan_configs(call, segments: int, configs: str, reps: int) -> None:
     captured = {}
     real = cp._scan_and_run
 
-    def grab(call, s, pick, index, flat, offsets, Ms, Rs, Ds, run, states=None):
+    def grab(call, s, pick, index, seg_call, Ms, Rs, Ds, run, states=None):
         captured.update(Ms=Ms, Ds=Ds)
-        return real(call, s, pick, index, flat, offsets, Ms, Rs, Ds, run, states)
+        return real(call, s, pick, index, seg_call, Ms, Rs, Ds, run, states)
 
     cp._scan_and_run = grab
     try:
@@ -96,8 +96,8 @@ def pass1_configs(call, segments: int, configs: str, reps: int) -> None:
     from gdr_dispatch import segment_maps as sm
     from gdr_dispatch.backends.common import fla_pipeline
 
-    s, n_seg, seg_lens, pick = cp.segment_plan(call, segments)
-    flat, offsets = cp._segments_inputs(call, seg_lens)
+    offsets_of_segments = cp._plan(call.seq_lens, call.chunk_size, segments)[4][0]
+    flat, offsets = cp._segments_inputs(call, offsets_of_segments)
     seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=call.chunk_size)
     need_r = call.h is None
     ref = fla_pipeline.segment_maps(seg_call, need_r=need_r)
