@@ -216,3 +216,18 @@ def test_every_build_switch_reaches_the_ws_kernel_build(monkeypatch):
     assert all(flags[key] != value for key, value in m.DEFAULT_BUILD.items())
     with pytest.raises(TypeError, match="unknown build switch"):
         m.ws_bwd_given_h(x, x, x, x, x, x, x, x, None, 0.1, (64,), uw_kvv=True)
+
+
+def test_packed_sequences_give_each_sequences_chunks_and_first_chunk_in_h():
+    """The launchers' calling convention (tilelang_launch.packed_sequences): int32 `cu_seqlens`
+    (made for a fixed-length batch), each sequence's chunk count and first chunk in `h`; the
+    counts and offsets are built once per lengths, so a second call gets the same tensors."""
+    from gdr_dispatch.backends.kernels.tilelang_launch import packed_sequences
+
+    cu, offsets, counts = packed_sequences(1, 193, (1, 63, 64, 65, 0), 64, torch.tensor([0, 1, 64, 128, 193, 193]), "cpu")
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 1, 64, 128, 193, 193]
+    assert counts == (1, 1, 1, 2, 0) and offsets.tolist() == [0, 1, 2, 3, 5, 5] and offsets.dtype == torch.int32
+    again = packed_sequences(1, 193, [1, 63, 64, 65, 0], 64, torch.tensor([0, 1, 64, 128, 193, 193]), "cpu")
+    assert again[1] is offsets and again[2] == counts
+    cu, offsets, counts = packed_sequences(3, 100, (100,) * 3, 64, None, "cpu")
+    assert cu.tolist() == [0, 100, 200, 300] and counts == (2, 2, 2) and offsets.tolist() == [0, 2, 4, 6]
