@@ -68,7 +68,7 @@ def _scan_body(M, X, START, EACH, LAST, n_seg, H, K: tl.constexpr, V: tl.constex
 @triton.jit
 def _scan(M, X, START, EACH, LAST, n_seg, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
           HAS_START: tl.constexpr, REVERSE: tl.constexpr):
-    """One scan (`_scan_body`)."""
+    """One scan (`_scan_body`): the backward one, where `h` is given."""
     _scan_body(M, X, START, EACH, LAST, n_seg, H, K, V, BV, HAS_START, REVERSE)
 
 
@@ -94,30 +94,12 @@ def not_supported_reason(K: int, V: int, dtype: torch.dtype, device: torch.devic
     return ""
 
 
-def _run_scan(Ms: torch.Tensor, X: torch.Tensor, start, reverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_scan` over maps `Ms` `[N, n_seg, H, K, K]` and terms `X` `[N, n_seg, H, K, V]` from
-    `start` `[N, H, K, V]` (None: 0): `(each, last)`."""
-    N, n_seg, H, K, V = X.shape
-    bv = min(BV, V)
-    each = torch.empty_like(X)
-    last = torch.empty(N, H, K, V, dtype=X.dtype, device=X.device)
-    x = X.contiguous()
-    _scan[(N * H, V // bv)](Ms.contiguous(), x, x if start is None else start.contiguous(), each, last, n_seg, H,
-                            K=K, V=V, BV=bv, HAS_START=start is not None, REVERSE=reverse,
-                            num_warps=NUM_WARPS, num_stages=NUM_STAGES)  # x: a placeholder pointer without start
-    return each, last
-
-
-def forward_scan(Ms: torch.Tensor, Rs: torch.Tensor, S0) -> torch.Tensor:
-    """Segment start states `[N, n_seg, H, K, V]` from the maps `Ms` `[N, n_seg, H, K, K]`,
-    `Rs` `[N, n_seg, H, K, V]` and the sequences' start states `S0` `[N, H, K, V]` (None: 0):
-    S_0 = S0, S_{j+1} = M_j S_j + R_j."""
-    return _run_scan(Ms, Rs, S0, reverse=False)[0]
-
-
 def both_scans(Ms: torch.Tensor, Rs: torch.Tensor, S0, Ds: torch.Tensor, G_end):
-    """`forward_scan` and `backward_scan` in one launch (the split with `h=None` needs both):
-    `(starts, ends, first)`."""
+    """The forward scan and `backward_scan` in one launch (the split with `h=None` needs both):
+    `(starts, ends, first)`. `starts` `[N, n_seg, H, K, V]`: each segment's start state from the
+    maps `Ms` `[N, n_seg, H, K, K]`, `Rs` `[N, n_seg, H, K, V]` and the sequences' start states
+    `S0` `[N, H, K, V]` (None: 0), S_0 = S0, S_{j+1} = M_j S_j + R_j; `ends` and `first` as
+    `backward_scan`'s."""
     N, n_seg, H, K, V = Rs.shape
     bv = min(BV, V)
     r, d = Rs.contiguous(), Ds.contiguous()
@@ -135,4 +117,12 @@ def backward_scan(Ms: torch.Tensor, Ds: torch.Tensor, G_end) -> tuple[torch.Tens
     """`(ends, first)`: the state gradient at each segment's end `[N, n_seg, H, K, V]` and at
     each sequence's start `[N, H, K, V]` (its dh0), from `Ms`, `Ds` and the sequences' end
     gradients `G_end` `[N, H, K, V]` (None: 0): dS_{n_seg} = G_end, dS_j = M_j^T dS_{j+1} + D_j."""
-    return _run_scan(Ms, Ds, G_end, reverse=True)
+    N, n_seg, H, K, V = Ds.shape
+    bv = min(BV, V)
+    d = Ds.contiguous()
+    ends = torch.empty_like(d)
+    first = torch.empty(N, H, K, V, dtype=d.dtype, device=d.device)
+    _scan[(N * H, V // bv)](Ms.contiguous(), d, d if G_end is None else G_end.contiguous(), ends, first, n_seg, H,
+                            K=K, V=V, BV=bv, HAS_START=G_end is not None, REVERSE=True,
+                            num_warps=NUM_WARPS, num_stages=NUM_STAGES)  # d: a placeholder pointer without G_end
+    return ends, first

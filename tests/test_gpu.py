@@ -257,10 +257,10 @@ def test_split_scan_kernels_on_gpu(n_seg):
     R, D = (torch.randn(N, n_seg, H, K, V, generator=gen, dtype=torch.float64) for _ in range(2))
     S0, G_end = (torch.randn(N, H, K, V, generator=gen, dtype=torch.float64) for _ in range(2))
     cuda = (lambda x: x.float().cuda())
-    starts = segment_scan.forward_scan(cuda(M), cuda(R), cuda(S0)).double().cpu()
-    ends, first = (x.double().cpu() for x in segment_scan.backward_scan(cuda(M), cuda(D), cuda(G_end)))
-    both = segment_scan.both_scans(cuda(M), cuda(R), cuda(S0), cuda(D), cuda(G_end))  # one launch, h=None's
-    for got, want in zip(both, (starts, ends, first)):
+    starts, ends, first = (x.double().cpu() for x in segment_scan.both_scans(cuda(M), cuda(R), cuda(S0), cuda(D),
+                                                                             cuda(G_end)))
+    alone = segment_scan.backward_scan(cuda(M), cuda(D), cuda(G_end))  # h given: the backward scan alone
+    for got, want in zip(alone, (ends, first)):
         assert torch.equal(got.double().cpu(), want)
     S, G = S0, G_end
     want_s, want_e = [], [None] * n_seg
