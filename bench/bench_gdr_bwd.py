@@ -157,10 +157,7 @@ def bench_shape(spec, warmup, reps, skip, splits=(), split_backends=(), rounds=1
             for n in splits:
                 runners[f"{name}@split{n}"] = forced(name, kwargs, segments=n)
     if "dispatched" not in skip:  # what the tables pick (the row's `dispatched_pick`)
-        from gdr_dispatch.dispatch import select_backend
-
         runners["dispatched"] = dispatched(kwargs)
-        pick = select_backend(problem or Problem.from_call(validate(**kwargs))).backend.name
     if "fla-op" not in skip:
         runners["fla-op"] = fla_op_runner(x)
     if "flashqla" not in skip:
@@ -168,8 +165,6 @@ def bench_shape(spec, warmup, reps, skip, splits=(), split_backends=(), rounds=1
         if splits and x["h"] is None:  # its own (approximate) intra-card split
             runners["flashqla-auto_cp"] = flashqla_runner(x, auto_cp=True) or "not importable"
     row = {"shape": spec.label(), "h": spec.h, "runs": {}}
-    if "dispatched" in runners:
-        row["dispatched_pick"] = pick
     nbytes, flops = bytes_and_flops(spec)
     row["floor_ms"] = round(floor_ms(spec, HBM_GBS, BF16_TFLOPS), 4)
     row["bytes"], row["flops"] = nbytes, flops
@@ -187,6 +182,10 @@ def bench_shape(spec, warmup, reps, skip, splits=(), split_backends=(), rounds=1
             row["runs"][name] = {"failed": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
         print(f"    {name}: {row['runs'][name]}  [{time.perf_counter() - t0:.1f} s]", file=sys.stderr, flush=True)
     more_rounds(runners, row["runs"], rounds, lambda fn: measure_ms(fn, "cuda", warmup=warmup, reps=reps))
+    if "ms" in row["runs"].get("dispatched", {}):  # after it ran: the decision it made (a table miss autotunes)
+        from gdr_dispatch.dispatch import select_backend
+
+        row["dispatched_pick"] = select_backend(Problem.from_call(validate(**kwargs))).backend.name
     del x, kwargs, ref
     torch.cuda.empty_cache()
     return row

@@ -103,15 +103,21 @@ def autotune_block_reason(problem: Problem, have_tensors: bool) -> Optional[str]
     return None
 
 
+def forced_backend() -> Optional[Backend]:
+    """The backend `GDR_BACKEND` names (read per call), None when unset; an unknown name raises,
+    listing the known ones."""
+    forced = os.environ.get("GDR_BACKEND", "").strip()
+    return get_backend(forced) if forced else None
+
+
 def select_backend(problem: Problem, call: Optional[GDRCall] = None) -> Choice:
     """Pick the backend for `problem`; with `call`, a table miss may autotune on its tensors."""
     known = registered_backends()
-    forced = os.environ.get("GDR_BACKEND", "").strip()
-    if forced:
-        backend = get_backend(forced)  # unknown names raise, listing the known ones
+    backend = forced_backend()
+    if backend is not None:
         ok, reason = backend.supported(problem)
         if not ok:
-            raise NoBackendError(f"GDR_BACKEND={forced}, but backend {forced!r} cannot take this call "
+            raise NoBackendError(f"GDR_BACKEND={backend.name}, but backend {backend.name!r} cannot take this call "
                                  f"({problem.describe()}): {reason}")
         return Choice(backend, FORCED)
 
@@ -437,9 +443,9 @@ def fused_gdr_bwd(q, k, v, a, g, b, do, dht=None, h=None, *, scale=None, initial
                      "run as one varlen call", segments, problem.describe(), segments)
         # a forced backend that recomputes the states in its own kernel does so for pass 3 too,
         # as its `<backend>@split<n>` candidate does (SplitBackend)
-        forced = os.environ.get("GDR_BACKEND", "").strip()
+        forced = forced_backend()
         return split_backward(call, segments, run=_run,
-                              states_by_run=bool(forced) and get_backend(forced).own_state_recompute())
+                              states_by_run=forced is not None and forced.own_state_recompute())
     return _run(call)
 
 

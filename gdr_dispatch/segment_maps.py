@@ -235,6 +235,7 @@ def segment_maps(seg_call, need_r: bool = True):
     M = torch.empty(n_seg, H, K, K, dtype=torch.float32, device=dev)
     R = torch.empty(n_seg, H, K, V, dtype=torch.float32, device=dev) if need_r else None
     D = torch.empty(n_seg, H, K, V, dtype=torch.float32, device=dev)
+    # without R no program stores to r_ptr: M stands in as its pointer
     _forward_maps[(n_seg * H, ncol // bc)](k, v, a, g, b, cu, M, M if R is None else R, Hg, H, K=K, V=V, BT=BT,
                                            BC=bc, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     _backward_maps[(n_seg * H, V // bc)](q, k, a, g, b, do, cu, D, float(seg_call.scale), Hg, H, K=K, V=V, BT=BT,

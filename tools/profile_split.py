@@ -96,8 +96,8 @@ def pass1_configs(call, segments: int, configs: str, reps: int) -> None:
     from gdr_dispatch import segment_maps as sm
     from gdr_dispatch.backends.common import fla_pipeline
 
-    offsets_of_segments = cp._plan(call.seq_lens, call.chunk_size, segments)[4][0]
-    flat, offsets = cp._segments_inputs(call, offsets_of_segments)
+    _, _, _, _, (token_offsets, _, _) = cp._plan(call.seq_lens, call.chunk_size, segments)
+    flat, offsets = cp._segments_inputs(call, token_offsets)
     seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=call.chunk_size)
     need_r = call.h is None
     ref = fla_pipeline.segment_maps(seg_call, need_r=need_r)
