@@ -18,10 +18,11 @@ import importlib.util
 import os
 
 from gdr_dispatch.contract import GDRCall, GDRGrads
-from gdr_dispatch.registry import Backend, Problem, register
+from gdr_dispatch.problem import Problem
+from gdr_dispatch.registry import Backend, register
+from gdr_dispatch.toolchain import version_tuple
 
 from .common import fla_pipeline
-from .common.toolchain import version_tuple
 
 #: Triton versions that miscompile fla's gated chunk_bwd_dqkwg on Hopper (fla issue 640)
 DQKWG_BAD_TRITON = ((3, 4, 0), (3, 7, 1))
@@ -62,16 +63,18 @@ def dqkwg_hazard_reasons(p: Problem) -> list[str]:
 
 class FlaBackend(Backend):
     name = "fla"
-    static_rank = 10  # fastest of the GPU backends at most h200-train shapes (docs/measurements.md)
+    static_rank = 10  # the fallback on a GPU: takes every call the fast backends refuse
     reference_rank = 1  # fla-core's own chain: the cross-check reference when torch cannot run
+    limits = fla_pipeline.CHAIN_LIMITS
 
     forward_rank = 20  # the training op's forward on a GPU (tests/test_gpu.py's op tests, H200)
 
-    def not_supported_reasons(self, p: Problem) -> list[str]:
-        return fla_pipeline.chain_limits(p) + dqkwg_hazard_reasons(p)
+    def extra_reasons(self, p: Problem) -> list[str]:
+        return fla_pipeline.version_reasons(p) + dqkwg_hazard_reasons(p)
 
     def forward_not_supported_reasons(self, p: Problem) -> list[str]:
-        return fla_pipeline.chain_limits(p)  # no stage 5 in the forward, so not its hazard
+        # no stage 5 in the forward, so not its hazard
+        return self.limits.reasons(p) + fla_pipeline.version_reasons(p)
 
     def forward(self, q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, need_final, chunk_size,
                 need_states=True):
@@ -86,7 +89,7 @@ class FlaBackend(Backend):
     def split_passes(self, p: Problem):
         # fla's state kernels compose the segments' maps (stages 1, 2 and 4 only: its stage-5
         # hazard does not apply)
-        return None if fla_pipeline.chain_limits(p) else fla_pipeline.segment_maps
+        return None if self.forward_not_supported_reasons(p) else fla_pipeline.segment_maps
 
 
 register(FlaBackend())

@@ -22,10 +22,10 @@ import importlib.util
 
 import torch
 
-from gdr_dispatch.contract import GDRCall, GDRGrads
-from gdr_dispatch.registry import Backend, Problem, register
+from gdr_dispatch.contract import GDRCall, GDRGrads, packed
+from gdr_dispatch.problem import Problem
+from gdr_dispatch.registry import Backend, Limits, register
 
-from .common.toolchain import nvcc_found
 from .kernels.head_sum import sum_value_heads
 
 #: Chunk size of FlashQLA's kernels per compute capability (flash_qla/ops/gated_delta_rule/
@@ -52,33 +52,27 @@ class FlashQLABackend(Backend):
     # FlashQLA's whole backward is 2.8-3.4x faster than fla's op at the saturated h200-train
     # shapes (bench/results/nvidia-h200-sm90.md); first in the static order once verified
     static_rank = 5
-    gpu_verified = True  # tests/test_gpu.py on the H200, 2026-11-30 (flash_qla 0.1.3): 29 passed
+    gpu_verified = True  # tests/test_gpu.py on the H200 (flash_qla 0.1.3)
+    limits = Limits(devices=("cuda",), capabilities=tuple(ARCH_CHUNK), dtypes=("bfloat16", "float16"), K=(128,),
+                    V=(128,), libraries=("flash_qla", "tilelang"), nvcc=True,
+                    why={"K": "FlashQLA asserts K == V == 128", "libraries": "FlashQLA's kernels are TileLang"})
 
     def not_supported_reasons(self, p: Problem) -> list[str]:
-        reasons = []
         version = p.version("flash_qla")
         if version is None:
             return ["flash_qla is not installed (pip install 'gdr_dispatch[flashqla]')"]
+        return super().not_supported_reasons(p)
+
+    def extra_reasons(self, p: Problem) -> list[str]:
+        reasons = []
+        version = p.version("flash_qla")
         if not version.startswith(CHECKED_MINOR):
             reasons.append(f"flash_qla {version} is untested here: its limits were read from {CHECKED_MINOR}x")
-        if p.device.type != "cuda":
-            reasons.append(f"needs a CUDA device; the tensors are on {p.device.type}")
-        elif p.device.capability not in ARCH_CHUNK:
-            reasons.append(f"FlashQLA has kernels for sm90, sm100, sm103, sm120 and sm121; this device is "
-                           f"sm_{p.device.capability[0]}{p.device.capability[1]}")
-        elif p.chunk_size != ARCH_CHUNK[p.device.capability]:
-            reasons.append(f"chunk_size must be {ARCH_CHUNK[p.device.capability]} on sm_"
-                           f"{p.device.capability[0]}{p.device.capability[1]} (FlashQLA's kernels there), "
+        cap = p.device.capability
+        if p.device.type == "cuda" and cap in ARCH_CHUNK and p.chunk_size != ARCH_CHUNK[cap]:
+            reasons.append(f"chunk_size must be {ARCH_CHUNK[cap]} on sm_{cap[0]}{cap[1]} (FlashQLA's kernels there), "
                            f"got {p.chunk_size}")
-        if (p.K, p.V) != (128, 128):
-            reasons.append(f"K and V must be 128 (FlashQLA asserts K == V == 128), got K={p.K}, V={p.V}")
-        if p.dtype not in ("bfloat16", "float16"):
-            reasons.append(f"q/k/v/do must be bfloat16 or float16, got {p.dtype}")
-        if importlib.util.find_spec("tilelang") is None:
-            reasons.append("tilelang is not installed (FlashQLA's kernels are TileLang)")
-        elif p.device.type == "cuda" and not nvcc_found():
-            reasons.append("no nvcc found for TileLang's JIT (set CUDA_HOME or put nvcc on PATH)")
-        if not reasons and p.device.type == "cuda":
+        if not reasons and p.device.type == "cuda" and not self.limits.reasons(p):
             why = _import_error()
             if why:
                 reasons.append(f"flash_qla is installed but does not import here: {why}")
@@ -88,20 +82,25 @@ class FlashQLABackend(Backend):
         chunk = importlib.import_module("flash_qla.ops.gated_delta_rule.chunk")
         utils = importlib.import_module("flash_qla.ops.utils")
         dtype = call.q.dtype
-        a = call.a.to(dtype)  # its kernels read a, and h, in q's dtype (as its own forward makes them)
+        # its kernels take packed tensors (TMA descriptors), and a and h in q's dtype (as its own
+        # forward makes them)
+        q, k, v, g, b, do = (packed(x) for x in (call.q, call.k, call.v, call.g, call.b, call.do))
+        a = packed(call.a.to(dtype))
         dht = call.dht
         if dht is None and call.initial_state is not None:
             # its sm120 kernel writes dh0 only when given a dht
             dht = torch.zeros(call.initial_state.shape, dtype=torch.float32, device=call.q.device)
+        if dht is not None:
+            dht = packed(dht)
         if call.h is not None:
-            h = call.h.to(dtype)
+            h = packed(call.h.to(dtype))
         else:
-            h0 = None if call.initial_state is None else call.initial_state.float()
-            h, _, _ = chunk.fused_gdr_h(k=call.k, v=call.v, a=a, g=call.g, b=call.b, initial_state=h0,
+            h0 = None if call.initial_state is None else packed(call.initial_state.float())
+            h, _, _ = chunk.fused_gdr_h(k=k, v=v, a=a, g=g, b=b, initial_state=h0,
                                         output_final_state=False, output_h=True, cu_seqlens=call.cu_seqlens,
                                         state_v_first=call.state_v_first)
         dq, dk, dv, dg, db, dh0 = chunk.fused_gdr_bwd(
-            q=call.q, k=call.k, v=call.v, a=a, g=call.g, b=call.b, do=call.do, dht=dht, h=h, scale=call.scale,
+            q=q, k=k, v=v, a=a, g=g, b=b, do=do, dht=dht, h=h, scale=call.scale,
             cu_seqlens=call.cu_seqlens, chunk_size=call.chunk_size, state_v_first=call.state_v_first)
         dg = utils.chunk_local_cumsum(dg, chunk_size=call.chunk_size, cu_seqlens=call.cu_seqlens, reverse=True,
                                       zero_last_chunk=True)
@@ -123,9 +122,10 @@ class FlashQLABackend(Backend):
         states). `auto_cp=False`: its intra-card split warms a segment's start state up from
         an earlier point instead of computing it, so it is not exact."""
         chunk = importlib.import_module("flash_qla.ops.gated_delta_rule.chunk")
-        h0 = None if initial_state is None else initial_state.float()
+        h0 = None if initial_state is None else packed(initial_state.float())
+        q, k, v, beta = (packed(x) for x in (q, k, v, beta))  # its kernels take packed tensors only
         G, a, o, h, ht, _ = chunk.chunk_gated_delta_rule_fwd(
-            q=q, k=k, v=v, g=g.float(), beta=beta, scale=scale, initial_state=h0, cu_seqlens=cu_seqlens,
+            q=q, k=k, v=v, g=packed(g.float()), beta=beta, scale=scale, initial_state=h0, cu_seqlens=cu_seqlens,
             output_final_state=need_final, output_h=need_states, auto_cp=False, state_v_first=state_v_first)
         return o, ht, G, a, h
 

@@ -10,25 +10,27 @@ the launcher refuses those settings.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from gdr_dispatch.contract import GDRCall, GDRGrads
-from gdr_dispatch.registry import Backend, Problem, register
+from gdr_dispatch.registry import Backend, register
 
 from .common import fla_pipeline
 from .kernels.wy_dqkg_transposed import wy_dqkg_transposed
 
 #: K values let through: K = 128 is the only K run on a GPU (as for triton_wide).
 TRANSPOSED_K = (128,)
+LIMIT_WHY = "the only K run on a GPU so far"
 
 
 class TritonTransposedBackend(Backend):
     name = "triton_transposed"
     static_rank = 30  # below triton_wide: 1.1-1.4x slower than it on the H200 (docs/measurements.md)
 
-    def not_supported_reasons(self, p: Problem) -> list[str]:
-        reasons = fla_pipeline.chain_limits(p)
-        if p.K not in TRANSPOSED_K:
-            reasons.append(f"K must be one of {TRANSPOSED_K}, got K={p.K}: the only K run on a GPU so far")
-        return reasons
+    limits = replace(fla_pipeline.CHAIN_LIMITS, K=TRANSPOSED_K, why={**fla_pipeline.CHAIN_LIMITS.why, "K": LIMIT_WHY})
+
+    def extra_reasons(self, p) -> list[str]:
+        return fla_pipeline.version_reasons(p)
 
     def run(self, call: GDRCall) -> GDRGrads:
         return fla_pipeline.run_with_fused_stage(call, wy_dqkg_transposed)

@@ -8,8 +8,10 @@ and loses on large ones (255 registers, spilling): docs/measurements.md.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from gdr_dispatch.contract import GDRCall, GDRGrads
-from gdr_dispatch.registry import Backend, Problem, register
+from gdr_dispatch.registry import Backend, register
 
 from .common import fla_pipeline
 from .kernels.wy_dqkg_wide import wy_dqkg_wide
@@ -17,18 +19,17 @@ from .kernels.wy_dqkg_wide import wy_dqkg_wide
 #: K values let through: only K = 128 has run on a GPU (three [BT, K] fp32 accumulators,
 #: already spilling on the H200); 256 cannot hold its accumulators at full K.
 WIDE_K = (128,)
+LIMIT_WHY = "the only K run on a GPU so far; smaller K passes in Triton's interpreter only, K = 256 cannot hold its full-K accumulators"
 
 
 class TritonWideBackend(Backend):
     name = "triton_wide"
     static_rank = 20  # 1.1-1.4x slower than fla at every h200-train shape (docs/measurements.md)
 
-    def not_supported_reasons(self, p: Problem) -> list[str]:
-        reasons = fla_pipeline.chain_limits(p)
-        if p.K not in WIDE_K:
-            reasons.append(f"K must be one of {WIDE_K}, got K={p.K}: the only K run on a GPU so far (smaller K "
-                           f"passes in Triton's interpreter only; K = 256 cannot hold its full-K accumulators)")
-        return reasons
+    limits = replace(fla_pipeline.CHAIN_LIMITS, K=WIDE_K, why={**fla_pipeline.CHAIN_LIMITS.why, "K": LIMIT_WHY})
+
+    def extra_reasons(self, p) -> list[str]:
+        return fla_pipeline.version_reasons(p)
 
     def run(self, call: GDRCall) -> GDRGrads:
         return fla_pipeline.run_with_fused_stage(call, wy_dqkg_wide)

@@ -17,12 +17,12 @@ For each shape, with `h` given and with `h=None`:
     `--split-backends`, as `<backend>@split<n>`, and FlashQLA's own `auto_cp=True` split
     (`flashqla-auto_cp`, h=None rows); `--splits auto`: on starved grids only (fewer sequence x
     head programs than SMs), the segment counts the autotuner would try there.
-Times are medians of CUDA-event timings after warm-up (gdr_dispatch.dispatch.measure_ms), each
+Times are medians of CUDA-event timings after warm-up (gdr_dispatch.autotune.measure_ms), each
 with the host's enqueue time beside it (`host_ms`; near `ms` the call is host-bound); with
 `--rounds N` (default 2) each runner is timed N times in alternating order and the least median
 kept (the JSON's `ms_rounds` has all).
 The floor is max(bytes / 4.3 TB/s, FLOPs / 790 TFLOP/s), the copy bandwidth and bf16
-matmul rate measured on an H200, for the estimate in `gdr_dispatch.shapes.bytes_and_flops`.
+matmul rate measured on an H200, for the estimate in `bench/roofline.py`.
 Writes bench/results/<device>.json and .md. Runs against the installed gdr_dispatch.
 """
 
@@ -40,9 +40,11 @@ import torch
 
 from gdr_dispatch import GDRGrads, Problem, fused_gdr_bwd, registered_backends
 from gdr_dispatch.contract import validate
-from gdr_dispatch.dispatch import host_enqueue_ms, measure_ms, more_rounds, relative_error
-from gdr_dispatch.registry import ALLOW_UNVERIFIED_ENV, device_info, library_versions
-from gdr_dispatch.shapes import PRESETS, bytes_and_flops, call_kwargs, floor_ms, load_grid, make_inputs
+from gdr_dispatch.env import ALLOW_UNVERIFIED as ALLOW_UNVERIFIED_ENV
+from gdr_dispatch.problem import device_info, library_versions
+from gdr_dispatch.shapes import PRESETS, call_kwargs, load_grid, make_inputs
+from roofline import bytes_and_flops, floor_ms
+from timing import host_enqueue_ms, measure_ms, more_rounds, relative_error
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -148,7 +150,7 @@ def bench_shape(spec, warmup, reps, skip, splits=(), split_backends=(), rounds=1
         ok, reason = backend.supported(problem)
         runners[name] = forced(name, kwargs) if ok else reason
     if splits == "auto":  # the autotuner's own counts, on starved grids only
-        from gdr_dispatch.dispatch import split_segment_counts
+        from gdr_dispatch.backends.split import segment_counts as split_segment_counts
 
         problem = problem or Problem.from_call(validate(**kwargs))
         splits = split_segment_counts(problem) if problem.seq_head_ctas < problem.device.sm_count else ()
@@ -271,7 +273,7 @@ def main(argv=None):
     p.add_argument("--splits", default="", help="segment counts of the context-parallel split to time as "
                    "extra runners `<backend>@split<n>` (e.g. 2,4,8), with FlashQLA's auto_cp beside them; 'auto': "
                    "on starved grids only, the counts the autotuner tries there")
-    p.add_argument("--split-backends", default="fla,tilelang_ws", help="the backends --splits wraps")
+    p.add_argument("--split-backends", default="fla,tilelang_fused", help="the backends --splits wraps")
     p.add_argument("--compile-jobs", type=int, default=8,
                    help="compile the backends' kernels for every shape first, in this many processes (0: each on "
                         "first use, one after another)")

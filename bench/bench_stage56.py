@@ -31,8 +31,8 @@ from gdr_dispatch.backends.common.fla_pipeline import fused_stage_args, stages_5
 from gdr_dispatch.backends.kernels import wy_dqkg_transposed as transposed_mod
 from gdr_dispatch.backends.kernels import wy_dqkg_wide as wide_mod
 from gdr_dispatch.contract import validate
-from gdr_dispatch.dispatch import measure_ms, relative_error
 from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs
+from timing import measure_ms, relative_error
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

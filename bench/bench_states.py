@@ -5,11 +5,10 @@ call (median of CUDA-event timings, each call synchronised: the launcher's host 
 queued (calls back to back between two events: the GPU's time when the host runs ahead), in
 `--rounds` rounds, the least kept; each runner's `h` against ours (relative Frobenius).
 
-    python bench/bench_states.py                       # issue 14's shapes
+    python bench/bench_states.py                       # the saturated training shapes
     python bench/bench_states.py --match B8 --no-peer --out bench/results/states.json
-    python bench/bench_states.py --builds default,s3,sth --no-peer --rounds 3
     python bench/bench_states.py --match B8 --no-peer --timing   # where a chunk step's cycles go
-    compute-sanitizer --tool racecheck python bench/bench_states.py --tiny --builds default,s3
+    compute-sanitizer --tool racecheck python bench/bench_states.py --tiny
 
 Writes JSON and a markdown table (`--out`, `.md` beside it).
 """
@@ -24,8 +23,8 @@ from pathlib import Path
 import torch
 
 from gdr_dispatch.contract import validate
-from gdr_dispatch.dispatch import measure_ms
 from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs
+from timing import measure_ms
 
 SHAPES = {
     "B8 T4096 H32": ShapeSpec(B=8, T=4096, H=32, K=128, V=128, h="none"),
@@ -35,15 +34,11 @@ SHAPES = {
 }
 
 
-def runners(call, peer: bool, builds: list) -> dict:
+def runners(call, peer: bool) -> dict:
     from gdr_dispatch.backends.common import fla_pipeline
-    from gdr_dispatch.backends.kernels.tilelang_states import build_flags, call_states
+    from gdr_dispatch.backends.kernels.tilelang_states import call_states
 
-    out = {}
-    for build in builds:  # the first is the reference every other runner's h is compared with
-        flags = build_flags(build)
-        out["tilelang_states" + ("" if build == "default" else f"[{build}]")] = (
-            lambda flags=flags: call_states(call, **flags)[0])
+    out = {"tilelang_states": lambda: call_states(call)[0]}  # the reference the others' h is compared with
     out["fla stages 1-2"] = lambda: fla_pipeline.recompute_states(call)
     if peer:
         try:
@@ -59,7 +54,7 @@ def runners(call, peer: bool, builds: list) -> dict:
     return out
 
 
-def timing(call, build: str) -> str:
+def timing(call) -> str:
     """The timing build on `call`: per role group, the mean over CTAs of its cycles per chunk at
     each mark (`tilelang_states.TIMING_NAMES`: the work before and the wait at each barrier)."""
     from gdr_dispatch.backends.kernels import tilelang_states as ts
@@ -68,32 +63,32 @@ def timing(call, build: str) -> str:
     clk = torch.zeros(call.N * call.H * len(groups) * NS, dtype=torch.int32, device="cuda")
     for _ in range(2):  # the first call compiles; the second counts alone
         clk.zero_()
-        ts.call_states(call, clk=clk, **ts.build_flags(build))
+        ts.call_states(call, clk=clk)
     torch.cuda.synchronize()
     c = clk.view(-1, len(groups), NS).double()
     per_chunk = (c[..., :NS - 1] / c[..., NS - 1:].clamp(min=1)).mean(0)  # [groups, slots]
-    lines = [f"build {build}: cycles per chunk step (mean over {c.shape[0]} CTAs)"]
+    lines = [f"cycles per chunk step (mean over {c.shape[0]} CTAs)"]
     for i, g in enumerate(groups):
         parts = "  ".join(f"{name} {per_chunk[i, j]:.0f}" for j, name in enumerate(ts.TIMING_NAMES[g]))
         lines.append(f"{g:9s} {parts}  | loop {per_chunk[i, NS - 2]:.0f}")
     return "\n".join(lines)
 
 
-def tiny(build: str) -> int:
+def tiny() -> int:
     """One small call (varlen 1/63/64/65/200, grouped heads, both state layouts) run once, its
     `h` against make_inputs' float64 walk: the run for compute-sanitizer (racecheck, synccheck).
     The last sequence starts at token 193, off the 16-byte grid: its g and b take the plain loads."""
     from dataclasses import replace
 
-    from gdr_dispatch.backends.kernels.tilelang_states import build_flags, call_states
+    from gdr_dispatch.backends.kernels.tilelang_states import call_states
 
     base = ShapeSpec(seqlens=(1, 63, 64, 65, 200), H=2, Hg=1, K=128, V=128, h="given")
     for spec in (base, replace(base, state_v_first=True)):
         inputs = make_inputs(spec, "cuda")
         call = validate(**{**call_kwargs(inputs), "h": None})
-        h, _ = call_states(call, **build_flags(build))
+        h, _ = call_states(call)
         want = inputs["h"].double()
-        print(f"tiny {build} state_v_first={spec.state_v_first}: h from the float64 walk "
+        print(f"tiny state_v_first={spec.state_v_first}: h from the float64 walk "
               f"{((h.double() - want).norm() / want.norm()).item():.1e}", flush=True)
     return 0
 
@@ -104,24 +99,17 @@ def main() -> int:
     p.add_argument("--no-peer", action="store_true", help="leave FlashQLA out (its first call compiles ~1 min)")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--rounds", type=int, default=3, help="rounds of all runners in turn; the least median is kept")
-    p.add_argument("--builds", default="default",
-                   help="state-kernel builds side by side, comma-separated: default or switches joined by '+' "
-                        "(s3, sth; tilelang_states.build_flags)")
     p.add_argument("--out", default="", help="JSON path (a .md table is written beside it)")
     p.add_argument("--tiny", action="store_true",
-                   help="run each build once on a small call and check it (for compute-sanitizer), nothing else")
+                   help="run the kernel once on a small call and check it (for compute-sanitizer), nothing else")
     p.add_argument("--timing", action="store_true",
-                   help="also run each build's timing build (cycle counters per role group and barrier)")
-    p.add_argument("--timing-builds", default="",
-                   help="with --timing: only these builds' timing builds (comma-separated; default: --builds)")
+                   help="also run the timing build (cycle counters per role group and barrier)")
     a = p.parse_args()
     if not torch.cuda.is_available():
         print("bench_states: needs a CUDA device", file=sys.stderr)
         return 2
     if a.tiny:
-        for build in a.builds.split(","):
-            tiny(build)
-        return 0
+        return tiny()
     rows = []
     for name, spec in SHAPES.items():
         if a.match not in name:
@@ -131,7 +119,7 @@ def main() -> int:
         row = {"shape": name}
         ref = None
         live = {}
-        for label, fn in runners(call, not a.no_peer, a.builds.split(",")).items():
+        for label, fn in runners(call, not a.no_peer).items():
             try:
                 got = fn()
                 if ref is None:
@@ -142,9 +130,8 @@ def main() -> int:
             except Exception as e:  # noqa: BLE001 - one runner's failure is its row's answer
                 row[label] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
                 print(name, label, row[label], flush=True)
-        # rounds of every runner in turn, the least median kept: timed one after another, builds
-        # ranked differently from shape to shape (session 12, call 2: one build 1.23x the default at
-        # B8 T4096 H32, 0.97x at B16 T2048 H32); in turn, a drift falls on all of them alike
+        # rounds of every runner in turn, the least median kept: in turn, a drift of the machine
+        # falls on all of them alike
         for _ in range(a.rounds):
             for label, fn in live.items():
                 ms = measure_ms(fn, "cuda", warmup=3, reps=a.reps)
@@ -158,8 +145,7 @@ def main() -> int:
         if a.out:  # after every shape: a step cut short by its time limit keeps what it measured
             write_results(Path(a.out), rows)
         if a.timing:
-            for build in (a.timing_builds or a.builds).split(","):
-                print(timing(call, build), flush=True)
+            print(timing(call), flush=True)
     return 0
 
 

@@ -36,9 +36,9 @@ from pathlib import Path
 
 import torch
 
-from gdr_dispatch.dispatch import measure_ms, relative_error
-from gdr_dispatch.registry import device_info, library_versions
+from gdr_dispatch.problem import device_info, library_versions
 from gdr_dispatch.shapes import PRESETS, ShapeSpec, load_grid
+from timing import measure_ms, relative_error
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LEAVES = ("q", "k", "v", "g", "beta", "initial_state")

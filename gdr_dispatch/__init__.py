@@ -37,14 +37,16 @@ _map_source_subpackage("tuning_cache")
 _map_source_subpackage("backends")
 
 from .contract import GDRCall, GDRGrads  # noqa: E402
-from .dispatch import fused_gdr_bwd, select_backend  # noqa: E402
+from .dispatch import clear_caches, fused_gdr_bwd, select_backend  # noqa: E402
+from .problem import Problem  # noqa: E402
 from .reference import oracle_grads, prepare_residuals, recurrent_forward  # noqa: E402
-from .registry import Backend, Problem, registered_backends, get_backend, register  # noqa: E402
+from .registry import Backend, Limits, NoBackendError, get_backend, register, registered_backends  # noqa: E402
 from .training import chunk_gated_delta_rule  # noqa: E402
 
 __all__ = [
-    "fused_gdr_bwd", "chunk_gated_delta_rule", "select_backend", "GDRGrads", "GDRCall", "Problem", "Backend",
-    "registered_backends", "get_backend", "register", "oracle_grads", "prepare_residuals", "recurrent_forward",
+    "fused_gdr_bwd", "chunk_gated_delta_rule", "select_backend", "clear_caches", "GDRGrads", "GDRCall", "Problem",
+    "Backend", "Limits", "NoBackendError", "registered_backends", "get_backend", "register", "oracle_grads",
+    "prepare_residuals", "recurrent_forward",
 ]
 __version__ = "0.2.0"
 

@@ -13,11 +13,13 @@ from pathlib import Path
 
 import torch
 
-from . import tuning_table
+from . import env, tuning_table
+from .autotune import autotune, compile_jobs_of, measure_ms
+from .autotune import precompile as run_precompile
 from .contract import validate
-from .dispatch import (NO_TENSORS, STATIC, TABLE, NoBackendError, autotune, autotune_block_reason,
-                       context_parallel_segments, measure_ms, select_backend, split_candidates)
-from .registry import Problem, device_info, registered_backends, run_compile_job
+from .dispatch import NO_TENSORS, STATIC, TABLE, autotune_block_reason, select_backend, wrapped_candidates
+from .problem import Problem, device_info
+from .registry import NoBackendError, registered_backends
 from .shapes import PRESETS, ShapeSpec, call_kwargs, load_grid, make_inputs
 
 
@@ -68,12 +70,9 @@ def summarize(results: list[tuple[ShapeSpec, dict, str]], names: list[str]) -> s
 
 
 def precompile(variants, device, only, workers: int, splits: bool = True) -> None:
-    """Compile every kernel the sweep's backends would build on first use, in parallel worker
-    processes (a TileLang build is about a minute on one core; TileLang's disk cache is shared
-    and process-safe), and say how long each took: a user's first-call cost. With `splits`, the
-    split candidates' builds too (their segments are a varlen call with both states)."""
-    from .context_parallel import parse_split
-
+    """Compile every kernel the sweep's backends would build on first use, in parallel processes
+    (autotune.precompile), and say how long each took: a user's first-call cost. With `splits`,
+    the split candidates' builds too (their segments are a varlen call with both states)."""
     jobs: dict[tuple, list[str]] = {}
     print(f"collecting the kernel builds of {len(variants)} shapes", file=sys.stderr, flush=True)
     for i, spec in enumerate(variants, 1):
@@ -83,35 +82,16 @@ def precompile(variants, device, only, workers: int, splits: bool = True) -> Non
         chosen = {name: backend for name, backend in registered_backends().items()
                   if (only is None or name in only) and backend.supported(problem)[0]}
         if splits:
-            chosen.update(split_candidates(problem, chosen))
-        for name, backend in chosen.items():
-            for job in backend.compile_jobs(call):
-                jobs.setdefault(job, []).append(parse_split(name)[0])
+            chosen.update(wrapped_candidates(problem, chosen, thorough=True))
+        for job, names in compile_jobs_of(call, chosen).items():
+            jobs.setdefault(job, []).extend(names)
         del inputs, call
-    if not jobs:
-        return
-    workers = max(1, min(workers, len(jobs)))
-    print(f"compiling {len(jobs)} kernels in {workers} processes first", file=sys.stderr, flush=True)
-    t0 = time.perf_counter()
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-    import multiprocessing
-
-    # spawn: the parent may hold a CUDA context, which a forked child must not inherit
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(run_compile_job, job): job for job in jobs}
-        for fut in as_completed(futures):
-            module, function, cfg = futures[fut]
-            what = f"{'/'.join(sorted(set(jobs[futures[fut]])))}: {function}{cfg}"
-            try:
-                print(f"  compiled {what} in {fut.result():.1f} s", file=sys.stderr, flush=True)
-            except Exception as e:  # noqa: BLE001 - the sweep compiles it again and records the failure
-                print(f"  failed to compile {what}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr, flush=True)
-    print(f"  all {len(jobs)} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    run_precompile(jobs, workers, lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def cmd_tune(args) -> int:
-    if os.environ.get("GDR_BACKEND"):
-        print(f"note: GDR_BACKEND={os.environ['GDR_BACKEND']} is ignored while tuning", file=sys.stderr)
+    if env.forced_backend_name():
+        print(f"note: {env.BACKEND}={env.forced_backend_name()} is ignored while tuning", file=sys.stderr)
     device = _device_or_error(args)
     if args.grid:
         shapes = load_grid(args.grid)
@@ -155,7 +135,7 @@ def cmd_tune(args) -> int:
         static = next((n for n, (ok, _) in verdicts.items() if ok), "")
         candidates = {n: b for n, b in registered_backends().items() if verdicts[n][0] and (only is None or n in only)}
         if not args.no_splits:  # starved grids: each candidate cut into 2/4/8 segments too, as the dispatcher would
-            candidates.update(split_candidates(problem, candidates))
+            candidates.update(wrapped_candidates(problem, candidates, thorough=True))
         try:
             if not candidates:
                 raise NoBackendError("no supported backend among those asked for")
@@ -194,7 +174,7 @@ def cmd_tune(args) -> int:
 
 
 def _spec_from_args(args) -> ShapeSpec:
-    seqlens = tuple(int(s) for s in args.seqlens.split(",")) if args.seqlens else None
+    seqlens = args.seqlens
     return ShapeSpec(
         B=args.B, T=None if seqlens else args.T, seqlens=seqlens, H=args.H, Hg=args.Hg, K=args.K, V=args.V,
         dtype=args.dtype, h=args.h, initial_state=not args.no_initial_state, dht=not args.no_dht,
@@ -242,7 +222,7 @@ def cmd_explain(args) -> int:
     if getattr(choice.backend, "segments", 1) > 1:
         print(f"split={choice.backend.segments} (the table's choice): each sequence runs as runs of whole chunks "
               f"joined exactly, on {choice.backend.inner.name}")
-    segments = context_parallel_segments()
+    segments = env.cp_segments()
     if segments is not None and segments > 1:
         print(f"split={segments} (GDR_CP): each sequence runs as {segments} segments of whole chunks in one varlen "
               f"call, whose own shape then picks the backend")
@@ -276,6 +256,17 @@ def _count(minimum: int):
     return parse
 
 
+def _lengths(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(s) for s in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts such as 1,63,64,65, got {text!r}") \
+            from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected token counts >= 0, got {text!r}")
+    return values
+
+
 def build_parser() -> argparse.ArgumentParser:
     # -v is accepted before or after the subcommand (`gdr-dispatch -v explain`, `gdr-dispatch explain -v`)
     verbose = argparse.ArgumentParser(add_help=False)
@@ -306,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="for one shape: each backend's verdict and what a call would get")
     e.add_argument("--B", type=int, default=1)
     e.add_argument("--T", type=int, default=4096)
-    e.add_argument("--seqlens", metavar="L1,L2,..", help="varlen batch (then B=1, T=sum)")
+    e.add_argument("--seqlens", metavar="L1,L2,..", type=_lengths, help="varlen batch (then B=1, T=sum)")
     e.add_argument("--H", type=int, default=32, help="value heads")
     e.add_argument("--Hg", type=int, default=None, help="q/k heads (default H)")
     e.add_argument("--K", type=int, default=128)

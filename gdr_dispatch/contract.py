@@ -96,6 +96,21 @@ class GDRCall:
         return (self.N, self.H, self.V, self.K) if self.state_v_first else (self.N, self.H, self.K, self.V)
 
 
+def packed(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """`x` itself when its memory is packed row-major (canonical strides, what TMA descriptors and
+    flat pointer arithmetic assume), else a packed copy: callers pass strided views (a split of a
+    fused projection, a transpose, an expand) and the contract takes any of them."""
+    if x is None:
+        return None
+    expected, step = [], 1
+    for size in reversed(x.shape):
+        expected.append(step)
+        step *= max(int(size), 1)
+    if tuple(reversed(expected)) == tuple(x.stride()):
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
+
+
 def _fmt_shape(t: torch.Tensor) -> str:
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
 
@@ -179,26 +194,16 @@ def check_sizes(B: int, T: int, H: int, Hg: int, K: int, V: int, chunk_size: int
         )
 
 
-def validate(
-    q, k, v, a, g, b, do, dht=None, h=None, *,
-    scale=None, initial_state=None, cu_seqlens=None, chunk_size=64, state_v_first=False, max_seqlen=None,
-) -> GDRCall:
-    """Check a `fused_gdr_bwd` call and return it as a `GDRCall`.
-
-    Raises TypeError (wrong kind or dtype) or ValueError (wrong shape or value) whose
-    message names the argument, what was expected and what came.
-    """
-    q = _expect_tensor("q", q)
-    k = _expect_tensor("k", k)
-    v = _expect_tensor("v", v)
-    a = _expect_tensor("a", a)
-    g = _expect_tensor("g", g)
-    b = _expect_tensor("b", b)
-    do = _expect_tensor("do", do)
-
+def _check_common(q, k, v, gate, beta, names: dict, gate_dtypes, chunk_size, state_v_first,
+                  initial_state, cu_seqlens) -> tuple[int, int, int, int, int, int]:
+    """The structural checks the op's forward and the backward share (shapes, dtypes, devices;
+    no tensor values, so they hold on fake tensors while `torch.compile` traces). `names` maps
+    "gate" and "beta" to the caller's argument names. Returns `(B, T, Hg, K, H, V)`."""
+    gname, bname = names["gate"], names["beta"]
+    for name, x in (("q", q), ("k", k), ("v", v), (gname, gate), (bname, beta)):
+        _expect_tensor(name, x)
     if not isinstance(state_v_first, bool):
         raise TypeError(f"state_v_first: expected a bool, got {type(state_v_first).__name__}")
-
     if q.dim() != 4:
         raise ValueError(f"q: expected 4 dims [B, T, Hg, K], got {_fmt_shape(q)}")
     B, T, Hg, K = q.shape
@@ -208,43 +213,109 @@ def validate(
     _expect_shape("v", v, (B, T, H, V), "[B, T, H, V] with B, T of q")
     check_sizes(B, T, H, Hg, K, V, chunk_size)
     _expect_shape("k", k, (B, T, Hg, K), "same as q: [B, T, Hg, K]")
-    _expect_shape("do", do, (B, T, H, V), "same as v: [B, T, H, V]")
-    _expect_shape("a", a, (B, T, H, chunk_size), "[B, T, H, chunk_size], the ungated WY inverse per chunk row")
-    _expect_shape("g", g, (B, T, H), "[B, T, H], the chunk-local cumsum of the log gate")
-    _expect_shape("b", b, (B, T, H), "[B, T, H], beta")
-
+    _expect_shape(gname, gate, (B, T, H), names["gate_what"])
+    _expect_shape(bname, beta, (B, T, H), f"[B, T, H], {names.get('beta_what', 'beta')}")
     _expect_dtype("q", q, ACTIVATION_DTYPES)
-    for name, x in (("k", k), ("v", v), ("do", do)):
+    for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
             raise TypeError(f"{name}: expected the dtype of q ({q.dtype}), got {x.dtype}")
-    _expect_dtype("g", g, GATE_DTYPES, "the log-gate cumsum is kept in fp32")
-    _expect_dtype("a", a, ACTIVATION_DTYPES)
-    _expect_dtype("b", b, ACTIVATION_DTYPES)
-
-    device = q.device
-    tensors = {"k": k, "v": v, "a": a, "g": g, "b": b, "do": do}
-    for name, x in (("dht", dht), ("h", h), ("initial_state", initial_state), ("cu_seqlens", cu_seqlens)):
+    _expect_dtype(gname, gate, gate_dtypes, names.get("gate_why", ""))
+    _expect_dtype(bname, beta, ACTIVATION_DTYPES)
+    for name, x in (("initial_state", initial_state), ("cu_seqlens", cu_seqlens)):
         if x is not None:
-            tensors[name] = _expect_tensor(name, x)
-    for name, x in tensors.items():
-        if x.device != device:
-            raise ValueError(f"{name}: expected device {device} (the device of q), got {x.device}")
-
-    # sequences
-    if cu_seqlens is None:
-        seq_lens = (T,) * B
-    else:
+            _expect_tensor(name, x)
+    for name, x in (("k", k), ("v", v), (gname, gate), (bname, beta), ("initial_state", initial_state),
+                    ("cu_seqlens", cu_seqlens)):
+        if x is not None and x.device != q.device:
+            raise ValueError(f"{name}: expected device {q.device} (the device of q), got {x.device}")
+    if cu_seqlens is not None:
         check_cu_seqlens_form(cu_seqlens, B)
-        offsets = offsets_of(cu_seqlens)  # one device-to-host copy per tensor (graph_safe.py)
-        if offsets[0] != 0:
-            raise ValueError(f"cu_seqlens: expected to start at 0, got {offsets[0]}")
-        if offsets[-1] != T:
-            raise ValueError(f"cu_seqlens: expected to end at T={T} (the token count of q), got {offsets[-1]}")
-        steps = [offsets[i + 1] - offsets[i] for i in range(len(offsets) - 1)]
-        if any(s < 0 for s in steps):
-            i = next(i for i, s in enumerate(steps) if s < 0)
-            raise ValueError(f"cu_seqlens: expected non-decreasing offsets, got {offsets[i]} then {offsets[i + 1]} at index {i}")
-        seq_lens = tuple(steps)
+    if initial_state is not None:
+        N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        check_state("initial_state", initial_state, N, H, K, V, state_v_first)
+    return B, T, Hg, K, H, V
+
+
+def sequence_lengths(cu_seqlens: Optional[torch.Tensor], B: int, T: int) -> tuple[int, ...]:
+    """Each sequence's token count: `cu_seqlens`' values read (and checked) on every call, from
+    memory only while a CUDA graph is being captured (graph_safe.offsets_of)."""
+    if cu_seqlens is None:
+        return (T,) * B
+    if cu_seqlens.device.type == "meta":
+        raise ValueError("cu_seqlens: its values are needed on the host, and a meta tensor has none")
+    offsets = offsets_of(cu_seqlens)
+    if offsets[0] != 0:
+        raise ValueError(f"cu_seqlens: expected to start at 0, got {offsets[0]}")
+    steps = [offsets[i + 1] - offsets[i] for i in range(len(offsets) - 1)]
+    if any(s < 0 for s in steps):
+        i = next(i for i, s in enumerate(steps) if s < 0)
+        raise ValueError(f"cu_seqlens: expected non-decreasing offsets, got {offsets[i]} then {offsets[i + 1]} at index {i}")
+    if offsets[-1] != T:
+        raise ValueError(f"cu_seqlens: expected to end at T={T} (the token count of q), got {offsets[-1]}")
+    return tuple(steps)
+
+
+def check_scale(scale, K: int) -> float:
+    """`scale` as a float (`K ** -0.5` for None): a finite real number."""
+    if scale is None:
+        return K ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+    value = float(scale)
+    if not math.isfinite(value):
+        raise ValueError(f"scale: expected a finite number, got {value}")
+    return value
+
+
+#: The op's names for its per-token arguments (`g` is the raw log decay there, `beta` its name).
+FORWARD_NAMES = {"gate": "g", "beta": "beta", "gate_what": "[B, T, H], the per-token log decay",
+                 "beta_what": "beta", "gate_why": "the log decay; computed in fp32 inside"}
+#: Its accepted dtypes for `g`: any float (fla's op takes 16-bit gates too); computed in fp32.
+FORWARD_GATE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+BACKWARD_NAMES = {"gate": "g", "beta": "b", "gate_what": "[B, T, H], the chunk-local cumsum of the log gate",
+                  "beta_what": "beta", "gate_why": "the log-gate cumsum is kept in fp32"}
+
+
+def check_forward_structure(q, k, v, g, beta, initial_state=None, cu_seqlens=None, state_v_first=False,
+                            chunk_size=64):
+    """The op's forward arguments without their values (also on fake tensors): `(B, T, Hg, K, H, V)`."""
+    return _check_common(q, k, v, g, beta, FORWARD_NAMES, FORWARD_GATE_DTYPES, chunk_size, state_v_first,
+                         initial_state, cu_seqlens)
+
+
+def validate_forward(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, state_v_first=False,
+                     chunk_size=64) -> tuple[float, tuple[int, ...]]:
+    """The op's forward arguments, values included (the backward's checks on the forward's own
+    arguments): `(scale, seq_lens)`."""
+    B, T, Hg, K, H, V = check_forward_structure(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first,
+                                                chunk_size)
+    scale = check_scale(scale, K)
+    return scale, sequence_lengths(cu_seqlens, B, T)
+
+
+def validate(
+    q, k, v, a, g, b, do, dht=None, h=None, *,
+    scale=None, initial_state=None, cu_seqlens=None, chunk_size=64, state_v_first=False, max_seqlen=None,
+) -> GDRCall:
+    """Check a `fused_gdr_bwd` call and return it as a `GDRCall`.
+
+    Raises TypeError (wrong kind or dtype) or ValueError (wrong shape or value) whose
+    message names the argument, what was expected and what came.
+    """
+    B, T, Hg, K, H, V = _check_common(q, k, v, g, b, BACKWARD_NAMES, GATE_DTYPES, chunk_size, state_v_first,
+                                      initial_state, cu_seqlens)
+    a = _expect_tensor("a", a)
+    do = _expect_tensor("do", do)
+    _expect_shape("do", do, (B, T, H, V), "same as v: [B, T, H, V]")
+    _expect_shape("a", a, (B, T, H, chunk_size), "[B, T, H, chunk_size], the ungated WY inverse per chunk row")
+    if do.dtype != q.dtype:
+        raise TypeError(f"do: expected the dtype of q ({q.dtype}), got {do.dtype}")
+    _expect_dtype("a", a, ACTIVATION_DTYPES)
+    for name, x in (("a", a), ("do", do), ("dht", dht), ("h", h)):
+        if x is not None and _expect_tensor(name, x).device != q.device:
+            raise ValueError(f"{name}: expected device {q.device} (the device of q), got {x.device}")
+
+    seq_lens = sequence_lengths(cu_seqlens, B, T)
     N = len(seq_lens)
     num_chunks = sum(chunk_counts(seq_lens, chunk_size))
     if max_seqlen is not None:
@@ -257,9 +328,8 @@ def validate(
 
     # states
     state = (N, H, V, K) if state_v_first else (N, H, K, V)
-    for name, x in (("initial_state", initial_state), ("dht", dht)):
-        if x is not None:
-            check_state(name, x, N, H, K, V, state_v_first)
+    if dht is not None:
+        check_state("dht", dht, N, H, K, V, state_v_first)
     if h is not None:
         lead = (1, num_chunks) if cu_seqlens is not None else (B, num_chunks // B)
         hshape = lead + state[1:]
@@ -269,16 +339,10 @@ def validate(
         )
         _expect_shape("h", h, hshape, hwhat)
         _expect_dtype("h", h, ACTIVATION_DTYPES)
-
-    if scale is None:
-        scale = K ** -0.5
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
-    elif not math.isfinite(scale):
-        raise ValueError(f"scale: expected a finite number, got {scale}")
+    scale = check_scale(scale, K)
 
     return GDRCall(
-        q=q, k=k, v=v, a=a, g=g, b=b, do=do, dht=dht, h=h, scale=float(scale),
+        q=q, k=k, v=v, a=a, g=g, b=b, do=do, dht=dht, h=h, scale=scale,
         initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
         state_v_first=state_v_first, seq_lens=seq_lens, num_chunks=num_chunks, max_seqlen=max_seqlen,
     )

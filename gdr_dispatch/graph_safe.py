@@ -1,13 +1,19 @@
-"""What a CUDA-graph-captured step needs on the host side: the lengths of a `cu_seqlens` tensor
-read once, and the small index tensors built from them made once.
+"""What a CUDA-graph-captured step needs on the host side: the lengths of a `cu_seqlens` tensor,
+and the small index tensors built from them, made once.
 
-Capture forbids reading device values on the host (a synchronisation) and copying pageable
-host memory to the device, and a captured step replays with the lengths it was captured with.
-So the offsets of a `cu_seqlens` tensor are read on its first eager use and remembered for that
-very tensor object (and its version counter: an in-place change reads them again), and index
-tensors are built once per content and kept. Under capture, a tensor or content not seen
-before is an error that says what to run first (an eager step with the same tensors), never a
-silent read. Index tensors that a capture used are never evicted (a graph reads them at replay).
+Capture forbids reading device values on the host (a synchronisation) and copying pageable host
+memory to the device, and a captured step replays with the lengths it was captured with. So:
+
+* Eager calls read `cu_seqlens` on every call (one device-to-host copy, as fla's varlen path
+  makes): a buffer refilled in place by any means (numpy, `.data`, DLPack, a kernel) is read as
+  it is now. Each read is also remembered for that tensor object.
+* Under capture the lengths come from that memory only: the last eager read of the very same
+  tensor. A tensor never read eagerly is an error that says what to run first (an eager step with
+  the same tensors), never a silent read. The graph then replays with those lengths, whatever the
+  buffer holds later: that is what capturing a varlen step means.
+
+Index tensors are built once per content and kept (bounded; one that a capture used is never
+evicted, since a graph reads it at replay).
 """
 
 from __future__ import annotations
@@ -18,12 +24,21 @@ from typing import Optional
 
 import torch
 
-#: id(cu_seqlens) -> (weak reference to it, its version counter then, its offsets)
+from . import caches
+
+#: id(cu_seqlens) -> (weak reference to it, its offsets at the last eager read)
 _offsets: dict[int, tuple] = {}
 _constants: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 _pinned: set = set()
 #: Index tensors kept (least recently used go first, never one a capture used).
 MAX_CONSTANTS = 1024
+
+
+@caches.on_clear
+def _forget() -> None:
+    _offsets.clear()
+    for key in [k for k in _constants if k not in _pinned]:
+        del _constants[key]
 
 
 def capturing(device: torch.device) -> bool:
@@ -32,22 +47,25 @@ def capturing(device: torch.device) -> bool:
 
 
 def offsets_of(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
-    """`cu_seqlens`' values on the host: read once per tensor (one device-to-host copy),
-    from memory afterwards, and only from memory under graph capture."""
+    """`cu_seqlens`' values on the host: read on every eager call, from the last eager read of
+    the same tensor under graph capture."""
     key = id(cu_seqlens)
-    if cu_seqlens.is_inference():  # no version counter to guard a memory with: read every time
-        return tuple(int(x) for x in cu_seqlens.tolist())
-    hit = _offsets.get(key)
-    if hit is not None and hit[0]() is cu_seqlens and hit[1] == cu_seqlens._version:
-        return hit[2]
     if capturing(cu_seqlens.device):
-        raise RuntimeError(
-            "cu_seqlens: its values are needed on the host, which a CUDA graph capture cannot read; run one "
-            "eager step with this very cu_seqlens tensor before capturing (the graph then replays with its "
-            "lengths)")
+        hit = _offsets.get(key)
+        if hit is None or hit[0]() is not cu_seqlens:
+            raise RuntimeError(
+                "cu_seqlens: its values are needed on the host, which a CUDA graph capture cannot read; run one "
+                "eager step with this very cu_seqlens tensor before capturing (the graph then replays with its "
+                "lengths)")
+        return hit[1]
     offsets = tuple(int(x) for x in cu_seqlens.tolist())
-    ref = weakref.ref(cu_seqlens, lambda _ref, key=key: _offsets.pop(key, None))
-    _offsets[key] = (ref, cu_seqlens._version, offsets)
+    # remembered for a capture that may follow (a weak reference: the entry dies with the tensor)
+    hit = _offsets.get(key)
+    if hit is None or hit[0]() is not cu_seqlens:
+        ref = weakref.ref(cu_seqlens, lambda _ref, key=key: _offsets.pop(key, None))
+        _offsets[key] = (ref, offsets)
+    else:
+        _offsets[key] = (hit[0], offsets)
     return offsets
 
 

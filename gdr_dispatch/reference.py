@@ -14,7 +14,7 @@ import torch
 
 from . import chunked_math as ex
 from .chunk_layout import ChunkLayout
-from .contract import GDRGrads, chunk_counts
+from .contract import GDRGrads, _expect_shape, _expect_tensor, check_state, chunk_counts, validate_forward
 
 
 def _sequences(B: int, T: int, cu_seqlens: Optional[torch.Tensor]) -> list[tuple[int, int, int]]:
@@ -29,11 +29,12 @@ def recurrent_forward(q, k, v, g_raw, beta, *, scale=None, initial_state=None, c
                       state_v_first=False):
     """The forward, token by token, in the inputs' dtype (call it with fp64 tensors).
 
-    Returns `(o [B, T, H, V], ht [N, H, K, V] or [N, H, V, K])`. Differentiable.
+    Returns `(o [B, T, H, V], ht [N, H, K, V] or [N, H, V, K])`. Differentiable. Arguments are
+    checked as the op checks its own (contract.validate_forward).
     """
+    scale, _ = validate_forward(q, k, v, g_raw, beta, scale, initial_state, cu_seqlens, state_v_first, chunk_size=1)
     B, T, Hg, K = q.shape
     H, V = v.shape[2], v.shape[3]
-    scale = K ** -0.5 if scale is None else scale
     rep = H // Hg
     qh = q.repeat_interleave(rep, dim=2)
     kh = k.repeat_interleave(rep, dim=2)
@@ -64,6 +65,11 @@ def oracle_grads(q, k, v, g_raw, beta, do, dht=None, *, scale=None, initial_stat
 
     Returns the contract's gradients in float64 (dh0 None when initial_state is None).
     """
+    validate_forward(q, k, v, g_raw, beta, scale, initial_state, cu_seqlens, state_v_first, chunk_size=1)
+    _expect_shape("do", _expect_tensor("do", do), tuple(v.shape), "same as v: [B, T, H, V]")
+    if dht is not None:
+        N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        check_state("dht", _expect_tensor("dht", dht), N, v.shape[2], q.shape[3], v.shape[3], state_v_first)
     f64 = torch.float64
     leaves = [x.detach().to(f64).requires_grad_(True) for x in (q, k, v, g_raw, beta)]
     h0 = None if initial_state is None else initial_state.detach().to(f64).requires_grad_(True)
@@ -92,12 +98,13 @@ def prepare_residuals(q, k, v, g_raw, beta, initial_state=None, cu_seqlens=None,
     """Chunked forward in the contract's conventions: `g`, `a`, `h`, `o`, `ht`.
 
     Computes in fp32 (fp64 for fp64 inputs). `g`, `h`, `ht` come back in that dtype, `a` and
-    `o` in q's dtype; cast `h` to q's dtype to mimic a forward that stores it narrowed.
+    `o` in q's dtype; cast `h` to q's dtype to mimic a forward that stores it narrowed. Arguments
+    are checked as the op checks its own (contract.validate_forward).
     """
+    scale, _ = validate_forward(q, k, v, g_raw, beta, scale, initial_state, cu_seqlens, state_v_first, chunk_size)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, T, Hg, K = q.shape
     H = v.shape[2]
-    scale = K ** -0.5 if scale is None else scale
     seqs = _sequences(B, T, cu_seqlens)
     seq_lens = [e - s for _, s, e in seqs]
     lay = ChunkLayout.build(B, T, seq_lens, chunk_size, q.device)

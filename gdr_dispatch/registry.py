@@ -1,14 +1,16 @@
-"""The backend registry, and the `Problem` every backend's `supported` predicate reads.
+"""The backend registry: `Backend` (what a backend declares), registration, and the names a
+table or `GDR_BACKEND` may use.
 
-A backend says whether it can take a call from the `Problem` alone (shapes, dtypes, flags,
-device, library versions), never from tensor values, so the verdict can be cached and
-printed by `gdr-dispatch explain` for shapes that were never allocated. It lists *every*
-reason it says no, not only the first. `supported` answers "can it run this correctly
+A backend says whether it can take a call from the `Problem` alone (problem.py), listing every
+reason it says no. Most reasons follow from limits every backend has (devices, compute
+capabilities, dtypes, head dims, chunk sizes, libraries, a compiler): a backend declares those
+as data in `limits` and the base class words the reasons (`Limits.reasons`); its own
+`extra_reasons` adds only what is its own. `supported` answers "can it run this correctly
 here"; which supported backend is fastest is for the tables and the static order.
 
-The registry names no backend: each one declares its own place in the static order
-(`static_rank`) and whether the autotuner may use it as the cross-check reference
-(`reference_rank`).
+Backends built on others (the exact split, `backends/split/`) register a `Wrapper`: the
+dispatcher reaches `<backend>@split<n>` candidates through it without naming it.
+Tests register or hide backends for a block with `registry.scoped(...)`.
 """
 
 from __future__ import annotations
@@ -17,63 +19,32 @@ import contextlib
 import contextvars
 import functools
 import importlib
-import math
-import os
-from dataclasses import dataclass
-from importlib import metadata
-from typing import Iterator, Optional
+from dataclasses import dataclass, field
+from typing import Callable, Collection, Iterator, Optional
 
-import torch
-
+from . import env
 from .contract import GDRCall, GDRGrads
+from .problem import Problem
 
-#: Environment switch that lets kernel backends not yet verified on a GPU run (tests, bench).
-ALLOW_UNVERIFIED_ENV = "GDR_ALLOW_UNVERIFIED"
+
+class NoBackendError(RuntimeError):
+    """No registered backend can take the call (the message lists each one's reasons)."""
+
+
+# ---------------------------------------------------------------------------------------
+# the unverified gate
+# ---------------------------------------------------------------------------------------
 _allow_unverified: contextvars.ContextVar[bool] = contextvars.ContextVar("gdr_allow_unverified", default=False)
-
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
-
-
-def env_flag(name: str, default: bool) -> bool:
-    """A boolean environment variable, read now; anything unrecognised is an error naming it."""
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(f"{name}: expected one of 1/0, true/false, yes/no, on/off, got {raw!r}")
-
-
-_said: set = set()  # first_time's keys, this process
-
-
-def first_time(key) -> bool:
-    """True the first time this process sees `key`, False after: the log lines that say once per
-    problem what ran (dispatch, the split, the forward, the h=None recompute). Keys start with a
-    word naming their line, so two lines' keys never meet."""
-    if key in _said:
-        return False
-    _said.add(key)
-    return True
-
-
-def forget_said() -> None:
-    """Let every once-per-problem log line be said again (`dispatch.clear_caches`, tests)."""
-    _said.clear()
 
 
 def unverified_allowed() -> bool:
     """True inside `allow_unverified()` or with GDR_ALLOW_UNVERIFIED=1 (read per call)."""
-    return _allow_unverified.get() or env_flag(ALLOW_UNVERIFIED_ENV, False)
+    return _allow_unverified.get() or env.unverified_allowed()
 
 
 @contextlib.contextmanager
 def allow_unverified() -> Iterator[None]:
-    """Let backends whose GPU tests have not passed yet take calls (for those tests and bench)."""
+    """Let kernels whose GPU tests have not passed yet take calls (for those tests and bench)."""
     token = _allow_unverified.set(True)
     try:
         yield
@@ -81,204 +52,149 @@ def allow_unverified() -> Iterator[None]:
         _allow_unverified.reset(token)
 
 
-@functools.lru_cache(maxsize=None)
-def library_versions() -> dict[str, Optional[str]]:
-    """Installed versions of the libraries the backends compile with (None when absent)."""
-
-    def dist(*names: str) -> Optional[str]:
-        for n in names:
-            try:
-                return metadata.version(n)
-            except metadata.PackageNotFoundError:
-                continue
-        return None
-
-    return {
-        "torch": torch.__version__.split("+")[0],
-        "triton": dist("triton", "pytorch-triton"),
-        "tilelang": dist("tilelang"),
-        "fla": dist("fla-core", "flash-linear-attention"),
-        "flash_qla": dist("flash-qla", "flash_qla"),
-    }
+def unverified_reason(what: str) -> str:
+    """The refusal of a kernel not verified on a GPU yet (`what` names it)."""
+    return f"{what} is not verified on a GPU yet: refused until tests/test_gpu.py passes for it " \
+           f"(set {env.ALLOW_UNVERIFIED}=1 to run it anyway)"
 
 
-#: Libraries a table key names only when installed (optional peers): without them every key
-#: stays what it was, so tables measured before a peer existed keep their exact matches.
-OPTIONAL_LIBS = ("flash_qla",)
+# ---------------------------------------------------------------------------------------
+# limits as data
+# ---------------------------------------------------------------------------------------
+#: How to install each library a backend may need (the reason says it).
+INSTALL = {
+    "fla": "pip install 'fla-core>=0.6'",
+    "tilelang": "pip install tilelang",
+    "triton": "pip install triton",
+    "flash_qla": "pip install 'gdr_dispatch[flashqla]'",
+}
+_LIB_NAMES = {"fla": "fla-core", "flash_qla": "flash_qla", "tilelang": "tilelang", "triton": "triton"}
 
 
-@dataclass(frozen=True)
-class DeviceInfo:
-    type: str  # "cuda" or "cpu"
-    name: str
-    capability: Optional[tuple[int, int]]
-    sm_count: int  # CPU: logical cores
-
-    @property
-    def slug(self) -> str:
-        """File-name form: `nvidia-h200-sm90`, `cpu`."""
-        if self.type != "cuda":
-            return "cpu"
-        base = "".join(c if c.isalnum() else "-" for c in self.name.lower()).strip("-")
-        while "--" in base:
-            base = base.replace("--", "-")
-        return f"{base}-sm{self.capability[0]}{self.capability[1]}"
+def _words(values) -> str:
+    names = [str(v) for v in values]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
-@functools.lru_cache(maxsize=None)
-def _cuda_device_info(index: int) -> DeviceInfo:
-    p = torch.cuda.get_device_properties(index)
-    return DeviceInfo("cuda", p.name, (p.major, p.minor), p.multi_processor_count)
+_DEVICE_NAMES = {"cuda": "CUDA", "cpu": "CPU"}
 
 
-@functools.lru_cache(maxsize=None)
-def _host_device_info(device_type: str) -> DeviceInfo:
-    return DeviceInfo(device_type, device_type, None, os.cpu_count() or 1)
-
-
-def device_info(device: torch.device) -> DeviceInfo:
-    if device.type == "cuda":
-        return _cuda_device_info(device.index if device.index is not None else torch.cuda.current_device())
-    return _host_device_info(device.type)
-
-
-def pow2_bucket(x: float) -> int:
-    """Round up to a power of two (1 for anything <= 1)."""
-    return 1 << max(0, math.ceil(math.log2(max(x, 1.0))))
+def _cap(c) -> str:
+    return f"sm_{c[0]}{c[1]}"
 
 
 @dataclass(frozen=True)
-class Problem:
-    """What the dispatcher knows about a call before running it (shapes, never tensor values)."""
+class Limits:
+    """What a backend's kernels take, as data; `None` is no limit. `why` adds a backend's
+    explanation to a field's reason (keys: the field names)."""
 
-    B: int
-    T: int
-    H: int
-    Hg: int
-    K: int
-    V: int
-    N: int  # sequences
-    chunk_size: int
-    num_chunks: int  # over all sequences
-    max_seqlen: Optional[int]  # longest sequence: T for a fixed-length batch, the caller's max_seqlen for varlen
-    dtype: str  # of q/k/v/do
-    a_dtype: str
-    b_dtype: str
-    h_dtype: Optional[str]  # None when h is not given
-    state_dtype: Optional[str]  # of initial_state/dht, None when neither is given
-    varlen: bool
-    h_given: bool
-    has_dht: bool
-    has_initial_state: bool
-    state_v_first: bool
-    device: DeviceInfo
-    versions: tuple[tuple[str, Optional[str]], ...]
+    devices: Optional[tuple[str, ...]] = ("cuda",)
+    capabilities: Optional[tuple[tuple[int, int], ...]] = None
+    dtypes: Optional[tuple[str, ...]] = None  # of q/k/v/do
+    K: Optional[Collection[int]] = None  # a tuple of values or a range
+    V: Optional[Collection[int]] = None
+    chunk_sizes: Optional[tuple[int, ...]] = None
+    libraries: tuple[str, ...] = ()  # keys of `Problem.versions`
+    nvcc: bool = False  # a CUDA compiler for a JIT (TileLang's)
+    max_elements: Optional[int] = None  # the largest tensor's element count (32-bit indexing)
+    why: dict = field(default_factory=dict, hash=False, compare=False)
 
-    @property
-    def grouped(self) -> bool:
-        return self.H > self.Hg
+    def reasons(self, p: Problem) -> list[str]:
+        """Every limit `p` breaks, worded for `explain` and the errors."""
+        out = []
 
-    @property
-    def seq_head_ctas(self) -> int:
-        """CTAs of a kernel with one CTA per (sequence, value head): the fused backward."""
-        return self.N * self.H
+        def note(name):
+            return f" ({self.why[name]})" if name in self.why else ""
 
-    @property
-    def chunk_ctas(self) -> int:
-        """CTAs of a chunk-parallel kernel (one per chunk x head): fla's stages 3, 5, 6."""
-        return self.num_chunks * self.H
+        on_device = self.devices is None or p.device.type in self.devices
+        if not on_device:
+            out.append(f"needs a {_words([_DEVICE_NAMES.get(d, d) for d in self.devices])} device"
+                       f"{note('devices')}; the tensors are on {p.device.type}")
+        elif self.capabilities is not None and p.device.type == "cuda" and p.device.capability not in self.capabilities:
+            out.append(f"has kernels for {_words([_cap(c) for c in self.capabilities])}{note('capabilities')}; "
+                       f"this device is {_cap(p.device.capability)}")
+        if self.dtypes is not None and p.dtype not in self.dtypes:
+            out.append(f"q/k/v/do must be {_words(self.dtypes)}{note('dtypes')}, got {p.dtype}")
+        out += self._dims(p, note)
+        if self.chunk_sizes is not None and p.chunk_size not in self.chunk_sizes:
+            out.append(f"chunk_size must be {_words(self.chunk_sizes)}{note('chunk_sizes')}, got {p.chunk_size}")
+        for lib in self.libraries:
+            if p.version(lib) is None:
+                out.append(f"{_LIB_NAMES.get(lib, lib)} is not installed{note('libraries')} ({INSTALL.get(lib, 'pip install ' + lib)})")
+        if self.nvcc and p.device.type == "cuda" and not _nvcc_found():
+            out.append("no nvcc found for TileLang's JIT (set CUDA_HOME or put nvcc on PATH)")
+        if self.max_elements is not None:
+            elements = max(p.B * p.T * p.H * max(p.K, p.V, p.chunk_size), p.num_chunks * p.H * p.K * p.V)
+            if elements > self.max_elements:
+                out.append(f"its kernels index with 32-bit integers; this call's largest tensor has {elements} "
+                           f"elements (>= 2^31): split the batch")
+        return out
 
-    @property
-    def flags(self) -> tuple[str, ...]:
-        names = ("varlen", "grouped", "h_given", "has_dht", "has_initial_state", "state_v_first")
-        return tuple(n for n in names if getattr(self, n))
+    def _dims(self, p: Problem, note) -> list[str]:
+        def fits(allowed, x):
+            return allowed is None or x in allowed
 
-    def version(self, lib: str) -> Optional[str]:
-        return dict(self.versions).get(lib)
+        def says(allowed):
+            if isinstance(allowed, range):
+                return f"in {allowed.start}..{allowed.stop - 1}"
+            return _words(sorted(allowed))
 
-    def problem_key(self) -> str:
-        """What decides which backend is fastest, bucketed so that training runs reuse keys.
-
-        Sequences x heads count in waves of the device's SMs (rounded up to a power of two),
-        the total tokens and the longest sequence in powers of two: packed batches with a
-        varying number of sequences share a handful of keys. The longest sequence sets a
-        per-sequence kernel's time; for varlen calls it comes from the caller's `max_seqlen`
-        (never from reading `cu_seqlens`), `-` when not given.
-        """
-        cap = "cpu" if self.device.capability is None else f"sm{self.device.capability[0]}{self.device.capability[1]}"
-        flags = "+".join(self.flags) or "none"
-        waves = pow2_bucket(self.seq_head_ctas / max(self.device.sm_count, 1))
-        longest = "-" if self.max_seqlen is None else pow2_bucket(self.max_seqlen)
-        return (
-            f"{self.device.name}|{cap}|{self.dtype}|K{self.K}|V{self.V}|H{self.H}|Hg{self.Hg}"
-            f"|BT{self.chunk_size}|{flags}|waves{waves}|tokens{pow2_bucket(self.B * self.T)}|max{longest}"
-        )
-
-    def versions_key(self) -> str:
-        return ",".join(f"{k}={v or '-'}" for k, v in self.versions if v or k not in OPTIONAL_LIBS)
-
-    def table_key(self) -> str:
-        """The tuning-table key: the problem, then the library versions it was measured with."""
-        return f"{self.problem_key()}|{self.versions_key()}"
-
-    def describe(self) -> str:
-        """Short human form for logs and tables."""
-        if self.varlen:
-            seqs = f"N{self.N} (varlen" + (f", max {self.max_seqlen})" if self.max_seqlen else ")")
-        else:
-            seqs = f"B{self.B}"
-        return (
-            f"{seqs} T{self.T} H{self.H} Hg{self.Hg} K{self.K} V{self.V} {self.dtype}"
-            f" h={'given' if self.h_given else 'None'}"
-            + (" dht" if self.has_dht else "") + (" h0" if self.has_initial_state else "")
-            + (" v_first" if self.state_v_first else "")
-        )
-
-    @staticmethod
-    def from_call(call: GDRCall) -> "Problem":
-        def dt(x):
-            return None if x is None else str(x.dtype).replace("torch.", "")
-
-        state = call.initial_state if call.initial_state is not None else call.dht
-        varlen = call.cu_seqlens is not None
-        return Problem(
-            B=call.B, T=call.T, H=call.H, Hg=call.Hg, K=call.K, V=call.V, N=call.N,
-            chunk_size=call.chunk_size, num_chunks=call.num_chunks,
-            max_seqlen=call.max_seqlen if varlen else call.T,
-            dtype=dt(call.q), a_dtype=dt(call.a), b_dtype=dt(call.b), h_dtype=dt(call.h),
-            state_dtype=dt(state), varlen=varlen, h_given=call.h is not None,
-            has_dht=call.dht is not None, has_initial_state=call.initial_state is not None,
-            state_v_first=call.state_v_first, device=device_info(call.q.device),
-            versions=tuple(library_versions().items()),
-        )
+        if fits(self.K, p.K) and fits(self.V, p.V):
+            return []
+        if self.K is not None and self.V is not None and tuple(self.K) == tuple(self.V):
+            return [f"K and V must be {says(self.K)}{note('K')}, got K={p.K}, V={p.V}"]
+        out = []
+        if not fits(self.K, p.K):
+            out.append(f"K must be {says(self.K)}{note('K')}, got K={p.K}")
+        if not fits(self.V, p.V):
+            out.append(f"V must be {says(self.V)}{note('V')}, got V={p.V}")
+        return out
 
 
+def _nvcc_found() -> bool:
+    from .toolchain import nvcc_found
+
+    return nvcc_found()
+
+
+# ---------------------------------------------------------------------------------------
+# backends
+# ---------------------------------------------------------------------------------------
 class Backend:
     """One way to compute the contract.
 
-    Subclasses set `name`, `static_rank` (their place in the static order, lowest first:
-    what runs when nothing was measured) and implement `not_supported_reasons` and `run`.
-    `reference_rank` marks a backend the autotuner may cross-check the others against
-    (lowest first); `split_candidate = False` keeps it out of the autotuner's context-parallel
-    candidates. A GPU kernel backend sets `gpu_verified = False` until its oracle tests
-    (tests/test_gpu.py) pass on a GPU; it is refused until then, unless `allow_unverified()`.
+    Subclasses set `name`, `static_rank` (their place in the static order, lowest first: what
+    runs when nothing was measured), `limits`, and implement `run` (and `extra_reasons` for
+    what is their own). `reference_rank` marks a backend the autotuner may cross-check the
+    others against (lowest first); `split_candidate = False` keeps it out of the split's
+    candidates; `reference = True` (the exact torch math) keeps it out of a table miss's
+    measurement on a GPU. A GPU kernel backend sets `gpu_verified = False` until its oracle
+    tests (tests/test_gpu.py) pass on a GPU; it is refused until then, unless
+    `allow_unverified()`.
     """
 
     name: str = ""
     static_rank: int = 1000
     reference_rank: Optional[int] = None
+    reference: bool = False  # a reference or fallback: never worth measuring on a GPU's table miss
     gpu_verified: bool = True
-    unverified_why: str = "refused until tests/test_gpu.py passes for it"  # said while gpu_verified is False
-    split_candidate: bool = True  # the autotuner may try it on context-parallel segments (starved grids)
-    optional_lib: Optional[str] = None  # the optional library (OPTIONAL_LIBS) it needs, if any
+    split_candidate: bool = True
+    optional_lib: Optional[str] = None  # the optional library (problem.OPTIONAL_LIBS) it needs, if any
+    limits: Limits = Limits(devices=None)
+
+    def extra_reasons(self, problem: Problem) -> list[str]:
+        """What only this backend refuses (the declared `limits` are the base class's)."""
+        return []
 
     def not_supported_reasons(self, problem: Problem) -> list[str]:
         """Every reason this backend cannot take the problem correctly here; empty when it can."""
-        raise NotImplementedError
+        return self.limits.reasons(problem) + self.extra_reasons(problem)
 
     def supported(self, problem: Problem) -> tuple[bool, str]:
-        return _verdict(self.not_supported_reasons(problem), self.gpu_verified,
-                        f"not verified on a GPU yet: {self.unverified_why}")
+        reasons = self.not_supported_reasons(problem)
+        if not self.gpu_verified and not unverified_allowed():
+            reasons.insert(0, unverified_reason(f"backend {self.name!r}"))
+        return (not reasons, "; ".join(reasons))
 
     def run(self, call: GDRCall) -> GDRGrads:
         """Compute the gradients into fresh tensors; never write the call's tensors."""
@@ -295,80 +211,140 @@ class Backend:
         return [] if self.forward_rank is not None else [f"{self.name} offers no forward"]
 
     def forward_supported(self, problem: Problem) -> tuple[bool, str]:
-        return _verdict(self.forward_not_supported_reasons(problem), self.forward_rank is None or self.forward_verified,
-                        "its forward is not verified on a GPU yet: refused until tests/test_gpu.py's op tests pass "
-                        "with it")
+        reasons = self.forward_not_supported_reasons(problem)
+        if self.forward_rank is not None and not self.forward_verified and not unverified_allowed():
+            reasons.insert(0, unverified_reason(f"the forward of {self.name!r}"))
+        return (not reasons, "; ".join(reasons))
 
     def forward(self, q, k, v, g, beta, scale: float, initial_state, cu_seqlens, state_v_first: bool,
                 need_final: bool, chunk_size: int, need_states: bool = True):
         """The training forward: `(o, final_state or None, G, a, h)` in the contract's forms (G the
         natural-log chunk cumsum in fp32, `a` the ungated inverse, `h` the chunk-start states; a
-        backend may return `h=None` when `need_states` is False)."""
+        backend may return `h=None` when `need_states` is False). Inputs may be any strided views."""
         raise NotImplementedError
 
     def split_passes(self, problem: Problem):
-        """Pass 1 of the exact context-parallel split on this backend's kernels, if it has them
-        for `problem` (the segments' varlen call): a function `(call, need_r=True)` returning
-        every segment's composed maps `(M, R, D)` (`[segments, H, K, K | V | V]`, fp32, K x V
-        state layout; R may be None when `need_r` is False: with `h` given the segments' start
-        states come from `h`). None: gdr_dispatch/context_parallel.py's batched torch products
-        run it."""
+        """Pass 1 of the exact split on this backend's kernels, if it has them for `problem` (the
+        segments' varlen call): a function `(call, need_r=True)` returning every segment's
+        composed maps `(M, R, D)`; None otherwise (backends/split/passes.py)."""
         return None
 
     def own_state_recompute(self) -> bool:
         """Whether this backend's `h=None` path recomputes the chunk states in one kernel of its
-        own, from `initial_state`: the context-parallel split then leaves its pass 3 `h=None`
-        instead of writing `h` with its Triton walk (segment_maps.segment_states; docs/
-        measurements.md, "Session 13")."""
+        own: the split then leaves its pass 3 `h=None` (docs/design.md, "The split")."""
         return False
 
     def compile_jobs(self, call: GDRCall) -> list[tuple[str, str, tuple]]:
         """The kernel builds a first `run(call)` would compile, as picklable `(module, function,
-        args)`: a sweep runs them in parallel processes beforehand (`run_compile_job`), since
-        one TileLang build takes about a minute on one core. Empty: nothing to compile."""
+        args)`: a sweep runs them in parallel processes beforehand (autotune.precompile).
+        Empty: nothing to compile."""
         return []
 
 
-def _verdict(reasons, verified: bool, unverified: str) -> tuple[bool, str]:
-    """`(ok, reasons joined)`; a GPU path not verified yet is refused first, unless allowed."""
-    reasons = list(reasons)
-    if not verified and not unverified_allowed():
-        reasons.insert(0, f"{unverified} (set {ALLOW_UNVERIFIED_ENV}=1 to run it anyway)")
-    return (not reasons, "; ".join(reasons))
+class Wrapper:
+    """A family of backends built on registered ones (`<backend><mark><n>`): the split."""
 
+    mark: str = ""
 
-def run_compile_job(job: tuple[str, str, tuple]) -> float:
-    """Run one `compile_jobs` entry (in a worker process); returns its wall time in seconds."""
-    import time
+    def candidates(self, problem: Problem, supported: dict[str, Backend], thorough: bool = False) -> dict[str, Backend]:
+        """The wrapped candidates worth measuring for `problem`: every one a sweep may time with
+        `thorough`, else the few a table miss times."""
+        return {}
 
-    module, function, args = job
-    t0 = time.perf_counter()
-    getattr(importlib.import_module(module), function)(*args)
-    return time.perf_counter() - t0
+    def wrap(self, inner: Backend, n: int) -> Backend:
+        raise NotImplementedError
+
+    def forced(self, call: GDRCall, n: int, run: Callable[[GDRCall], GDRGrads], inner: Optional[Backend]) -> GDRGrads:
+        """`GDR_CP=<n>`: the call cut `n` ways, each piece run by `run` (the dispatcher's)."""
+        raise NotImplementedError
 
 
 _REGISTRY: dict[str, Backend] = {}
+_WRAPPERS: dict[str, Wrapper] = {}
+_hidden: contextvars.ContextVar[frozenset] = contextvars.ContextVar("gdr_hidden_backends", default=frozenset())
 
 
 def register(backend: Backend) -> Backend:
     if not backend.name:
         raise ValueError("a backend needs a name")
+    if any(w.mark in backend.name for w in _WRAPPERS.values()):
+        raise ValueError(f"backend name {backend.name!r}: contains a wrapper's mark")
     _REGISTRY[backend.name] = backend
     return backend
 
 
-def registered_backends() -> dict[str, Backend]:
-    """Registered backends in static order (`static_rank`, then registration order)."""
+def register_wrapper(wrapper: Wrapper) -> Wrapper:
+    _WRAPPERS[wrapper.mark] = wrapper
+    return wrapper
+
+
+def wrappers() -> list[Wrapper]:
     _load_builtin_backends()
-    order = sorted(_REGISTRY, key=lambda n: _REGISTRY[n].static_rank)  # sorted() is stable
+    return list(_WRAPPERS.values())
+
+
+def parse_wrapped(name: str) -> tuple[str, int, Optional[Wrapper]]:
+    """`fla@split4` -> ("fla", 4, the split wrapper); a plain name -> (name, 1, None)."""
+    for w in wrappers():
+        base, mark, n = name.partition(w.mark)
+        if mark and n.isdigit() and int(n) > 1:
+            return base, int(n), w
+    return name, 1, None
+
+
+def base_name(name: str) -> str:
+    """The registered backend under a (possibly wrapped) name."""
+    return parse_wrapped(name)[0]
+
+
+def registered_backends() -> dict[str, Backend]:
+    """Registered backends in static order (`static_rank`, then registration order), less any
+    hidden by `scoped`."""
+    _load_builtin_backends()
+    hidden = _hidden.get()
+    order = sorted((n for n in _REGISTRY if n not in hidden), key=lambda n: _REGISTRY[n].static_rank)
     return {n: _REGISTRY[n] for n in order}
 
 
-def get_backend(name: str) -> Backend:
+def get_backend(name: str, what: str = "backend") -> Backend:
+    """The backend called `name`, or `<backend>@split<n>` built on it; `what` names where the
+    name came from in the error (e.g. `GDR_BACKEND`)."""
     known = registered_backends()
-    if name not in known:
-        raise ValueError(f"unknown backend {name!r}; known backends: {', '.join(known)}")
-    return known[name]
+    if name in known:
+        return known[name]
+    base, n, wrapper = parse_wrapped(name)
+    if wrapper is not None and base in known:
+        return wrapper.wrap(known[base], n)
+    hint = ""
+    lower = {k.lower(): k for k in known}
+    if name.lower() in lower:
+        hint = f" (names are case-sensitive: did you mean {lower[name.lower()]!r}?)"
+    marks = ", ".join(f"<backend>{w.mark}<n>" for w in wrappers())
+    raise ValueError(f"{what}: unknown backend {name!r}{hint}; known backends: {', '.join(known)}"
+                     + (f" (or {marks})" if marks else ""))
+
+
+@contextlib.contextmanager
+def scoped(add: Collection[Backend] = (), hide: Collection[str] = ()) -> Iterator[None]:
+    """Register `add` and hide the backends named in `hide` for the block (tests, tools); the
+    registry is as it was afterwards and the dispatcher's memos are forgotten both ways."""
+    from . import caches
+
+    saved = {b.name: _REGISTRY.get(b.name) for b in add}
+    for b in add:
+        register(b)
+    token = _hidden.set(_hidden.get() | frozenset(hide))
+    caches.clear()
+    try:
+        yield
+    finally:
+        _hidden.reset(token)
+        for name, old in saved.items():
+            if old is None:
+                _REGISTRY.pop(name, None)
+            else:
+                _REGISTRY[name] = old
+        caches.clear()
 
 
 @functools.lru_cache(maxsize=None)

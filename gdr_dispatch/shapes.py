@@ -21,7 +21,7 @@ import torch
 import yaml
 
 from .contract import check_sizes, chunk_counts
-from .registry import Problem, device_info, library_versions
+from .problem import Problem, device_info, library_versions
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
           "float32": torch.float32, "fp32": torch.float32, "float64": torch.float64, "fp64": torch.float64}
@@ -46,7 +46,19 @@ class ShapeSpec:
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
+        for name in ("H", "K", "V", "Hg", "B", "T", "chunk_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name}: expected an integer, got {value!r}")
+        for name in ("initial_state", "dht", "state_v_first", "strong_decay"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.dtype, str) or not isinstance(self.h, str):
+            raise ValueError(f"dtype and h: expected names, got {self.dtype!r} and {self.h!r}")
         if self.seqlens is not None:
+            if isinstance(self.seqlens, (str, bytes)) or not hasattr(self.seqlens, "__iter__") or any(
+                    isinstance(x, bool) or not isinstance(x, int) for x in self.seqlens):
+                raise ValueError(f"seqlens: expected a list of integers, got {self.seqlens!r}")
             object.__setattr__(self, "seqlens", tuple(int(s) for s in self.seqlens))
             if self.B != 1:
                 raise ValueError(f"seqlens: a varlen batch packs its sequences along T and needs B == 1, got B={self.B}")
@@ -101,6 +113,8 @@ class ShapeSpec:
 
     @staticmethod
     def from_dict(d: dict) -> "ShapeSpec":
+        if not isinstance(d, dict):
+            raise ValueError(f"a shape is a mapping such as {{B: 8, T: 4096, H: 32}}, got {d!r}")
         known = {f.name for f in fields(ShapeSpec)} - {"extra"}
         unknown = set(d) - known
         if unknown:
@@ -134,12 +148,25 @@ PRESETS: dict[str, list[ShapeSpec]] = {
 
 
 def load_grid(path: str | Path) -> list[ShapeSpec]:
-    doc = yaml.safe_load(Path(path).read_text())
+    """The shapes of a grid file; a file that cannot be read or used is a ValueError naming it
+    (and the entry at fault)."""
+    try:
+        doc = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
     if isinstance(doc, dict):
         doc = doc.get("shapes")
     if not isinstance(doc, list) or not doc:
         raise ValueError(f"{path}: expected a YAML list of shapes (or a mapping with a 'shapes' list)")
-    return [ShapeSpec.from_dict(d) for d in doc]
+    out = []
+    for i, d in enumerate(doc, 1):
+        try:
+            out.append(ShapeSpec.from_dict(d))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{path}: shape {i}: {e}") from None
+    return out
 
 
 def make_inputs(spec: ShapeSpec, device, seed: int = 0) -> dict:
@@ -188,32 +215,3 @@ def make_inputs(spec: ShapeSpec, device, seed: int = 0) -> dict:
 def call_kwargs(inputs: dict) -> dict:
     """The subset of `make_inputs` that `fused_gdr_bwd` takes."""
     return {k: v for k, v in inputs.items() if k != "g_raw"}
-
-
-def bytes_and_flops(spec: ShapeSpec) -> tuple[float, float]:
-    """A floor for the backward: bytes every backend must move and the matmul FLOPs of the chain.
-
-    Bytes: read q, k, v, do, a, g, b (+ h when given) once and write dq, dk, dv, dg, db
-    once. FLOPs: per chunk and value head, the ~14 BTxBTxD / BTxDxD matmuls of the
-    fused backward (docs/contract.md, chunk form), counted as 2 FLOPs per multiply-add; with
-    `h=None` the state recompute adds ~4 more. An estimate for the roofline, not a count of
-    what any one kernel executes.
-    """
-    e = torch.empty((), dtype=DTYPES[spec.dtype]).element_size()
-    T, H, Hg, K, V, BT = spec.B * spec.T, spec.H, spec.Hg, spec.K, spec.V, spec.chunk_size
-    n_chunks = sum(chunk_counts(spec.seq_lens, BT))
-    reads = T * (2 * Hg * K + 2 * H * V + H * BT) * e + T * H * (4 + e)
-    writes = T * (2 * Hg * K + H * V) * e + T * H * (4 + e)
-    if spec.h == "given":
-        reads += n_chunks * H * K * V * e
-    per_chunk = 2 * (7 * BT * BT * max(K, V) + 7 * BT * K * V)
-    if spec.h == "none":
-        per_chunk += 2 * 4 * BT * K * V
-    return float(reads + writes), float(per_chunk * n_chunks * H)
-
-
-def floor_ms(spec: ShapeSpec, hbm_gbs: float, tflops: float) -> float:
-    """max(bytes / bandwidth, flops / peak) in ms."""
-    nbytes, flops = bytes_and_flops(spec)
-    return max(nbytes / (hbm_gbs * 1e9), flops / (tflops * 1e12)) * 1e3
-

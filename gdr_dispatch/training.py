@@ -12,6 +12,12 @@ ungated inverse `a`, and `h` or not) and the backward is `fused_gdr_bwd`, so the
 call (FlashQLA's fused forward where flash-qla is installed, else fla-core's kernels on a GPU, the
 torch reference elsewhere); a log line names it.
 
+Inputs are taken as callers pass them: strided views (HF's q, k, v are a split of one projection,
+then a transpose), `g`, `beta` and `initial_state` in 16-bit dtypes as fla's op takes them
+(computed in fp32 inside; each gradient comes back in its input's dtype). The arguments are
+checked as `fused_gdr_bwd` checks its own (contract.validate_forward): shapes and dtypes also
+while `torch.compile` traces (in the ops' fake implementations), values on every eager call.
+
 Both halves are `torch.library` custom ops with fake implementations, so `torch.compile(...,
 fullgraph=True)` traces a model that uses them without a graph break.
 
@@ -19,54 +25,48 @@ Memory, per layer call (bf16 inputs, K = V = 128, chunk 64): `G` is 4 bytes and 
 per token and value head, always saved. `save_states=True` (or `GDR_SAVE_STATES=1`) also keeps
 `h`: K x V x 2 bytes per chunk and value head, i.e. 512 bytes per token and head (4x what `a`
 costs); the backward then skips the state recompute. The default recomputes it (on sm90 with the
-TileLang backends our state kernel, ~0.36 ms at B8 T4096 H32, docs/tilelang_states.md; else fla's
-stages 1-2, about a fifth of the backward's time at the h200-train shapes, docs/measurements.md).
+TileLang backend our state kernel, ~0.36 ms at B8 T4096 H32; else fla's stages 1-2, about a fifth
+of the backward's time at the h200-train shapes: docs/kernels.md).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 from dataclasses import replace
 from typing import Optional
 
 import torch
 
-from .contract import (ACTIVATION_DTYPES, GATE_DTYPES, _expect_dtype, _expect_shape, _expect_tensor,
-                       check_cu_seqlens_form, check_sizes, check_state)
-from .graph_safe import offsets_of
-from .registry import (Problem, device_info, env_flag, first_time, get_backend, library_versions,
-                       registered_backends)
+from . import env
+from .caches import first_time
+from .contract import check_forward_structure, check_scale, packed, sequence_lengths, validate_forward
+from .problem import Problem, device_info, library_versions
+from .registry import get_backend, registered_backends
 
 CHUNK = 64
-SAVE_STATES_ENV = "GDR_SAVE_STATES"
-FORWARD_ENV = "GDR_FORWARD"
 log = logging.getLogger("gdr_dispatch")
+
 
 def _empty(ref: torch.Tensor) -> torch.Tensor:
     return ref.new_empty(0)
 
 
+def _dt(x) -> Optional[str]:
+    return None if x is None else str(x.dtype).replace("torch.", "")
+
+
 # ---------------------------------------------------------------------------------------
 # forward: the residuals and o, from the backend that offers the forward for this call
 # ---------------------------------------------------------------------------------------
-def forward_problem(q, v, beta, initial_state, cu_seqlens, state_v_first) -> Problem:
+def forward_problem(q, v, beta, initial_state, cu_seqlens, state_v_first, seq_lens=None) -> Problem:
     """What a forward provider's `forward_supported` reads (no `h`, no `dht`)."""
     B, T, Hg, K = q.shape
     H, V = v.shape[2], v.shape[3]
-    if cu_seqlens is None:
-        lens = [T] * B
-    else:
-        off = offsets_of(cu_seqlens)  # read once per tensor: a captured step reads nothing (graph_safe.py)
-        lens = [e - s for s, e in zip(off[:-1], off[1:])]
-
-    def dt(x):
-        return None if x is None else str(x.dtype).replace("torch.", "")
-
+    lens = list(seq_lens if seq_lens is not None else sequence_lengths(cu_seqlens, B, T))
     return Problem(B=B, T=T, H=H, Hg=Hg, K=K, V=V, N=len(lens), chunk_size=CHUNK,
                    num_chunks=sum(-(-n // CHUNK) for n in lens), max_seqlen=max(lens, default=0),
-                   dtype=dt(q), a_dtype=dt(q), b_dtype=dt(beta), h_dtype=None, state_dtype=dt(initial_state),
+                   dtype=_dt(q), a_dtype=_dt(q), b_dtype=_dt(beta), h_dtype=None, state_dtype=_dt(initial_state),
                    varlen=cu_seqlens is not None, h_given=False, has_dht=False,
                    has_initial_state=initial_state is not None, state_v_first=state_v_first,
                    device=device_info(q.device), versions=tuple(library_versions().items()))
@@ -77,13 +77,13 @@ def forward_choice(problem: Problem):
     `GDR_FORWARD` names (an error, with its reasons, if it cannot take the call), else the lowest
     `forward_rank` that can; `how` names the ones ranked before it and why they refused. Read
     per call."""
-    forced = os.environ.get(FORWARD_ENV, "").strip()
+    forced = env.forced_forward_name()
     if forced:
-        backend = get_backend(forced)
+        backend = get_backend(forced, what=f"{env.FORWARD}={forced}")
         ok, why = backend.forward_supported(problem)
         if not ok:
-            raise ValueError(f"{FORWARD_ENV}={forced}: its forward cannot take {problem.describe()}: {why}")
-        return backend, FORWARD_ENV
+            raise ValueError(f"{env.FORWARD}={forced}: its forward cannot take {problem.describe()}: {why}")
+        return backend, env.FORWARD
     refusals = []
     offers = [b for b in registered_backends().values() if b.forward_rank is not None]
     for backend in sorted(offers, key=lambda b: b.forward_rank):
@@ -112,30 +112,32 @@ def chunk_gdr_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                   output_final_state: bool, state_v_first: bool, save_states: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(o, final_state or [], G, a, h or [])`: the output and the backward's residuals."""
-    problem = forward_problem(q, v, beta, initial_state, cu_seqlens, state_v_first)
+    _, seq_lens = validate_forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, CHUNK)
+    problem = forward_problem(q, v, beta, initial_state, cu_seqlens, state_v_first, seq_lens)
     backend, how = forward_choice(problem)
-    if first_time(("forward", problem, backend.name)):
+    if first_time(("forward", problem.table_key(), backend.name)):
         log.info("gdr_dispatch: forward %s for %s (%s)", backend.name, problem.describe(), how)
     o, ht, G, a, h = backend.forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first,
                                      output_final_state, CHUNK, need_states=save_states)
     if save_states:
         h = h.to(q.dtype) if h.dtype != q.dtype and q.dtype in (torch.bfloat16, torch.float16) else h
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return (o.to(q.dtype).contiguous(), ht.to(acc).contiguous() if output_final_state else _empty(q), G.contiguous(),
-            a.contiguous(), h.contiguous() if save_states else _empty(q))
+    return (packed(o.to(q.dtype)), packed(ht.to(acc)) if output_final_state else _empty(q), packed(G.to(acc)),
+            packed(a.to(q.dtype)), packed(h) if save_states else _empty(q))
 
 
 @chunk_gdr_fwd.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, state_v_first, save_states):
-    B, T, Hg, K = q.shape
-    H, V = v.shape[2], v.shape[3]
+    # the structural checks on the traced (fake) tensors: under torch.compile a bad call fails here,
+    # naming the argument, before any kernel is traced
+    B, T, Hg, K, H, V = check_forward_structure(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, CHUNK)
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     state = (N, H, V, K) if state_v_first else (N, H, K, V)
     o = v.new_empty(B, T, H, V, dtype=q.dtype)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     ht = q.new_empty(state, dtype=acc) if output_final_state else q.new_empty(0)
     G = q.new_empty(B, T, H, dtype=acc)
-    a = k.new_empty(B, T, H, CHUNK)
+    a = q.new_empty(B, T, H, CHUNK)
     if save_states:
         nt = torch.library.get_ctx().new_dynamic_size() if cu_seqlens is not None else math.ceil(T / CHUNK)
         h = q.new_empty((B, nt, H) + state[2:], dtype=q.dtype if q.dtype in (torch.bfloat16, torch.float16)
@@ -154,21 +156,21 @@ def chunk_gdr_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Te
                   initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], scale: float,
                   state_v_first: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`(dq, dk, dv, dg, dbeta, dh0 or [])` through `fused_gdr_bwd`."""
+    """`(dq, dk, dv, dg, dbeta, dh0 or [])` through `fused_gdr_bwd`, packed as the fake says."""
     from .dispatch import fused_gdr_bwd
 
-    grads = fused_gdr_bwd(q, k, v, a, G, beta, do.contiguous(), dht, h, scale=scale, initial_state=initial_state,
+    grads = fused_gdr_bwd(q, k, v, a, G, beta, do, dht, h, scale=scale, initial_state=initial_state,
                           cu_seqlens=cu_seqlens, chunk_size=CHUNK, state_v_first=state_v_first)
     dh0 = grads.dh0 if grads.dh0 is not None else _empty(q)
-    return grads.dq, grads.dk, grads.dv, grads.dg, grads.db, dh0
+    return tuple(packed(x) for x in (grads.dq, grads.dk, grads.dv, grads.dg, grads.db, dh0))
 
 
 @chunk_gdr_bwd.register_fake
 def _(q, k, v, a, G, beta, do, dht, h, initial_state, cu_seqlens, scale, state_v_first):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dh0 = initial_state.new_empty(initial_state.shape, dtype=acc) if initial_state is not None else q.new_empty(0)
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), G.new_empty(G.shape, dtype=acc),
-            torch.empty_like(beta), dh0)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), G.new_empty(G.shape, dtype=acc),
+            beta.new_empty(beta.shape), dh0)
 
 
 def _setup_context(ctx, inputs, output):
@@ -187,7 +189,7 @@ def _backward(ctx, do, dht, dG, da, dh):
     dq, dk, dv, dg, db, dh0 = torch.ops.gdr_dispatch.chunk_gdr_bwd(
         q, k, v, a, G, beta, do.to(q.dtype), dht, h if ctx.save_states else None, initial_state, cu_seqlens,
         ctx.scale, ctx.state_v_first)
-    return (dq, dk, dv, dg.to(ctx.g_dtype), db, dh0 if initial_state is not None else None,
+    return (dq, dk, dv, dg.to(ctx.g_dtype), db, dh0.to(initial_state.dtype) if initial_state is not None else None,
             None, None, None, None, None)
 
 
@@ -200,55 +202,21 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
 
     q, k `[B, T, Hg, K]`; v `[B, T, H, V]` with `H % Hg == 0`; g `[B, T, H]` the per-token
     natural-log decay (not cumulated); beta `[B, T, H]` in (0, 1); initial_state `[N, H, K, V]`
-    (`[N, H, V, K]` with `state_v_first`); cu_seqlens `[N + 1]` for varlen (`B == 1`).
-    `final_state` is None unless `output_final_state`. Differentiable in q, k, v, g, beta and
-    initial_state. `save_states` (default: `GDR_SAVE_STATES`, else False) keeps the chunk states
-    for the backward instead of recomputing them; the module docstring says what each costs.
+    (`[N, H, V, K]` with `state_v_first`); cu_seqlens `[N + 1]` for varlen (`B == 1`). Any
+    strided views; g, beta and initial_state in any float dtype (computed in fp32).
+    `final_state` (fp32) is None unless `output_final_state`. Differentiable in q, k, v, g, beta
+    and initial_state, each gradient in its input's dtype. `save_states` (default:
+    `GDR_SAVE_STATES`, else False) keeps the chunk states for the backward instead of
+    recomputing them; the module docstring says what each costs. A bad argument raises
+    TypeError or ValueError naming it, eager or compiled.
     """
     if save_states is None:
-        save_states = env_flag(SAVE_STATES_ENV, False)
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
-    K = q.shape[-1]
-    scale = K ** -0.5 if scale is None else float(scale)
-    # the backward's own checks, applied up front: a bad call fails here, naming the argument
-    _check_forward_call(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first)
+        save_states = env.save_states()
+    if not torch.compiler.is_compiling():
+        # a bad call fails here, naming the argument, before any work (compiled: in the fake)
+        check_forward_structure(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, CHUNK)
+    scale = check_scale(scale, q.shape[-1])
     o, ht, _, _, _ = torch.ops.gdr_dispatch.chunk_gdr_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scale,
                                                          bool(output_final_state), bool(state_v_first),
                                                          bool(save_states))
     return o, (ht if output_final_state else None)
-
-
-def _check_forward_call(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first):
-    """The checks `validate` applies to the backward, on the forward's own arguments (`g` is the
-    per-token decay here), so that a bad call fails before any work, naming the argument."""
-    if torch.compiler.is_compiling():
-        return  # traced tensors are fakes; the eager call ran these checks
-    names = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
-    for name, x in names.items():
-        _expect_tensor(name, x)
-    if q.dim() != 4:
-        raise ValueError(f"q: expected 4 dims [B, T, Hg, K], got {list(q.shape)}")
-    if v.dim() != 4:
-        raise ValueError(f"v: expected 4 dims [B, T, H, V], got {list(v.shape)}")
-    B, T, Hg, K = q.shape
-    H, V = v.shape[2], v.shape[3]
-    _expect_shape("v", v, (B, T, H, V), "[B, T, H, V] with B, T of q")
-    check_sizes(B, T, H, Hg, K, V, CHUNK)
-    _expect_shape("k", k, (B, T, Hg, K), "same as q: [B, T, Hg, K]")
-    _expect_shape("g", g, (B, T, H), "[B, T, H], the per-token log decay")
-    _expect_shape("beta", beta, (B, T, H), "[B, T, H]")
-    _expect_dtype("q", q, ACTIVATION_DTYPES)
-    for name in ("k", "v"):
-        if names[name].dtype != q.dtype:
-            raise TypeError(f"{name}: expected the dtype of q ({q.dtype}), got {names[name].dtype}")
-    _expect_dtype("g", g, GATE_DTYPES, "the log decay is kept in fp32")
-    _expect_dtype("beta", beta, ACTIVATION_DTYPES)
-    for name, x in (*names.items(), ("initial_state", initial_state), ("cu_seqlens", cu_seqlens)):
-        if x is not None and x.device != q.device:
-            raise ValueError(f"{name}: expected device {q.device} (the device of q), got {x.device}")
-    if cu_seqlens is not None:
-        check_cu_seqlens_form(cu_seqlens, B)
-    if initial_state is not None:
-        N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-        check_state("initial_state", initial_state, N, H, K, V, state_v_first)

@@ -1,3 +1,4 @@
+import contextlib
 import os
 
 import torch
@@ -32,6 +33,22 @@ def isolated_tables(tmp_path, monkeypatch):
     clear_caches()
     yield
     clear_caches()
+
+
+@pytest.fixture
+def with_backends():
+    """`with_backends(b1, b2, hide=("flash_qla",))`: register backends (and hide others) until the
+    test ends, through the registry's public scope."""
+    from gdr_dispatch import registry
+
+    stack = contextlib.ExitStack()
+
+    def add(*backends, hide=()):
+        stack.enter_context(registry.scoped(add=backends, hide=hide))
+        return backends[0] if len(backends) == 1 else backends
+
+    yield add
+    stack.close()
 
 
 def case(spec: ShapeSpec, device="cpu", seed=0, with_oracle=True):

@@ -134,7 +134,7 @@ def test_tune_rejects_counts_it_cannot_use(flag, value, words, capsys):
     assert flag in err and words in err
 
 
-def test_tune_compiles_each_kernel_once_in_parallel_processes_first(tmp_path, capsys, monkeypatch):
+def test_tune_compiles_each_kernel_once_in_parallel_processes_first(tmp_path, capsys, monkeypatch, with_backends):
     """A sweep collects the builds its backends would make on first use (`compile_jobs`),
     runs each distinct one once in a worker process before timing, and says how long it took."""
     from gdr_dispatch import registry
@@ -147,7 +147,7 @@ def test_tune_compiles_each_kernel_once_in_parallel_processes_first(tmp_path, ca
         def compile_jobs(self, call):
             return [("math", "sqrt", (float(call.K),))]  # the same build for every shape of the grid
 
-    monkeypatch.setitem(registry._REGISTRY, "torch_compiling", Compiling())
+    with_backends(Compiling())
     assert cli.main(["tune", "--out", str(tmp_path), "--backends", "torch,torch_compiling", "--reps", "1",
                      "--warmup", "0", "--compile-jobs", "2"]) == 0
     err = capsys.readouterr().err
@@ -160,7 +160,7 @@ def test_tune_compiles_each_kernel_once_in_parallel_processes_first(tmp_path, ca
 
 
 @pytest.mark.parametrize("no_splits", [False, True])
-def test_tune_measures_split_candidates_on_starved_grids(tmp_path, capsys, monkeypatch, no_splits):
+def test_tune_measures_split_candidates_on_starved_grids(tmp_path, capsys, monkeypatch, no_splits, with_backends):
     """As the dispatcher's own autotuner does, the sweep cuts each candidate into 2/4/8 segments
     where a (faked) GPU has more SMs than sequence x head programs, and stores the winner; the
     table printed shows them. `--no-splits` leaves them out."""
@@ -169,9 +169,9 @@ def test_tune_measures_split_candidates_on_starved_grids(tmp_path, capsys, monke
     from conftest import TorchAsPlain
 
     from gdr_dispatch import registry
-    from gdr_dispatch.registry import DeviceInfo
+    from gdr_dispatch.problem import DeviceInfo
 
-    monkeypatch.setitem(registry._REGISTRY, "fake_plain", TorchAsPlain())
+    with_backends(TorchAsPlain())
     monkeypatch.setattr(cli, "measure_ms", lambda fn, device_type, warmup, reps: (fn(), 1.0)[1])  # no CUDA timing
     real = registry.Problem.from_call
     monkeypatch.setattr(registry.Problem, "from_call",
@@ -191,7 +191,7 @@ def test_tune_measures_split_candidates_on_starved_grids(tmp_path, capsys, monke
     assert "torch@split" not in text  # the reference is never split
 
 
-def test_tune_with_an_optional_peer_writes_the_entry_for_users_without_it(tmp_path, capsys, monkeypatch):
+def test_tune_with_an_optional_peer_writes_the_entry_for_users_without_it(tmp_path, capsys, monkeypatch, with_backends):
     """A shipped table is tuned with flash_qla installed; users without it look up the key
     without it. The sweep writes both from one measurement: the peer's winner under its key,
     the fastest of the rest under the other (not a stale entry from an older sweep)."""
@@ -209,7 +209,7 @@ def test_tune_with_an_optional_peer_writes_the_entry_for_users_without_it(tmp_pa
             return super().run(call)
 
     ran = []
-    monkeypatch.setitem(registry._REGISTRY, "fake_peer", Peer())
+    with_backends(Peer())
     monkeypatch.setattr(cli, "measure_ms", lambda fn, device_type, warmup, reps: (ran.clear(), fn(), 0.5 if ran else 1.0)[2])
     real = registry.Problem.from_call
     with_peer = lambda call: replace(real(call), versions=real(call).versions + (("flash_qla", "9.9"),))  # noqa: E731

@@ -1,4 +1,4 @@
-"""Exact intra-GPU context parallelism (gdr_dispatch/context_parallel.py), on the CPU in float64:
+"""The exact intra-GPU split (backends/split/), on the CPU in float64:
 the affine chunk maps, the segment plan, and split == unsplit through `fused_gdr_bwd` (GDR_CP)."""
 
 import logging
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from gdr_dispatch import chunked_math as cm
-from gdr_dispatch import fused_gdr_bwd
-from gdr_dispatch.context_parallel import chunk_maps, segment_length
+from gdr_dispatch import clear_caches, fused_gdr_bwd
+from gdr_dispatch.backends.split.passes import chunk_maps, segment_length
 from gdr_dispatch.contract import validate
 from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs
 
@@ -77,7 +77,7 @@ def test_split_equals_unsplit_in_float64(spec, h_mode, segments, monkeypatch):
 
 @pytest.mark.parametrize("value", ["0", "1", ""])
 def test_gdr_cp_off_runs_the_call_whole(value, monkeypatch):
-    import gdr_dispatch.context_parallel as cp_mod
+    import gdr_dispatch.backends.split.passes as cp_mod
 
     monkeypatch.setenv("GDR_CP", value)
     monkeypatch.setattr(cp_mod, "split_backward", lambda *a, **k: pytest.fail("split although GDR_CP is off"))
@@ -122,9 +122,10 @@ def test_split_in_float32_stays_within_rounding(monkeypatch):
 
 # -- the autotuner's (backend, segments) candidates --------------------------------------------
 from gdr_dispatch import Problem, registry, tuning_table  # noqa: E402
+from gdr_dispatch import autotune as at  # noqa: E402
 from gdr_dispatch import dispatch as dsp  # noqa: E402
-from gdr_dispatch.context_parallel import SplitBackend, parse_split  # noqa: E402
-from gdr_dispatch.registry import DeviceInfo  # noqa: E402
+from gdr_dispatch.backends.split import SplitBackend, segment_counts  # noqa: E402
+from gdr_dispatch.problem import DeviceInfo  # noqa: E402
 
 STARVED = ShapeSpec(B=1, T=600, H=2, K=8, V=8, dtype="float64", h="none")  # 2 programs, 10 chunks
 
@@ -134,17 +135,19 @@ from conftest import TorchAsPlain as Plain  # noqa: E402
 
 @pytest.fixture
 def gpu_like(monkeypatch):
-    """A Problem on a fake 132-SM GPU that may autotune, with measured times set per candidate."""
-    plain = registry.register(Plain())
+    """A Problem on a fake 132-SM GPU that may autotune every candidate (GDR_AUTOTUNE_ALL: no
+    pruning, every split count), with measured times set per candidate."""
+    plain = Plain()
     monkeypatch.setattr(dsp, "autotune_block_reason", lambda p, have_tensors: None)
+    monkeypatch.setenv("GDR_AUTOTUNE_ALL", "1")
     real = Problem.from_call
 
     def on_gpu(call):
         return replace(real(call), device=DeviceInfo("cuda", "Fake GPU", (9, 0), 132))
 
     monkeypatch.setattr(dsp.Problem, "from_call", staticmethod(on_gpu))
-    yield plain
-    registry._REGISTRY.pop(plain.name, None)
+    with registry.scoped(add=[plain]):
+        yield plain
 
 
 def _times(monkeypatch, ms):
@@ -153,12 +156,17 @@ def _times(monkeypatch, ms):
         return measure.ms.pop(0)
     order = []
 
-    def autotune(call, problem, candidates, measure_fn=None):
+    def autotune(call, problem, candidates, measure=None, progress=None, skipped=None, untimed=()):
         order.extend(candidates)
-        measure.ms = [ms(name) for name in candidates]
-        return real_autotune(call, problem, candidates, measure=measure)
-    real_autotune = dsp.autotune
-    monkeypatch.setattr(dsp, "autotune", autotune)
+        fake.ms = [ms(name) for name in candidates if name not in untimed]
+        return real_autotune(call, problem, candidates, measure=fake, progress=progress, skipped=skipped,
+                             untimed=untimed)
+
+    def fake(fn, device_type):
+        fn()
+        return fake.ms.pop(0)
+    real_autotune = at.autotune
+    monkeypatch.setattr(at, "autotune", autotune)
     return order
 
 
@@ -195,11 +203,11 @@ def test_full_grids_and_gdr_cp_get_no_split_candidates(gpu_like, monkeypatch):
     kwargs = call_kwargs(make_inputs(STARVED, "cpu", seed=6))
     problem = dsp.Problem.from_call(validate(**kwargs))
     options = {"fake_plain": gpu_like}
-    assert dsp.split_candidates(problem, options)
+    assert dsp.wrapped_candidates(problem, options)
     full = replace(problem, device=DeviceInfo("cuda", "Fake GPU", (9, 0), 2))  # 2 programs on 2 SMs
-    assert dsp.split_candidates(full, options) == {}
+    assert dsp.wrapped_candidates(full, options) == {}
     monkeypatch.setenv("GDR_CP", "4")
-    assert dsp.split_candidates(problem, options) == {}
+    assert dsp.wrapped_candidates(problem, options) == {}
 
 
 @pytest.mark.parametrize("spec, sms, counts", [
@@ -211,13 +219,28 @@ def test_full_grids_and_gdr_cp_get_no_split_candidates(gpu_like, monkeypatch):
 ])
 def test_split_counts_run_up_to_the_first_that_fills_the_sms(spec, sms, counts):
     problem = replace(spec.problem(torch.device("cpu")), device=DeviceInfo("cuda", "Fake GPU", (9, 0), sms))
-    assert dsp.split_segment_counts(problem) == counts
+    assert segment_counts(problem) == counts
+
+
+@pytest.mark.parametrize("spec, counts", [
+    (ShapeSpec(B=1, T=32768, H=4), (32, 64)),  # 128 and 256 programs on 132 SMs
+    (ShapeSpec(B=2, T=16384, H=8), (8, 16)),
+    (ShapeSpec(B=1, T=8192, H=16), (8, 16)),
+    (ShapeSpec(B=2, T=4096, H=16, Hg=8), (4, 8)),
+    (ShapeSpec(B=1, T=300, H=2), (4,)),  # no count reaches half the SMs: the largest the sequence allows
+])
+def test_a_first_call_times_only_the_counts_near_a_full_grid(spec, counts):
+    problem = replace(spec.problem(torch.device("cpu")), device=DeviceInfo("cuda", "Fake GPU", (9, 0), 132))
+    assert segment_counts(problem, thorough=False) == counts
 
 
 def test_split_names_parse():
-    assert parse_split("fla@split4") == ("fla", 4)
-    assert parse_split("fla") == ("fla", 1)
-    assert parse_split("odd@splitx") == ("odd@splitx", 1)
+    assert registry.parse_wrapped("fla@split4")[:2] == ("fla", 4)
+    assert registry.parse_wrapped("fla") == ("fla", 1, None)
+    assert registry.parse_wrapped("odd@splitx") == ("odd@splitx", 1, None)
+    assert registry.get_backend("fla@split4").name == "fla@split4"
+    with pytest.raises(ValueError, match="unknown backend 'banana@split4'"):
+        registry.get_backend("banana@split4")
 
 
 # -- pass 1 on fla's state kernels (stand-ins on the CPU) ----------------------------------------
@@ -231,7 +254,7 @@ FLA_PASS_SHAPES = [
 def _segments_call(spec, segments: int):
     """An fp16 call of `spec` cut into `segments`: `(call, s, n_seg, pick, seg_call)`, the last
     the segments as one varlen call without states (pass 1's input)."""
-    from gdr_dispatch import context_parallel as cp
+    from gdr_dispatch.backends.split import passes as cp
 
     call = validate(**call_kwargs(make_inputs(replace(spec, dtype="float16", h="none"), "cpu", seed=4)))
     s, n_seg, seg_lens, pick = cp.segment_plan(call, segments)
@@ -270,7 +293,7 @@ def fla_pass_1(monkeypatch):
 def test_fla_pass_1_composes_the_same_maps_as_the_torch_products(spec, fla_pass_1):
     """[M | R] from one state pass over [0 | u] started at [I | 0], D from the dh pass started at
     zero: the same maps as the batched products (`_assert_same_maps`)."""
-    from gdr_dispatch import context_parallel as cp
+    from gdr_dispatch.backends.split import passes as cp
 
     call, s, n_seg, pick, seg_call = _segments_call(spec, 3)
     name, maps = cp.pass_1_provider(seg_call)
@@ -307,13 +330,13 @@ def test_split_with_each_pass_1_matches_the_oracle(spec, h_mode, provider, reque
     rounding of the float64 oracle, and the log names the provider."""
     from conftest import case, rel_errors
 
-    from gdr_dispatch import context_parallel as cp
+    from gdr_dispatch.backends.split import passes as cp
 
     if provider == "fla":
         calls = request.getfixturevalue("fla_pass_1")
     else:
         monkeypatch.setattr(cp, "_maps_kernels_refusal", lambda seg_call: "")
-    registry.forget_said()
+    clear_caches()
     monkeypatch.setenv("GDR_CP", "3")
     monkeypatch.setenv("GDR_BACKEND", "torch")
     kwargs, ref = case(replace(spec, dtype="float16", h=h_mode))
@@ -329,7 +352,7 @@ def test_split_with_each_pass_1_matches_the_oracle(spec, h_mode, provider, reque
 
 
 def test_without_a_provider_pass_1_is_the_torch_products(caplog):
-    from gdr_dispatch import context_parallel as cp
+    from gdr_dispatch.backends.split import passes as cp
 
     call = validate(**call_kwargs(make_inputs(ShapeSpec(B=1, T=200, H=2, K=8, V=8, dtype="float64", h="none"), "cpu")))
     assert cp.pass_1_provider(call) == ("torch products", None)  # fla's own gate needs CUDA
@@ -337,7 +360,7 @@ def test_without_a_provider_pass_1_is_the_torch_products(caplog):
 
 @pytest.mark.parametrize("n", [1, 2, 5, 8, 13])
 def test_prefix_maps_equal_the_step_by_step_composition(n):
-    import gdr_dispatch.context_parallel as cp
+    import gdr_dispatch.backends.split.passes as cp
 
     gen = torch.Generator().manual_seed(n)
     M = torch.randn(2, n, 3, 4, 4, generator=gen, dtype=torch.float64) * 0.5
@@ -354,7 +377,7 @@ def test_prefix_maps_equal_the_step_by_step_composition(n):
 @pytest.mark.parametrize("K, V, n_seg", [(16, 16, 1), (16, 32, 3), (32, 64, 5)])
 @pytest.mark.parametrize("given", [True, False], ids=["states", "no_states"])
 def test_scan_kernels_equal_the_step_by_step_scan(K, V, n_seg, given):
-    from gdr_dispatch import segment_scan
+    from gdr_dispatch.backends.kernels import segment_scan
 
     gen = torch.Generator().manual_seed(K + V + n_seg)
     N, H = 2, 3
@@ -380,7 +403,7 @@ def test_scan_kernels_equal_the_step_by_step_scan(K, V, n_seg, given):
 
 
 def test_scan_kernels_say_what_they_do_not_take():
-    from gdr_dispatch.segment_scan import not_supported_reason
+    from gdr_dispatch.backends.kernels.segment_scan import not_supported_reason
 
     assert not_supported_reason(128, 128, torch.float32, torch.device("cuda")) == ""
     assert "CUDA" in not_supported_reason(128, 128, torch.float32, torch.device("cpu"))
@@ -398,8 +421,8 @@ def test_scan_kernels_say_what_they_do_not_take():
 def test_split_on_the_scan_kernels_stays_within_rounding(spec, monkeypatch):
     """Pass 2 on the Triton scans (forced here; on a GPU they run for fp32 maps) against the
     unsplit call, as `test_split_in_float32_stays_within_rounding` holds the torch scans."""
-    import gdr_dispatch.context_parallel as cp
-    from gdr_dispatch import segment_scan
+    import gdr_dispatch.backends.split.passes as cp
+    from gdr_dispatch.backends.kernels import segment_scan
 
     used = []
     monkeypatch.setattr(cp, "_scan_kernels", lambda *a: used.append(a) or segment_scan)
@@ -455,7 +478,7 @@ def test_a_split_candidate_precompiles_the_inner_builds_of_its_segments_call():
 def test_a_split_candidate_on_our_maps_precompiles_pass_3_with_h_given(monkeypatch):
     """With `h=None` and pass 1 on our kernels, pass 3 runs with `h` from our state walk: its
     precompile call carries an `h` of the segments' chunks (both state layouts), not None."""
-    import gdr_dispatch.context_parallel as cp
+    import gdr_dispatch.backends.split.passes as cp
 
     seen = []
     monkeypatch.setattr(cp, "_maps_kernels_refusal", lambda seg_call: "")
@@ -476,7 +499,7 @@ def test_pass_3_leaves_h_none_to_a_backend_with_its_own_state_kernel(own, monkey
     Triton maps ran pass 1), unless the backend recomputes the states in one kernel of its own
     (`Backend.own_state_recompute`: then it gets `h=None` and the start states as
     `initial_state`). The gradients are the unsplit call's either way."""
-    import gdr_dispatch.context_parallel as cp
+    import gdr_dispatch.backends.split.passes as cp
     from gdr_dispatch.registry import get_backend
 
     torch_backend = get_backend("torch")
@@ -500,7 +523,7 @@ def test_pass_3_leaves_h_none_to_a_backend_with_its_own_state_kernel(own, monkey
             seen.append(c.h)
             return super().run(c)
 
-    got = cp.SplitBackend(Inner(), 3).run(call)  # (the torch backend recomputes h either way)
+    got = SplitBackend(Inner(), 3).run(call)  # (the torch backend recomputes h either way)
     want = torch_backend.run(call)
     assert seen == [None] and len(walked) == (0 if own else 1)
     for name in want._fields:
@@ -512,8 +535,8 @@ def test_the_scan_kernels_wait_for_their_gpu_tests(monkeypatch):
     """Until their GPU tests pass (segment_scan.GPU_VERIFIED) the split keeps the torch scans
     on CUDA unless GDR_ALLOW_UNVERIFIED is set (the GPU tests set it), and says why; once
     verified they run on CUDA for fp32 maps without it."""
-    import gdr_dispatch.context_parallel as cp
-    from gdr_dispatch import segment_scan
+    import gdr_dispatch.backends.split.passes as cp
+    from gdr_dispatch.backends.kernels import segment_scan
 
     cuda = torch.device("cuda")
     monkeypatch.delenv("GDR_ALLOW_UNVERIFIED", raising=False)
@@ -535,7 +558,7 @@ def test_the_segment_grid_is_a_reshape_on_a_full_grid_and_a_scatter_otherwise(le
     """Pass 1's per-segment maps to the [N, n_seg] grid and back: the same tensors either way,
     and where every sequence has all its segments no copy (the split is host-bound; each op
     it launches counts)."""
-    from gdr_dispatch import context_parallel as cp
+    from gdr_dispatch.backends.split import passes as cp
 
     call = validate(**call_kwargs(make_inputs(ShapeSpec(seqlens=lens, H=2, K=16, V=8, dtype="float64", h="none"), "cpu")))
     s, n_seg, seg_lens, pick = cp.segment_plan(call, segments)
@@ -559,8 +582,8 @@ def test_the_segment_grid_is_a_reshape_on_a_full_grid_and_a_scatter_otherwise(le
 def test_triton_pass_1_composes_the_same_maps_as_the_torch_products(spec):
     """Our kernels' [M | R] (the state walk from [I | 0]) and D (the dh walk from zero) against
     the batched products (`_assert_same_maps`). Without `need_r` R is None and M, D are the same."""
-    from gdr_dispatch import context_parallel as cp
-    from gdr_dispatch.segment_maps import segment_maps
+    from gdr_dispatch.backends.split import passes as cp
+    from gdr_dispatch.backends.kernels.segment_maps import segment_maps
 
     call, s, n_seg, pick, seg_call = _segments_call(spec, 3)
     got = segment_maps(seg_call)
@@ -572,8 +595,8 @@ def test_triton_pass_1_composes_the_same_maps_as_the_torch_products(spec):
 def test_triton_pass_1_waits_for_its_gpu_tests_and_says_what_it_does_not_take(monkeypatch):
     """Until their GPU tests pass (segment_maps.GPU_VERIFIED) the split keeps fla's kernels or the
     torch products unless GDR_ALLOW_UNVERIFIED is set, and every refusal says why."""
-    from gdr_dispatch import context_parallel as cp
-    from gdr_dispatch import segment_maps
+    from gdr_dispatch.backends.split import passes as cp
+    from gdr_dispatch.backends.kernels import segment_maps
 
     _, _, _, _, seg_call = _segments_call(FLA_PASS_SHAPES[0], 3)
     cuda = replace(seg_call, q=torch.empty(seg_call.q.shape, dtype=torch.float16, device="meta"))
@@ -607,7 +630,7 @@ def test_triton_states_are_the_chunk_start_states(spec):
     """`segment_states` walks each sequence of a call (varlen or not) from its start state and
     writes every chunk's start state in the contract's `h` layout (both state layouts): the `h`
     that make_inputs computes in float64, to fp16 rounding."""
-    from gdr_dispatch.segment_maps import segment_states
+    from gdr_dispatch.backends.kernels.segment_maps import segment_states
 
     x = make_inputs(replace(spec, dtype="float16", h="given"), "cpu", seed=6)
     call = validate(**{**call_kwargs(x), "h": None})

@@ -13,9 +13,10 @@ import torch
 import yaml
 
 from gdr_dispatch import Backend, Problem, fused_gdr_bwd, registry, tuning_table
+from gdr_dispatch import autotune as at
 from gdr_dispatch import dispatch as dsp
 from gdr_dispatch.contract import validate
-from gdr_dispatch.registry import DeviceInfo
+from gdr_dispatch.problem import OPTIONAL_LIBS, DeviceInfo
 from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs
 
 SPEC = ShapeSpec(B=1, T=70, H=2, K=8, V=8, dtype="float32", h="given")
@@ -44,18 +45,11 @@ class Fake(Backend):
 
 
 @pytest.fixture
-def fakes():
-    made = {}
-
+def fakes(with_backends):
     def add(*args, **kw):
-        b = Fake(*args, **kw)
-        registry.register(b)
-        made[b.name] = b
-        return b
+        return with_backends(Fake(*args, **kw))
 
     yield add
-    for n in made:
-        registry._REGISTRY.pop(n, None)
 
 
 def fake_cuda(problem):
@@ -68,14 +62,11 @@ class WrongShape(Fake):
         return g._replace(dq=g.dq[..., :-1])
 
 
-def test_a_backend_returning_the_wrong_shape_is_caught(kwargs, monkeypatch):
-    registry.register(WrongShape("fake_wrong"))
-    try:
-        monkeypatch.setenv("GDR_BACKEND", "fake_wrong")
-        with pytest.raises(RuntimeError, match="backend 'fake_wrong' returned dq as"):
-            fused_gdr_bwd(**kwargs)
-    finally:
-        registry._REGISTRY.pop("fake_wrong", None)
+def test_a_backend_returning_the_wrong_shape_is_caught(kwargs, monkeypatch, with_backends):
+    with_backends(WrongShape("fake_wrong"))
+    monkeypatch.setenv("GDR_BACKEND", "fake_wrong")
+    with pytest.raises(RuntimeError, match="backend 'fake_wrong' returned dq as"):
+        fused_gdr_bwd(**kwargs)
 
 
 def test_outputs_are_checked_once_per_backend_and_problem(kwargs, fakes, monkeypatch):
@@ -132,7 +123,7 @@ def test_nothing_supported_lists_every_reason(kwargs, fakes, monkeypatch):
 # -- selection order --------------------------------------------------------------------
 def test_static_order_on_cpu_never_autotunes(kwargs, fakes, monkeypatch):
     fakes("fake_a")
-    monkeypatch.setattr(dsp, "autotune", lambda *a, **k: pytest.fail("autotuned a CPU call"))
+    monkeypatch.setattr(dsp, "first_call", lambda *a, **k: pytest.fail("autotuned a CPU call"))
     problem = Problem.from_call(validate(**kwargs))
     choice = dsp.select_backend(problem, validate(**kwargs))
     assert choice.backend.name == "torch"  # torch (rank 100) is ahead of the fake (default rank 1000)
@@ -141,7 +132,7 @@ def test_static_order_on_cpu_never_autotunes(kwargs, fakes, monkeypatch):
 
 def test_graph_capture_never_autotunes(kwargs, fakes, monkeypatch):
     fakes("fake_a")
-    monkeypatch.setattr(dsp, "autotune", lambda *a, **k: pytest.fail("autotuned during capture"))
+    monkeypatch.setattr(dsp, "first_call", lambda *a, **k: pytest.fail("autotuned during capture"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     call = validate(**kwargs)
@@ -152,7 +143,7 @@ def test_graph_capture_never_autotunes(kwargs, fakes, monkeypatch):
 def test_autotune_off_by_env(kwargs, fakes, monkeypatch):
     fakes("fake_a")
     monkeypatch.setenv("GDR_AUTOTUNE", "0")
-    monkeypatch.setattr(dsp, "autotune", lambda *a, **k: pytest.fail("autotuned with GDR_AUTOTUNE=0"))
+    monkeypatch.setattr(dsp, "first_call", lambda *a, **k: pytest.fail("autotuned with GDR_AUTOTUNE=0"))
     call = validate(**kwargs)
     choice = dsp.select_backend(fake_cuda(Problem.from_call(call)), call)
     assert choice.source == dsp.STATIC and choice.detail == "GDR_AUTOTUNE=0"
@@ -173,14 +164,15 @@ def test_autotune_miss_picks_fastest_agreeing_and_stores(kwargs, fakes, monkeypa
     order = list(registry.registered_backends())  # torch, then the fakes in registration order
     times = {"torch": 9.0, "fake_fast_wrong": 1.0, "fake_ok": 2.0}
     monkeypatch.setattr(dsp, "autotune_block_reason", lambda p, have_tensors: None)
-    monkeypatch.setattr(dsp, "measure_ms", _fake_measure([times[n] for n in order if n in times]))
+    monkeypatch.setattr(at, "measure_ms", _fake_measure([times[n] for n in order if n in times]))
     with caplog.at_level(logging.INFO, "gdr_dispatch"):
         grads = fused_gdr_bwd(**kwargs)
     # one progress line per candidate, numbered
     progress = [r.getMessage().split("  [")[0] for r in caplog.records
                 if r.getMessage().startswith("gdr_dispatch: autotune [")]
     timed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("gdr_dispatch: autotune [")]
-    assert all(re.search(r"  \[(first call \d+\.\d s, )?\d+\.\d s in all\]$", line) for line in timed), timed
+    assert all(re.search(r"  \[(first call \d+\.\d s, )?\d+\.\d s in all; \d+ s spent, ~\d+ s left\]$", line)
+               for line in timed), timed
     assert "first call" not in timed[2] and all("first call" in timed[j] for j in (0, 1, 3)), timed
     assert progress == ["gdr_dispatch: autotune [1/4] torch: 9.0 ms", "gdr_dispatch: autotune [2/4] fake_fast_wrong: 1.0 ms",
                         "gdr_dispatch: autotune [3/4] fake_broken: raised RuntimeError: kernel exploded",
@@ -207,7 +199,7 @@ def test_table_hit_comes_before_autotune_and_static(kwargs, fakes, monkeypatch):
     problem = Problem.from_call(validate(**kwargs))
     entry = {"winner": "fake_a", "candidates": {"fake_a": {"ms": 1.0}, "torch": {"ms": 2.0}}}
     tuning_table.record(problem.device.slug, problem.device.name, {problem.table_key(): entry})
-    monkeypatch.setattr(dsp, "autotune", lambda *a, **k: pytest.fail("autotuned on a table hit"))
+    monkeypatch.setattr(dsp, "first_call", lambda *a, **k: pytest.fail("autotuned on a table hit"))
     fused_gdr_bwd(**kwargs)
     assert f.calls == 1
 
@@ -306,7 +298,7 @@ def test_spec_problem_matches_call_problem():
 
 
 def test_shipped_tables_parse_and_name_registered_backends(caplog):
-    from gdr_dispatch.context_parallel import parse_split
+    from gdr_dispatch.registry import parse_wrapped as parse_split
 
     tables = sorted(tuning_table.shipped_table_dir().glob("*.yaml"))
     assert tables, "no shipped tuning table"
@@ -318,7 +310,7 @@ def test_shipped_tables_parse_and_name_registered_backends(caplog):
             for key, entry in entries.items():
                 # a peer backend that is not installed here may win where the key says it was
                 versions = dict(kv.split("=") for kv in key.rsplit("|", 1)[1].split(","))
-                peers = {lib for lib in registry.OPTIONAL_LIBS if lib in versions}
+                peers = {lib for lib in OPTIONAL_LIBS if lib in versions}
                 # (a context-parallel winner, `<backend>@split<n>`, names its backend)
                 assert parse_split(entry["winner"])[0] in known | peers, (path, key)
                 won = entry["candidates"][entry["winner"]]
@@ -349,23 +341,20 @@ class Unverified(Fake):
     gpu_verified = False
 
 
-def test_an_unverified_backend_is_refused_until_switched_on(kwargs, monkeypatch):
-    registry.register(Unverified("fake_unverified"))
-    try:
-        problem = Problem.from_call(validate(**kwargs))
-        backend = registry.get_backend("fake_unverified")
-        ok, reason = backend.supported(problem)
-        assert not ok and "not verified on a GPU" in reason and "GDR_ALLOW_UNVERIFIED=1" in reason
-        with registry.allow_unverified():
-            assert backend.supported(problem) == (True, "")
-        assert not backend.supported(problem)[0]  # the context manager undoes itself
-        monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+def test_an_unverified_backend_is_refused_until_switched_on(kwargs, monkeypatch, with_backends):
+    with_backends(Unverified("fake_unverified"))
+    problem = Problem.from_call(validate(**kwargs))
+    backend = registry.get_backend("fake_unverified")
+    ok, reason = backend.supported(problem)
+    assert not ok and "not verified on a GPU" in reason and "GDR_ALLOW_UNVERIFIED=1" in reason
+    with registry.allow_unverified():
         assert backend.supported(problem) == (True, "")
-        monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "maybe")
-        with pytest.raises(ValueError, match="GDR_ALLOW_UNVERIFIED"):
-            backend.supported(problem)
-    finally:
-        registry._REGISTRY.pop("fake_unverified", None)
+    assert not backend.supported(problem)[0]  # the context manager undoes itself
+    monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+    assert backend.supported(problem) == (True, "")
+    monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "maybe")
+    with pytest.raises(ValueError, match="GDR_ALLOW_UNVERIFIED"):
+        backend.supported(problem)
 
 
 def test_the_static_order_is_what_backends_declare(fakes):
@@ -384,11 +373,11 @@ def test_the_cross_check_reference_is_the_most_trusted_candidate_that_ran(kwargs
     trusted = fakes("fake_trusted")
     trusted.reference_rank = -1
     fakes("fake_other")
-    entry, _ = dsp.autotune(call, problem, {n: registry.get_backend(n) for n in ("fake_other", "fake_trusted", "torch")},
+    entry, _ = at.autotune(call, problem, {n: registry.get_backend(n) for n in ("fake_other", "fake_trusted", "torch")},
                             measure=lambda fn, dev: 1.0)
     assert entry["cross_check"]["reference"] == "fake_trusted"
     broken = fakes("fake_broken_ref", raises=True)
     broken.reference_rank = -2  # a reference that raised is skipped
-    entry, _ = dsp.autotune(call, problem, {n: registry.get_backend(n) for n in ("fake_broken_ref", "torch")},
+    entry, _ = at.autotune(call, problem, {n: registry.get_backend(n) for n in ("fake_broken_ref", "torch")},
                             measure=lambda fn, dev: 1.0)
     assert entry["cross_check"]["reference"] == "torch"

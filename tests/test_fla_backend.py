@@ -10,12 +10,12 @@ import torch
 from gdr_dispatch import chunked_math as ex
 from gdr_dispatch import get_backend
 from gdr_dispatch.backends import fla_chain
-from gdr_dispatch.backends.common.toolchain import version_tuple
+from gdr_dispatch.toolchain import version_tuple
 from gdr_dispatch.backends.kernels.chunk_grid import varlen_chunk_indices
 from gdr_dispatch.backends.kernels.corrected_values import corrected_values
 from gdr_dispatch.backends.kernels.gate_wy_inverse import gate_wy_inverse
 from gdr_dispatch.chunk_layout import ChunkLayout
-from gdr_dispatch.registry import DeviceInfo
+from gdr_dispatch.problem import DeviceInfo
 from gdr_dispatch.shapes import ShapeSpec, make_inputs
 
 from conftest import PLUMBING, plumbing_errors
@@ -51,7 +51,7 @@ def test_lists_every_reason_at_once(monkeypatch):
     text = " | ".join(rs)
     assert len(rs) == 4, rs
     for words in ("fla-core >= 0.6.0", "found 0.5.1", "bfloat16 or float16", "got float32",
-                  "chunk_size must be 64", "K must be <= 256"):
+                  "chunk_size must be 64", "K must be in 16..256"):
         assert words in text
 
 

@@ -8,9 +8,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from gdr_dispatch import registry
+from gdr_dispatch import registry, toolchain
 from gdr_dispatch.backends import flash_qla
-from gdr_dispatch.registry import DeviceInfo, registered_backends
+from gdr_dispatch.problem import DeviceInfo
+from gdr_dispatch.registry import registered_backends
 from gdr_dispatch.shapes import ShapeSpec
 
 from conftest import PLUMBING, plumbing_errors
@@ -31,7 +32,7 @@ def problem(device=H200, version="0.1.3", **spec):
 def importable(monkeypatch):
     """FlashQLA's import succeeds and nvcc is there (what a GPU machine with the extra has)."""
     monkeypatch.setattr(flash_qla, "_import_error", lambda: "")
-    monkeypatch.setattr(flash_qla, "nvcc_found", lambda: True)
+    monkeypatch.setattr(toolchain, "nvcc_found", lambda: True)
 
 
 def reasons(p):
@@ -52,7 +53,7 @@ def test_takes_the_training_shapes_where_it_has_kernels(importable):
 
 def test_lists_every_reason_it_refuses(importable):
     text = "; ".join(reasons(problem(device=L40, K=64, dtype="float32")))
-    for words in ("sm90, sm100, sm103, sm120 and sm121", "sm_89", "K and V must be 128", "bfloat16 or float16"):
+    for words in ("sm_90, sm_100, sm_103, sm_120 or sm_121", "sm_89", "K and V must be 128", "bfloat16 or float16"):
         assert words in text, text
     assert any("chunk_size must be 32 on sm_120" in r for r in reasons(problem(device=RTX5090)))
     assert any("chunk_size must be 64 on sm_90" in r for r in reasons(problem(chunk_size=32)))
@@ -62,7 +63,7 @@ def test_lists_every_reason_it_refuses(importable):
 
 
 def test_a_failed_import_is_a_reason_not_a_silent_absence(monkeypatch):
-    monkeypatch.setattr(flash_qla, "nvcc_found", lambda: True)
+    monkeypatch.setattr(toolchain, "nvcc_found", lambda: True)
     monkeypatch.setattr(flash_qla, "_import_error",
                         lambda: "ValueError: FlashQLA now support sm90, sm100, sm103, sm120 and sm121 only.")
     (why,) = reasons(problem())
@@ -106,14 +107,14 @@ def test_compile_job_runs_its_kernels_with_the_calls_keys(spec, monkeypatch):
 
 @pytest.mark.parametrize("h_mode", ["given", "none"])
 @pytest.mark.parametrize("spec", PLUMBING, ids=lambda s: s.label())
-def test_plumbing_against_the_oracle(spec, h_mode, monkeypatch):
+def test_plumbing_against_the_oracle(spec, h_mode, monkeypatch, with_backends):
     """The conversions around FlashQLA's two calls (q-dtype a and h, the head reduction, the
     reverse chunk cumsum, dh0 and dht) with its kernels swapped for exact torch: fp16 inputs,
     so the result lands within fp16 rounding of the oracle; a missed step is off by O(1)."""
     import fake_flash_qla
 
     calls = fake_flash_qla.install(monkeypatch)
-    monkeypatch.setitem(registry._REGISTRY, "flash_qla", flash_qla.FlashQLABackend())
+    with_backends(flash_qla.FlashQLABackend())
     monkeypatch.setattr(flash_qla.FlashQLABackend, "not_supported_reasons", lambda self, p: [])
     monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
     errs = plumbing_errors("flash_qla", spec, h_mode, monkeypatch)
@@ -132,7 +133,7 @@ def test_table_keys_name_it_only_when_installed():
 
 @pytest.mark.parametrize("v_first", [False, True])
 @pytest.mark.parametrize("seqlens", [None, (1, 63, 64, 65)])
-def test_the_op_forward_on_flash_qla_plumbing_against_the_oracle(seqlens, v_first, monkeypatch):
+def test_the_op_forward_on_flash_qla_plumbing_against_the_oracle(seqlens, v_first, monkeypatch, with_backends):
     """The training op with GDR_FORWARD=flash_qla, FlashQLA's forward swapped for exact torch
     (fp32 inputs): o, the final state and every gradient within fp32 rounding of the float64
     oracle; its intra-card split must be off (the stand-in asserts it), and the states are
@@ -143,7 +144,7 @@ def test_the_op_forward_on_flash_qla_plumbing_against_the_oracle(seqlens, v_firs
     from gdr_dispatch import chunk_gated_delta_rule, oracle_grads
 
     calls = fake_flash_qla.install(monkeypatch)
-    monkeypatch.setitem(registry._REGISTRY, "flash_qla", flash_qla.FlashQLABackend())
+    with_backends(flash_qla.FlashQLABackend())
     monkeypatch.setattr(flash_qla.FlashQLABackend, "not_supported_reasons", lambda self, p: [])
     monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
     monkeypatch.setenv("GDR_FORWARD", "flash_qla")

@@ -12,7 +12,7 @@ import torch
 from conftest import case, rel_errors
 from gdr_dispatch import Problem, registered_backends, fused_gdr_bwd
 from gdr_dispatch import dispatch as dsp
-from gdr_dispatch.chunked_math import fused_stage_case
+from fixtures import fused_stage_case
 from gdr_dispatch.contract import validate
 from gdr_dispatch.shapes import ShapeSpec
 
@@ -102,7 +102,7 @@ def test_split_matches_oracle_on_gpu(name, backend, segments, h_mode, monkeypatc
 def test_split_with_fla_pass_1_on_gpu(name, h_mode, monkeypatch):
     """The split with pass 1 on fla's kernels (our Triton maps refused), so that path keeps its
     GPU check now that the maps take the calls above."""
-    from gdr_dispatch import context_parallel as cp
+    from gdr_dispatch.backends.split import passes as cp
 
     monkeypatch.setattr(cp, "_maps_kernels_refusal", lambda seg_call: "refused by the test")
     monkeypatch.setenv("GDR_CP", "4")
@@ -117,8 +117,8 @@ def test_split_pass_1_kernels_on_gpu(name, dtype):
     R and D relative, within 16-bit rounding of the products' operands."""
     from dataclasses import replace
 
-    from gdr_dispatch import context_parallel as cp
-    from gdr_dispatch.segment_maps import segment_maps
+    from gdr_dispatch.backends.split import passes as cp
+    from gdr_dispatch.backends.kernels.segment_maps import segment_maps
 
     spec = replace(SHAPES[name], dtype=dtype, h="none")
     kwargs, _ = case(spec, device="cuda", with_oracle=False)
@@ -145,8 +145,8 @@ def test_split_candidate_with_own_states_on_gpu(name, backend, segments, monkeyp
     that recomputes the segments' states in its own kernel (`own_state_recompute`: our TileLang
     state kernel from the segments' start states), against the oracle; the split's own Triton
     walk of the states must not run."""
-    from gdr_dispatch import segment_maps
-    from gdr_dispatch.context_parallel import SplitBackend
+    from gdr_dispatch.backends.kernels import segment_maps
+    from gdr_dispatch.backends.split.passes import SplitBackend
 
     monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
     monkeypatch.setattr(segment_maps, "segment_states", lambda *a, **k: pytest.fail("the split walked the states"))
@@ -199,7 +199,7 @@ def test_split_states_kernel_on_gpu(name, dtype):
     from dataclasses import replace
 
     from gdr_dispatch import chunked_math as cm
-    from gdr_dispatch.segment_maps import segment_states
+    from gdr_dispatch.backends.kernels.segment_maps import segment_states
 
     spec = replace(SHAPES[name], dtype=dtype, h="given")
     kwargs, _ = case(spec, device="cuda", with_oracle=False)
@@ -249,7 +249,7 @@ def test_tilelang_states_kernel_on_gpu(name, dtype):
 def test_split_scan_kernels_on_gpu(n_seg):
     """Pass 2's Triton scans (3xTF32 products, gdr_dispatch/segment_scan.py) at K = V = 128
     against the step-by-step scan in float64, on contracting maps like the split's."""
-    from gdr_dispatch import segment_scan
+    from gdr_dispatch.backends.kernels import segment_scan
 
     gen = torch.Generator().manual_seed(n_seg)
     N, H, K, V = 2, 3, 128, 128

@@ -1,8 +1,10 @@
 """Host-side bookkeeping that a CUDA graph capture of a varlen step needs (gdr_dispatch/graph_safe.py):
-the lengths of a `cu_seqlens` tensor read once per tensor, index tensors built once per content,
+the lengths of a `cu_seqlens` tensor read on every eager call and from memory only under capture,
+index tensors built once per content,
 and a clear error, never a host read, when a capture meets something not seen eagerly. The
 capture itself runs in test_gpu.py; here it is simulated."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,16 +20,31 @@ def capture(monkeypatch):
     return state
 
 
-def test_offsets_are_read_once_per_tensor_and_again_after_an_in_place_change(capture):
+def test_offsets_are_read_on_every_eager_call_and_from_memory_only_under_capture(capture):
     cu = torch.tensor([0, 5, 70], dtype=torch.int32)
     assert graph_safe.offsets_of(cu) == (0, 5, 70)
     capture["on"] = True
     assert graph_safe.offsets_of(cu) == (0, 5, 70)  # from memory: no read under capture
     capture["on"] = False
-    cu[1] = 9  # an in-place change bumps the version: read again
+    cu[1] = 9
     assert graph_safe.offsets_of(cu) == (0, 9, 70)
     other = torch.tensor([0, 1, 70], dtype=torch.int32)  # another tensor is never confused with it
     assert graph_safe.offsets_of(other) == (0, 1, 70)
+
+
+def test_a_buffer_refilled_behind_autograd_s_back_is_read_as_it_is_now():
+    """numpy, `.data` and DLPack writes keep a tensor's version counter: a memory keyed on it
+    would hand the backward the old lengths (every gradient wrong)."""
+    buf = np.array([0, 5, 70], dtype=np.int32)
+    cu = torch.from_numpy(buf)
+    assert graph_safe.offsets_of(cu) == (0, 5, 70)
+    version = cu._version
+    buf[1] = 30  # through numpy
+    assert cu._version == version and graph_safe.offsets_of(cu) == (0, 30, 70)
+    cu.data[1] = 40  # through .data
+    assert graph_safe.offsets_of(cu) == (0, 40, 70)
+    np.from_dlpack(cu)[1] = 50  # through DLPack
+    assert graph_safe.offsets_of(cu) == (0, 50, 70)
 
 
 def test_an_unseen_cu_seqlens_under_capture_is_an_error_that_says_what_to_run(capture):
@@ -68,7 +85,6 @@ def test_a_varlen_call_repeats_under_capture_without_reading_the_device(capture)
 
 
 def test_inference_tensors_are_read_every_time():
-    """They have no version counter to guard a memory with."""
     with torch.inference_mode():
         cu = torch.tensor([0, 3, 8], dtype=torch.int32)
         assert graph_safe.offsets_of(cu) == (0, 3, 8)

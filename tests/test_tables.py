@@ -13,7 +13,7 @@ import yaml
 from gdr_dispatch import Backend, Problem, fused_gdr_bwd, registry, tuning_table
 from gdr_dispatch import dispatch as dsp
 from gdr_dispatch.contract import validate
-from gdr_dispatch.registry import DeviceInfo
+from gdr_dispatch.problem import DeviceInfo
 from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs
 
 SPEC = ShapeSpec(B=1, T=70, H=2, K=8, V=8, dtype="float32", h="given")
@@ -104,16 +104,11 @@ class Picky(Backend):
 
 
 @pytest.fixture
-def pickies():
-    made = []
-
+def pickies(with_backends):
     def add(name, ok=True):
-        made.append(registry.register(Picky(name, ok)))
-        return made[-1]
+        return with_backends(Picky(name, ok))
 
     yield add
-    for b in made:
-        registry._REGISTRY.pop(b.name, None)
 
 
 def _other_versions(problem, **changes):

@@ -1,5 +1,5 @@
-"""The TileLang fused backend on a machine without a GPU: its reasons, and that its kernel
-compiles for sm_90a within the H200's shared memory (needs nvcc; skipped without it)."""
+"""The TileLang fused backend (the warp-specialised kernel) on a machine without a GPU: its
+reasons, and that its kernel compiles for sm_90a with its register split (needs nvcc)."""
 
 import re
 import shutil
@@ -8,16 +8,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from gdr_dispatch import get_backend
-from gdr_dispatch.backends.common import tilelang_sm90
-from gdr_dispatch.registry import DeviceInfo
+from gdr_dispatch import get_backend, toolchain
+from gdr_dispatch.problem import DeviceInfo
 from gdr_dispatch.shapes import ShapeSpec
 
 H200 = DeviceInfo("cuda", "NVIDIA H200", (9, 0), 132)
 B200 = DeviceInfo("cuda", "NVIDIA B200", (10, 0), 148)
 
 
-SM90_FUSED = ["tilelang_fused", "tilelang_ws"]
+SM90_FUSED = ["tilelang_fused"]
 
 
 def reasons(device=H200, backend="tilelang_fused", **spec):
@@ -27,50 +26,40 @@ def reasons(device=H200, backend="tilelang_fused", **spec):
 
 @pytest.mark.parametrize("backend", SM90_FUSED)
 def test_takes_the_training_shapes_on_sm90(monkeypatch, backend):
-    monkeypatch.setattr(tilelang_sm90, "nvcc_found", lambda: True)
+    monkeypatch.setattr(toolchain, "nvcc_found", lambda: True)
     assert reasons(backend=backend) == []
     assert reasons(backend=backend, h="none", seqlens=(4096,) * 8, B=1, Hg=16) == []
 
 
 @pytest.mark.parametrize("backend", SM90_FUSED)
 def test_other_arches_and_shapes_say_why(monkeypatch, backend):
-    monkeypatch.setattr(tilelang_sm90, "nvcc_found", lambda: True)
+    monkeypatch.setattr(toolchain, "nvcc_found", lambda: True)
     text = " | ".join(reasons(device=B200, backend=backend, K=64, chunk_size=32, dtype="float32"))
     for words in ("built for sm_90a", "sm_100", "K and V must be 128", "chunk_size must be 64", "bfloat16 or float16"):
         assert words in text
-    monkeypatch.setattr(tilelang_sm90, "nvcc_found", lambda: False)
+    monkeypatch.setattr(toolchain, "nvcc_found", lambda: False)
     assert any("no nvcc" in r for r in reasons(backend=backend))
-    monkeypatch.setattr(tilelang_sm90, "nvcc_found", lambda: True)
+    monkeypatch.setattr(toolchain, "nvcc_found", lambda: True)
     assert any("32-bit integers" in r for r in reasons(backend=backend, B=64, T=32768))
 
 
-def test_the_warp_specialised_kernel_takes_h200_calls_since_it_was_verified(monkeypatch):
-    """Verified on the H200 2026-11-30 (docs/tilelang_ws.md, "The race"): no longer behind
-    GDR_ALLOW_UNVERIFIED."""
-    monkeypatch.setattr(tilelang_sm90, "nvcc_found", lambda: True)
+def test_the_warp_specialised_kernel_takes_h200_calls(monkeypatch):
+    """Verified on the H200 (oracle tests, racecheck, synccheck): not behind GDR_ALLOW_UNVERIFIED."""
+    monkeypatch.setattr(toolchain, "nvcc_found", lambda: True)
     monkeypatch.delenv("GDR_ALLOW_UNVERIFIED", raising=False)
     p = replace(ShapeSpec(B=2, T=4096, H=32).problem(torch.device("cpu")), device=H200)
-    assert get_backend("tilelang_ws").supported(p) == (True, "")
+    assert get_backend("tilelang_fused").supported(p) == (True, "")
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile for sm_90a")
-@pytest.mark.parametrize("experiment", [{},
-                                        {"merged_colsum": False, "late_dos": False, "w_regs": False,
-                                         "s_gl_late": False, "gam_select": False, "frag_stores": False,
-                                         "gam_zeros": False, "ag_frag": False, "s_early4": False, "s_early6": False},
-                                        {"frag_stores": False, "gam_zeros": False, "ag_frag": False,
-                                         "s_early4": False, "s_early6": False},
-                                        {"s_early4": False, "s_early6": False}],
-                         ids=["default", "v7", "v8", "v9"])
-def test_ws_kernel_compiles_for_sm90a_with_its_register_split(experiment):
-    from gdr_dispatch.backends.kernels.tilelang_ws_bwd import DEFAULT_BUILD, NREG, build_ws_bwd
+def test_ws_kernel_compiles_for_sm90a_with_its_register_split():
+    from gdr_dispatch.backends.kernels.tilelang_ws_bwd import NREG, build_ws_bwd
 
-    src = build_ws_bwd(4, 2, 128 ** -0.5, "bfloat16", "bfloat16", **experiment).get_kernel_source()
-    flags = {**DEFAULT_BUILD, **experiment}
+    src = build_ws_bwd(4, 2, 128 ** -0.5, "bfloat16", "bfloat16").get_kernel_source()
     # no reduction across warps inside a role branch: TileLang's cross-warp all-reduce (the one
-    # that takes a shared workspace) syncs on the same hardware barriers in every group, the race
-    # of the first version (docs/tilelang_ws.md, "The race")
+    # that takes a shared workspace) syncs on the same hardware barriers in every group, which
+    # would complete each other's syncs (docs/kernels.md, "Fused backward")
     assert "workspace" not in src
     assert sum(NREG) * 128 <= 65536
     assert "__launch_bounds__(512, 1)" in src
@@ -79,7 +68,7 @@ def test_ws_kernel_compiles_for_sm90a_with_its_register_split(experiment):
     assert f"warpgroup_reg_dealloc<{NREG[3]}>" in src
     assert "__syncthreads" not in src.split("warpgroup_reg")[1]  # no block-wide barrier once the roles split
     # each group's 128-thread named barriers are its own: two groups on one id would complete
-    # each other's syncs (an unqualified sync in KV's branch once got S's id)
+    # each other's syncs
     ids = [set(re.findall(r"__sync_thread_partial\((\d+), 128\)", part))
            for part in re.split(r"warpgroup_reg_(?:alloc|dealloc)<\d+>", src)[1:]]
     assert len(ids) == 4 and all(not (x & y) for i, x in enumerate(ids) for y in ids[i + 1:]), ids
@@ -87,30 +76,17 @@ def test_ws_kernel_compiles_for_sm90a_with_its_register_split(experiment):
     sizes = {int(n) for n in re.findall(r"warpgroup_fence_operand\(reinterpret_cast<float\*>\(\w+ \+ 0\), (\d+)\)", src)}
     assert sizes and max(sizes) <= 128, sizes
     assert src.count("tma_load(") >= 6
-    # w_regs (W), frag_stores (dP, dkk, dkk + dkk^T) and ag_frag (Ag) store their 16-bit tiles by
-    # stmatrix, on top of the ten fragment copies every build has
-    expected = 10 + flags["w_regs"] + 3 * flags["frag_stores"] + flags["ag_frag"]
-    assert src.count("ptx_stmatrix") == expected, (src.count("ptx_stmatrix"), expected)
-    # s_early4: S arrives at phase 4's barrier before it writes the scaled dO into dvp_s, and its
-    # own wgmma reads dvp_s only after its 128-thread named barrier (the mbarrier no longer
-    # orders S's threads' writes before that read)
+    # W, dP, dkk, dkk + dkk^T and Ag stored from registers by stmatrix, on top of ten fragment copies
+    assert src.count("ptx_stmatrix") == 15, src.count("ptx_stmatrix")
+    # S arrives at phase 4's barrier before it writes the scaled dO into dvp_s, and its own wgmma
+    # reads dvp_s only after its 128-thread named barrier (the mbarrier no longer orders S's
+    # threads' writes before that read)
     s_part = re.split(r"warpgroup_reg_(?:alloc|dealloc)<\d+>", src)[1]
     arrive, wait = s_part.find("phase[3].arrive()"), s_part.find("phase[3].wait(")
     write = s_part.find("((bfloat16_t*)dvp_s) +")
     read = s_part.find("(&(((bfloat16_t*)dvp_s)[0]))")
-    assert (arrive < write < wait) == flags["s_early4"] and write < wait < read
+    assert arrive < write < wait < read
     assert "__sync_thread_partial(3, 128)" in s_part[wait:read]
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile for sm_90a")
-def test_kernel_compiles_for_sm90a_within_shared_memory():
-    from gdr_dispatch.backends.kernels.tilelang_fused_bwd import build_fused_bwd
-
-    kern = build_fused_bwd(4, 2, 128, 128, 64, 128 ** -0.5, "bfloat16", "bfloat16", "bfloat16")
-    src = kern.get_kernel_source()
-    offsets = [int(x) for x in re.findall(r"buf_dyn_shmem \+ (\d+)", src)]
-    assert offsets and max(offsets) < 227 * 1024 - 8 * 1024, max(offsets)  # room for the last tiles
 
 
 @pytest.mark.parametrize("spec", [ShapeSpec(B=2, T=100, H=4, Hg=2, K=16, V=32, h="given"),
@@ -134,49 +110,23 @@ def test_h_recompute_for_h_none(spec, monkeypatch):
     assert err < 5e-3, err
 
 
-EMULATED = [
-    ShapeSpec(B=2, T=100, H=4, Hg=2, K=16, V=16),
-    ShapeSpec(B=1, T=40, H=2, K=16, V=16, initial_state=False, dht=False),
-    ShapeSpec(seqlens=(1, 63, 64, 65), H=2, K=16, V=16, state_v_first=True),
-]
-
-
-@pytest.mark.parametrize("spec", EMULATED, ids=lambda s: s.label())
-def test_kernel_algorithm_matches_the_oracle(spec):
-    """The kernel's steps, transcribed into torch (fused_kernel_emulation.py): exact in fp64,
-    and within the GPU tolerance when its 16-bit shared tiles round as on the GPU."""
-    from conftest import case, rel_errors
-    from fused_kernel_emulation import emulate_fused_bwd
-
-    from gdr_dispatch import GDRGrads
-
-    for dtype, round_to, tol in (("float64", None, 1e-10), ("bfloat16", torch.bfloat16, 1e-2)):
-        kw, ref = case(replace(spec, dtype=dtype, h="given"))
-        out = emulate_fused_bwd(kw["q"], kw["k"], kw["v"], kw["do"], kw["a"], kw["g"], kw["b"], kw["h"], kw["dht"],
-                                kw["scale"], spec.seq_lens, round_to=round_to, state_v_first=spec.state_v_first)
-        grads = GDRGrads(*out[:5], out[5] if spec.initial_state else None)
-        errs = rel_errors(grads, ref)
-        assert all(e < tol for e in errs.values()), (dtype, errs)
-
-
 @pytest.mark.parametrize("h_mode", ["given", "none"])
 @pytest.mark.parametrize("spec", [dict(B=2, T=100, H=4, Hg=2), dict(seqlens=(1, 63, 64, 65), H=4, state_v_first=True)])
-@pytest.mark.parametrize("backend,module,launcher", [
-    ("tilelang_ws", "tilelang_ws_bwd", "ws_bwd_given_h"), ("tilelang_fused", "tilelang_fused_bwd", "fused_bwd_given_h")])
-def test_compile_jobs_are_the_builds_the_launchers_make(backend, module, launcher, spec, h_mode, monkeypatch):
-    """`tune` compiles a backend's `compile_jobs` in worker processes first: each job must be
-    picklable and name the very build (function and arguments) the launcher then asks for, or
-    the sweep compiles twice."""
+def test_compile_jobs_are_the_builds_the_launchers_make(spec, h_mode, monkeypatch):
+    """A sweep or a table miss compiles a backend's `compile_jobs` in other processes first: each
+    job must survive its trip there (`repr`, then `ast.literal_eval`) and name the very build
+    (function and arguments) the launcher then asks for, or the kernel compiles twice."""
+    import ast
     import importlib
-    import pickle
 
+    backend = "tilelang_fused"
     from gdr_dispatch.backends.common import tilelang_sm90
     from gdr_dispatch.contract import validate
     from gdr_dispatch.shapes import call_kwargs, make_inputs
 
     call = validate(**call_kwargs(make_inputs(ShapeSpec(**spec, K=128, V=128, h=h_mode), "cpu")))
     *first, job = get_backend(backend).compile_jobs(call)
-    pickle.dumps([*first, job])
+    assert ast.literal_eval(repr([*first, job])) == [*first, job]
     # with h=None the state kernel's build comes first (tests/test_tilelang_states.py checks that it
     # is the build chunk_states asks for)
     assert first == (tilelang_sm90.states_compile_jobs(call) if h_mode == "none" else [])
@@ -196,26 +146,6 @@ def test_compile_jobs_are_the_builds_the_launchers_make(backend, module, launche
     with pytest.raises(RuntimeError, match="stop before launching"):
         get_backend(backend).run(call)
     assert built == [job[2]]
-
-
-def test_every_build_switch_reaches_the_ws_kernel_build(monkeypatch):
-    """tools/ws_probe.py and the race step pass `build_flags(...)` to the launcher: each switch
-    must reach `build_ws_bwd` (a dropped one would time the default build under its name)."""
-    from gdr_dispatch.backends.kernels import tilelang_ws_bwd as m
-
-    seen = {}
-    monkeypatch.setattr(m, "build_ws_bwd", lambda *args, **kw: seen.update(kw) or "kernel")
-    monkeypatch.setattr(m, "launch_packed", lambda kern, *args, **kw: kern)
-    x = torch.zeros(1, 64, 1, 128)
-    args = (x, x, x, x, torch.zeros(1, 64, 1, 64), torch.zeros(1, 64, 1), torch.zeros(1, 64, 1),
-            torch.zeros(1, 1, 1, 128, 128), None, 0.1, (64,))
-    flipped = "nomcs+nolate+nowreg+nosgl+nogsel+nofst+nogz+noagf+nos4e+nos6e+nokfree+nogpre"
-    flags = m.build_flags(flipped)
-    assert m.ws_bwd_given_h(*args, **flags) == "kernel"
-    assert seen == {"timing": False, **flags}
-    assert all(flags[key] != value for key, value in m.DEFAULT_BUILD.items())
-    with pytest.raises(TypeError, match="unknown build switch"):
-        m.ws_bwd_given_h(x, x, x, x, x, x, x, x, None, 0.1, (64,), uw_kvv=True)
 
 
 def test_packed_sequences_give_each_sequences_chunks_and_first_chunk_in_h():

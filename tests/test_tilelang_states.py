@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gdr_dispatch.contract import validate
-from gdr_dispatch.registry import forget_said
+from gdr_dispatch.dispatch import clear_caches
 from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs
 
 CASES = {
@@ -84,13 +84,11 @@ def test_the_kernels_algebra_gives_the_contracts_states(name):
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile for sm_90a")
-@pytest.mark.parametrize("v_first, build", [(False, {}), (True, {}), (False, {"stages": 3}), (True, {"tma_h": False})],
-                         ids=["k_first", "v_first", "s3", "sth_v_first"])
-def test_state_kernel_compiles_for_sm90a_with_its_roles(v_first, build):
-    from gdr_dispatch.backends.kernels.tilelang_states import DEFAULT_BUILD, NREG, build_states
+@pytest.mark.parametrize("v_first", [False, True], ids=["k_first", "v_first"])
+def test_state_kernel_compiles_for_sm90a_with_its_roles(v_first):
+    from gdr_dispatch.backends.kernels.tilelang_states import NREG, STAGES, build_states
 
-    src = build_states(4, 2, "bfloat16", v_first, **build).get_kernel_source()
-    build = {**DEFAULT_BUILD, **build}
+    src = build_states(4, 2, "bfloat16", v_first).get_kernel_source()
     assert sum(NREG) * 128 <= 65536
     assert "__launch_bounds__(512, 1)" in src
     for n in sorted(set(NREG[:3])):
@@ -110,23 +108,20 @@ def test_state_kernel_compiles_for_sm90a_with_its_roles(v_first, build):
                      r"ready\[[^]]+\]\.expect_transaction\(256\)", producer)
     assert re.search(r"for \(int i_\d+ = 0; i_\d+ < 2; \+\+i_\d+\) \{\s*tl::tma_load\(k_desc", producer)
     # the producer refills a stage only after its last chunk's free barrier (parity of c/stages - 1)
-    n = build["stages"]
-    refill = (r"free\[\(c_\d+ & 1\)\]\.wait\(\(\(\(c_\d+ >> 1\) \+ 1\) & 1\)\)" if n == 2 else
-              rf"free\[\(c_\d+ % {n}\)\]\.wait\(\(\(\(c_\d+ / {n}\) \+ 1\) & 1\)\)")
-    assert re.search(refill, producer)
+    assert STAGES == 2
+    assert re.search(r"free\[\(c_\d+ & 1\)\]\.wait\(\(\(\(c_\d+ >> 1\) \+ 1\) & 1\)\)", producer)
     # the state groups wait for the stage's loads, then for X, and free the stage after S += X^T Y
     for part in roles[:2]:
         order = [part.find("ready["), part.find("xready["), part.find("free[")]
         assert -1 not in order and order == sorted(order), order
-        if build["tma_h"]:  # one elected thread stores h by TMA; its read of s_s is waited for
-            assert "*(uint4*)(h + " not in part  # before the stage is freed (s_s is rewritten next)
-            store = re.search(r"tl_shuffle_elect<128>\(\)\) \{\s*(#pragma unroll\s*for [^{]*\{\s*)?tl::tma_store\(h_desc",
-                              part)
-            assert store, "h is not stored by one elected thread's TMA"
-            order = [store.start(), part.find("xready["), part.find("tma_store_wait<0, true>()"), part.find("free[")]
-            assert -1 not in order and order == sorted(order), order
-        else:  # sth: plain stores, and no bulk store to wait for
-            assert "*(uint4*)(h + " in part and "tma_store" not in part
+        # one elected thread stores h by TMA; its read of s_s is waited for before the stage is
+        # freed (s_s is rewritten next)
+        assert "*(uint4*)(h + " not in part
+        store = re.search(r"tl_shuffle_elect<128>\(\)\) \{\s*(#pragma unroll\s*for [^{]*\{\s*)?tl::tma_store\(h_desc",
+                          part)
+        assert store, "h is not stored by one elected thread's TMA"
+        order = [store.start(), part.find("xready["), part.find("tma_store_wait<0, true>()"), part.find("free[")]
+        assert -1 not in order and order == sorted(order), order
 
 
 @pytest.mark.slow
@@ -142,15 +137,6 @@ def test_state_kernel_timing_build_counts_per_group_and_leaves_the_plain_build_a
     assert all(("% 128) == 0)" in part or "threadIdx.x) == 0)" in part) and "clk[" in part for part in roles)
 
 
-def test_chunk_states_refuses_unknown_switches():
-    from gdr_dispatch.backends.kernels.tilelang_states import chunk_states
-
-    x = torch.zeros(1, 64, 1, 128)
-    with pytest.raises(TypeError, match="unknown build switch"):
-        chunk_states(x, x, torch.zeros(1, 64, 1, 64), torch.zeros(1, 64, 1), torch.zeros(1, 64, 1), None, (64,),
-                     stagess=3)
-
-
 def test_h_none_recompute_waits_for_the_state_kernels_gpu_tests(monkeypatch, caplog):
     """Until tests/test_gpu.py's state-kernel tests pass (tilelang_states.GPU_VERIFIED), `h=None`
     keeps fla's stages 1-2 and the log says why; GDR_ALLOW_UNVERIFIED=1 runs ours."""
@@ -164,13 +150,13 @@ def test_h_none_recompute_waits_for_the_state_kernels_gpu_tests(monkeypatch, cap
     monkeypatch.setattr(tilelang_states, "chunk_states", lambda *a, **kw: ran.append("ours") or ("h from ours", None))
     monkeypatch.setattr(tilelang_states, "GPU_VERIFIED", False)
     monkeypatch.delenv("GDR_ALLOW_UNVERIFIED", raising=False)
-    forget_said()
+    clear_caches()
     with caplog.at_level(logging.INFO, logger="gdr_dispatch"):
         assert tilelang_sm90.recompute_states(call) == "h from fla"
         monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
         assert tilelang_sm90.recompute_states(call) == "h from ours"
     assert ran == ["fla", "ours"]
-    assert "fla's stages 1-2 (our state kernel: not verified on a GPU yet" in caplog.text
+    assert "fla's stages 1-2 (our state kernel: the state kernel is not verified on a GPU yet" in caplog.text
     assert "on our TileLang state kernel" in caplog.text
 
 

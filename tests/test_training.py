@@ -4,7 +4,7 @@ torch.compile. On the CPU in float64 against the token-by-token oracle; GPU case
 import pytest
 import torch
 
-from gdr_dispatch import Backend, chunk_gated_delta_rule, oracle_grads, registry
+from gdr_dispatch import Backend, chunk_gated_delta_rule, clear_caches, oracle_grads, registry
 from gdr_dispatch.reference import recurrent_forward
 
 F64 = torch.float64
@@ -99,11 +99,10 @@ class Recorder(Backend):
 
 
 @pytest.fixture
-def recorder(monkeypatch):
-    rec = registry.register(Recorder())
+def recorder(monkeypatch, with_backends):
+    rec = with_backends(Recorder())
     monkeypatch.setenv("GDR_BACKEND", rec.name)
     yield rec
-    registry._REGISTRY.pop(rec.name, None)
 
 
 @pytest.mark.parametrize("env,arg,saved", [(None, None, False), ("1", None, True), ("0", True, True),
@@ -181,7 +180,7 @@ def test_the_forward_comes_from_the_lowest_ranked_backend_that_takes_it_and_is_n
     p = training.forward_problem(x["q"], x["v"], x["beta"], x["initial_state"], None, False)
     assert training.select_forward(p).name == "torch"
     with caplog.at_level(logging.INFO, logger="gdr_dispatch"):
-        registry.forget_said()
+        clear_caches()
         chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"])
     assert any(r.getMessage().startswith("gdr_dispatch: forward torch for") for r in caplog.records)
 
@@ -196,7 +195,7 @@ def test_gdr_forward_forces_one_and_says_why_it_cannot(monkeypatch):
         chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"])
 
 
-def test_an_unverified_forward_is_refused_with_its_reason(monkeypatch):
+def test_an_unverified_forward_is_refused_with_its_reason(monkeypatch, with_backends):
     """A backend whose forward has not passed the GPU tests is skipped by the ranking and refused
     when forced, unless GDR_ALLOW_UNVERIFIED; one that offers no forward says so."""
     from gdr_dispatch import training
@@ -212,7 +211,7 @@ def test_an_unverified_forward_is_refused_with_its_reason(monkeypatch):
         def forward(self, *args, **kwargs):
             return registry.get_backend("torch").forward(*args, **kwargs)
 
-    monkeypatch.setitem(registry._REGISTRY, Fresh.name, Fresh())
+    with_backends(Fresh())
     x = inputs()
     p = training.forward_problem(x["q"], x["v"], x["beta"], x["initial_state"], None, False)
     assert training.select_forward(p).name == "torch"

@@ -10,8 +10,8 @@ from gdr_dispatch import get_backend
 from gdr_dispatch.backends.kernels.chunk_grid import varlen_chunk_indices
 from gdr_dispatch.backends.kernels.wy_dqkg_transposed import wy_dqkg_transposed
 from gdr_dispatch.backends.kernels.wy_dqkg_wide import wy_dqkg_wide
-from gdr_dispatch.chunked_math import fused_stage_case
-from gdr_dispatch.registry import DeviceInfo
+from fixtures import fused_stage_case
+from gdr_dispatch.problem import DeviceInfo
 from gdr_dispatch.shapes import ShapeSpec
 
 SHAPES = [
@@ -75,7 +75,7 @@ def test_limits_are_fla_stages_plus_k_and_not_fla_stage_5():
     for name in ("triton_wide", "triton_transposed"):
         reasons = get_backend(name).not_supported_reasons(p)
         assert not any("chunk_bwd_dqkwg" in r for r in reasons), (name, reasons)  # fla's stage-5 hazard is not ours
-        assert any("K must be one of" in r for r in get_backend(name).not_supported_reasons(replace(p, K=256)))
+        assert any("K must be 128 (the only K run on a GPU" in r for r in get_backend(name).not_supported_reasons(replace(p, K=256)))
         text = " | ".join(get_backend(name).not_supported_reasons(replace(p, dtype="float32", chunk_size=32)))
         assert "bfloat16 or float16" in text and "chunk_size must be 64" in text
 

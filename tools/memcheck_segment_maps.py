@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from gdr_dispatch import segment_maps as sm
+from gdr_dispatch.backends.kernels import segment_maps as sm
 from gdr_dispatch.contract import validate
 
 

@@ -1,4 +1,4 @@
-"""Compile the TileLang fused kernel for several configurations at once, into TileLang's disk cache.
+"""Compile the TileLang kernels for several configurations at once, into TileLang's disk cache.
 
     python tools/precompile_tilelang.py --config 4,2,bfloat16 --config 32,16,bfloat16 ...
 
@@ -36,26 +36,26 @@ def _count_cubin_lookups() -> list:
     return seen
 
 
-def compile_one(H: int, Hg: int, dtype: str, schedule: str = "plain", K: int = 128, V: int = 128,
-                BT: int = 64) -> tuple[float, str]:
+def compile_one(H: int, Hg: int, dtype: str, schedule: str = "ws", K: int = 128) -> tuple[float, str]:
     seen = _count_cubin_lookups()
     t0 = time.perf_counter()
-    if schedule.split("-")[0] == "states":  # the state kernel (h=None): states[-vfirst][-timing][-<switch>...]
-        from gdr_dispatch.backends.kernels.tilelang_states import build_flags as states_flags, build_states
+    words = schedule.split("-")
+    if words[0] == "states":  # the state kernel (h=None): states[-vfirst][-timing]
+        from gdr_dispatch.backends.kernels.tilelang_states import build_states
 
-        words = schedule.split("-")[1:]
-        build_states(H, Hg, dtype, "vfirst" in words, timing="timing" in words,
-                     **states_flags("+".join(w for w in words if w not in ("vfirst", "timing"))))
-    elif schedule.startswith("ws"):  # ws[-timing][-<switch>...], e.g. ws-nofst-timing
-        from gdr_dispatch.backends.kernels.tilelang_ws_bwd import build_flags, build_ws_bwd
+        if "timing" in words:
+            build_states(H, Hg, dtype, "vfirst" in words, timing=True)
+        else:
+            build_states(H, Hg, dtype, "vfirst" in words)  # positional: the launcher's cache key
+    elif words[0] == "ws":  # the fused backward: ws[-timing]
+        from gdr_dispatch.backends.kernels.tilelang_ws_bwd import build_ws_bwd
 
-        words = schedule.split("-")[1:]
-        build_ws_bwd(H, Hg, float(K ** -0.5), dtype, dtype,
-                     timing="timing" in words, **build_flags("+".join(w for w in words if w != "timing")))
+        if "timing" in words:
+            build_ws_bwd(H, Hg, float(K ** -0.5), dtype, dtype, timing=True)
+        else:
+            build_ws_bwd(H, Hg, float(K ** -0.5), dtype, dtype)
     else:
-        from gdr_dispatch.backends.kernels.tilelang_fused_bwd import build_fused_bwd
-
-        build_fused_bwd(H, Hg, K, V, BT, float(K ** -0.5), dtype, dtype, dtype)
+        raise ValueError(f"unknown schedule {schedule!r}: ws[-timing] or states[-vfirst][-timing]")
     how = "kernel cache" if not seen else ("cubin cache" if all(seen) else "nvcc")
     return time.perf_counter() - t0, how
 
@@ -63,9 +63,8 @@ def compile_one(H: int, Hg: int, dtype: str, schedule: str = "plain", K: int = 1
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", action="append", required=True,
-                   help="H,Hg,dtype[,ws[-timing][-<switch>...]] (K = V = 128, chunk 64; ws: the warp-specialised "
-                        "kernel's default build, -timing: with cycle counters, switches, e.g. nofst: "
-                        "other builds, tilelang_ws_bwd.build_flags; states[-vfirst][-timing][-s3][-sth]: the state kernel)")
+                   help="H,Hg,dtype[,ws[-timing] | ,states[-vfirst][-timing]] (K = V = 128, chunk 64; ws, the "
+                        "default: the fused backward; -timing: with cycle counters; states: the h=None state kernel)")
     p.add_argument("--jobs", type=int, default=8)
     args = p.parse_args()
     configs = []

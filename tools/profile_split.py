@@ -1,6 +1,6 @@
 """Where a split call's time goes (issue 15): GPU time against host time, and the top ops.
 
-    python tools/profile_split.py --B 1 --T 32768 --H 4 --segments 16 --backends tilelang_ws,fla
+    python tools/profile_split.py --B 1 --T 32768 --H 4 --segments 16 --backends tilelang_fused,fla
 
 For each backend, unsplit and `<backend>@split<n>`: the median of CUDA-event timings
 (gdr_dispatch.dispatch.measure_ms), the host time to enqueue one call (no sync inside; when
@@ -19,14 +19,18 @@ of N enqueues of each split call (which Python spends the host time).
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
-from gdr_dispatch.context_parallel import SplitBackend
-from gdr_dispatch.contract import validate
-from gdr_dispatch.dispatch import host_enqueue_ms, measure_ms, relative_error
-from gdr_dispatch.registry import get_backend
-from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+from gdr_dispatch.backends.split import SplitBackend  # noqa: E402
+from gdr_dispatch.contract import validate  # noqa: E402
+from gdr_dispatch.registry import get_backend  # noqa: E402
+from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs  # noqa: E402
+from timing import host_enqueue_ms, measure_ms, relative_error  # noqa: E402
 
 
 def graph_ms(fn, reps: int):
@@ -55,8 +59,8 @@ def scan_configs(call, segments: int, configs: str, reps: int) -> None:
     results from the shipped configuration's. Session 8 read the scan at 0.131 ms of the split's
     0.78 ms of GPU time at 32 segments: 16 programs of 32 dependent steps, each loading a 64 KB
     map; the map loads do not depend on the carried state, so pipelining them may pay."""
-    from gdr_dispatch import context_parallel as cp
-    from gdr_dispatch import segment_scan as ss
+    from gdr_dispatch.backends.split import passes as cp
+    from gdr_dispatch.backends.kernels import segment_scan as ss
 
     captured = {}
     real = cp._scan_and_run
@@ -92,8 +96,8 @@ def pass1_configs(call, segments: int, configs: str, reps: int) -> None:
     beside the shipped one): median ms, host enqueue ms, and how far our maps are from fla's (M
     against the identity's size, R and D relative; both round their products' operands to 16
     bits, so ~1e-3 apart is agreement and O(1) a bug)."""
-    from gdr_dispatch import context_parallel as cp
-    from gdr_dispatch import segment_maps as sm
+    from gdr_dispatch.backends.split import passes as cp
+    from gdr_dispatch.backends.kernels import segment_maps as sm
     from gdr_dispatch.backends.common import fla_pipeline
 
     _, _, _, _, (token_offsets, _, _) = cp._plan(call.seq_lens, call.chunk_size, segments)
@@ -149,7 +153,7 @@ def main() -> int:
     p.add_argument("--H", type=int, default=4)
     p.add_argument("--h", choices=["given", "none"], default="given")
     p.add_argument("--segments", type=int, default=16)
-    p.add_argument("--backends", default="tilelang_ws,fla")
+    p.add_argument("--backends", default="tilelang_fused,fla")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--graph", action="store_true", help="also time each call's CUDA-graph replay")
     p.add_argument("--scan", default="", help="time the backward scan alone under these 'BV,WARPS,STAGES' "

@@ -3,7 +3,7 @@ bound by its host's enqueue at the starved shapes, docs/measurements.md "Session
 
     python tools/split_host_proxy.py [--segments 32] [--reps 200] [--profile]
 
-Runs `SplitBackend(tilelang_ws, n)` with `h=None` at B1 T32768 H4 on CPU tensors, with pass 1's
+Runs `SplitBackend(tilelang_fused, n)` with `h=None` at B1 T32768 H4 on CPU tensors, with pass 1's
 and the scans' Triton kernels, the state kernel and the backward kernel replaced by no-ops (and
 the head-major copies by empty tensors: on a CPU they are real copies, on the GPU one launch
 each). What it times is the Python and torch-dispatch share of the host's enqueue, not the
@@ -30,8 +30,9 @@ def main() -> int:
 
     import gdr_dispatch.backends.kernels.tilelang_states as states
     import gdr_dispatch.backends.kernels.tilelang_ws_bwd as ws
-    import gdr_dispatch.context_parallel as cp
-    from gdr_dispatch import segment_maps, segment_scan
+    import gdr_dispatch.backends.split.passes as cp
+    from gdr_dispatch.backends.kernels import segment_maps, segment_scan
+    from gdr_dispatch.backends.split import SplitBackend
     from gdr_dispatch.contract import validate
     from gdr_dispatch.registry import get_backend
     from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs
@@ -51,7 +52,7 @@ def main() -> int:
 
     spec = ShapeSpec(B=1, T=32768, H=4, K=128, V=128, dtype="bfloat16", h="none")
     call = validate(**call_kwargs(make_inputs(spec, "cpu", seed=0)))
-    split = cp.SplitBackend(get_backend("tilelang_ws"), a.segments)
+    split = SplitBackend(get_backend("tilelang_fused"), a.segments)
     for _ in range(5):
         split.run(call)
     best = float("inf")

@@ -37,7 +37,7 @@ def main() -> int:
     from triton.backends.compiler import GPUTarget
 
     sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
-    from gdr_dispatch import segment_maps as sm
+    from gdr_dispatch.backends.kernels import segment_maps as sm
 
     tool = shutil.which("cuobjdump") or next(Path(triton.__file__).parent.rglob("cuobjdump"), None)
     if tool is None:

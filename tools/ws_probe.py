@@ -1,34 +1,31 @@
-"""The warp-specialised TileLang kernel against the plain one, kernel launchers only (h given).
+"""The warp-specialised TileLang backward's launcher alone (h given), beside FlashQLA's fused kernel.
 
-    python tools/ws_probe.py                      # times both at the bench shapes, prints a table
-    python tools/ws_probe.py --only B4T4096H16 --once   # one launch of the ws kernel (for ncu)
-    python tools/ws_probe.py --only B8T4096H32 --check --repeat 20   # the race hunt of docs/tilelang_ws.md
-    compute-sanitizer --tool racecheck python3 tools/ws_probe.py --only tiny --once --kernel plain
-    python tools/ws_probe.py --only B4T4096H16 --timing     # cycles per chunk, per group and phase
-    python tools/ws_probe.py --build nofst --check ...       # the same for another build (v9 without frag_stores)
-    python tools/ws_probe.py --builds default,nofst          # builds side by side (switches: build_flags)
-    python tools/ws_probe.py --builds default --peer         # and FlashQLA in the same rounds
+    python tools/ws_probe.py --peer --rounds 3               # both kernels at the bench shapes, in turn
+    python tools/ws_probe.py --only B4T4096H16 --once        # one launch of ours (for ncu; --kernel flashqla)
+    python tools/ws_probe.py --only B8T4096H32 --check --repeat 20   # errors against torch, reruns bit for bit
+    compute-sanitizer --tool racecheck python3 tools/ws_probe.py --only tiny --once
+    python tools/ws_probe.py --only B4T4096H16 --timing      # cycles per chunk step, per group and phase
     python tools/ws_probe.py --warm-peer 8 --shapes B4T4096H16,B8T4096H32   # compile for --peer first
 
-Prints median ms (CUDA events, gdr_dispatch.dispatch.measure_ms), us per chunk step (a CTA
-walks its sequence's chunks one after another) and the largest relative difference between
-the two kernels' outputs; at grouped-head shapes also the launcher's head sum alone (one of
-dq/dk), one-pass Triton against torch. docs/tilelang_ws.md keeps the results.
+Prints median ms (CUDA events, gdr_dispatch.autotune.measure_ms), us per chunk step (a CTA walks
+its sequence's chunks one after another); at grouped-head shapes also the launcher's head sum
+alone. docs/kernels.md keeps the results.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
+from pathlib import Path
 
 import torch
 
-from gdr_dispatch.backends.kernels.tilelang_fused_bwd import fused_bwd_given_h
-from gdr_dispatch.backends.kernels.tilelang_ws_bwd import build_flags, ws_bwd_given_h
-from gdr_dispatch.dispatch import measure_ms, more_rounds, relative_error
-from gdr_dispatch.shapes import ShapeSpec, make_inputs
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+from gdr_dispatch.backends.kernels.tilelang_ws_bwd import ws_bwd_given_h  # noqa: E402
+from gdr_dispatch.shapes import ShapeSpec, make_inputs  # noqa: E402
+from timing import measure_ms, more_rounds, relative_error  # noqa: E402
 
 SHAPES = {
     "tiny": ShapeSpec(B=1, T=200, H=2, h="given"),  # for compute-sanitizer (slow)
@@ -40,17 +37,16 @@ SHAPES = {
 }
 
 
-def runner(launch, x):
+def runner(x, **kw):
     args = (x["q"], x["k"], x["v"], x["do"], x["a"], x["g"], x["b"], x["h"], x["dht"], x["scale"],
             (x["cu_seqlens"].diff().tolist() if x["cu_seqlens"] is not None else (x["q"].shape[1],) * x["q"].shape[0]),
             64, x["cu_seqlens"])
-    return lambda: launch(*args, has_h0=True)
+    return lambda: ws_bwd_given_h(*args, has_h0=True, **kw)
 
 
 def head_sum_row(name, x) -> dict:
     """The launcher's grouped-head sum alone, for one of dq/dk (it runs twice per call): the
-    one-pass Triton kernel against the torch sum into fp32 and cast it replaced (docs/tilelang_ws.md,
-    "Next" 3)."""
+    one-pass Triton kernel against the torch sum into fp32 and a cast."""
     from gdr_dispatch.backends.kernels.head_sum import head_sum_triton
     from gdr_dispatch.contract import reduce_value_heads
 
@@ -68,10 +64,9 @@ def head_sum_row(name, x) -> dict:
 
 
 def peer_runners(x) -> dict:
-    """With `--peer`: FlashQLA's `fused_gdr_bwd` alone (issue 12's "FlashQLA fused kernel": its
-    per-head dq/dk, dg before its reverse cumsum), and the whole contract call through each
-    backend (`@flash_qla`: plus its cumsum and head sums; `@tilelang_ws`: plus validation and
-    h's cast), so kernel and backend gaps are both read in one process."""
+    """FlashQLA's `fused_gdr_bwd` alone (per-head dq/dk, dg before its reverse cumsum), and the
+    whole contract call through each backend (`@flash_qla`: plus its cumsum and head sums;
+    `@tilelang_fused`: plus validation and h's cast): kernel and backend gaps in one process."""
     import importlib
 
     from gdr_dispatch.contract import validate
@@ -89,17 +84,17 @@ def peer_runners(x) -> dict:
                                    state_v_first=False)
     return {"flashqla_kernel": kernel,
             "@flash_qla": lambda: get_backend("flash_qla").run(call),
-            "@tilelang_ws": lambda: get_backend("tilelang_ws").run(call)}
+            "@tilelang_fused": lambda: get_backend("tilelang_fused").run(call)}
 
 
-def phase_table(name, x, spec, launch) -> dict:
+def phase_table(name, x, spec) -> dict:
     """Run the timing build once (after a warm-up) and print the mean cycles per chunk step that
     each consumer group spends working before, and waiting at, each sync point."""
     from gdr_dispatch.backends.kernels.tilelang_ws_bwd import PHASES, TIMING_SLOTS
 
     n_seq = len(spec.seq_lens)
     clk = torch.zeros(n_seq * spec.H * 3 * TIMING_SLOTS, dtype=torch.int32, device="cuda")
-    fn = runner(lambda *a, **kw: launch(*a, **kw, clk=clk), x)
+    fn = runner(x, clk=clk)
     fn()
     clk.zero_()
     fn()
@@ -121,72 +116,51 @@ def phase_table(name, x, spec, launch) -> dict:
     return {"shape": name, "cycles_per_step": table, "loop_cycles_per_step": [round(v) for v in loop]}
 
 
-def summary_table(rows) -> str:
-    """Builds (rows) by shapes (columns) in ms with the change against each shape's first build,
-    then the peers with our first build's time over theirs: the table docs/tilelang_ws.md keeps
-    per session, so it is not copied out of the rows by hand."""
-    rows = [r for r in rows if "build" in r or "peer" in r]  # (not the head-sum rows)
-    shapes = list(dict.fromkeys(r["shape"] for r in rows))
-    cell = {(r["shape"], r.get("build") or r["peer"]): r for r in rows}
-    names = list(dict.fromkeys(r.get("build") or r["peer"] for r in rows))
-    first = {}  # each shape's first build, the reference of its column
-    for r in rows:
-        if "build" in r:
-            first.setdefault(r["shape"], r["ws_ms"])
-    out = ["| build | " + " | ".join(shapes) + " |", "|---|" + "---|" * len(shapes)]
-    for name in names:
-        cells = []
-        for s in shapes:
-            r = cell.get((s, name))
-            if r is None:
-                cells.append("-")
-            elif "build" in r:
-                change = 100 * (r["ws_ms"] / first[s] - 1)
-                cells.append(f"{r['ws_ms']:.4f}" + ("" if r["ws_ms"] == first[s] else f" ({change:+.1f} %)"))
-            else:
-                cells.append(f"{r['ms']:.4f} (first build {r['ratio_to_first_build']:.2f}x)")
-        out.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(out)
+def check(name, x, repeat: int) -> None:
+    """Per-output errors against the torch backend over `repeat` runs, and whether reruns are
+    bit-identical (a race moves the result between runs)."""
+    from gdr_dispatch.chunked_math import chunked_backward
+    from gdr_dispatch.contract import validate
+    from gdr_dispatch.shapes import call_kwargs
+
+    ref = chunked_backward(validate(**call_kwargs(x)))
+    names = ("dq", "dk", "dv", "dg", "db", "dh0")
+    fn = runner(x)
+    worst, first = {}, None
+    for rep in range(max(2, repeat)):
+        out = fn()
+        errs = {n: relative_error(o, r) for n, o, r in zip(names, out, ref) if r is not None}
+        worst = {n: max(worst.get(n, 0.0), e) for n, e in errs.items()}
+        if first is None:
+            first = [o.clone() for o in out if o is not None]
+        else:
+            moved = max((o - f).abs().max().item() for o, f in zip((o for o in out if o is not None), first))
+            if moved > 0:
+                print(name, f"run {rep + 1} differs from run 1 by up to {moved:.3e}", flush=True)
+    print(name, f"{max(2, repeat)} runs, worst error against the torch backend:",
+          {n: f"{e:.2e}" for n, e in worst.items()}, flush=True)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default=None, help="one shape name")
     p.add_argument("--once", action="store_true", help="one launch after one warm-up (for ncu, compute-sanitizer)")
-    p.add_argument("--kernel", choices=["ws", "plain", "flashqla"], default="ws",
+    p.add_argument("--kernel", choices=["ws", "flashqla"], default="ws",
                    help="the kernel --once launches (flashqla: FlashQLA's fused_gdr_bwd, for ncu beside ours)")
-    p.add_argument("--repeat", type=int, default=1, help="--check: runs of each kernel (a race moves the error)")
-    p.add_argument("--plain", action="store_true", help="also time the plain kernel")
-    p.add_argument("--check", action="store_true",
-                   help="per-output errors of both kernels against the torch backend, the ws kernel run twice "
-                        "(a race moves its error between runs)")
-    p.add_argument("--check-kernels", default="ws,plain", help="--check: the kernels checked (ws, plain)")
+    p.add_argument("--check", action="store_true", help="errors against the torch backend, reruns compared")
+    p.add_argument("--repeat", type=int, default=2, help="--check: runs (a race moves the error)")
     p.add_argument("--timing", action="store_true",
                    help="run the timing build: cycles per chunk each consumer group works / waits per phase")
-    p.add_argument("--build", default="default",
-                   help="the ws build of --once, --check and --timing: 'default' or switches joined by '+' (e.g. "
-                        "nofst-nogz; tilelang_ws_bwd.build_flags)")
-    p.add_argument("--builds", default=None,
-                   help="comma-separated ws builds to time (and --timing) side by side in this process, e.g. "
-                        "default,nokfree (default: --build)")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="time the builds this many times, order reversed each round; keep each build's least median")
+    p.add_argument("--rounds", type=int, default=1, help="timing rounds, order reversed each round; least median kept")
     p.add_argument("--reps", type=int, default=20, help="timed launches per median")
     p.add_argument("--peer", action="store_true",
-                   help="also time FlashQLA's fused kernel and both backends' whole calls in the same rounds "
-                        "(needs flash-qla)")
+                   help="also time FlashQLA's fused kernel and both backends' whole calls in the same rounds")
     p.add_argument("--warm-peer", type=int, default=0, metavar="N",
-                   help="only compile what --peer runs (FlashQLA's kernels, our backends' builds) for the shapes "
-                        "of --only/--shapes, in N processes, and exit: one process per shape otherwise compiles "
-                        "FlashQLA's kernels in turn, ~50-80 s each (session 7 lost a shape to it)")
+                   help="only compile what --peer runs (FlashQLA's kernels, ours) for the shapes of --only/--shapes, "
+                        "in N processes, and exit")
     p.add_argument("--shapes", default=None, help="--warm-peer: shape names, comma- or space-separated")
     p.add_argument("--out", default=None)
-    p.add_argument("--summarize", nargs="+", default=None, metavar="JSON",
-                   help="only print the markdown table of these --out files (one per shape) and exit")
     args = p.parse_args(argv)
-    if args.summarize:
-        print(summary_table([row for f in args.summarize for row in json.load(open(f))]))
-        return 0
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
@@ -197,87 +171,41 @@ def main(argv=None) -> int:
         unknown = [n for n in names if n not in SHAPES]
         if unknown:
             p.error(f"--shapes: unknown {unknown}; known: {', '.join(SHAPES)}")
-        precompile([SHAPES[n] for n in names], torch.device("cuda"), {"flash_qla", "tilelang_ws"}, args.warm_peer,
+        precompile([SHAPES[n] for n in names], torch.device("cuda"), {"flash_qla", "tilelang_fused"}, args.warm_peer,
                    splits=False)
         return 0
     rows = []
-    launch = functools.partial(ws_bwd_given_h, **build_flags(args.build))
-    builds = args.builds.split(",") if args.builds else [args.build]
-    for build in builds:
-        build_flags(build)  # an unknown switch fails before any kernel runs
     for name, spec in SHAPES.items():
         if args.only and name != args.only:
             continue
         x = make_inputs(spec, "cuda", seed=1)
-        ws = runner(launch, x)
         if args.once:
-            one = {"ws": lambda: ws, "plain": lambda: runner(fused_bwd_given_h, x),
-                   "flashqla": lambda: peer_runners(x)["flashqla_kernel"]}[args.kernel]()
+            one = runner(x) if args.kernel == "ws" else peer_runners(x)["flashqla_kernel"]
             one()
             torch.cuda.synchronize()
             one()
             torch.cuda.synchronize()
             return 0
         if args.timing:
-            for build in builds:
-                print(f"build {build}: {build_flags(build)}")
-                rows.append({**phase_table(name, x, spec, functools.partial(ws_bwd_given_h, **build_flags(build))),
-                             "build": build})
+            rows.append(phase_table(name, x, spec))
             continue
         if args.check:
-            from gdr_dispatch.chunked_math import chunked_backward
-            from gdr_dispatch.contract import validate
-            from gdr_dispatch.shapes import call_kwargs
-
-            ref = chunked_backward(validate(**call_kwargs(x)))
-            names = ("dq", "dk", "dv", "dg", "db", "dh0")
-            kernels = {"ws": lambda: ws, "plain": lambda: runner(fused_bwd_given_h, x)}
-            for label in args.check_kernels.split(","):
-                fn = kernels[label]()
-                worst, first = {}, None
-                for rep in range(max(2, args.repeat)):
-                    out = fn()
-                    errs = {n: relative_error(o, r) for n, o, r in zip(names, out, ref) if r is not None}
-                    worst = {n: max(worst.get(n, 0.0), e) for n, e in errs.items()}
-                    if first is None:
-                        first = [o.clone() for o in out if o is not None]
-                    else:  # bit-identical reruns expected: the kernels are deterministic
-                        moved = max((o - f).abs().max().item() for o, f in zip((o for o in out if o is not None), first))
-                        if moved > 0:
-                            print(name, label, f"run {rep + 1} differs from run 1 by up to {moved:.3e}", flush=True)
-                print(name, label, f"{max(2, args.repeat)} runs, worst error against the torch backend:",
-                      {n: f"{e:.2e}" for n, e in worst.items()}, flush=True)
+            check(name, x, args.repeat)
         steps = max(spec.seq_lens) // 64
-        fns = {b: runner(functools.partial(ws_bwd_given_h, **build_flags(b)), x) for b in builds}
-        peers = peer_runners(x) if args.peer else {}
-        fns.update(peers)
+        fns = {"ws": runner(x), **(peer_runners(x) if args.peer else {})}
+
         def measure(fn):
             return measure_ms(fn, "cuda", warmup=3, reps=args.reps)
 
         timed = {b: {"ms": round(measure(fn), 4)} for b, fn in fns.items()}
         more_rounds(fns, timed, args.rounds, measure)  # alternating order, the least median kept
-        ref_out = None
-        for build in builds:
-            fn = fns[build]
-            row = {"shape": name, "build": build, **build_flags(build), "ws_ms": timed[build]["ms"]}
-            row["ws_us_per_step"] = round(row["ws_ms"] * 1e3 / steps, 2)
-            out = fn()
-            if ref_out is None:  # the first build's outputs: the others must agree to rounding
-                ref_out = out
-            else:
-                row["max_rel_diff_vs_first"] = float(
-                    f"{max(relative_error(u, w) for u, w in zip(out, ref_out) if w is not None):.2e}")
-            if args.plain and build == builds[0]:
-                plain = runner(fused_bwd_given_h, x)
-                row["plain_ms"] = round(measure_ms(plain, "cuda", warmup=3, reps=args.reps), 4)
-                b = plain()
-                row["max_rel_diff"] = float(f"{max(relative_error(u, w) for u, w in zip(out, b) if w is not None):.2e}")
+        for label in fns:
+            row = {"shape": name, "runner": label, "ms": timed[label]["ms"],
+                   "us_per_step": round(timed[label]["ms"] * 1e3 / steps, 2)}
+            if label != "ws":
+                row["ws_over_this"] = round(timed["ws"]["ms"] / timed[label]["ms"], 3)
             rows.append(row)
             print(row, flush=True)
-        for label in peers:
-            rows.append({"shape": name, "peer": label, "ms": timed[label]["ms"],
-                         "ratio_to_first_build": round(timed[builds[0]]["ms"] / timed[label]["ms"], 3)})
-            print(rows[-1], flush=True)
         if spec.Hg is not None and spec.Hg < spec.H and not (args.timing or args.check):
             rows.append(head_sum_row(name, x))
             print(rows[-1], flush=True)

@@ -2,8 +2,8 @@
 
 Stages 1-4 (the WY recompute, the state recompute or `v_new` from a given `h`, the local
 dv, the dh recurrence) are shared by the `fla`, `triton_wide` and `triton_transposed`
-backends; stages 1-2 alone recompute `h` for the sm90 TileLang backends where our state
-kernel cannot (common/tilelang_sm90.recompute_states). The contract's inputs are
+backends, and so are their limits (`CHAIN_LIMITS`); stages 1-2 alone recompute `h` for the
+sm90 TileLang backend where our state kernel cannot (common/tilelang_sm90.recompute_states). The contract's inputs are
 converted to fla's conventions here: `a` -> `Gam * a` and `g` -> `g / ln 2` in one pass
 (kernels/gate_wy_inverse.py); a given `h` is not recomputed, `v_new = u - w h` comes from
 one chunk-parallel kernel (kernels/corrected_values.py).
@@ -15,37 +15,34 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from gdr_dispatch.contract import GDRCall, GDRGrads
-from gdr_dispatch.registry import Problem
+from gdr_dispatch.contract import GDRCall, GDRGrads, packed
+from gdr_dispatch.problem import Problem
+from gdr_dispatch.registry import Limits
+from gdr_dispatch.toolchain import version_tuple
 
 from ..kernels.chunk_grid import varlen_chunk_indices
 from ..kernels.corrected_values import corrected_values
 from ..kernels.gate_wy_inverse import gate_wy_inverse
-from .toolchain import version_tuple
 
 #: fla-core 0.6 is the first with the grouped-value-head (GVA) chain this pipeline calls.
 MIN_FLA = (0, 6, 0)
 
 
-def chain_limits(p: Problem) -> list[str]:
-    """What fla's stages take: every backend that runs this pipeline inherits these limits."""
-    reasons = []
-    if p.device.type != "cuda":
-        reasons.append(f"needs a CUDA device (fla-core's kernels are GPU kernels); the tensors are on {p.device.type}")
-    fla_version = p.version("fla")
-    if fla_version is None:
-        reasons.append("fla-core is not installed (pip install 'fla-core>=0.6')")
-    elif version_tuple(fla_version) < MIN_FLA:
-        reasons.append(f"needs fla-core >= 0.6.0 (its GVA-aware chain), found {fla_version}")
-    if p.dtype not in ("bfloat16", "float16"):
-        reasons.append(f"q/k/v/do must be bfloat16 or float16 (fla's training dtypes, the ones tested here), got {p.dtype}")
-    if p.chunk_size != 64:
-        reasons.append(f"chunk_size must be 64 (the one size tested here against the oracle), got {p.chunk_size}")
-    if p.K > 256:
-        reasons.append(f"K must be <= 256 (fla's state kernels assert it), got K={p.K}")
-    if min(p.K, p.V) < 16:
-        reasons.append(f"K and V must be >= 16 (Triton dot tiles), got K={p.K}, V={p.V}")
-    return reasons
+#: What fla's stages take: every backend that runs this pipeline inherits these limits.
+CHAIN_LIMITS = Limits(
+    devices=("cuda",), dtypes=("bfloat16", "float16"), K=range(16, 257), V=range(16, 1 << 16), chunk_sizes=(64,),
+    libraries=("fla",),
+    why={"devices": "fla-core's kernels are GPU kernels", "dtypes": "fla's training dtypes, the ones tested here",
+         "K": "Triton dot tiles; fla's state kernels assert K <= 256", "V": "Triton dot tiles",
+         "chunk_sizes": "the one size tested here against the oracle"})
+
+
+def version_reasons(p: Problem) -> list[str]:
+    """An fla-core too old for the GVA-aware chain this pipeline calls."""
+    found = p.version("fla")
+    if found is not None and version_tuple(found) < MIN_FLA:
+        return [f"needs fla-core >= 0.6.0 (its GVA-aware chain), found {found}"]
+    return []
 
 
 class FlaStages(NamedTuple):
@@ -92,12 +89,12 @@ def _wy(k, v, beta, a, G, common: dict):
 
 def _stage_1(call: GDRCall) -> _Stage1:
     """The contract's conventions -> fla's, then stage 1 (`w`, `u`)."""
-    k, v, beta = call.k.contiguous(), call.v.contiguous(), call.b.contiguous()
+    k, v, beta = packed(call.k), packed(call.v), packed(call.b)
     cu = call.cu_seqlens
     ci = None if cu is None else varlen_chunk_indices(call.seq_lens, call.chunk_size, k.device, cu.dtype)
-    h0 = None if call.initial_state is None else call.initial_state.float().contiguous()
+    h0 = None if call.initial_state is None else packed(call.initial_state.float())
     common = dict(cu_seqlens=cu, chunk_indices=ci)
-    A, g2, w, u = _wy(k, v, beta, call.a, call.g, common)
+    A, g2, w, u = _wy(k, v, beta, packed(call.a), packed(call.g), common)
     return _Stage1(k, v, beta, A, g2, w, u, h0, common)
 
 
@@ -138,7 +135,7 @@ def segment_maps(seg_call: GDRCall, need_r: bool = True):
     _, _, end = chunk_gated_delta_rule_fwd_h(k=s1.k, w=s1.w, u=u_aug, g=s1.g2, initial_state=start,
                                              output_final_state=True, save_new_value=False, **s1.common,
                                              state_v_first=False, chunk_size=BT)
-    q, do = seg_call.q.contiguous(), seg_call.do.contiguous()
+    q, do = packed(seg_call.q), packed(seg_call.do)
     dv = chunk_bwd_dv_local(q=q, k=s1.k, g=s1.g2, do=do, scale=seg_call.scale, **s1.common, chunk_size=BT)
     _, D, _ = chunk_gated_delta_rule_bwd_dhu(q=q, k=s1.k, w=s1.w, g=s1.g2, do=do, dv=dv, scale=seg_call.scale,
                                              h0=torch.zeros(N, H, K, V, dtype=torch.float32, device=dev), dht=None,
@@ -154,17 +151,17 @@ def state_stages(call: GDRCall) -> FlaStages:
     BT = call.chunk_size
     s1 = _stage_1(call)
     k, common = s1.k, s1.common
-    q, do = call.q.contiguous(), call.do.contiguous()
-    dht = None if call.dht is None else call.dht.float().contiguous()
+    q, do = packed(call.q), packed(call.do)
+    dht = None if call.dht is None else packed(call.dht.float())
     state = dict(state_v_first=call.state_v_first, chunk_size=BT)
 
     if call.h is None:
         h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=k, w=s1.w, u=s1.u, g=s1.g2, initial_state=s1.h0,
                                                    output_final_state=False, **common, **state)
     else:
-        v_new = corrected_values(s1.u, s1.w, call.h, BT, common["cu_seqlens"], common["chunk_indices"],
+        h = packed(call.h)
+        v_new = corrected_values(s1.u, s1.w, h, BT, common["cu_seqlens"], common["chunk_indices"],
                                  call.state_v_first)
-        h = call.h.contiguous()
     dv = chunk_bwd_dv_local(q=q, k=k, g=s1.g2, do=do, scale=call.scale, **common, chunk_size=BT)
     dh, dh0, du = chunk_gated_delta_rule_bwd_dhu(q=q, k=k, w=s1.w, g=s1.g2, h0=s1.h0, dht=dht, do=do, dv=dv,
                                                  scale=call.scale, **common, **state)
@@ -191,7 +188,7 @@ def stages_5_6(st: FlaStages, scale: float):
 
 def fused_stage_args(call: GDRCall, st: FlaStages) -> tuple:
     """The positional arguments of a fused stage-5+6 launcher (`wy_dqkg_wide`'s signature)."""
-    return (st.q, st.k, st.v, st.v_new, st.du, st.do, call.a, call.g, st.beta, st.h, st.dh, call.scale,
+    return (st.q, st.k, st.v, st.v_new, st.du, st.do, packed(call.a), packed(call.g), st.beta, st.h, st.dh, call.scale,
             call.chunk_size, st.common["cu_seqlens"], st.common["chunk_indices"], call.state_v_first)
 
 
@@ -221,11 +218,12 @@ def forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, n
         off = offsets_of(cu_seqlens)  # read once per tensor: a captured step reads nothing (graph_safe.py)
         ci = varlen_chunk_indices([e - s for s, e in zip(off[:-1], off[1:])], chunk_size, q.device, cu_seqlens.dtype)
     common = dict(cu_seqlens=cu_seqlens, chunk_indices=ci)
-    G = chunk_local_cumsum(g.float(), chunk_size=chunk_size, **common)  # natural log: no scale
+    q, k, v, beta = packed(q), packed(k), packed(v), packed(beta)  # fla's kernels index packed tensors
+    G = chunk_local_cumsum(packed(g.float()), chunk_size=chunk_size, **common)  # natural log: no scale
     kkt = chunk_scaled_dot_kkt_fwd(k=k, g=None, beta=beta, chunk_size=chunk_size, output_dtype=torch.float32, **common)
     a = solve_tril(kkt, output_dtype=k.dtype, **common)  # ungated (I + StrictLower(diag(b) K K^T))^-1
     _, g2, w, u = _wy(k, v, beta, a, G, common)
-    h0 = None if initial_state is None else initial_state.float().contiguous()
+    h0 = None if initial_state is None else packed(initial_state.float())
     h, v_new, ht = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g2, initial_state=h0, output_final_state=need_final,
                                                 state_v_first=state_v_first, chunk_size=chunk_size, **common)
     o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g2, scale=scale, state_v_first=state_v_first, chunk_size=chunk_size,

@@ -1,46 +1,37 @@
-"""What the sm90 TileLang fused backends share: what their kernels take (their shared-memory
-plans are for K = V = 128) and how a call reaches a kernel given `h`."""
+"""What the sm90 TileLang backend shares with its kernels: the limits its kernels declare
+(their shared-memory plans are for K = V = 128), the `h=None` state recompute, and how a call
+reaches a kernel given `h`."""
 
 from __future__ import annotations
 
 import importlib.util
 import logging
 
+from gdr_dispatch.caches import first_time
 from gdr_dispatch.contract import GDRCall, GDRGrads
-from gdr_dispatch.registry import ALLOW_UNVERIFIED_ENV, Problem, first_time, unverified_allowed
+from gdr_dispatch.problem import Problem
+from gdr_dispatch.registry import Limits, unverified_allowed, unverified_reason
 
 from . import fla_pipeline
-from .toolchain import nvcc_found
 
 
-def fused_sm90_limits(p: Problem, smem_note: str) -> list[str]:
-    """Every reason an sm90 fused TileLang kernel (`smem_note`: its shared-memory use) cannot take `p`."""
-    reasons = []
-    if p.device.type != "cuda":
-        reasons.append(f"needs a CUDA device; the tensors are on {p.device.type}")
-    elif p.device.capability != (9, 0):
-        reasons.append(f"built for sm_90a (Hopper: wgmma, 227 KiB shared memory per block, of which it uses "
-                       f"{smem_note}); this device is sm_{p.device.capability[0]}{p.device.capability[1]}")
-    if p.version("tilelang") is None or importlib.util.find_spec("tilelang") is None:
-        reasons.append("tilelang is not installed (pip install tilelang)")
-    elif p.device.type == "cuda" and not nvcc_found():
-        reasons.append("no nvcc found for TileLang's JIT (set CUDA_HOME or put nvcc on PATH)")
-    if (p.K, p.V) != (128, 128):
-        reasons.append(f"K and V must be 128 (the shared-memory plan is for 128 x 128 states), got K={p.K}, V={p.V}")
-    if p.chunk_size != 64:
-        reasons.append(f"chunk_size must be 64, got {p.chunk_size}")
-    if p.dtype not in ("bfloat16", "float16"):
-        reasons.append(f"q/k/v/do must be bfloat16 or float16, got {p.dtype}")
-    elements = max(p.B * p.T * p.H * max(p.K, p.V, p.chunk_size), p.num_chunks * p.H * p.K * p.V)
-    if elements >= 2 ** 31:
-        reasons.append(f"the kernel indexes with 32-bit integers; this call's largest tensor has {elements} "
-                       f"elements (>= 2^31): split the batch")
+def sm90_limits(smem_note: str) -> Limits:
+    """The limits of an sm90 TileLang kernel (`smem_note`: its shared-memory use)."""
+    return Limits(devices=("cuda",), capabilities=((9, 0),), dtypes=("bfloat16", "float16"), K=(128,), V=(128,),
+                  chunk_sizes=(64,), libraries=("tilelang",), nvcc=True, max_elements=2 ** 31 - 1,
+                  why={"capabilities": f"built for sm_90a: wgmma, 227 KiB shared memory per block, of which it "
+                                       f"uses {smem_note}",
+                       "K": "the shared-memory plan is for 128 x 128 states"})
+
+
+def h_none_reasons(p: Problem) -> list[str]:
+    """With h=None and our state kernel refused, fla-core's stages 1-2 must be there instead."""
     if not p.h_given and p.version("fla") is None:
         why = states_kernel_refusal()
         if why:
-            reasons.append(f"with h=None the states are recomputed by fla-core's stages 1-2 (our state kernel: "
-                           f"{why}), and fla-core is not installed")
-    return reasons
+            return [f"with h=None the states are recomputed by fla-core's stages 1-2 (our state kernel: {why}), "
+                    f"and fla-core is not installed"]
+    return []
 
 
 log = logging.getLogger("gdr_dispatch")
@@ -55,12 +46,12 @@ def states_kernel_refusal() -> str:
     from ..kernels import tilelang_states
 
     if not tilelang_states.GPU_VERIFIED and not unverified_allowed():
-        return f"not verified on a GPU yet; {ALLOW_UNVERIFIED_ENV}=1 runs it"
+        return unverified_reason("the state kernel")
     return ""
 
 
 def own_state_recompute() -> bool:
-    """`Backend.own_state_recompute` of the sm90 TileLang backends: `h=None` runs our state kernel."""
+    """`Backend.own_state_recompute` of the sm90 TileLang backend: `h=None` runs our state kernel."""
     return not states_kernel_refusal()
 
 
@@ -69,7 +60,7 @@ def recompute_states(call: GDRCall):
     allows it, else fla's stages 1-2. Says once per problem which ran."""
     why = states_kernel_refusal()
     problem = Problem.from_call(call)
-    if first_time(("h=None states", problem, why)):
+    if first_time(("h=None states", problem.table_key(), why)):
         log.info("gdr_dispatch: h=None: the chunk states on %s for %s",
                  "our TileLang state kernel" if not why else f"fla's stages 1-2 (our state kernel: {why})",
                  problem.describe())

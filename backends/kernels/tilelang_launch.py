@@ -13,6 +13,7 @@ import itertools
 
 import torch
 
+from gdr_dispatch.contract import packed
 from gdr_dispatch.graph_safe import device_constant
 
 from .head_sum import sum_value_heads
@@ -60,7 +61,7 @@ def launch_packed(kern, q, k, v, do, a, g, b, h, dht, seq_lens, chunk_size: int,
     if dht is None:
         dht_in = torch.zeros(N, H, K, V, dtype=torch.float32, device=dev)
     else:
-        dht_in = (dht.transpose(-1, -2) if state_v_first else dht).float().contiguous()
+        dht_in = packed((dht.transpose(-1, -2) if state_v_first else dht).float())
     if state_v_first:  # the kernels read [K, V] states; a copy of h is the price of one variant
         h = h.transpose(-1, -2)
     TT = B * T_
@@ -70,10 +71,11 @@ def launch_packed(kern, q, k, v, do, a, g, b, h, dht, seq_lens, chunk_size: int,
     dg = torch.empty(TT, H, dtype=torch.float32, device=dev)
     db = torch.empty(TT, H, dtype=db_dtype, device=dev)
     dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=dev)
-    kern(q.reshape(TT, Hg, K).contiguous(), k.reshape(TT, Hg, K).contiguous(), v.reshape(TT, H, V).contiguous(),
-         do.reshape(TT, H, V).contiguous(), a.reshape(TT, H, chunk_size).to(q.dtype).contiguous(),
-         g.reshape(TT, H).float().contiguous(), b.reshape(TT, H).contiguous(),
-         h.reshape(-1, *h.shape[2:]).contiguous(), dht_in, cu, offsets, dq, dk, dv, dg, db, dh0, *extra)
+    # packed memory for the TMA descriptors: a strided view is copied once, a packed one not at all
+    kern(packed(q.reshape(TT, Hg, K)), packed(k.reshape(TT, Hg, K)), packed(v.reshape(TT, H, V)),
+         packed(do.reshape(TT, H, V)), packed(a.reshape(TT, H, chunk_size).to(q.dtype)),
+         packed(g.reshape(TT, H).float()), packed(b.reshape(TT, H)),
+         packed(h.reshape(-1, *h.shape[2:])), dht_in, cu, offsets, dq, dk, dv, dg, db, dh0, *extra)
     dq = sum_value_heads(dq.view(B, T_, H, K), Hg, q.dtype)
     dk = sum_value_heads(dk.view(B, T_, H, K), Hg, k.dtype)
     if state_v_first:

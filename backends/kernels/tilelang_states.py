@@ -1,7 +1,7 @@
 """The chunk-start states `h` of a call in one warp-specialised sm90 kernel (TileLang).
 
-The state recompute a backend needs with `h=None` (issue 14; fla does it in two stages,
-`recompute_w_u` then `chunk_gated_delta_rule_fwd_h`). One CTA of 512 threads per (sequence,
+The state recompute a backend needs with `h=None` (fla does it in two stages, `recompute_w_u`
+then `chunk_gated_delta_rule_fwd_h`). One CTA of 512 threads per (sequence,
 value head) walks the chunks forwards; four warpgroups, one role each:
 
   * S0, S1 (threads 0-255): half of the state's value columns each, `[K, V/2]` fp32 in
@@ -22,7 +22,7 @@ so strong decay underflows towards 0 and never overflows (`e^-G` alone would).
 
 Barriers per stage: `ready` (the producer's 128 arrivals plus the TMA bytes), `xready` (X's
 128), `free` (X and both state groups, 384: the stage's tiles, X's included, may be refilled).
-Notes and measurements: docs/tilelang_states.md.
+Design, floor and measurements: docs/kernels.md, "State kernel".
 """
 
 import functools
@@ -30,9 +30,10 @@ import functools
 import tilelang
 import tilelang.language as T
 
+from gdr_dispatch.contract import packed
 from gdr_dispatch.graph_safe import device_constant
 
-from .tilelang_common import cta_sequence, parse_build
+from .tilelang_common import cta_sequence
 from .tilelang_launch import packed_sequences, tl_dtype
 
 BT, K, V = 64, 128, 128
@@ -44,16 +45,13 @@ LOG2E = 1.4426950408889634  # exp(x) = exp2(x log2 e)
 NREG = (168, 168, 152, 24)
 
 #: Whether the GPU tests (tests/test_gpu.py: `h` against the float64 walk, the backends' h=None
-#: paths on it) have passed on the H200 (session 12, the default build: bench/results/ws_steps/
-#: s12call3-gpu_tests.log, s12call4-gpu_tests.log); while False, backends use it only with
+#: paths on it) have passed on the H200; while False, backends use it only with
 #: GDR_ALLOW_UNVERIFIED=1 (fla's stages 1-2 otherwise).
 GPU_VERIFIED = True
 
-#: The build `chunk_states` runs (v3, docs/tilelang_states.md "Session 12"): `stages` of the load
-#: ring; `tma_h`, the chunk-start state stored to `h` by one thread's TMA instead of 128 threads'
-#: plain stores. Timed and removed in session 12 (their code is at 0b5e38e): K S issued before the
-#: store to `h`, the decay vectors formed once by X, g and b loaded a chunk ahead or by plain loads.
-DEFAULT_BUILD = {"stages": 2, "tma_h": True}
+#: Stages of the producer's load ring (three cost more shared memory and measured no faster on
+#: the H200: docs/kernels.md, "State kernel").
+STAGES = 2
 
 #: `timing=True` builds: int32 cycle counters per CTA and role group (S0, S1, X, producer), summed
 #: over the chunks: the work before and the wait at each barrier a group waits on, in order
@@ -64,21 +62,12 @@ TIMING_NAMES = {"S0": ("work", "ready wait", "work", "xready wait", "work"),
                 "X": ("ready wait", "work"), "producer": ("free wait", "work")}
 
 
-def build_flags(build: str) -> dict:
-    """`'default'` or switches joined by '+' (`s3`: three stages, `sth`: h by plain stores) ->
-    `build_states` keyword arguments (bench/bench_states.py --builds, precompile)."""
-    return parse_build(build, DEFAULT_BUILD, {"s3": ("stages", 3), "sth": ("tma_h", False)}, "state-kernel switch")
-
-
 @functools.lru_cache(maxsize=None)
-def build_states(H: int, Hg: int, dtype: str, state_v_first: bool,
-                 stages: int = DEFAULT_BUILD["stages"], tma_h: bool = DEFAULT_BUILD["tma_h"],
-                 timing: bool = False):
+def build_states(H: int, Hg: int, dtype: str, state_v_first: bool, timing: bool = False):
     """Compile (once per configuration) the state kernel (K = V = 128, chunk 64). States in and
     out (`h0`, `h`, `ht`) in the contract's layout: `[..., K, V]`, or `[..., V, K]` with
-    `state_v_first` (then each state group holds its half transposed); the switches:
-    `DEFAULT_BUILD`; `timing` adds the cycle counters (`TIMING_SLOTS`, into `clk`)."""
-    STAGES = stages
+    `state_v_first` (then each state group holds its half transposed); `timing` adds the cycle
+    counters (`TIMING_SLOTS`, into `clk`)."""
     accum = "float32"
     TT = T.dynamic("num_tokens")
     NC = T.dynamic("num_chunks")
@@ -147,17 +136,11 @@ def build_states(H: int, Hg: int, dtype: str, state_v_first: bool,
                 # the chunk-start state: its 16-bit copy, for h and for K S
                 T.copy(S_f, s_s)
                 T.fence_proxy_async()
-                if tma_h:  # one thread's TMA store; its read of s_s is waited for before the next copy
-                    if state_v_first:
-                        T.tma_copy(s_s, h[c0 + c, hh, v0:v0 + VH, 0:K])
-                    else:
-                        T.tma_copy(s_s, h[c0 + c, hh, 0:K, v0:v0 + VH])
-                elif state_v_first:
-                    for i, j in T.Parallel(VH, K):
-                        h[c0 + c, hh, v0 + i, j] = s_s[i, j]
+                # one thread's TMA store; its read of s_s is waited for before the next copy
+                if state_v_first:
+                    T.tma_copy(s_s, h[c0 + c, hh, v0:v0 + VH, 0:K])
                 else:
-                    for i, j in T.Parallel(K, VH):
-                        h[c0 + c, hh, i, v0 + j] = s_s[i, j]
+                    T.tma_copy(s_s, h[c0 + c, hh, 0:K, v0:v0 + VH])
                 timed_wait(ready, st, par, acc, marks, 0)
                 T.gemm(k_s[st, :, :], s_s, Y_f, transpose_B=state_v_first, clear_accum=True)
                 # Y = e^{G_L} K S - diag(e^{G_L - G}) V
@@ -173,8 +156,7 @@ def build_states(H: int, Hg: int, dtype: str, state_v_first: bool,
                     T.gemm(y_s, x_s[st, :, :], S_f, transpose_A=True)
                 else:  # S += X^T Y
                     T.gemm(x_s[st, :, :], y_s, S_f, transpose_A=True)
-                if tma_h:  # s_s is rewritten at the next chunk's start
-                    T.tma_store_wait(0)
+                T.tma_store_wait(0)  # s_s is rewritten at the next chunk's start
                 T.barrier_arrive(free[st])
                 mark(acc, marks, 4)
             timing_end(acc, marks, grp, n_chunks, clk, bx)
@@ -200,7 +182,7 @@ def build_states(H: int, Hg: int, dtype: str, state_v_first: bool,
             with T.Kernel(N * H, threads=512) as bx:
                 n, hh, hg, bos, eos, n_chunks, c0 = cta_sequence(bx, H, group, cu_seqlens, chunk_offsets, BT)
 
-                # ---- shared memory (~161 KiB with two stages, ~217 with three): the ring of the
+                # ---- shared memory (~161 KiB): the ring of the
                 # loaded tiles and X, each state group's 16-bit state and Y ----
                 k_s = T.alloc_shared((STAGES, BT, K), dtype)
                 v_s = T.alloc_shared((STAGES, BT, V), dtype)
@@ -298,18 +280,14 @@ def states_config(k, v, state_v_first: bool) -> tuple:
 
 
 def chunk_states(k, v, a, g, b, initial_state, seq_lens, chunk_size: int = 64, cu_seqlens=None,
-                 state_v_first: bool = False, clk=None, **build):
+                 state_v_first: bool = False, clk=None):
     """Every chunk-start state of a call and its final state: `(h, ht)`, `h` `[B, NT, H, K, V]`
     (`[1, total chunks, ...]` varlen; `[..., V, K]` with `state_v_first`) in k's dtype, `ht`
-    `[N, H, K, V]` fp32 (same layout rule). Fresh outputs; the inputs are read only. `build`:
-    `build_states`' switches (`DEFAULT_BUILD`'s keys), for tools that time the builds; `clk`
+    `[N, H, K, V]` fp32 (same layout rule). Fresh outputs; the inputs are read only. `clk`
     (int32, `[N * H * len(TIMING_NAMES) * TIMING_SLOTS]`) asks for the timing build and receives
     its counters."""
     import torch
 
-    unknown = set(build) - set(DEFAULT_BUILD)
-    if unknown:
-        raise TypeError(f"chunk_states: unknown build switch(es) {sorted(unknown)}; known: {sorted(DEFAULT_BUILD)}")
     B, T_, Hg, Kd = k.shape
     H, Vd = v.shape[2], v.shape[3]
     if (Kd, Vd, chunk_size) != (K, V, BT):
@@ -321,13 +299,12 @@ def chunk_states(k, v, a, g, b, initial_state, seq_lens, chunk_size: int = 64, c
     if initial_state is None:
         h0 = torch.zeros(N, H, *state, dtype=torch.float32, device=dev)
     else:
-        h0 = initial_state.float().contiguous()
+        h0 = packed(initial_state.float())
     h = torch.empty(sum(counts), H, *state, dtype=k.dtype, device=dev)
     ht = torch.empty(N, H, *state, dtype=torch.float32, device=dev)
-    if clk is not None:
-        build = {**build, "timing": True}
     # the plain build by its positional arguments alone: the key `compile_jobs` warms (lru_cache)
-    kern = build_states(*states_config(k, v, state_v_first), **build)
+    kern = build_states(*states_config(k, v, state_v_first)) if clk is None else \
+        build_states(*states_config(k, v, state_v_first), timing=True)
     if clk is None:  # the plain build never touches it: a cached constant, one launch less per call
         clk = device_constant((0,), torch.int32, dev)
     TT = B * T_
@@ -335,8 +312,8 @@ def chunk_states(k, v, a, g, b, initial_state, seq_lens, chunk_size: int = 64, c
     # g and b head-major fp32, rows padded to 16 bytes (TMA's stride rule): a chunk's 64 values of
     # each are one TMA box (in v1 the producer's plain loads of them paced the kernel)
     g, b = (_head_major(x, -(-TT // 4) * 4) for x in (g, b))
-    kern(k.reshape(TT, Hg, Kd).contiguous(), v.reshape(TT, H, Vd).contiguous(),
-         a.reshape(TT, H, chunk_size).to(k.dtype).contiguous(), g, b, h0, cu, offsets, h, ht, clk)
+    kern(packed(k.reshape(TT, Hg, Kd)), packed(v.reshape(TT, H, Vd)),
+         packed(a.reshape(TT, H, chunk_size).to(k.dtype)), g, b, h0, cu, offsets, h, ht, clk)
     return h.view(B, -1, H, *state), ht
 
 
@@ -349,7 +326,7 @@ def _head_major(x, width: int):
     return out
 
 
-def call_states(call, clk=None, **build):
+def call_states(call, clk=None):
     """`chunk_states` on a validated call (`contract.GDRCall`): `(h, ht)`."""
     return chunk_states(call.k, call.v, call.a, call.g, call.b, call.initial_state, call.seq_lens, call.chunk_size,
-                        call.cu_seqlens, call.state_v_first, clk=clk, **build)
+                        call.cu_seqlens, call.state_v_first, clk=clk)

@@ -40,15 +40,15 @@ import tilelang.language as T
 
 from gdr_dispatch.graph_safe import device_constant
 
-from .tilelang_common import cta_sequence, fence_accumulator, parse_build
+from .tilelang_common import cta_sequence, fence_accumulator
 from .tilelang_launch import launch_packed, tl_dtype
 
 BT, K, V = 64, 128, 128
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x log2 e): one MUFU.EX2 under fast math
 
 #: Register caps per warpgroup (S, KV, A, producer), adding up to 512 slots of 128 threads =
-#: the 64K-register file (seed 000 used 160 / 144 / 184 / 24). Moving 8 or 16 from KV to A
-#: cost 10-16 % (session 9, bench/results/ws_steps/s9call1-wsbench-switches-peer.log).
+#: the 64K-register file (seed 000 uses 160 / 144 / 184 / 24). Moving 8 or 16 from KV to A
+#: costs 10-16 % on the H200 (docs/kernels.md, "Fused backward").
 NREG = (160, 160, 168, 24)
 #: Consumer phases per chunk (each closed by one 384-thread mbarrier).
 PHASES = 7
@@ -58,63 +58,26 @@ PHASES = 7
 #: chunks of clock cycles: [2 s] working before sync point s, [2 s + 1] waiting there (s = 0
 #: the producer's `full` barrier, 1-7 the phase ends), [16] the whole chunk loop, [17] chunks.
 TIMING_SLOTS = 18
-#: The build `tilelang_ws` runs (v11: `kfree+gpre` -4.0 to -6.8 % against v10,
-#: bench/results/ws_steps/s10call1-wsbench-gpre-lst-pst.log, s10call2-wsbench-kfree-gpre.log);
-#: measured switches stay so tools can time the builds before them (`nokfree-nogpre` is v10,
-#: `nokfree-nogpre-nos4e-nos6e` v9). Others, made the default or dropped: docs/tilelang_ws.md
-#: "Steps" and git history (768934d has them all; `tmadq`, `a176`, `whole` are at 6aee64e,
-#: `late_stores` at 8a8cd45, `producer_stores` and `s_stores` at 33910d4).
-DEFAULT_BUILD = {"merged_colsum": True, "late_dos": True, "w_regs": True, "s_gl_late": True,
-                 "gam_select": True, "frag_stores": True, "gam_zeros": True,
-                 "ag_frag": True, "s_early4": True, "s_early6": True,
-                 "k_free": True, "g_prefetch": True}
-#: Build names: `<short>` turns a switch on, `no<short>` off.
-SHORT_NAMES = {"mcs": "merged_colsum", "late": "late_dos", "wreg": "w_regs", "sgl": "s_gl_late",
-               "gsel": "gam_select", "fst": "frag_stores", "gz": "gam_zeros", "agf": "ag_frag",
-               "s4e": "s_early4", "s6e": "s_early6", "kfree": "k_free", "gpre": "g_prefetch"}
-SWITCHES = {name: (key, on) for short, key in SHORT_NAMES.items()
-            for name, on in ((short, True), (f"no{short}", False))}
-
-
-def build_flags(build: str) -> dict:
-    """`'default'` or switches joined by '+' or '-' (e.g. `nofst-nogz`) -> `build_ws_bwd`
-    keyword arguments; an unnamed setting keeps `DEFAULT_BUILD`'s value."""
-    return parse_build(build, DEFAULT_BUILD, SWITCHES)
 
 
 @functools.lru_cache(maxsize=None)
-def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing: bool = False,
-                 merged_colsum: bool = DEFAULT_BUILD["merged_colsum"],
-                 late_dos: bool = DEFAULT_BUILD["late_dos"], w_regs: bool = DEFAULT_BUILD["w_regs"],
-                 s_gl_late: bool = DEFAULT_BUILD["s_gl_late"], gam_select: bool = DEFAULT_BUILD["gam_select"],
-                 frag_stores: bool = DEFAULT_BUILD["frag_stores"], gam_zeros: bool = DEFAULT_BUILD["gam_zeros"],
-                 ag_frag: bool = DEFAULT_BUILD["ag_frag"], s_early4: bool = DEFAULT_BUILD["s_early4"],
-                 s_early6: bool = DEFAULT_BUILD["s_early6"], k_free: bool = DEFAULT_BUILD["k_free"],
-                 g_prefetch: bool = DEFAULT_BUILD["g_prefetch"]):
+def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing: bool = False):
     """Compile (once per configuration) the warp-specialised kernel (K = V = 128, chunk 64).
 
     `timing` adds cycle counters at every sync point (written to the `clk` argument, CTA by
-    CTA: `[N * H, 3, TIMING_SLOTS]`); the instrument of docs/tilelang_ws.md's phase table.
-    The switches (`DEFAULT_BUILD`; why each exists and what it measured on the H200:
-    docs/tilelang_ws.md "Steps" and "Next"), on in v11:
-    - `merged_colsum`: db's column sums from a 16-bit copy of dAb * A (rounded as FlashQLA
-      does); dG's column sums of dAg * Ag and dPg * Pg taken once, of their sum.
-    - `late_dos`: phase 5's dO S^T issued after dPg's dG terms (its accumulator not live beside
-      theirs: A's spills).
-    - `w_regs`: KV forms W in U's registers and stores it with stmatrix.
-    - `s_gl_late`: S's G_L rows in phases 2-3 instead of phase 1.
-    - `gam_select`: Gam as exp2 of a selected exponent (no branches).
-    - `frag_stores`, `ag_frag`: A's 16-bit tiles of phases 5-6 (dP, dkk, dkk + dkk^T) and of
-      phase 1 (Ag) formed in free accumulator registers and stored with stmatrix.
-    - `gam_zeros`: Pg and dP drop their causal select (Gam is already 0 above the diagonal).
-    - `s_early4`, `s_early6`: S arrives at phases 4 and 6 before its work there (no other group
-      reads it before the next chunk) and waits after it.
-    - `k_free`, `g_prefetch`: the producer loads the next k once KV's phase-7 gemm has read
-      k_s, and the next g and b rows into registers after phase 1 (not with synchronous loads
-      after phase 6, where they stood before k's TMA; `k_free` alone was neutral).
-    Dropped in session 11: another group storing phase 7's dk and dq rows from staging tiles
-    (the producer's spare warps, as seed 000 does, or S): mixed over three calls, and +20 % at
-    H32 from S (bench/results/ws_steps/s11call1-wsbench-sst-pst.log).
+    CTA: `[N * H, 3, TIMING_SLOTS]`): the instrument behind docs/kernels.md's phase table.
+    Choices in the schedule, each measured against its alternative on the H200 (docs/kernels.md):
+    - db's column sums come from a 16-bit copy of dAb * A (rounded as FlashQLA does); dG's column
+      sums of dAg * Ag and dPg * Pg are taken once, of their sum.
+    - phase 5's dO S^T is issued after dPg's dG terms, so its accumulator is not live beside theirs.
+    - KV forms W in U's registers and stores it with stmatrix; A forms its 16-bit tiles (Ag in
+      phase 1; dP, dkk, dkk + dkk^T in phases 5-6) in free accumulator registers likewise.
+    - S computes its G_L rows in phase 3; it arrives at phases 4 and 6 before its work there
+      (no other group reads that work before the next chunk) and waits after it.
+    - Gam is exp2 of a selected exponent (no branch), and its zeros above the diagonal make Pg's
+      and dP's causal mask.
+    - The producer loads the next k once KV's phase-7 gemm has read k_s (its own barrier), and the
+      next g and b rows into registers after phase 1.
     """
     accum = "float32"
     TT = T.dynamic("num_tokens")
@@ -170,10 +133,6 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
         if timing:
             account(tick, tm_s, grp, 0)
 
-    def ag_value(a_s, b_s, gam_f, i, j):
-        """Ag[i, j] = Gam[i, j] A[i, j] b[j], in the input dtype (Gam from A's register copy)."""
-        return T.cast(gam_f[i, j] * T.cast(a_s[i, j], accum) * b_s[j], dtype)
-
     fence = fence_accumulator
 
     @T.macro
@@ -189,34 +148,28 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
 
     @T.macro
     def store_u_w(frag, u_s, w_s, v_s, eG_s):
-        """U = K S (in `frag`) and W = V - e^G U into shared memory (with `w_regs`, W formed in
-        `frag`, which U no longer needs once it is in `u_s`)."""
+        """U = K S (in `frag`) and W = V - e^G U into shared memory (W formed in `frag`, which U
+        no longer needs once it is in `u_s`)."""
         T.copy(frag, u_s)
-        if w_regs:
-            for i, j in T.Parallel(BT, V):
-                frag[i, j] = T.cast(v_s[i, j], accum) - eG_s[i] * frag[i, j]
-            T.copy(frag, w_s)
-        else:
-            for i, j in T.Parallel(BT, V):
-                w_s[i, j] = T.cast(T.cast(v_s[i, j], accum) - eG_s[i] * frag[i, j], dtype)
+        for i, j in T.Parallel(BT, V):
+            frag[i, j] = T.cast(v_s[i, j], accum) - eG_s[i] * frag[i, j]
+        T.copy(frag, w_s)
 
-    def gated(x_f, gam_f, i, j, zeros):
-        """scale Gam[i, j] x[i, j] (Pg from Q K^T, dP from dPg), 0 above the diagonal: with `zeros`
-        through Gam's own zeros there, else a select."""
-        value = scale * x_f[i, j] * gam_f[i, j]
-        return value if zeros else T.if_then_else(j <= i, value, T.cast(0, accum))
+    def gated(x_f, gam_f, i, j):
+        """scale Gam[i, j] x[i, j] (Pg from Q K^T, dP from dPg), 0 above the diagonal through
+        Gam's own zeros there."""
+        return scale * x_f[i, j] * gam_f[i, j]
 
     @T.macro
-    def store_pg(pg_f, pg_s, gam_f, zeros):
+    def store_pg(pg_f, pg_s, gam_f):
         """Pg = scale Gam * (Q K^T) (`pg_f`, in place) into shared memory."""
         for i, j in T.Parallel(BT, BT):
-            pg_f[i, j] = gated(pg_f, gam_f, i, j, zeros)
+            pg_f[i, j] = gated(pg_f, gam_f, i, j)
         T.copy(pg_f, pg_s)
 
     @T.macro
     def write_rows(src, out, t0, eos, hh):
-        """A chunk's rows of `out` before `eos` from `src` (64 x 128). (Without the row test for
-        whole chunks (`whole`), or dq by a TMA store (`tmadq`): slower, session 9.)"""
+        """A chunk's rows of `out` before `eos` from `src` (64 x 128)."""
         for i, j in T.Parallel(BT, K):
             if t0 + i < eos:
                 out[t0 + i, hh, j] = T.cast(src[i, j], dtype)
@@ -342,7 +295,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                 hrow_f = T.alloc_fragment((K,), accum)
                 egl = T.alloc_local((1,), accum)
                 tick = T.alloc_local((4,), "int32")  # timing builds: clock readings
-                gpre = T.alloc_local((3,), accum)  # g_prefetch: the producer's g, g at the chunk end, b
+                gpre = T.alloc_local((3,), accum)  # the producer's g, g at the chunk end, b
                 kv1_f = T.alloc_fragment((BT, V), accum)  # KV
                 kv2_f = T.alloc_fragment((BT, K), accum)
                 kvr_f = T.alloc_fragment((BT,), accum)
@@ -360,8 +313,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                 full = T.alloc_barrier(arrive_count=128)  # the producer publishes a chunk
                 start = T.alloc_barrier(arrive_count=384)  # dS' copy of dht is in dh_s
                 phase = T.alloc_barrier(arrive_count=[384] * PHASES)
-                if k_free:
-                    kfree = T.alloc_barrier(arrive_count=128)  # KV's phase-7 gemm has read k_s
+                kfree = T.alloc_barrier(arrive_count=128)  # KV's phase-7 gemm has read k_s
 
                 T.annotate_layout({
                     q_s: tilelang.layout.make_swizzled_layout(q_s),
@@ -425,21 +377,17 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         egl[0] = eG_s[BT - 1]
                         for i, j in T.Parallel(K, V):
                             dS_f[i, j] = dS_f[i, j] * egl[0]
-                        if not s_gl_late:
-                            gl_rows(hrow_f, dh_s, h_s, gls_s, egl)
                         phase_sync(phase, 0, it % 2, 1, 0, tick, tm_s)
-                        # 2, 3: nothing (with s_gl_late the G_L rows: h_s is reloaded after phase 5, dh_s in 6)
+                        # 2: nothing; 3: the G_L rows (h_s is reloaded after phase 5, dh_s in 6)
                         phase_sync(phase, 1, it % 2, 2, 0, tick, tm_s)
-                        if s_gl_late:
-                            gl_rows(hrow_f, dh_s, h_s, gls_s, egl)
+                        gl_rows(hrow_f, dh_s, h_s, gls_s, egl)
                         phase_sync(phase, 2, it % 2, 3, 0, tick, tm_s)
                         # 4: scale e^G dO into dvp_s (dV' is read by now; only S reads it, in 5)
-                        if s_early4:
-                            T.barrier_arrive(phase[3])
+                        T.barrier_arrive(phase[3])
                         for i, j in T.Parallel(BT, V):
                             dvp_s[i, j] = T.cast(scale * eG_s[i] * T.cast(do_s[i, j], accum), dtype)
                         T.fence_proxy_async()
-                        phase_sync(phase, 3, it % 2, 4, 0, tick, tm_s, arrive=not s_early4)
+                        phase_sync(phase, 3, it % 2, 4, 0, tick, tm_s, arrive=False)
                         # 5: dS += K^T dUs + Q^T (scale e^G dO)
                         T.wgmma_gemm(k_s, u_s, dS_f, transpose_A=True)
                         T.wgmma_gemm(q_s, dvp_s, dS_f, transpose_A=True)
@@ -448,12 +396,11 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         phase_sync(phase, 4, it % 2, 5, 0, tick, tm_s)
                         # 6: the 16-bit copy for the next chunk (dh_s was last read in 5; read again
                         # after phase 7, which S closes after this)
-                        if s_early6:
-                            T.barrier_arrive(phase[5])
+                        T.barrier_arrive(phase[5])
                         T.copy(dS_f, dh_s)
                         T.fence_proxy_async()
                         store_dg(gscan_s, dGk_s, dGa_s, gls_s, glk_s, dg, t0, L, hh)  # every dG part is in by now
-                        phase_sync(phase, 5, it % 2, 6, 0, tick, tm_s, arrive=not s_early6)
+                        phase_sync(phase, 5, it % 2, 6, 0, tick, tm_s, arrive=False)
                         # 7: db = its two parts (A's row part lands in phase 6)
                         for i in T.Parallel(BT):
                             if i < L:
@@ -529,8 +476,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         phase_sync(phase, 5, it % 2, 6, 1, tick, tm_s)
                         # 7: dk += (dkk + dkk^T) K
                         T.gemm(ag_s, k_s, kv2_f)
-                        if k_free:  # k_s is read (A's last read was in 6, S's in 5)
-                            T.barrier_arrive(kfree)
+                        T.barrier_arrive(kfree)  # k_s is read (A's last read was in 6, S's in 5)
                         store_and_close(kv2_f, u_s, dk, t0, eos, hh, phase, it, 1, tick, tm_s)  # u_s is free after phase 5
                     loop_end(tick, tm_s, 1, n_chunks, clk, bx)
 
@@ -546,22 +492,16 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         if it > 0:
                             full_wait(full, (it - 1) % 2, 2, tick, tm_s)
                         for i, j in T.Parallel(BT, BT):  # Gam once per chunk, for phases 1, 4 and 5
-                            if gam_select:  # exp2(-1e30) = 0: no branch around the exp2
-                                gam_f[i, j] = T.exp2(T.if_then_else(j <= i, (G_s[i] - G_s[j]) * LOG2E, T.cast(-1e30, accum)))
-                            else:
-                                gam_f[i, j] = T.if_then_else(j <= i, T.exp2((G_s[i] - G_s[j]) * LOG2E), T.cast(0, accum))
+                            # exp2(-1e30) = 0: no branch around the exp2
+                            gam_f[i, j] = T.exp2(T.if_then_else(j <= i, (G_s[i] - G_s[j]) * LOG2E, T.cast(-1e30, accum)))
                         # 1: Pg = scale Gam Q K^T; Ag = Gam A b (formed while the gemm runs; KV forms U and W)
                         T.wgmma_gemm(q_s, k_s, pg_f, transpose_B=True, clear_accum=True)
-                        if ag_frag:  # sq_f is free until phase 3
-                            for i, j in T.Parallel(BT, BT):
-                                sq_f[i, j] = gam_f[i, j] * T.cast(a_s[i, j], accum) * b_s[j]
-                            T.copy(sq_f, ag_s)
-                        else:
-                            for i, j in T.Parallel(BT, BT):
-                                ag_s[i, j] = ag_value(a_s, b_s, gam_f, i, j)
+                        for i, j in T.Parallel(BT, BT):  # sq_f is free until phase 3
+                            sq_f[i, j] = gam_f[i, j] * T.cast(a_s[i, j], accum) * b_s[j]
+                        T.copy(sq_f, ag_s)
                         T.wait_wgmma(0)
                         fence(pg_f)
-                        store_pg(pg_f, pg_s, gam_f, gam_zeros)
+                        store_pg(pg_f, pg_s, gam_f)
                         T.fence_proxy_async()
                         phase_sync(phase, 0, it % 2, 1, 2, tick, tm_s)
                         # 2: nothing
@@ -579,24 +519,16 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         T.copy(a1_f, w_s)
                         for i, j in T.Parallel(BT, BT):
                             sq2_f[i, j] = gam_f[i, j] * sq_f[i, j] * T.cast(a_s[i, j], accum)
-                        if merged_colsum:  # db's column part from a 16-bit copy; dG's column parts in phase 5
-                            for i, j in T.Parallel(BT, BT):
-                                x3_s[i, j] = T.cast(sq2_f[i, j], dtype)
-                            for i, j in T.Parallel(BT, BT):
-                                pg_f[i, j] = T.cast(x3_s[j, i], accum)
-                            T.reduce_sum(pg_f, ac_f, dim=1)
-                            for i, j in T.Parallel(BT, BT):
-                                sq2_f[i, j] = sq2_f[i, j] * b_s[j]  # dAg * Ag, summed with dPg * Pg in phase 5
-                            for i in T.Parallel(BT):
-                                db_s[i] = ac_f[i]
-                        else:
-                            column_sums(sq2_f, x3_s, pg_f, ac_f)
-                            for i, j in T.Parallel(BT, BT):
-                                sq2_f[i, j] = sq2_f[i, j] * b_s[j]  # dAg * Ag
-                            T.reduce_sum(sq2_f, ar_f, dim=1)
-                            for i in T.Parallel(BT):
-                                db_s[i] = ac_f[i]
-                                dGa_s[i] = ar_f[i] - ac_f[i] * b_s[i]
+                        # db's column part from a 16-bit copy; dG's column parts in phase 5
+                        for i, j in T.Parallel(BT, BT):
+                            x3_s[i, j] = T.cast(sq2_f[i, j], dtype)
+                        for i, j in T.Parallel(BT, BT):
+                            pg_f[i, j] = T.cast(x3_s[j, i], accum)
+                        T.reduce_sum(pg_f, ac_f, dim=1)
+                        for i, j in T.Parallel(BT, BT):
+                            sq2_f[i, j] = sq2_f[i, j] * b_s[j]  # dAg * Ag, summed with dPg * Pg in phase 5
+                        for i in T.Parallel(BT):
+                            db_s[i] = ac_f[i]
                         for i, j in T.Parallel(BT, BT):
                             x3_s[i, j] = T.cast(gam_f[i, j] * sq_f[i, j] * b_s[j], dtype)
                         T.fence_proxy_async()
@@ -604,35 +536,19 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         # 5: dPg = dO V'^T, its dG (rows - columns of dPg Pg), dP = scale Gam dPg;
                         # dq = scale e^G dO S^T (its dG) + dP K; dO S^T runs while dPg's terms and dP are formed
                         T.wgmma_gemm(do_s, w_s, sq_f, transpose_B=True, clear_accum=True)
-                        if late_dos:  # dO S^T after dPg's dG terms: its accumulator not live beside theirs
-                            T.wait_wgmma(0)
-                        else:
-                            T.wgmma_gemm(do_s, h_s, a1_f, transpose_B=True, clear_accum=True)
-                            T.wait_wgmma(1)
+                        T.wait_wgmma(0)  # dO S^T waits until dPg's dG terms: its accumulator not live beside theirs
                         fence(sq_f)
-                        if merged_colsum:  # dG of Ag and Pg at once: rows - columns of dAg * Ag + dPg * Pg
-                            for i, j in T.Parallel(BT, BT):
-                                sq2_f[i, j] = sq2_f[i, j] + sq_f[i, j] * T.cast(pg_s[i, j], accum)
-                            T.reduce_sum(sq2_f, ar_f, dim=1)
-                            column_sums(sq2_f, pg_s, pg_f, ac_f)  # Pg is read; pg_s takes dP next
-                            for i in T.Parallel(BT):
-                                dGa_s[i] = ar_f[i] - ac_f[i]
-                        else:
-                            for i, j in T.Parallel(BT, BT):
-                                sq2_f[i, j] = sq_f[i, j] * T.cast(pg_s[i, j], accum)  # Pg's 16-bit copy, as KV reads it
-                            T.reduce_sum(sq2_f, ar_f, dim=1)
-                            column_sums(sq2_f, pg_s, pg_f, ac_f)  # Pg is read; pg_s takes dP next
-                            for i in T.Parallel(BT):
-                                dGa_s[i] = dGa_s[i] + ar_f[i] - ac_f[i]
-                        if late_dos:
-                            T.wgmma_gemm(do_s, h_s, a1_f, transpose_B=True, clear_accum=True)
-                        if frag_stores:  # dP in dPg's registers (not read again), stored with stmatrix
-                            for i, j in T.Parallel(BT, BT):
-                                sq_f[i, j] = gated(sq_f, gam_f, i, j, gam_zeros)
-                            T.copy(sq_f, pg_s)
-                        else:
-                            for i, j in T.Parallel(BT, BT):
-                                pg_s[i, j] = T.cast(gated(sq_f, gam_f, i, j, gam_zeros), dtype)
+                        # dG of Ag and Pg at once: rows - columns of dAg * Ag + dPg * Pg
+                        for i, j in T.Parallel(BT, BT):
+                            sq2_f[i, j] = sq2_f[i, j] + sq_f[i, j] * T.cast(pg_s[i, j], accum)
+                        T.reduce_sum(sq2_f, ar_f, dim=1)
+                        column_sums(sq2_f, pg_s, pg_f, ac_f)  # Pg is read; pg_s takes dP next
+                        for i in T.Parallel(BT):
+                            dGa_s[i] = ar_f[i] - ac_f[i]
+                        T.wgmma_gemm(do_s, h_s, a1_f, transpose_B=True, clear_accum=True)
+                        for i, j in T.Parallel(BT, BT):  # dP in dPg's registers (not read again), stored with stmatrix
+                            sq_f[i, j] = gated(sq_f, gam_f, i, j)
+                        T.copy(sq_f, pg_s)
                         T.wait_wgmma(0)
                         fence(a1_f)
                         for i, j in T.Parallel(BT, K):
@@ -657,18 +573,12 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         T.reduce_sum(sq2_f, ar_f, dim=1)
                         for i in T.Parallel(BT):
                             db_s[i] = db_s[i] + ar_f[i] * 1.0
-                        if frag_stores:  # dkk, then dkk + dkk^T, in dM's registers
-                            for i, j in T.Parallel(BT, BT):
-                                sq_f[i, j] = sq_f[i, j] * b_s[i]
-                            T.copy(sq_f, x3_s)
-                            for i, j in T.Parallel(BT, BT):
-                                sq_f[i, j] = sq_f[i, j] + T.cast(x3_s[j, i], accum)
-                            T.copy(sq_f, ag_s)
-                        else:
-                            for i, j in T.Parallel(BT, BT):
-                                x3_s[i, j] = T.cast(sq_f[i, j] * b_s[i], dtype)  # dkk
-                            for i, j in T.Parallel(BT, BT):
-                                ag_s[i, j] = T.cast(sq_f[i, j] * b_s[i] + T.cast(x3_s[j, i], accum), dtype)
+                        for i, j in T.Parallel(BT, BT):  # dkk, then dkk + dkk^T, in dM's registers
+                            sq_f[i, j] = sq_f[i, j] * b_s[i]
+                        T.copy(sq_f, x3_s)
+                        for i, j in T.Parallel(BT, BT):
+                            sq_f[i, j] = sq_f[i, j] + T.cast(x3_s[j, i], accum)
+                        T.copy(sq_f, ag_s)
                         T.fence_proxy_async()
                         phase_sync(phase, 5, it % 2, 6, 2, tick, tm_s)
                         # 7: dq (S writes dg and db)
@@ -683,33 +593,22 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         t0 = bos + c * BT
                         T.barrier_wait(phase[0], it % 2)  # v: read in phase 1
                         T.tma_copy(v[t0:t0 + BT, hh, 0:V], v_s, barrier=full)
-                        if g_prefetch:  # one row per thread (producer-loaded chunks are whole)
-                            if tx - 384 < BT:
-                                gpre[0] = g[t0 + tx - 384, hh]
-                                gpre[1] = g[t0 + BT - 1, hh]
-                                gpre[2] = T.cast(b[t0 + tx - 384, hh], accum)
+                        if tx - 384 < BT:  # one row per thread (producer-loaded chunks are whole)
+                            gpre[0] = g[t0 + tx - 384, hh]
+                            gpre[1] = g[t0 + BT - 1, hh]
+                            gpre[2] = T.cast(b[t0 + tx - 384, hh], accum)
                         T.barrier_wait(phase[4], it % 2)  # h, do: last read in phase 5
                         T.tma_copy(h[c0 + c, hh, 0:K, 0:V], h_s, barrier=full)
                         T.tma_copy(do[t0:t0 + BT, hh, 0:V], do_s, barrier=full)
                         T.barrier_wait(phase[5], it % 2)  # q, a, G, b: last read in phase 6
                         T.tma_copy(q[t0:t0 + BT, hg, 0:K], q_s, barrier=full)
                         T.tma_copy(a[t0:t0 + BT, hh, 0:BT], a_s, barrier=full)
-                        if g_prefetch:
-                            if tx - 384 < BT:
-                                G_s[tx - 384] = gpre[0]
-                                eG_s[tx - 384] = T.exp2(gpre[0] * LOG2E)
-                                eGL_s[tx - 384] = T.exp2((gpre[1] - gpre[0]) * LOG2E)
-                                b_s[tx - 384] = gpre[2]
-                        else:
-                            for i in T.Parallel(BT):
-                                G_s[i] = g[t0 + i, hh]
-                                eG_s[i] = T.exp2(g[t0 + i, hh] * LOG2E)
-                                eGL_s[i] = T.exp2((g[t0 + BT - 1, hh] - g[t0 + i, hh]) * LOG2E)
-                                b_s[i] = T.cast(b[t0 + i, hh], accum)
-                        if k_free:
-                            T.barrier_wait(kfree, it % 2)  # k: read by KV's phase-7 gemm
-                        else:
-                            T.barrier_wait(phase[6], it % 2)  # k: last read in phase 7
+                        if tx - 384 < BT:
+                            G_s[tx - 384] = gpre[0]
+                            eG_s[tx - 384] = T.exp2(gpre[0] * LOG2E)
+                            eGL_s[tx - 384] = T.exp2((gpre[1] - gpre[0]) * LOG2E)
+                            b_s[tx - 384] = gpre[2]
+                        T.barrier_wait(kfree, it % 2)  # k: read by KV's phase-7 gemm
                         T.tma_copy(k[t0:t0 + BT, hg, 0:K], k_s, barrier=full)
                         T.barrier_arrive(full)
 
@@ -728,23 +627,21 @@ def ws_config(q, v, b, scale: float) -> tuple:
 
 
 def ws_bwd_given_h(q, k, v, do, a, g, b, h, dht, scale: float, seq_lens, chunk_size: int = 64,
-                   cu_seqlens=None, has_h0: bool = False, state_v_first: bool = False, clk=None, **build):
+                   cu_seqlens=None, has_h0: bool = False, state_v_first: bool = False, clk=None):
     """Run the warp-specialised kernel; returns `(dq, dk, dv, dg, db, dh0)` in the contract's form.
 
     `tilelang_launch.launch_packed`'s calling convention; dq/dk come out in q's dtype, db in b's
     dtype. `clk` (int32, `[N * H * 3 * TIMING_SLOTS]`) asks for the timing build and receives
-    its counters (tools/ws_probe.py); `build` holds `build_ws_bwd`'s switches (`DEFAULT_BUILD`'s
-    keys, as `build_flags` makes them) for the experimental builds.
+    its counters (tools/ws_probe.py).
     """
     import torch
 
-    unknown = set(build) - set(DEFAULT_BUILD)
-    if unknown:
-        raise TypeError(f"ws_bwd_given_h: unknown build switch(es) {sorted(unknown)}; known: {sorted(DEFAULT_BUILD)}")
     H, Hg, Kd, Vd = v.shape[2], q.shape[2], q.shape[3], v.shape[3]
     if (Kd, Vd, chunk_size) != (K, V, BT):
         raise ValueError(f"ws_bwd_given_h: built for K = V = {K}, chunk {BT}; got K={Kd}, V={Vd}, chunk {chunk_size}")
-    kern = build_ws_bwd(*ws_config(q, v, b, scale), timing=clk is not None, **build)
+    # the plain build by its positional arguments alone: the key `compile_jobs` warms (lru_cache)
+    kern = build_ws_bwd(*ws_config(q, v, b, scale)) if clk is None else \
+        build_ws_bwd(*ws_config(q, v, b, scale), timing=True)
     if clk is None:  # the plain build never touches it: a cached constant, one launch less per call
         clk = device_constant((0,), torch.int32, q.device)
     # TMA copies bytes: h_s holds q's dtype

@@ -249,8 +249,8 @@ def segment_states(seg_call, init: torch.Tensor, state_v_first: bool = False) ->
     H, K, V]` (`[B, NT, H, V, K]` with `state_v_first`) in q's dtype, for pass 3 (so its
     backend takes `h` given instead of recomputing the states with fla's stages 1-2). One
     launch."""
-    from .contract import chunk_counts
-    from .graph_safe import device_constant
+    from gdr_dispatch.contract import chunk_counts
+    from gdr_dispatch.graph_safe import device_constant
 
     K, V, H, Hg, BT = seg_call.K, seg_call.V, seg_call.H, seg_call.Hg, seg_call.chunk_size
     why = _call_reason(K, V, seg_call.q.dtype, BT)

@@ -34,8 +34,8 @@ Pass 2, the scans, runs as Triton kernels on CUDA for fp32 maps (segment_scan.py
 each instead of ~150 small ops), else as log-depth prefixes of the segments' maps in batched
 K x K products. `GDR_CP=<n>` forces at
 most n segments per sequence, `GDR_CP=0` turns the split off; unset, the autotuner tries
-`(backend, segments)` candidates (`SplitBackend`) on grids with fewer sequence x head programs
-than SMs, and a table may store one as `<backend>@split<n>`.
+`(backend, segments)` candidates (`SplitBackend`, __init__.py) on grids with fewer sequence x
+head programs than SMs, and a table may store one as `<backend>@split<n>`.
 """
 
 from __future__ import annotations
@@ -48,10 +48,12 @@ from typing import Callable
 
 import torch
 
-from . import chunked_math as cm
-from .contract import GDRCall, GDRGrads, chunk_counts, validate
-from .graph_safe import device_constant
-from .registry import Backend, Problem, first_time
+from gdr_dispatch import chunked_math as cm
+from gdr_dispatch.caches import first_time
+from gdr_dispatch.contract import GDRCall, GDRGrads, chunk_counts, validate
+from gdr_dispatch.graph_safe import device_constant
+from gdr_dispatch.problem import Problem
+from gdr_dispatch.registry import registered_backends, unverified_allowed, unverified_reason
 
 
 def segment_length(seq_lens, chunk_size: int, segments: int) -> int:
@@ -105,13 +107,12 @@ def _maps_kernels_refusal(seg_call: GDRCall) -> str:
     """Why pass 1 does not run on our Triton kernels (segment_maps.py) for the segments' call,
     "" when it does. Gated like a backend: while `segment_maps.GPU_VERIFIED` is False, only
     GDR_ALLOW_UNVERIFIED=1 runs them."""
-    from . import segment_maps
-    from .registry import ALLOW_UNVERIFIED_ENV, unverified_allowed
+    from ..kernels import segment_maps
 
     why = segment_maps.not_supported_reason(seg_call.K, seg_call.V, seg_call.q.dtype, seg_call.chunk_size,
                                             seg_call.q.device)
     if not why and not segment_maps.GPU_VERIFIED and not unverified_allowed():
-        why = f"the Triton maps are not verified on a GPU yet; {ALLOW_UNVERIFIED_ENV}=1 runs them"
+        why = unverified_reason("the Triton maps")
     return why
 
 
@@ -119,10 +120,8 @@ def pass_1_provider(seg_call: GDRCall):
     """`(name, function)` of what runs pass 1 for the segments' call: our Triton kernels
     (segment_maps.py) where they take it, else the first registered backend whose kernels do,
     else `("torch products", None)`."""
-    from .registry import registered_backends
-
     if not _maps_kernels_refusal(seg_call):
-        from . import segment_maps
+        from ..kernels import segment_maps
 
         return OUR_MAPS, segment_maps.segment_maps
     problem = Problem.from_call(seg_call)
@@ -198,7 +197,7 @@ def split_backward(call: GDRCall, segments: int, run: Callable[[GDRCall], GDRGra
     provider, maps = pass_1_provider(seg_call)
     states = None if states_by_run else _states_kernel(call, seg_call, provider)
     problem = Problem.from_call(call)
-    if first_time(("split passes", problem, segments, provider, states_by_run)):
+    if first_time(("split passes", problem.table_key(), segments, provider, states_by_run)):
         log.info("gdr_dispatch: split pass 1 (the segments' composed state maps) on %s, pass 2 (the scans) on %s, "
                  "%sfor %s", (f"{provider}'s kernels" if maps is not None else provider)
                  + ("" if provider == OUR_MAPS else f" (our Triton maps: {_maps_kernels_refusal(seg_call)})"),
@@ -223,7 +222,7 @@ def _states_kernel(call: GDRCall, seg_call: GDRCall, provider: str):
     own state recompute, fla's stages 1-2 for most). None otherwise."""
     if call.h is not None or provider != OUR_MAPS:
         return None
-    from . import segment_maps
+    from ..kernels import segment_maps
 
     return functools.partial(segment_maps.segment_states, seg_call, state_v_first=call.state_v_first)
 
@@ -235,8 +234,8 @@ def _full_grid(pick, N: int, n_seg: int) -> bool:
 
 def _to_grid(x, pick, index, N: int, n_seg: int, fill: str):
     """The non-empty segments' `[segments, ...]` as `[N, n_seg, ...]`, `fill` ("eye" or "zeros")
-    where a segment is empty: a reshape on a full grid, else a scatter. The split is bound by
-    its host-side launches (docs/measurements.md, session 8's profile): the scatter's four
+    where a segment is empty: a reshape on a full grid, else a scatter. Eager, the split is bound
+    by its host-side launches (docs/kernels.md, "The split"): the scatter's four
     (identity or zeros, repeat, index_put) are skipped where they move nothing."""
     if _full_grid(pick, N, n_seg):
         return x.reshape(N, n_seg, *x.shape[1:])
@@ -296,12 +295,11 @@ def _scan_kernels_refusal(K: int, V: int, acc: torch.dtype, dev: torch.device) -
     tests/test_gpu.py not yet passed), only GDR_ALLOW_UNVERIFIED=1 runs them."""
     if torch.device(dev).type != "cuda":
         return "not on CUDA"
-    from . import segment_scan
-    from .registry import ALLOW_UNVERIFIED_ENV, unverified_allowed
+    from ..kernels import segment_scan
 
     why = segment_scan.not_supported_reason(K, V, acc, dev)
     if not why and not segment_scan.GPU_VERIFIED and not unverified_allowed():
-        why = f"the Triton scans are not verified on a GPU yet; {ALLOW_UNVERIFIED_ENV}=1 runs them"
+        why = unverified_reason("the Triton scans")
     return why
 
 
@@ -310,7 +308,7 @@ def _scan_kernels(K: int, V: int, acc: torch.dtype, dev: torch.device):
     torch scan; `_scan_kernels_refusal` says why)."""
     if _scan_kernels_refusal(K, V, acc, dev):
         return None
-    from . import segment_scan
+    from ..kernels import segment_scan
 
     return segment_scan
 
@@ -372,59 +370,3 @@ def _scan_and_run(call, s, pick, index, seg_call, Ms, Rs, Ds, run, states=None) 
     else:
         dh0 = (dh0.transpose(-1, -2) if call.state_v_first else dh0).to(out_dt).contiguous()
     return GDRGrads(back(grads.dq), back(grads.dk), back(grads.dv), back(grads.dg), back(grads.db), dh0)
-
-
-class SplitBackend(Backend):
-    """A registered backend run on the segments of `split_backward`: the autotuner's
-    `(backend, segments)` candidate on grids with fewer sequence x head programs than SMs.
-    Its name, `<backend>@split<n>`, is what a tuning table stores."""
-
-    reference_rank = None
-
-    def __init__(self, inner: Backend, segments: int):
-        self.inner, self.segments = inner, segments
-        self.name = f"{inner.name}{SPLIT_MARK}{segments}"
-        self.static_rank = inner.static_rank
-        self.gpu_verified = True  # the inner backend's own gate applies through its `supported`
-
-    def not_supported_reasons(self, p: Problem) -> list[str]:
-        # the segments are one varlen call with both states given, in the accumulation dtype
-        inner = replace(p, B=1, T=p.B * p.T, varlen=True, has_dht=True, has_initial_state=True,
-                        state_dtype="float64" if p.dtype == "float64" else "float32",
-                        max_seqlen=None, N=p.N * self.segments)
-        ok, why = self.inner.supported(inner)
-        return [] if ok else [f"{self.inner.name} on the segments: {why}"]
-
-    def run(self, call: GDRCall) -> GDRGrads:
-        return split_backward(call, self.segments, run=self.inner.run, states_by_run=self.inner.own_state_recompute())
-
-    def compile_jobs(self, call: GDRCall) -> list[tuple[str, str, tuple]]:
-        """The inner backend's builds for pass 3's call (the segments as one varlen call with both
-        states in fp32): FlashQLA's kernels key on those flags, so a sweep that precompiled only
-        the unsplit call still compiled them on first use (about a minute, session 6)."""
-        _, _, seg_lens, _, (token_offsets, _, _) = _plan(call.seq_lens, call.chunk_size, self.segments)
-        flat, offsets = _segments_inputs(call, token_offsets)
-        shape = (len(seg_lens), call.H, call.V, call.K) if call.state_v_first else (len(seg_lens), call.H, call.K, call.V)
-        states = torch.zeros(shape, dtype=_state_dtype(call), device=call.q.device)
-        h = None if call.h is None else call.h.reshape(1, -1, *call.h.shape[2:])
-        # pass 3 takes h given where our maps run pass 1 (`_states_kernel`) unless the backend
-        # recomputes them itself; what the maps check (K, V, dtype, chunk size, device) is the same
-        # for the unsplit call as for the segments'
-        if h is None and not self.inner.own_state_recompute() and not _maps_kernels_refusal(call):
-            nt = sum(chunk_counts(seg_lens, call.chunk_size))
-            h = torch.zeros(1, nt, call.H, *shape[2:], dtype=call.q.dtype, device=call.q.device)
-        seg = validate(**flat, h=h, dht=states, initial_state=states, scale=call.scale, chunk_size=call.chunk_size,
-                       cu_seqlens=offsets, state_v_first=call.state_v_first)
-        return self.inner.compile_jobs(seg)
-
-
-#: How a split candidate is written in a table: `<backend>@split<segments>`.
-SPLIT_MARK = "@split"
-
-
-def parse_split(name: str) -> tuple[str, int]:
-    """`fla@split4` -> ("fla", 4); a plain name -> (name, 1)."""
-    base, mark, n = name.partition(SPLIT_MARK)
-    if mark and n.isdigit() and int(n) > 1:
-        return base, int(n)
-    return name, 1

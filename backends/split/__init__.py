@@ -1,0 +1,136 @@
+"""The exact intra-GPU split as a wrapper backend: `<backend>@split<n>` runs any registered
+backend on each sequence cut into `n` segments of whole chunks, joined exactly (passes.py;
+docs/design.md, "The split"). Registered with the registry as a `Wrapper`: the dispatcher asks
+it for candidates on grids with fewer sequence x head programs than SMs, and `GDR_CP=<n>` runs
+every call through it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Callable, Optional
+
+import torch
+
+from gdr_dispatch import env
+from gdr_dispatch.caches import first_time
+from gdr_dispatch.contract import GDRCall, GDRGrads, chunk_counts, validate
+from gdr_dispatch.problem import Problem
+from gdr_dispatch.registry import Backend, Wrapper, register_wrapper
+
+from . import passes
+
+log = logging.getLogger("gdr_dispatch")
+
+#: How a split candidate is written in a table: `<backend>@split<segments>`.
+SPLIT_MARK = "@split"
+
+#: Segments per sequence a sweep may time on starved grids (each with every supported backend
+#: that allows it): powers of two up to the first that fills the SMs (`segment_counts`).
+SPLIT_SEGMENTS = (2, 4, 8, 16, 32, 64)
+
+
+def segment_counts(problem: Problem, thorough: bool = True) -> tuple[int, ...]:
+    """The `SPLIT_SEGMENTS` worth timing for a starved grid: each no more than the longest
+    sequence's chunks, up to the first count whose segments fill every SM (more only add pass-1
+    work and segments of fewer chunks). Not `thorough` (a table miss): only the counts whose
+    programs lie between half the SMs and twice them, where every starved shape measured on the
+    H200 found its best (docs/kernels.md, "The split")."""
+    longest = problem.max_seqlen if problem.max_seqlen is not None else problem.B * problem.T
+    chunks = -(-longest // problem.chunk_size)
+    sms = problem.device.sm_count
+    out = []
+    for segments in SPLIT_SEGMENTS:
+        if segments > chunks:
+            break
+        programs = problem.seq_head_ctas * segments
+        if thorough or sms <= 2 * programs < 4 * sms:
+            out.append(segments)
+        if not thorough and programs >= 2 * sms:
+            break
+        if thorough and programs >= sms:
+            break
+    if not out and not thorough:
+        return segment_counts(problem, thorough=True)[-1:]
+    return tuple(out)
+
+
+class SplitBackend(Backend):
+    """A registered backend run on the segments of `passes.split_backward`."""
+
+    reference_rank = None
+
+    def __init__(self, inner: Backend, segments: int):
+        self.inner, self.segments = inner, segments
+        self.name = f"{inner.name}{SPLIT_MARK}{segments}"
+        self.static_rank = inner.static_rank
+        self.gpu_verified = True  # the inner backend's own gate applies through its `supported`
+
+    def not_supported_reasons(self, p: Problem) -> list[str]:
+        if not self.inner.split_candidate:
+            return [f"{self.inner.name} is not split (it declares split_candidate = False)"]
+        # the segments are one varlen call with both states given, in the accumulation dtype
+        inner = replace(p, B=1, T=p.B * p.T, varlen=True, has_dht=True, has_initial_state=True,
+                        state_dtype="float64" if p.dtype == "float64" else "float32",
+                        max_seqlen=None, N=p.N * self.segments)
+        ok, why = self.inner.supported(inner)
+        return [] if ok else [f"{self.inner.name} on the segments: {why}"]
+
+    def run(self, call: GDRCall) -> GDRGrads:
+        return passes.split_backward(call, self.segments, run=self.inner.run,
+                                     states_by_run=self.inner.own_state_recompute())
+
+    def compile_jobs(self, call: GDRCall) -> list[tuple[str, str, tuple]]:
+        """The inner backend's builds for pass 3's call (the segments as one varlen call with both
+        states in fp32): FlashQLA's kernels key on those flags, so precompiling only the unsplit
+        call leaves about a minute of compiling to the first use."""
+        _, _, seg_lens, _, (token_offsets, _, _) = passes._plan(call.seq_lens, call.chunk_size, self.segments)
+        flat, offsets = passes._segments_inputs(call, token_offsets)
+        shape = (len(seg_lens), call.H, call.V, call.K) if call.state_v_first else (len(seg_lens), call.H, call.K, call.V)
+        states = torch.zeros(shape, dtype=passes._state_dtype(call), device=call.q.device)
+        h = None if call.h is None else call.h.reshape(1, -1, *call.h.shape[2:])
+        # pass 3 takes h given where our maps run pass 1 unless the backend recomputes them itself;
+        # what the maps check (K, V, dtype, chunk size, device) is the same for the unsplit call
+        if h is None and not self.inner.own_state_recompute() and not passes._maps_kernels_refusal(call):
+            nt = sum(chunk_counts(seg_lens, call.chunk_size))
+            h = torch.zeros(1, nt, call.H, *shape[2:], dtype=call.q.dtype, device=call.q.device)
+        seg = validate(**flat, h=h, dht=states, initial_state=states, scale=call.scale, chunk_size=call.chunk_size,
+                       cu_seqlens=offsets, state_v_first=call.state_v_first)
+        return self.inner.compile_jobs(seg)
+
+
+class Split(Wrapper):
+    mark = SPLIT_MARK
+
+    def candidates(self, problem: Problem, supported: dict, thorough: bool = False) -> dict:
+        """`<backend>@split<n>` for a starved grid (fewer sequence x head programs than SMs):
+        nothing while `GDR_CP` decides, on a CPU, or when the grid is full."""
+        if env.cp_segments() is not None or problem.device.type != "cuda":
+            return {}
+        if problem.seq_head_ctas >= problem.device.sm_count:
+            return {}
+        out = {}
+        for segments in segment_counts(problem, thorough):
+            for backend in supported.values():
+                if backend.split_candidate:
+                    split = SplitBackend(backend, segments)
+                    if split.supported(problem)[0]:
+                        out[split.name] = split
+        return out
+
+    def wrap(self, inner: Backend, n: int) -> Backend:
+        return SplitBackend(inner, n)
+
+    def forced(self, call: GDRCall, n: int, run: Callable[[GDRCall], GDRGrads],
+               inner: Optional[Backend]) -> GDRGrads:
+        problem = Problem.from_call(call)
+        if first_time(("split", problem.table_key(), n)):
+            log.info("gdr_dispatch: split=%d (%s) for %s: each sequence in %d segments of whole chunks, run as one "
+                     "varlen call", n, env.CP, problem.describe(), n)
+        # a forced backend that recomputes the states in its own kernel does so for pass 3 too,
+        # as its `<backend>@split<n>` candidate does
+        return passes.split_backward(call, n, run=run, states_by_run=inner is not None and inner.own_state_recompute())
+
+
+register_wrapper(Split())

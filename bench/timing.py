@@ -1,0 +1,39 @@
+"""Timing helpers of the bench scripts (and tools/profile_split.py): what users feel beside what
+the GPU does. The library's own timer is gdr_dispatch.autotune.measure_ms."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from gdr_dispatch.autotune import measure_ms, relative_error  # noqa: F401  (re-exported for the scripts)
+
+
+def host_enqueue_ms(fn: Callable[[], object], reps: int = 5) -> float:
+    """Median host time of one call's enqueue in ms, the GPU drained before each (no sync
+    inside). Near `measure_ms`'s reading the call is host-bound: eager, the split's time at B1
+    T32768 H4 is its host's (docs/kernels.md, "The split")."""
+    out = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(out)
+
+
+def more_rounds(runners: dict, runs: dict, rounds: int, measure: Callable) -> None:
+    """Time each runner that has a first reading (`runs[name]["ms"]`) `rounds - 1` more times,
+    in alternating order (reversed first), and keep the least median; `ms_rounds` keeps all.
+    Why: a runner's place in the sequence moves its time by up to 0.6 ms on the H200 (the first
+    runner of a row reads slower than the same kernel called later)."""
+    timed = [n for n in runners if "ms" in runs.get(n, {})]
+    for r in range(1, rounds):
+        for name in (timed[::-1] if r % 2 else timed):
+            run = runs[name]
+            run.setdefault("ms_rounds", [run["ms"]]).append(round(measure(runners[name]), 4))
+            run["ms"] = min(run["ms_rounds"])

@@ -1,0 +1,333 @@
+"""Measuring backends on a call's own tensors: timing, the cross-check between candidates, the
+output check, and compiling the candidates' kernels in parallel processes first.
+
+A table miss (dispatch.py) and `gdr-dispatch tune` (cli.py) both call `autotune`; the first
+prunes the candidates to those that can win (`prune`, docs/design.md "Autotuning"), the second
+measures everything it is asked to.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import statistics
+import time
+from typing import Callable, Collection, Optional
+
+import torch
+
+from .contract import GDRCall, GDRGrads
+from .problem import Problem
+from .registry import Backend, NoBackendError
+
+log = logging.getLogger("gdr_dispatch")
+
+#: Autotuning runs each candidate once untimed (first-call compiles and fla's own autotuner
+#: happen there; the cross-check reads that run's output), then `AUTOTUNE_WARMUP` more
+#: untimed runs and the median of `AUTOTUNE_REPS` timed ones.
+AUTOTUNE_WARMUP = 2
+AUTOTUNE_REPS = 10
+
+#: Largest relative Frobenius difference allowed between two candidates' gradients, per
+#: input dtype. bf16: fla and FlashQLA each land at 3-4e-3 from the fp64 oracle on the H200
+#: (docs/kernels.md, "Accuracy"), so two correct backends can differ by ~8e-3; a broken kernel
+#: is off by O(1).
+AGREEMENT_TOL = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4, "float64": 1e-8}
+
+
+def measure_ms(fn: Callable[[], object], device_type: str, warmup: int = AUTOTUNE_WARMUP,
+               reps: int = AUTOTUNE_REPS) -> float:
+    """Median wall time of `fn` in ms: CUDA events on the GPU, perf_counter on the CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device_type == "cuda":
+        torch.cuda.synchronize()
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def relative_error(x: Optional[torch.Tensor], ref: Optional[torch.Tensor]) -> float:
+    """||x - ref||_F / ||ref||_F in fp64 (inf for a missing or non-finite x, 0 for two Nones)."""
+    if x is None or ref is None:
+        return 0.0 if x is None and ref is None else float("inf")
+    x, ref = x.detach().double(), ref.detach().double()
+    if x.shape != ref.shape or not torch.isfinite(x).all():
+        return float("inf")
+    denom = ref.norm().item()
+    diff = (x - ref).norm().item()
+    return diff / denom if denom > 0 else diff
+
+
+def grads_disagreement(grads: GDRGrads, ref: GDRGrads, tol: float) -> Optional[str]:
+    """None when every gradient is within `tol` of `ref`, else the numbers that are not."""
+    bad = []
+    for name in GDRGrads._fields:
+        err = relative_error(getattr(grads, name), getattr(ref, name))
+        if not err <= tol:
+            bad.append(f"{name} rel err {err:.2e}")
+    return f"{', '.join(bad)} > {tol:g}" if bad else None
+
+
+def check_outputs(call: GDRCall, grads: GDRGrads, backend: str) -> None:
+    """Shapes and dtypes of a backend's gradients against the contract (a backend bug otherwise)."""
+    acc = call.acc_dtype
+    want = {
+        "dq": (tuple(call.q.shape), call.q.dtype),
+        "dk": (tuple(call.k.shape), call.k.dtype),
+        "dv": (tuple(call.v.shape), call.v.dtype),
+        "dg": (tuple(call.g.shape), acc),
+        "db": (tuple(call.b.shape), call.b.dtype),
+        "dh0": (call.state_shape(), acc) if call.initial_state is not None else None,
+    }
+    for name, spec in want.items():
+        got = getattr(grads, name)
+        if spec is None:
+            if got is not None:
+                raise RuntimeError(f"backend {backend!r} returned {name} although initial_state is None")
+            continue
+        if got is None or tuple(got.shape) != spec[0] or got.dtype != spec[1]:
+            shape = None if got is None else (tuple(got.shape), got.dtype)
+            raise RuntimeError(f"backend {backend!r} returned {name} as {shape}, the contract says {spec}")
+
+
+def autotune(call: GDRCall, problem: Problem, candidates: dict[str, Backend],
+             measure: Optional[Callable[..., float]] = None,
+             progress: Optional[Callable[[str], None]] = None, skipped: Optional[dict] = None,
+             untimed: Collection[str] = ()) -> tuple[dict, GDRGrads]:
+    """Time and cross-check `candidates` on the call's tensors; return (table entry, winner's grads).
+
+    `measure(fn, device_type) -> ms` defaults to `measure_ms`; `progress(line)` receives a line
+    per candidate as it is measured, with the time spent and an estimate of what is left (default:
+    the INFO log); `skipped` (name -> why) is recorded in the entry beside the measured ones;
+    `untimed` candidates run once, as the cross-check's reference only (never the winner).
+    """
+    measure = measure or measure_ms
+    say = progress or (lambda line: log.info("gdr_dispatch: %s", line))
+    say(f"autotuning {len(candidates)} candidates for {problem.describe()}"
+        + (f" ({len(skipped)} skipped: {', '.join(skipped)})" if skipped else ""))
+    results: dict[str, dict] = {}
+    outputs: dict[str, GDRGrads] = {}
+    t_start = time.perf_counter()
+    for i, (name, backend) in enumerate(candidates.items(), 1):
+        t0 = time.perf_counter()
+        first = None
+        try:
+            outputs[name] = backend.run(call)
+            if call.q.is_cuda:
+                torch.cuda.synchronize(call.q.device)
+            first = time.perf_counter() - t0
+            check_outputs(call, outputs[name], name)
+            if name in untimed:
+                results[name] = {"untimed": "the cross-check's reference"}
+            else:
+                results[name] = {"ms": round(measure(lambda: backend.run(call), problem.device.type), 4)}
+        except Exception as e:  # a candidate that breaks is recorded, never chosen
+            outputs.pop(name, None)
+            if isinstance(e, torch.cuda.OutOfMemoryError):
+                torch.cuda.empty_cache()  # e.g. the torch backend at a training shape: the others still run
+            results[name] = {"failed": f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
+        spent = time.perf_counter() - t_start
+        left = spent / i * (len(candidates) - i)
+        say(f"autotune [{i}/{len(candidates)}] {name}: "
+            + (f"{results[name]['ms']} ms" if "ms" in results[name] else
+               results[name].get("failed") or results[name].get("untimed", ""))
+            + (f"  [first call {first:.1f} s, " if first is not None else "  [")
+            + f"{time.perf_counter() - t0:.1f} s in all; {spent:.0f} s spent, ~{left:.0f} s left]")
+
+    # the cross-check reference: the most trusted candidate that ran (backends declare
+    # `reference_rank`), else the first that ran
+    trusted = sorted((b.reference_rank, n) for n, b in candidates.items()
+                     if b.reference_rank is not None and n in outputs)
+    ref_name = trusted[0][1] if trusted else next(iter(outputs), None)
+    tol = AGREEMENT_TOL[problem.dtype]
+    if ref_name is not None:
+        for name in outputs:
+            if name == ref_name:
+                continue
+            why = grads_disagreement(outputs[name], outputs[ref_name], tol)
+            if why is not None:
+                results[name] = {"failed": f"disagrees with {ref_name}: {why}", "ms": results[name].get("ms")}
+    for name, why in (skipped or {}).items():
+        results[name] = {"skipped": why}
+    timed = {n: r["ms"] for n, r in results.items() if "ms" in r and "failed" not in r and "skipped" not in r}
+    if not timed:
+        detail = "; ".join(f"{n}: {r.get('failed') or r.get('skipped')}" for n, r in results.items())
+        raise NoBackendError(f"every candidate failed while autotuning {problem.describe()}: {detail}")
+    winner = min(timed, key=timed.get)
+    from .tuning_table import now_iso
+
+    entry = {
+        "problem": problem.describe(),
+        "winner": winner,
+        "candidates": results,
+        "cross_check": {"reference": ref_name, "tol": tol},
+        "measured_at": now_iso(),
+    }
+    return entry, outputs[winner]
+
+
+# ---------------------------------------------------------------------------------------
+# compiling first, in parallel
+# ---------------------------------------------------------------------------------------
+def run_compile_job(job: tuple[str, str, tuple]) -> float:
+    """Run one `Backend.compile_jobs` entry (in a worker process); returns its wall time in seconds."""
+    module, function, args = job
+    t0 = time.perf_counter()
+    getattr(importlib.import_module(module), function)(*args)
+    return time.perf_counter() - t0
+
+
+def precompile(jobs: dict[tuple, list[str]], workers: int, say: Callable[[str], None]) -> None:
+    """Run the compile jobs (each with the candidate names that need it) in up to `workers`
+    processes at once, saying how long each took: a TileLang build is 20-100 s on one core, and
+    TileLang's and Triton's disk caches are shared and process-safe, so the timing after finds
+    them built. Each job is a fresh interpreter (`python -m gdr_dispatch.autotune JOB`), never a
+    fork or a spawn of the caller's process, whose main script would run again in a spawned child."""
+    if not jobs:
+        return
+    workers = max(1, min(workers, len(jobs)))
+    say(f"compiling {len(jobs)} kernels in {workers} processes first")
+    t0 = time.perf_counter()
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    with ThreadPoolExecutor(workers) as pool:
+        futures = {pool.submit(_compile_in_subprocess, job): job for job in jobs}
+        for fut in as_completed(futures):
+            module, function, cfg = futures[fut]
+            what = f"{'/'.join(sorted(set(jobs[futures[fut]])))}: {function}{cfg}"
+            try:
+                say(f"  compiled {what} in {fut.result():.1f} s")
+            except Exception as e:  # noqa: BLE001 - the timing compiles it again and records the failure
+                say(f"  failed to compile {what}: {type(e).__name__}: {str(e)[-300:]}")
+    say(f"  all {len(jobs)} in {time.perf_counter() - t0:.1f} s")
+
+
+def _compile_in_subprocess(job: tuple[str, str, tuple]) -> float:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    t0 = time.perf_counter()
+    env = dict(os.environ)
+    here = str(Path(__file__).resolve().parent.parent)  # where this gdr_dispatch imports from
+    env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    done = subprocess.run([sys.executable, "-m", "gdr_dispatch.autotune", repr(job)], env=env,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+        raise RuntimeError(lines[-1] if lines else f"exit status {done.returncode}")
+    return time.perf_counter() - t0
+
+
+def compile_jobs_of(call: GDRCall, candidates: dict[str, Backend]) -> dict[tuple, list[str]]:
+    """Every candidate's compile jobs for `call`, each with the (base) names that need it."""
+    from .registry import base_name
+
+    jobs: dict[tuple, list[str]] = {}
+    for name, backend in candidates.items():
+        for job in backend.compile_jobs(call):
+            jobs.setdefault(job, []).append(base_name(name))
+    return jobs
+
+
+# ---------------------------------------------------------------------------------------
+# a table miss: only the candidates that can win, compiled first
+# ---------------------------------------------------------------------------------------
+#: A candidate measured this much slower than the winner at every neighbouring table entry is
+#: not measured on a table miss (docs/design.md, "Autotuning").
+PRUNE_MARGIN = 1.25
+
+
+def prune(problem: Problem, candidates: dict[str, Backend]) -> tuple[dict[str, Backend], dict[str, str]]:
+    """`(kept, skipped)`: on a GPU a reference backend (`Backend.reference`, the exact torch math)
+    is skipped, and so is a candidate that the device's tables show losing by more than
+    `PRUNE_MARGIN` (or failing) at every neighbouring entry where it was measured (same device,
+    dtype, K, V, chunk size, `h` given or not, wave bucket; any library versions). A candidate
+    no neighbour measured is kept. `GDR_AUTOTUNE_ALL=1` keeps everything."""
+    from . import env, tuning_table
+
+    if env.autotune_all() or problem.device.type != "cuda":
+        return dict(candidates), {}
+    kept, skipped = {}, {}
+    neighbours = tuning_table.neighbours(problem)
+    for name, backend in candidates.items():
+        if getattr(backend, "reference", False) and len(candidates) > 1:
+            skipped[name] = "a reference backend: it runs once for the cross-check, untimed"
+            continue
+        ratios = []
+        for key, entry in neighbours:
+            cands = entry.get("candidates", {})
+            best = cands.get(entry.get("winner"), {}).get("ms")
+            mine = cands.get(name)
+            if not isinstance(best, (int, float)) or not isinstance(mine, dict):
+                continue
+            if "failed" in mine:
+                ratios.append(float("inf"))
+            elif isinstance(mine.get("ms"), (int, float)) and "unsupported" not in mine and "skipped" not in mine:
+                ratios.append(mine["ms"] / best)
+        if ratios and min(ratios) > PRUNE_MARGIN:
+            skipped[name] = (f"{min(ratios):.2f}x the winner or worse at {len(ratios)} neighbouring table "
+                             f"entr{'y' if len(ratios) == 1 else 'ies'}")
+            continue
+        kept[name] = backend
+    if not kept:  # never prune everything
+        return dict(candidates), {}
+    return kept, skipped
+
+
+def compile_workers() -> int:
+    import os
+
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
+def first_call(call: GDRCall, problem: Problem, options: dict[str, Backend]) -> tuple[dict, GDRGrads]:
+    """A table miss: prune, compile the kept candidates' kernels in parallel processes, then time
+    them; a pruned reference backend still runs once (untimed) as the cross-check's reference."""
+    import time
+
+    t0 = time.perf_counter()
+    kept, skipped = prune(problem, options)
+
+    def say(line):
+        log.info("gdr_dispatch: %s", line)
+
+    if skipped:
+        say(f"table miss for {problem.describe()}: measuring {len(kept)} of {len(options)} candidates; skipped: "
+            + "; ".join(f"{n} ({why})" for n, why in skipped.items()))
+    jobs = compile_jobs_of(call, kept)
+    if len(jobs) > 1:
+        precompile(jobs, compile_workers(), say)
+    refs = {n: b for n, b in options.items() if n in skipped and b.reference_rank is not None}
+    if refs and not any(b.reference_rank is not None for b in kept.values()):
+        name = min(refs, key=lambda n: refs[n].reference_rank)
+        entry, grads = autotune(call, problem, {name: refs[name], **kept}, progress=say, skipped=None,
+                                untimed={name})
+        entry["candidates"][name] = {"skipped": skipped[name]}
+        for n, why in skipped.items():
+            entry["candidates"].setdefault(n, {"skipped": why})
+    else:
+        entry, grads = autotune(call, problem, kept, progress=say, skipped=skipped)
+    entry["first_call_s"] = round(time.perf_counter() - t0, 1)
+    say(f"table miss for {problem.describe()}: {entry['winner']} in {entry['first_call_s']} s")
+    return entry, grads
+
+
+if __name__ == "__main__":  # one compile job, in its own process (precompile)
+    import ast
+    import sys
+
+    run_compile_job(ast.literal_eval(sys.argv[1]))
