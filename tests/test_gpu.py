@@ -2,7 +2,7 @@
 
 Marked `gpu`; skipped where torch sees no CUDA device. Tolerance: relative Frobenius error
 of each gradient <= 1e-2 for 16-bit inputs (fla and FlashQLA land at 3-4e-3,
-docs/measurements.md). Backends not yet verified on a GPU run here (GDR_ALLOW_UNVERIFIED):
+docs/kernels.md). Backends not yet verified on a GPU run here (GDR_ALLOW_UNVERIFIED):
 these tests are what verifies them.
 """
 
@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from conftest import case, rel_errors
-from gdr_dispatch import Problem, registered_backends, fused_gdr_bwd
-from gdr_dispatch import dispatch as dsp
 from fixtures import fused_stage_case
+from gdr_dispatch import Problem, fused_gdr_bwd, registered_backends
+from gdr_dispatch import dispatch as dsp
+from gdr_dispatch.autotune import relative_error
+from gdr_dispatch.backends.split import SplitBackend
 from gdr_dispatch.contract import validate
 from gdr_dispatch.shapes import ShapeSpec
 
@@ -80,12 +82,87 @@ def _check_backend(backend, name, dtype, h_mode, monkeypatch):
     assert not bad, f"{backend} {spec.label()}: {bad} (all: { {n: f'{e:.1e}' for n, e in errs.items()} })"
 
 
-# -- the exact context-parallel split (gdr_dispatch/context_parallel.py) forced on the GPU --------
+# -- strided inputs, as real models pass them ------------------------------------------------------
+def _strided(x: torch.Tensor, how: str) -> torch.Tensor:
+    """The same values as `x` (`[B, T, H, D]` or `[B, T, H]`) in the memory a model hands over:
+    `split` a slice of a wider fused projection, `transpose` a `[B, H, T, D]` buffer seen as
+    `[B, T, H, D]`, `tfast` T the unit-stride axis (HF's Gated DeltaNet passes v so)."""
+    if how == "split":
+        wide = torch.cat([x, torch.zeros_like(x)], dim=-1)
+        return wide[..., : x.shape[-1]]
+    if how == "transpose":
+        if x.dim() == 4:
+            return x.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+        return x.permute(0, 2, 1).contiguous().permute(0, 2, 1)
+    if how == "tfast":  # T the unit-stride axis
+        return x.movedim(1, -1).contiguous().movedim(-1, 1)
+    raise ValueError(how)
+
+
+@pytest.mark.parametrize("how", ["split", "transpose", "tfast"])
+@pytest.mark.parametrize("backend", list(registered_backends()))
+@pytest.mark.parametrize("h_mode", ["given", "none"])
+def test_backends_take_strided_views_on_gpu(backend, how, h_mode, monkeypatch):
+    """Every backend on q, k, v, do, a, g, b as strided views (not one contiguous): the oracle's
+    answer, and the caller's tensors untouched."""
+    monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+    spec = ShapeSpec(**{**SHAPES["T100_grouped_all_optional"].__dict__, "dtype": "bfloat16", "h": h_mode, "extra": {}})
+    ok, reason = registered_backends()[backend].supported(spec.problem(torch.device("cuda")))
+    if not ok:
+        pytest.skip(f"{backend} does not take {spec.label()}: {reason}")
+    kwargs, ref = _case(spec)
+    views = {n: (_strided(kwargs[n], how) if n in ("q", "k", "v", "do", "a", "g", "b") else kwargs[n]) for n in kwargs}
+    assert not views["v"].is_contiguous()
+    before = {n: views[n].clone() for n in ("q", "k", "v", "do", "a", "g", "b")}
+    monkeypatch.setenv("GDR_BACKEND", backend)
+    errs = rel_errors(fused_gdr_bwd(**views), ref)
+    assert all(e <= TOL["bfloat16"] for e in errs.values()), (backend, how, errs)
+    assert all(torch.equal(views[n], before[n]) for n in before)
+
+
+@pytest.mark.parametrize("forward", ["fla", "flash_qla"])
+@pytest.mark.parametrize("backend", ["fla", "tilelang_fused", "flash_qla"])
+def test_the_op_takes_hf_style_views_on_gpu(forward, backend, monkeypatch):
+    """The training op on q, k, v as HF's Gated DeltaNet makes them (a split of one fused
+    projection, then a transpose: v with T as its fastest axis), each forward provider and a
+    backward backend: the oracle's output and gradients."""
+    from gdr_dispatch import chunk_gated_delta_rule, oracle_grads
+    from gdr_dispatch.reference import recurrent_forward
+
+    for name in (forward, backend):
+        if name not in registered_backends():
+            pytest.skip(f"{name} is not installed")
+    monkeypatch.setenv("GDR_FORWARD", forward)
+    monkeypatch.setenv("GDR_BACKEND", backend)
+    B, T, H, K = 2, 200, 4, 128
+    gen = torch.Generator().manual_seed(3)
+    proj = torch.randn(B, T, 3 * H * K, generator=gen).cuda().to(torch.bfloat16)
+    qf, kf, vf = proj.split(H * K, dim=-1)  # HF: one projection split, then heads, then a transpose
+    q = torch.nn.functional.normalize(qf.float().view(B, T, H, K), dim=-1).to(torch.bfloat16)
+    k = torch.nn.functional.normalize(kf.float().view(B, T, H, K), dim=-1).to(torch.bfloat16)
+    v = vf.reshape(B, T, H, K).movedim(1, -1).contiguous().movedim(-1, 1)  # T the unit-stride axis, as HF's v
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, generator=gen)).cuda()
+    beta = torch.sigmoid(torch.randn(B, T, H, generator=gen)).cuda().to(torch.bfloat16)
+    h0 = torch.randn(B, H, K, K, generator=gen).cuda()
+    assert not v.is_contiguous() and v.stride(1) == 1
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v, g, beta, h0)]
+    o, ht = chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True)
+    do = torch.randn(o.shape, generator=gen).cuda()
+    dht = torch.randn(ht.shape, generator=gen).cuda()
+    ((o.float() * do).sum() + (ht * dht).sum()).backward()
+    o_ref, ht_ref = recurrent_forward(*(t.double() for t in (q, k, v, g, beta)), initial_state=h0.double())
+    ref = oracle_grads(q, k, v, g, beta, do, dht, initial_state=h0)
+    errs = {"o": relative_error(o, o_ref), "ht": relative_error(ht, ht_ref)}
+    errs.update({f"d{n}": relative_error(t.grad, r) for n, t, r in zip(("q", "k", "v", "g", "beta", "h0"), leaves, ref)})
+    assert all(e <= 1e-2 for e in errs.values()), errs
+
+
+# -- the exact context-parallel split (backends/split/) forced on the GPU ---------------------------
 SPLIT_CASES = ("T100_grouped_all_optional", "varlen_1_63_64_65_vfirst", "T40_no_states", "T100_grouped_strong_decay")
 
 
 @pytest.mark.parametrize("segments", [2, 4])
-@pytest.mark.parametrize("backend", ["fla", "triton_wide", "tilelang_fused", "tilelang_ws", "flash_qla"])
+@pytest.mark.parametrize("backend", ["fla", "triton_wide", "tilelang_fused", "flash_qla"])
 @pytest.mark.parametrize("name", SPLIT_CASES)
 @pytest.mark.parametrize("h_mode", ["given", "none"])
 def test_split_matches_oracle_on_gpu(name, backend, segments, h_mode, monkeypatch):
@@ -112,7 +189,7 @@ def test_split_with_fla_pass_1_on_gpu(name, h_mode, monkeypatch):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("name", ["varlen_1_63_64_65_vfirst", "T100_grouped_strong_decay", "T128_h0_only"])
 def test_split_pass_1_kernels_on_gpu(name, dtype):
-    """Pass 1's Triton kernels (gdr_dispatch/segment_maps.py) at K = V = 128 against the batched
+    """Pass 1's Triton kernels (backends/kernels/segment_maps.py) at K = V = 128 against the batched
     products in float64 on the same segments (3 per sequence): M against the identity's size,
     R and D relative, within 16-bit rounding of the products' operands."""
     from dataclasses import replace
@@ -138,7 +215,7 @@ def test_split_pass_1_kernels_on_gpu(name, dtype):
 
 
 @pytest.mark.parametrize("segments", [2, 4])
-@pytest.mark.parametrize("backend", ["tilelang_ws", "tilelang_fused"])
+@pytest.mark.parametrize("backend", ["tilelang_fused"])
 @pytest.mark.parametrize("name", SPLIT_CASES)
 def test_split_candidate_with_own_states_on_gpu(name, backend, segments, monkeypatch):
     """The tuner's `<backend>@split<n>` candidate (SplitBackend) with `h=None` around a backend
@@ -146,7 +223,6 @@ def test_split_candidate_with_own_states_on_gpu(name, backend, segments, monkeyp
     state kernel from the segments' start states), against the oracle; the split's own Triton
     walk of the states must not run."""
     from gdr_dispatch.backends.kernels import segment_maps
-    from gdr_dispatch.backends.split.passes import SplitBackend
 
     monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
     monkeypatch.setattr(segment_maps, "segment_states", lambda *a, **k: pytest.fail("the split walked the states"))
@@ -163,12 +239,12 @@ def test_split_candidate_with_own_states_on_gpu(name, backend, segments, monkeyp
     assert not bad, f"{split.name} {spec.label()}: {bad}"
 
 
-@pytest.mark.parametrize("backend", ["tilelang_ws", "fla"])
+@pytest.mark.parametrize("backend", ["tilelang_fused", "fla"])
 @pytest.mark.parametrize("name", ["T100_grouped_all_optional", "varlen_1_63_64_65_vfirst"])
 def test_split_captures_in_a_cuda_graph_on_gpu(name, backend, monkeypatch):
     """The split (GDR_CP=4 around `backend`, `h=None`) replays from a CUDA graph after an eager
     warm-up, with the eager call's gradients: eager it is bound by its host's enqueue at the
-    starved shapes (docs/measurements.md, "Session 13"), captured it is not."""
+    starved shapes (docs/kernels.md, "The split"), captured it is not."""
     monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
     monkeypatch.setenv("GDR_BACKEND", backend)
     monkeypatch.setenv("GDR_CP", "4")
@@ -187,7 +263,7 @@ def test_split_captures_in_a_cuda_graph_on_gpu(name, backend, monkeypatch):
     torch.cuda.synchronize()
     for n in eager._fields:
         if getattr(eager, n) is not None:
-            assert dsp.relative_error(getattr(captured, n), getattr(eager, n)) < 1e-3, n
+            assert relative_error(getattr(captured, n), getattr(eager, n)) < 1e-3, n
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -212,7 +288,7 @@ def test_split_states_kernel_on_gpu(name, dtype):
 
 
 # the state kernel loads a chunk's g and b by TMA only where its sequence starts 16-byte aligned
-# (session 12: an unaligned box start is an illegal instruction); sequences 2 and 3 here do not
+# (an unaligned box start is an illegal instruction); sequences 2 and 3 here do not
 STATE_SHAPES = {**SHAPES, "varlen_3_130_200_vfirst": ShapeSpec(seqlens=(3, 130, 200), H=4, Hg=2, K=128, V=128,
                                                                state_v_first=True)}
 
@@ -247,7 +323,7 @@ def test_tilelang_states_kernel_on_gpu(name, dtype):
 
 @pytest.mark.parametrize("n_seg", [1, 7, 64])
 def test_split_scan_kernels_on_gpu(n_seg):
-    """Pass 2's Triton scans (3xTF32 products, gdr_dispatch/segment_scan.py) at K = V = 128
+    """Pass 2's Triton scans (3xTF32 products, backends/kernels/segment_scan.py) at K = V = 128
     against the step-by-step scan in float64, on contracting maps like the split's."""
     from gdr_dispatch.backends.kernels import segment_scan
 
@@ -283,9 +359,9 @@ def test_autotune_on_gpu_cross_checks_and_stores():
     supported = [n for n, (ok, _) in choice.verdicts.items() if ok]
     if len(supported) > 1:
         assert choice.source == dsp.AUTOTUNED, choice.how
-        assert choice.entry["cross_check"]["reference"] == "torch"
-        assert all("ms" in choice.entry["candidates"][n] or "failed" in choice.entry["candidates"][n]
-                   for n in supported)
+        assert choice.entry["cross_check"]["reference"] == "torch"  # run once, untimed
+        assert "skipped" in choice.entry["candidates"]["torch"]
+        assert all(set(choice.entry["candidates"][n]) & {"ms", "failed", "skipped"} for n in supported)
     grads = fused_gdr_bwd(**kwargs)
     assert all(e <= 1e-2 for e in rel_errors(grads, ref).values())
 
@@ -309,7 +385,7 @@ def test_transposed_pair_against_float64_stages_on_gpu(KS, side_KS, BV, dtype):
     pair = dict(zip(("dq", "dk", "dv", "db", "dg"), wy_dqkg_transposed(**kw, KS=KS, side_KS=side_KS, BV=BV)))
 
     def err(t, name):
-        return dsp.relative_error(t.cpu(), expected[name])
+        return relative_error(t.cpu(), expected[name])
 
     report = {n: (f"{err(pair[n], n):.1e}", f"{err(wide[n], n):.1e}") for n in expected}
     for name in expected:
@@ -383,11 +459,11 @@ def test_training_op_matches_fla_and_the_oracle_on_gpu(name, forward, monkeypatc
                                       initial_state=x["initial_state"].double(), cu_seqlens=x["cu_seqlens"])
     ref = oracle_grads(x["q"], x["k"], x["v"], x["g"], x["beta"], do, dht, initial_state=x["initial_state"],
                        cu_seqlens=x["cu_seqlens"])
-    ours_vs = {"o": dsp.relative_error(o, o_ref), "ht": dsp.relative_error(ht, ht_ref)}
-    fla_vs = {"o": dsp.relative_error(o_fla, o_ref), "ht": dsp.relative_error(ht_fla, ht_ref)}
+    ours_vs = {"o": relative_error(o, o_ref), "ht": relative_error(ht, ht_ref)}
+    fla_vs = {"o": relative_error(o_fla, o_ref), "ht": relative_error(ht_fla, ht_ref)}
     for n, r in zip(("q", "k", "v", "g", "beta", "initial_state"), ref):
-        ours_vs["d" + n] = dsp.relative_error(grads[n], r)
-        fla_vs["d" + n] = dsp.relative_error(grads_fla[n], r)
+        ours_vs["d" + n] = relative_error(grads[n], r)
+        fla_vs["d" + n] = relative_error(grads_fla[n], r)
     bad = {n: f"{e:.1e}" for n, e in ours_vs.items() if not e <= 1e-2}
     assert not bad, f"{name}: ours {bad}; fla's op on the same inputs: { {n: f'{e:.1e}' for n, e in fla_vs.items()} }"
 
@@ -425,7 +501,7 @@ def test_training_step_captures_in_a_cuda_graph_on_a_decided_backend(layout, mon
     graph.replay()
     torch.cuda.synchronize()
     for n in eager:
-        assert dsp.relative_error(captured[n], eager[n]) < 1e-3, n
+        assert relative_error(captured[n], eager[n]) < 1e-3, n
 
 
 def test_training_op_compiles_in_one_graph_on_gpu(monkeypatch):
@@ -457,9 +533,9 @@ def test_training_op_compiles_in_one_graph_on_gpu(monkeypatch):
 
     loss_e, grads_e = grads_of(layer)
     loss_c, grads_c = grads_of(torch.compile(layer, fullgraph=True))
-    assert dsp.relative_error(loss_c, loss_e) < 1e-3
+    assert relative_error(loss_c, loss_e) < 1e-3
     for n, a, b in zip(("q", "k", "v", "g", "beta", "initial_state"), grads_c, grads_e):
-        assert dsp.relative_error(a, b) < 1e-2, n
+        assert relative_error(a, b) < 1e-2, n
 
 
 def test_flash_qla_stand_ins_keep_the_installed_signatures():
@@ -479,3 +555,18 @@ def test_flash_qla_stand_ins_keep_the_installed_signatures():
     for name, fn in real.items():
         params = [p.replace(annotation=inspect.Parameter.empty) for p in inspect.signature(fn).parameters.values()]
         assert str(inspect.Signature(params)) == fake_flash_qla.SIGNATURES[name], name
+
+
+def test_qwen3_next_trains_with_the_hook_as_on_hf_s_fast_path_on_gpu():
+    """A small HF Qwen3-Next (3 Gated DeltaNet layers, 16 heads, K = V = 128, B2 T4096 bf16), its
+    layers' own strided q, k, v reaching our op: losses within 1e-2 of HF's default fast path
+    over 8 AdamW steps (bench/bench_hf_qwen3_next.py times the same comparison)."""
+    pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import bench_hf_qwen3_next as hf
+
+    row = hf.compare(B=2, T=4096, steps=8)
+    assert row["max_rel_loss_diff"] < 1e-2, row

@@ -1,0 +1,1 @@
+"""Hooks that make other libraries' models call gdr_dispatch's ops (`integrations.transformers`)."""

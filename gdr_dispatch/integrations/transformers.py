@@ -1,0 +1,257 @@
+"""Make the Gated DeltaNet layers of Hugging Face Qwen3-Next / Qwen3.5 models use gdr_dispatch.
+
+    from gdr_dispatch.integrations import transformers as gdr_hf
+    gdr_hf.enable(model)      # or: with gdr_hf.use_gdr_dispatch(model): ... ; gdr_hf.disable() undoes it
+
+Why: those layers call a module-level `torch_chunk_gated_delta_rule` of their modeling module
+(transformers 5.x), decorated `use_kernel_func_from_hub_with_fallback("chunk_gated_delta_rule",
+"fla")`: at import it binds fla-core's Triton op where fla imports (which fails on a CPU machine)
+and the slow torch reference (the function the decorator wraps, its `__wrapped__`) elsewhere. The
+hook rebinds that name to `hf_chunk_gated_delta_rule`, an adapter onto
+`gdr_dispatch.chunk_gated_delta_rule`, so the backward goes through the dispatcher (README,
+"Training: the drop-in op"; docs/contract.md). The rebinding is per modeling module, not per
+model: every model of a patched class uses the op while it is enabled. (A layer that holds the
+function as its own `chunk_gated_delta_rule` attribute, as transformers 4.x's did, is patched on
+the instance instead.)
+
+The adapter takes HF's call as it comes (q, k, v `[B, T, H, D]`, strided views of one fused
+projection, passed on as they are), normalises q and k when `use_qk_l2norm_in_kernel` as fla and
+HF do (`x * rsqrt(sum(x^2) + 1e-6)` in fp32, cast back; not `F.normalize`, whose
+`x / max(|x|, eps)` differs), honours `cu_seqlens` (HF's `cu_seq_lens_q`, as fla does; HF's torch
+reference drops it), drops HF's forward plumbing that rides along in the layer's `**kwargs`
+(`use_cache`, `position_ids`, ...: HF's wrapper passes on only its kernel's parameters) and raises
+TypeError naming any kernel keyword (fla's) it cannot honour. The decode step (one token with
+a cache) keeps HF's `torch_recurrent_gated_delta_rule`. A layer whose whole forward a `kernels`
+hub kernel replaced (`model.kernelize()`) does not call the name at all.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+import threading
+import types
+import warnings
+import weakref
+from contextlib import contextmanager
+
+import torch
+
+import gdr_dispatch as _gdr
+
+# The modeling modules whose Gated DeltaNet layer calls `torch_chunk_gated_delta_rule` by its
+# module-level name (transformers 5.x); `enable(model)` also finds any other module with that
+# name whose `*GatedDeltaNet` layer the model holds.
+MODULES = (
+    "transformers.models.qwen3_next.modeling_qwen3_next",
+    "transformers.models.qwen3_5.modeling_qwen3_5",
+    "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+)
+FUNC_NAME = "torch_chunk_gated_delta_rule"
+INSTANCE_ATTR = "chunk_gated_delta_rule"  # where a layer holds the function itself (transformers 4.x)
+EPS = 1e-6  # fla's and HF's l2norm eps
+
+_lock = threading.RLock()
+_originals: dict[str, tuple] = {}  # key -> (module name or weakref to the layer, attribute, what it was)
+
+# Keywords meant for the kernel. HF's decorated function passes on only the keywords that its
+# implementation (fla's op, or the torch reference) names, so anything else reaching the layer's
+# `**kwargs` (`use_cache`, `position_ids`, `output_attentions`, `max_length_q`, ...) is HF's forward
+# plumbing, dropped here as there. A kernel keyword the op cannot honour is a TypeError.
+_HONOURED = ("scale", "cu_seqlens", "state_v_first", "transpose_state_layout", "save_states",
+             "use_beta_sigmoid_in_kernel", "allow_neg_eigval")
+# fla's precomputed helpers for `cu_seqlens`: the op derives its own, so they are ignored
+_HINTS = ("cu_seqlens_cpu", "chunk_indices")
+# fla keywords honoured only at their default, None or False
+_DEFAULT_ONLY = ("cp_context", "head_first", "use_gate_in_kernel", "A_log", "dt_bias", "gk", "gv")
+_fla_keywords: frozenset = frozenset()  # fla's own op's keywords where fla is loaded: unknown ones raise
+
+
+def _load_fla_keywords() -> frozenset:
+    """The keywords of the installed fla's `chunk_gated_delta_rule` (only where HF's modeling
+    module already imported fla: this does not import it), so a keyword a newer fla added is a
+    TypeError rather than silently dropped."""
+    global _fla_keywords
+    mod = sys.modules.get("fla.ops.gated_delta_rule")
+    fn = getattr(mod, "chunk_gated_delta_rule", None)
+    if fn is not None:
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):
+            params = ()
+        names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        _fla_keywords = frozenset(names - {"q", "k", "v", "g", "beta"})
+    return _fla_keywords
+
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    """fla's and HF's q/k normalisation, `x * rsqrt(sum(x^2, -1) + 1e-6)`, in fp32 (fp64 stays
+    fp64), returned in x's dtype."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf = x.to(acc)
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + EPS)).to(x.dtype)
+
+
+def hf_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
+                              output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
+    """HF's `torch_chunk_gated_delta_rule` call, run by `gdr_dispatch.chunk_gated_delta_rule`.
+
+    Returns `(o [B, T, H, V] in query's dtype, final_state [B, H, K, V] fp32 or None)`, as HF's
+    reference does. `chunk_size` is accepted and ignored (the op's chunk is fixed; the result
+    does not depend on it beyond rounding). Besides HF's keywords it takes fla's `scale`,
+    `cu_seqlens`, `state_v_first` (or the old `transpose_state_layout`),
+    `use_beta_sigmoid_in_kernel`, `allow_neg_eigval` and our `save_states`.
+    """
+    scale = kwargs.pop("scale", None)
+    cu_seqlens = kwargs.pop("cu_seqlens", None)
+    state_v_first = bool(kwargs.pop("state_v_first", False))
+    if "transpose_state_layout" in kwargs:
+        state_v_first = state_v_first or bool(kwargs.pop("transpose_state_layout"))
+    save_states = kwargs.pop("save_states", None)
+    beta_sigmoid = bool(kwargs.pop("use_beta_sigmoid_in_kernel", False))
+    neg_eigval = bool(kwargs.pop("allow_neg_eigval", False))
+    for name in _HINTS:
+        kwargs.pop(name, None)
+    for name, value_ in kwargs.items():
+        if name in _DEFAULT_ONLY:
+            if value_ is None or value_ is False:
+                continue
+        elif name not in _fla_keywords:
+            continue  # HF's forward plumbing (see _HONOURED)
+        raise TypeError(f"gdr_dispatch.integrations.transformers: chunk_gated_delta_rule cannot honour the "
+                        f"keyword {name}={_brief(value_)} (gdr_dispatch.chunk_gated_delta_rule has no such "
+                        f"option); call disable() to run HF's function for this model")
+
+    if use_qk_l2norm_in_kernel:
+        query, key = l2norm(query), l2norm(key)
+    if beta_sigmoid:  # fla: sigmoid(beta), times 2 with allow_neg_eigval
+        beta = beta.sigmoid() * 2 if neg_eigval else beta.sigmoid()
+    # the op keeps the log decay in fp32 (fp64 for fp64); HF builds g in fp32 from `a.float()`,
+    # but a caller under autocast or another model may hand it in bf16/fp16
+    if g.dtype not in (torch.float32, torch.float64):
+        g = g.float()
+    if initial_state is not None and initial_state.dtype not in (torch.float32, torch.float64):
+        initial_state = initial_state.float()  # a cache kept in bf16; HF's reference upcasts it too
+    return _gdr.chunk_gated_delta_rule(  # looked up per call (a test wraps it)
+        query, key, value, g, beta, scale=scale, initial_state=initial_state,
+        output_final_state=bool(output_final_state), cu_seqlens=cu_seqlens, state_v_first=state_v_first,
+        save_states=save_states)
+
+
+hf_chunk_gated_delta_rule._gdr_dispatch_hook = True
+
+
+def _brief(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"<tensor {list(x.shape)} {str(x.dtype).replace('torch.', '')}>"
+    r = repr(x)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _is_hook(fn) -> bool:
+    return bool(getattr(fn, "_gdr_dispatch_hook", False))
+
+
+def _sites_of(model) -> list[tuple[str, object, str]]:
+    """`(key, owner, attribute)` for each place `model`'s Gated DeltaNet layers read their chunk
+    function from: the layer itself where it holds it as an instance attribute (transformers 4.x
+    bound `self.chunk_gated_delta_rule` in `__init__`), else its modeling module's `FUNC_NAME`
+    (transformers 5.x, read at call time)."""
+    sites, seen = [], set()
+    for layer in model.modules():
+        cls = type(layer)
+        if not cls.__name__.endswith("GatedDeltaNet"):
+            continue
+        if callable(layer.__dict__.get(INSTANCE_ATTR)):
+            sites.append((f"{cls.__name__}@{id(layer):#x}", layer, INSTANCE_ATTR))
+            continue
+        mod = sys.modules.get(cls.__module__)
+        if mod is not None and hasattr(mod, FUNC_NAME) and cls.__module__ not in seen:
+            seen.add(cls.__module__)
+            sites.append((cls.__module__, mod, FUNC_NAME))
+    if not sites:
+        raise ValueError(f"{type(model).__name__} has no Gated DeltaNet layer that reads its chunk function "
+                         f"from {INSTANCE_ATTR} or its module's {FUNC_NAME} (supported: transformers 5.x "
+                         f"Qwen3-Next, Qwen3.5, Qwen3.5-MoE)")
+    return sites
+
+
+def enable(model=None) -> list[str]:
+    """Route the chunked Gated DeltaNet call of HF's Qwen3-Next / Qwen3.5 layers through
+    `gdr_dispatch.chunk_gated_delta_rule`. With `model`, where its `*GatedDeltaNet` layers read
+    the function (ValueError if it has none); else every module of `MODULES` that this
+    transformers has. Idempotent. Returns the keys it patched now (module names, or
+    `Class@id` for a layer patched on the instance), for `disable`."""
+    _load_fla_keywords()
+    with _lock:
+        if model is not None:
+            sites = _sites_of(model)
+        else:
+            sites = []
+            for name in MODULES:
+                try:
+                    sites.append((name, importlib.import_module(name), FUNC_NAME))
+                except ImportError:
+                    continue
+            if not sites:
+                raise ImportError("gdr_dispatch.integrations.transformers: this transformers has none of "
+                                  + ", ".join(MODULES))
+        patched = []
+        for key, owner, attr in sites:
+            current = getattr(owner, attr, None)
+            if current is None:
+                raise AttributeError(f"{key} has no {attr} (transformers {_tf_version()}): "
+                                     f"the hook knows transformers 5.x's layout")
+            if _is_hook(current):
+                continue
+            ref = key if isinstance(owner, types.ModuleType) else weakref.ref(owner)
+            _originals[key] = (ref, attr, current)
+            setattr(owner, attr, hf_chunk_gated_delta_rule)
+            patched.append(key)
+        return patched
+
+
+def disable(keys=None) -> list[str]:
+    """Undo `enable`: rebind each patched name to exactly what it was (all of them, or the keys
+    `enable` returned). A name someone rebound after us is left as it is (with a warning).
+    Returns the keys restored."""
+    with _lock:
+        keys = list(_originals) if keys is None else [k for k in keys if k in _originals]
+        restored = []
+        for key in keys:
+            ref, attr, original = _originals.pop(key)
+            owner = sys.modules.get(ref) if isinstance(ref, str) else ref()
+            if owner is None:
+                continue  # module unloaded or layer collected
+            if not _is_hook(getattr(owner, attr, None)):
+                warnings.warn(f"gdr_dispatch: {key}.{attr} was rebound after enable(); left as it is")
+                continue
+            setattr(owner, attr, original)
+            restored.append(key)
+        return restored
+
+
+def is_enabled(module: str = MODULES[0]) -> bool:
+    """Whether `module`'s `FUNC_NAME` is currently the hook."""
+    mod = sys.modules.get(module)
+    return mod is not None and _is_hook(getattr(mod, FUNC_NAME, None))
+
+
+@contextmanager
+def use_gdr_dispatch(model=None):
+    """`enable(model)` for the block; on exit undoes what this block enabled (nested blocks and an
+    outer `enable` keep theirs)."""
+    patched = enable(model)
+    try:
+        yield
+    finally:
+        disable(patched)
+
+
+def _tf_version() -> str:
+    try:
+        import transformers
+        return transformers.__version__
+    except ImportError:
+        return "not installed"
