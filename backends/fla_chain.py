@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from gdr_dispatch.autotune import warm_job
 from gdr_dispatch.contract import GDRCall, GDRGrads
 from gdr_dispatch.problem import Problem
 from gdr_dispatch.registry import Backend, register
@@ -80,6 +81,11 @@ class FlaBackend(Backend):
                 need_states=True):
         return fla_pipeline.forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, need_final,
                                     chunk_size)
+
+    def compile_jobs(self, call: GDRCall) -> list[tuple[str, str, tuple]]:
+        # Triton compiles and fla-core autotunes on a first run (about 80 s at a new shape on the
+        # H200), both cached on disk: one run at this shape in another process does it beforehand
+        return [warm_job(self.name, call)]
 
     def run(self, call: GDRCall) -> GDRGrads:
         st = fla_pipeline.state_stages(call)

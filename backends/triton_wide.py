@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from gdr_dispatch.autotune import warm_job
 from gdr_dispatch.contract import GDRCall, GDRGrads
 from gdr_dispatch.registry import Backend, register
 
@@ -30,6 +31,11 @@ class TritonWideBackend(Backend):
 
     def extra_reasons(self, p) -> list[str]:
         return fla_pipeline.version_reasons(p)
+
+    def compile_jobs(self, call: GDRCall) -> list[tuple[str, str, tuple]]:
+        # Triton compiles and fla-core autotunes on a first run (about 80 s at a new shape on the
+        # H200), both cached on disk: one run at this shape in another process does it beforehand
+        return [warm_job(self.name, call)]
 
     def run(self, call: GDRCall) -> GDRGrads:
         return fla_pipeline.run_with_fused_stage(call, wy_dqkg_wide)

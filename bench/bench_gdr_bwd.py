@@ -13,6 +13,10 @@ For each shape, with `h` given and with `h=None`:
   * `flashqla`: FlashQLA, when importable. With `h` given: its fused kernel plus the
     grouped-head reduction and reverse cumsum it leaves to its caller; with `h=None`: its
     `chunk_gated_delta_rule_bwd(auto_cp=False)`.
+  * `--first-call`: what a user's first call at a shape no table holds costs (the dispatcher's
+    pruned autotune, its kernels compiled first in parallel), its pick, and with
+    `--first-call-full` the full sweep of every candidate (GDR_AUTOTUNE_ALL=1) at the same shape
+    for comparison: the pick's time in the full sweep over the full sweep's winner;
   * with `--splits 2,4,8`: the context-parallel split forced (GDR_CP) around the
     `--split-backends`, as `<backend>@split<n>`, and FlashQLA's own `auto_cp=True` split
     (`flashqla-auto_cp`, h=None rows); `--splits auto`: on starved grids only (fewer sequence x
@@ -42,7 +46,7 @@ from gdr_dispatch import GDRGrads, Problem, fused_gdr_bwd, registered_backends
 from gdr_dispatch.contract import validate
 from gdr_dispatch.env import ALLOW_UNVERIFIED as ALLOW_UNVERIFIED_ENV
 from gdr_dispatch.problem import device_info, library_versions
-from gdr_dispatch.shapes import PRESETS, call_kwargs, load_grid, make_inputs
+from gdr_dispatch.shapes import PRESETS, ShapeSpec, call_kwargs, load_grid, make_inputs
 from roofline import bytes_and_flops, floor_ms
 from timing import host_enqueue_ms, measure_ms, more_rounds, relative_error
 
@@ -131,6 +135,64 @@ def dispatched(kwargs):
         finally:
             os.environ.update(saved)
     return run
+
+
+#: The first-call bench's default shape: a model configuration no shipped table holds.
+FIRST_CALL_SHAPES = [ShapeSpec(B=2, T=4096, H=16, Hg=8, h="none")]
+
+
+def first_call(spec, full: bool) -> dict:
+    """A first call at `spec` with an empty user table: its wall time (compiles, the pruned
+    autotune and the call itself), the pick and what was skipped; `full`: the full sweep too."""
+    import tempfile
+
+    import yaml
+
+    from gdr_dispatch import clear_caches
+
+    x = make_inputs(spec, "cuda", seed=1)
+    kwargs = call_kwargs(x)
+    row = {"shape": spec.label(), "h": spec.h}
+
+    def one(all_candidates: bool):
+        with tempfile.TemporaryDirectory() as d:
+            saved = {n: os.environ.get(n) for n in ("GDR_TUNING_CACHE", "GDR_AUTOTUNE_ALL")}
+            os.environ["GDR_TUNING_CACHE"] = d
+            os.environ["GDR_AUTOTUNE_ALL"] = "1" if all_candidates else "0"
+            clear_caches()
+            try:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                dispatched(kwargs)()
+                torch.cuda.synchronize()
+                seconds = time.perf_counter() - t0
+                tables = list(Path(d).glob("*.yaml"))
+                entry = next(iter(yaml.safe_load(tables[0].read_text())["entries"].values())) if tables else {}
+            finally:
+                for n, v in saved.items():
+                    os.environ.pop(n, None) if v is None else os.environ.__setitem__(n, v)
+                clear_caches()
+        return seconds, entry
+
+    seconds, entry = one(False)
+    cands = entry.get("candidates", {})
+    row.update(first_call_s=round(seconds, 1), pick=entry.get("winner"),
+               measured=sorted(n for n, c in cands.items() if "ms" in c and "failed" not in c),
+               skipped={n: c["skipped"] for n, c in cands.items() if "skipped" in c},
+               candidates={n: c.get("ms") for n, c in cands.items() if "ms" in c})
+    print(f"first call {spec.label()}: {seconds:.1f} s, pick {row['pick']}, measured {len(row['measured'])}, "
+          f"skipped {len(row['skipped'])}", file=sys.stderr, flush=True)
+    if full:
+        seconds, entry = one(True)
+        cands = {n: c.get("ms") for n, c in entry.get("candidates", {}).items()
+                 if isinstance(c.get("ms"), (int, float)) and "failed" not in c}
+        best = entry.get("winner")
+        row.update(full_sweep_s=round(seconds, 1), full_pick=best, full_candidates=cands)
+        if row["pick"] in cands and best in cands:
+            row["pick_over_full_winner"] = round(cands[row["pick"]] / cands[best], 3)
+        print(f"full sweep {spec.label()}: {seconds:.1f} s, pick {best}; first call's pick at "
+              f"{row.get('pick_over_full_winner')}x its time", file=sys.stderr, flush=True)
+    return row
 
 
 def max_error(grads, ref):
@@ -277,6 +339,10 @@ def main(argv=None):
     p.add_argument("--compile-jobs", type=int, default=8,
                    help="compile the backends' kernels for every shape first, in this many processes (0: each on "
                         "first use, one after another)")
+    p.add_argument("--first-call", action="store_true",
+                   help="only the first-call cost at shapes no table holds (default: B2 T4096 H16 Hg8 h=None; "
+                        "--grid picks others): wall time, the pick, what was skipped")
+    p.add_argument("--first-call-full", action="store_true", help="with --first-call: the full sweep beside it")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--unverified", action="store_true",
                    help="also run backends still refused until their GPU tests pass (their error column then "
@@ -289,6 +355,23 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("bench needs a CUDA device", file=sys.stderr)
         return 2
+    if args.first_call:
+        shapes = load_grid(args.grid) if args.grid else FIRST_CALL_SHAPES
+        rows = [first_call(v, args.first_call_full) for s in shapes for v in s.variants()]
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        dev = device_info(torch.device("cuda"))
+        (out / f"{dev.slug}-first-call.json").write_text(json.dumps(
+            {"device": dev.name, "versions": library_versions(), "rows": rows}, indent=1) + "\n")
+        lines = ["| shape | first call s | pick | measured | skipped | full sweep s | full sweep's pick | "
+                 "pick's time / full winner's |", "|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(f"| {r['shape']} | {r['first_call_s']} | {r['pick']} | {len(r['measured'])} | "
+                         f"{len(r['skipped'])} | {r.get('full_sweep_s', '-')} | {r.get('full_pick', '-')} | "
+                         f"{r.get('pick_over_full_winner', '-')} |")
+        (out / f"{dev.slug}-first-call.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return 0
     shapes = load_grid(args.grid) if args.grid else PRESETS[args.preset]
     if args.h:
         from dataclasses import replace

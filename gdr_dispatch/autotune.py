@@ -331,3 +331,32 @@ if __name__ == "__main__":  # one compile job, in its own process (precompile)
     import sys
 
     run_compile_job(ast.literal_eval(sys.argv[1]))
+
+
+def warm_job(backend: str, call: GDRCall) -> tuple[str, str, tuple]:
+    """A compile job that runs `backend` once on random inputs of `call`'s shape: for backends
+    whose kernels compile and autotune on their first run (Triton's JIT, fla-core's autotuner;
+    both cache on disk, so the caller's first run finds them done)."""
+    spec = dict(B=call.B, T=call.T, H=call.H, Hg=call.Hg, K=call.K, V=call.V, dtype=str(call.q.dtype)[6:],
+                h="given" if call.h is not None else "none", initial_state=call.initial_state is not None,
+                dht=call.dht is not None, state_v_first=call.state_v_first, chunk_size=call.chunk_size,
+                seqlens=tuple(call.seq_lens) if call.cu_seqlens is not None else None)
+    return (__name__, warm_backend.__name__, (backend, tuple(sorted(spec.items())), call.q.device.type))
+
+
+def warm_backend(backend: str, spec: tuple, device: str = "cuda") -> None:
+    """`warm_job`'s work, in its own process."""
+    from .contract import validate
+    from .registry import get_backend
+    from .shapes import ShapeSpec, call_kwargs, make_inputs
+
+    fields = dict(spec)
+    if fields.get("seqlens") is None:
+        fields.pop("seqlens", None)
+    else:
+        fields.pop("T")
+        fields.pop("B")
+    call = validate(**call_kwargs(make_inputs(ShapeSpec(**fields), device, seed=0)))
+    get_backend(backend).run(call)
+    if device == "cuda":
+        torch.cuda.synchronize()

@@ -381,3 +381,37 @@ def test_the_cross_check_reference_is_the_most_trusted_candidate_that_ran(kwargs
     entry, _ = at.autotune(call, problem, {n: registry.get_backend(n) for n in ("fake_broken_ref", "torch")},
                             measure=lambda fn, dev: 1.0)
     assert entry["cross_check"]["reference"] == "torch"
+
+
+# -- a table miss measures only what can win ---------------------------------------------------
+def test_a_table_miss_skips_what_neighbouring_entries_show_losing(kwargs, fakes, monkeypatch, caplog):
+    """On a (faked) GPU, a candidate that the device's tables show more than PRUNE_MARGIN slower
+    than the winner at every neighbouring entry is not measured, nor is the torch reference
+    timed (it runs once, as the cross-check's reference); one no neighbour measured is; every
+    skip is logged and recorded with its reason. GDR_AUTOTUNE_ALL=1 measures everything."""
+    fakes("fake_slow")
+    fakes("fake_new")
+    fakes("fake_good")
+    call = validate(**kwargs)
+    # a full grid (2 programs on 2 SMs): no split candidates
+    problem = replace(Problem.from_call(call), device=DeviceInfo("cuda", "Fake GPU", (9, 0), 2))
+    monkeypatch.setattr(dsp, "autotune_block_reason", lambda p, have_tensors: None)
+    for T in (256, 1024):  # two neighbours: the same device, dtype, heads and h mode, other sizes
+        other = replace(problem, T=T, max_seqlen=T)
+        tuning_table.record(problem.device.slug, problem.device.name, {other.table_key(): {
+            "winner": "fake_good", "candidates": {"fake_good": {"ms": 1.0}, "fake_slow": {"ms": 2.0}}}})
+    ran = []
+    monkeypatch.setattr(at, "measure_ms", lambda fn, device_type: ran.append(1) or 1.0)
+    with caplog.at_level(logging.INFO, "gdr_dispatch"):
+        choice = dsp.select_backend(problem, call)
+    cands = choice.entry["candidates"]
+    assert "skipped" in cands["fake_slow"] and "2.00x the winner" in cands["fake_slow"]["skipped"]
+    assert "skipped" in cands["torch"] and choice.entry["cross_check"]["reference"] == "torch"
+    assert "ms" in cands["fake_new"] and "ms" in cands["fake_good"]
+    assert len(ran) == 2  # fake_new and fake_good timed; torch ran once untimed, fake_slow not at all
+    assert "skipped: fake_slow" in caplog.text or "fake_slow (2.00x" in caplog.text
+    dsp.clear_caches()
+    monkeypatch.setenv("GDR_AUTOTUNE_ALL", "1")
+    tuning_table.forget()
+    kept, skipped = at.prune(replace(problem, T=70), {n: registry.get_backend(n) for n in ("fake_slow", "torch")})
+    assert set(kept) == {"fake_slow", "torch"} and skipped == {}
