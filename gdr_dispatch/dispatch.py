@@ -199,7 +199,7 @@ def _log_choice(problem: Problem, choice: Choice) -> None:
 
 
 def fused_gdr_bwd(q, k, v, a, g, b, do, dht=None, h=None, *, scale=None, initial_state=None,
-                  cu_seqlens=None, chunk_size=64, state_v_first=False, max_seqlen=None) -> GDRGrads:
+                  cu_seqlens=None, chunk_size=64, state_v_first=False, max_seqlen=None, cp_group=None) -> GDRGrads:
     """Backward of the chunked gated delta rule: `(dq, dk, dv, dg, db, dh0)`.
 
     Inputs and outputs are exactly those of docs/contract.md: `a` the ungated WY inverse
@@ -209,7 +209,21 @@ def fused_gdr_bwd(q, k, v, a, g, b, do, dht=None, h=None, *, scale=None, initial
     longest sequence, as in flash-attn) only sharpens the tuning-table key. No input is written.
     Raises TypeError/ValueError naming the argument for a bad call, and NoBackendError when no
     backend can take it.
+
+    `cp_group` (a `torch.distributed` process group): this rank holds a contiguous slice of the
+    packed tokens, in rank order; `cu_seqlens` is then the global one (identical on every rank;
+    without it the slices form one sequence), the rank edges inside a sequence fall on whole
+    chunks, `initial_state` is the global one and `dht` this rank's share of its gradient (the
+    ranks' shares sum to it); `h`, when given, this rank's chunks of it. The returned `dh0` is
+    this rank's share (their sum is the full gradient). Exact: docs/design.md, "Context
+    parallelism across ranks".
     """
+    if cp_group is not None:
+        from .registry import context_parallel
+
+        return context_parallel().backward(q, k, v, a, g, b, do, dht, h, scale=scale, initial_state=initial_state,
+                                           cu_seqlens=cu_seqlens, chunk_size=chunk_size, state_v_first=state_v_first,
+                                           group=cp_group, run=run_call)
     call = validate(q, k, v, a, g, b, do, dht, h, scale=scale, initial_state=initial_state,
                     cu_seqlens=cu_seqlens, chunk_size=chunk_size, state_v_first=state_v_first,
                     max_seqlen=max_seqlen)

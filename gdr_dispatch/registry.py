@@ -261,6 +261,7 @@ class Wrapper:
 
 _REGISTRY: dict[str, Backend] = {}
 _WRAPPERS: dict[str, Wrapper] = {}
+_CONTEXT_PARALLEL: list = []
 _hidden: contextvars.ContextVar[frozenset] = contextvars.ContextVar("gdr_hidden_backends", default=frozenset())
 
 
@@ -276,6 +277,19 @@ def register(backend: Backend) -> Backend:
 def register_wrapper(wrapper: Wrapper) -> Wrapper:
     _WRAPPERS[wrapper.mark] = wrapper
     return wrapper
+
+
+def register_context_parallel(provider) -> None:
+    """The provider of context parallelism across ranks (`backward(...)` and `op(...)` with a
+    process group: backends/split/ranks.py), which `cp_group=` reaches without naming it."""
+    _CONTEXT_PARALLEL[:] = [provider]
+
+
+def context_parallel():
+    _load_builtin_backends()
+    if not _CONTEXT_PARALLEL:
+        raise RuntimeError("cp_group: no context-parallel provider is registered")
+    return _CONTEXT_PARALLEL[0]
 
 
 def wrappers() -> list[Wrapper]:

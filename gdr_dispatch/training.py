@@ -197,7 +197,7 @@ torch.library.register_autograd("gdr_dispatch::chunk_gdr_fwd", _backward, setup_
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                           cu_seqlens=None, state_v_first=False, save_states=None):
+                           cu_seqlens=None, state_v_first=False, save_states=None, cp_group=None):
     """The gated delta rule's chunked forward with a dispatched backward: `(o, final_state)`.
 
     q, k `[B, T, Hg, K]`; v `[B, T, H, V]` with `H % Hg == 0`; g `[B, T, H]` the per-token
@@ -209,7 +209,26 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     `GDR_SAVE_STATES`, else False) keeps the chunk states for the backward instead of
     recomputing them; the module docstring says what each costs. A bad argument raises
     TypeError or ValueError naming it, eager or compiled.
+
+    `cp_group` (a `torch.distributed` process group; eager): context parallelism across its ranks.
+    Each rank's q/k/v/g/beta hold a contiguous slice of the packed tokens, in rank order (slices
+    may differ in length); `cu_seqlens`, when given, is the global one, identical on every rank,
+    and sequences may cross rank edges (without it, B = 1 and the slices form one sequence);
+    `initial_state` is the global `[N, H, K, V]`, identical on every rank, and each rank's
+    gradient for it is its share (their sum is the full gradient, as an all-reduce of a
+    replicated input gives); with `output_final_state` every rank returns the same global final
+    state, and the gradients flowing into it are summed over the ranks. One all-gather per
+    direction (and one of the slices' lengths in the forward); exact (docs/design.md).
     """
+    if cp_group is not None:
+        from .registry import context_parallel
+
+        if save_states is None:
+            save_states = env.save_states()
+        check_forward_structure(q, k, v, g, beta, None, None, state_v_first, CHUNK)
+        o, ht = context_parallel().op(q, k, v, g, beta, check_scale(scale, q.shape[-1]), initial_state,
+                                      output_final_state, cu_seqlens, state_v_first, save_states, cp_group, CHUNK)
+        return o, (ht if output_final_state else None)
     if save_states is None:
         save_states = env.save_states()
     if not torch.compiler.is_compiling():

@@ -207,6 +207,22 @@ def forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, n
     decay underflows in fp32 and the division gives 0/0 (docs/contract.md, "Known hazards")."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_o import chunk_fwd_o
+
+    q, k, v, beta = packed(q), packed(k), packed(v), packed(beta)  # fla's kernels index packed tensors
+    G, a, common = residuals(k, beta, g, cu_seqlens, chunk_size)
+    _, g2, w, u = _wy(k, v, beta, a, G, common)
+    h0 = None if initial_state is None else packed(initial_state.float())
+    h, v_new, ht = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g2, initial_state=h0, output_final_state=need_final,
+                                                state_v_first=state_v_first, chunk_size=chunk_size, **common)
+    o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g2, scale=scale, state_v_first=state_v_first, chunk_size=chunk_size,
+                    **common)
+    return o, ht, G, a, h
+
+
+def residuals(k, beta, g, cu_seqlens, chunk_size):
+    """The contract's `G` (natural-log chunk cumsum, fp32) and ungated inverse `a` (k's dtype) on
+    fla-core's kernels, and fla's varlen arguments: the forward's first stages, also what the
+    cross-rank split composes its maps from before any state is known (backends/split/ranks.py)."""
     from fla.ops.common.chunk_scaled_dot_kkt import chunk_scaled_dot_kkt_fwd
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.solve_tril import solve_tril
@@ -215,17 +231,11 @@ def forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, n
 
     ci = None
     if cu_seqlens is not None:
-        off = offsets_of(cu_seqlens)  # read once per tensor: a captured step reads nothing (graph_safe.py)
-        ci = varlen_chunk_indices([e - s for s, e in zip(off[:-1], off[1:])], chunk_size, q.device, cu_seqlens.dtype)
+        off = offsets_of(cu_seqlens)
+        ci = varlen_chunk_indices([e - s for s, e in zip(off[:-1], off[1:])], chunk_size, k.device, cu_seqlens.dtype)
     common = dict(cu_seqlens=cu_seqlens, chunk_indices=ci)
-    q, k, v, beta = packed(q), packed(k), packed(v), packed(beta)  # fla's kernels index packed tensors
+    k, beta = packed(k), packed(beta)
     G = chunk_local_cumsum(packed(g.float()), chunk_size=chunk_size, **common)  # natural log: no scale
     kkt = chunk_scaled_dot_kkt_fwd(k=k, g=None, beta=beta, chunk_size=chunk_size, output_dtype=torch.float32, **common)
     a = solve_tril(kkt, output_dtype=k.dtype, **common)  # ungated (I + StrictLower(diag(b) K K^T))^-1
-    _, g2, w, u = _wy(k, v, beta, a, G, common)
-    h0 = None if initial_state is None else packed(initial_state.float())
-    h, v_new, ht = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g2, initial_state=h0, output_final_state=need_final,
-                                                state_v_first=state_v_first, chunk_size=chunk_size, **common)
-    o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g2, scale=scale, state_v_first=state_v_first, chunk_size=chunk_size,
-                    **common)
-    return o, ht, G, a, h
+    return G, a, common

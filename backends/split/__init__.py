@@ -2,7 +2,8 @@
 backend on each sequence cut into `n` segments of whole chunks, joined exactly (passes.py;
 docs/design.md, "The split"). Registered with the registry as a `Wrapper`: the dispatcher asks
 it for candidates on grids with fewer sequence x head programs than SMs, and `GDR_CP=<n>` runs
-every call through it.
+every call through it. The same maps join a sequence's pieces across the ranks of a process
+group (ranks.py: `cp_group=`), registered as the context-parallel provider.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from gdr_dispatch import env
 from gdr_dispatch.caches import first_time
 from gdr_dispatch.contract import GDRCall, GDRGrads, chunk_counts, validate
 from gdr_dispatch.problem import Problem
-from gdr_dispatch.registry import Backend, Wrapper, register_wrapper
+from gdr_dispatch.registry import Backend, Wrapper, register_context_parallel, register_wrapper
 
-from . import passes
+from . import passes, ranks
 
 log = logging.getLogger("gdr_dispatch")
 
@@ -134,3 +135,4 @@ class Split(Wrapper):
 
 
 register_wrapper(Split())
+register_context_parallel(ranks)

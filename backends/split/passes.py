@@ -216,6 +216,21 @@ def split_backward(call: GDRCall, segments: int, run: Callable[[GDRCall], GDRGra
     return _scan_and_run(call, s, pick, (seq_of, seg_of), seg_call, Ms, Rs, Ds, run, states)
 
 
+def sequence_maps(call: GDRCall, need_r: bool = True):
+    """Each sequence of a varlen `call` composed into one map: `(M, R or None, D)`, `[N, H, K, K]`,
+    `[N, H, K, V]`, `[N, H, K, V]` in the call's accumulation dtype (K x V layout): on a pass-1
+    provider's kernels where one takes the call, else as batched torch products (a sequence of no
+    tokens is the identity). What the cross-rank split (ranks.py) exchanges."""
+    acc = call.acc_dtype
+    provider, maps = pass_1_provider(call)
+    if maps is not None:
+        m, r, d = maps(call, need_r=need_r)
+        return m.to(acc), None if r is None else r.to(acc), d.to(acc)
+    s = max(1, max(chunk_counts(call.seq_lens, call.chunk_size)))
+    Ms, Rs, Ds = _torch_pass_1(call, s, 1)
+    return Ms[:, 0], Rs[:, 0] if need_r else None, Ds[:, 0]
+
+
 def _states_kernel(call: GDRCall, seg_call: GDRCall, provider: str):
     """With `h=None` and pass 1 on our kernels: the function that makes pass 3's `h` from the
     segments' start states on them too (segment_maps.segment_states; the backend then skips its
