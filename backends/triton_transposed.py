@@ -3,7 +3,7 @@
 `kernels/wy_dqkg_transposed.py`: seed 004's transposed main kernel (accumulators M = K,
 parked in global memory, epilogue in K-strips) and a v-side kernel that finishes dk, db and
 dg. The layout took the stage off the register wall on Blackwell; on the H200 it is correct
-but slower than `triton_wide` everywhere measured (docs/measurements.md), which the static
+but slower than `triton_wide` everywhere measured (docs/kernels.md), which the static
 order and the tables record. Its side kernel is wrong with strips of 32 or 64 on Hopper;
 the launcher refuses those settings.
 """
@@ -26,7 +26,7 @@ LIMIT_WHY = "the only K run on a GPU so far"
 
 class TritonTransposedBackend(Backend):
     name = "triton_transposed"
-    static_rank = 30  # below triton_wide: 1.1-1.4x slower than it on the H200 (docs/measurements.md)
+    static_rank = 30  # below triton_wide: 1.1-1.4x slower than it on the H200 (docs/kernels.md)
 
     limits = replace(fla_pipeline.CHAIN_LIMITS, K=TRANSPOSED_K, why={**fla_pipeline.CHAIN_LIMITS.why, "K": LIMIT_WHY})
 

@@ -3,7 +3,7 @@
 The fused stage (`kernels/wy_dqkg_wide.py`) replaces fla's `chunk_bwd_dqkwg` and
 `prepare_wy_repr_bwd`, does the reverse cumsum of dg in its epilogue, and never runs fla's
 stage 5, so fla's Hopper hazard (fla issue 640) is not its limit. It wins on small grids
-and loses on large ones (255 registers, spilling): docs/measurements.md.
+and loses on large ones (255 registers, spilling): docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ LIMIT_WHY = "the only K run on a GPU so far; smaller K passes in Triton's interp
 
 class TritonWideBackend(Backend):
     name = "triton_wide"
-    static_rank = 20  # 1.1-1.4x slower than fla at every h200-train shape (docs/measurements.md)
+    static_rank = 20  # 1.1-1.4x slower than fla at every h200-train shape (docs/kernels.md)
 
     limits = replace(fla_pipeline.CHAIN_LIMITS, K=WIDE_K, why={**fla_pipeline.CHAIN_LIMITS.why, "K": LIMIT_WHY})
 

@@ -199,7 +199,7 @@ def max_error(grads, ref):
     return max(relative_error(getattr(grads, n), getattr(ref, n)) for n in GDRGrads._fields)
 
 
-def bench_shape(spec, warmup, reps, skip, splits=(), split_backends=(), rounds=1):
+def bench_shape(spec, warmup, reps, skip, splits=(), split_backends=(), rounds=1, only_splits=False):
     x = make_inputs(spec, "cuda", seed=1)
     kwargs = call_kwargs(x)
     problem = None
@@ -216,10 +216,12 @@ def bench_shape(spec, warmup, reps, skip, splits=(), split_backends=(), rounds=1
 
         problem = problem or Problem.from_call(validate(**kwargs))
         splits = split_segment_counts(problem) if problem.seq_head_ctas < problem.device.sm_count else ()
-    for name in split_backends:  # the context-parallel split, forced (docs/measurements.md)
+    for name in split_backends:  # the context-parallel split, forced (docs/kernels.md)
         if not isinstance(runners.get(name), str) and name in runners:
             for n in splits:
                 runners[f"{name}@split{n}"] = forced(name, kwargs, segments=n)
+    if only_splits:  # the starved bench: the splits, the pick and the peers, not every backend unsplit
+        runners = {n: fn for n, fn in runners.items() if "@split" in n}
     if "dispatched" not in skip:  # what the tables pick (the row's `dispatched_pick`)
         runners["dispatched"] = dispatched(kwargs)
     if "fla-op" not in skip:
@@ -273,6 +275,32 @@ def merge_rows(earlier, fresh):
     return merged + list(new.values())
 
 
+def starved_summary(rows) -> list:
+    """Where FlashQLA's own split ran (`flashqla-auto_cp`): our pick, our best split and the peers,
+    each with its host enqueue time, and our times over FlashQLA's."""
+    rows = [r for r in rows if "ms" in r["runs"].get("flashqla-auto_cp", {})]
+    if not rows:
+        return []
+
+    def cell(run):
+        return f"{run['ms']:.3f} (host {run.get('host_ms', float('nan')):.3f})" if "ms" in run else "-"
+
+    out = ["", "| shape | our pick | our best split | FlashQLA auto_cp | fla's op | pick / auto_cp | best split / auto_cp |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        runs = r["runs"]
+        fq = runs["flashqla-auto_cp"]["ms"]
+        splits = {n: v for n, v in runs.items() if "@split" in n and "ms" in v}
+        best = min(splits, key=lambda n: splits[n]["ms"]) if splits else None
+        pick = runs.get("dispatched", {})
+        out.append(f"| {r['shape'].rsplit(' h=', 1)[0]} | {cell(pick)} [{r.get('dispatched_pick', '-')}] | "
+                   + (f"{cell(splits[best])} [{best}]" if best else "-")
+                   + f" | {cell(runs['flashqla-auto_cp'])} | {cell(runs.get('fla-op', {}))} | "
+                   + (f"{pick['ms'] / fq:.2f}x" if "ms" in pick else "-") + " | "
+                   + (f"{splits[best]['ms'] / fq:.2f}x" if best else "-") + " |")
+    return out
+
+
 def to_markdown(rows, names, device, unverified=()):
     lines = [f"GDR backward on {device}, median ms, least of the rounds (ratio = fla-op ms / this ms; >1 is faster than fla's own op)", ""]
     head = ["shape", "h", "floor", *(n + ("*" if n in unverified else "") for n in names)]
@@ -289,6 +317,7 @@ def to_markdown(rows, names, device, unverified=()):
             else:
                 cells.append("failed" if "failed" in run else "-")
         lines.append("| " + " | ".join(cells) + " |")
+    lines += starved_summary(rows)
     notes = sorted({f"{n}: {v.get('skipped') or v.get('failed')}" for r in rows for n, v in r["runs"].items()
                     if "skipped" in v or "failed" in v})
     worst = {}
@@ -336,6 +365,11 @@ def main(argv=None):
                    "extra runners `<backend>@split<n>` (e.g. 2,4,8), with FlashQLA's auto_cp beside them; 'auto': "
                    "on starved grids only, the counts the autotuner tries there")
     p.add_argument("--split-backends", default="fla,tilelang_fused", help="the backends --splits wraps")
+    p.add_argument("--only-splits", action="store_true",
+                   help="of our backends only the split runners (with the pick and the peers): the starved bench")
+    p.add_argument("--gates", default="",
+                   help="run every shape once per gate (shapes.GATES: logsigmoid = a trained model's strong decay, "
+                        "logsigmoid16 = FlashQLA's benchmark gate, weak decay), comma-separated")
     p.add_argument("--compile-jobs", type=int, default=8,
                    help="compile the backends' kernels for every shape first, in this many processes (0: each on "
                         "first use, one after another)")
@@ -377,6 +411,9 @@ def main(argv=None):
         from dataclasses import replace
         shapes = [replace(s, h=args.h) for s in shapes]
     variants = [v for s in shapes for v in s.variants()]
+    if args.gates:
+        from dataclasses import replace as _replace
+        variants = [_replace(v, gate=gate) for v in variants for gate in args.gates.split(",")]
     if args.match:
         variants = [v for v in variants if re.search(args.match, v.label())]
     skip = set(filter(None, args.skip.split(",")))
@@ -399,7 +436,7 @@ def main(argv=None):
     fresh = []
     for i, spec in enumerate(variants, 1):
         print(f"[{i}/{len(variants)}] {spec.label()}", file=sys.stderr, flush=True)
-        row = bench_shape(spec, args.warmup, args.reps, skip, splits, split_backends, args.rounds)
+        row = bench_shape(spec, args.warmup, args.reps, skip, splits, split_backends, args.rounds, args.only_splits)
         row["measured_at"] = doc["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         fresh.append(row)
         # written after every shape, so a run cut short keeps what it measured

@@ -43,11 +43,11 @@ KERNELS = {
                    (transposed_mod.wy_dqkg_t_main_kernel, transposed_mod.wy_dqkg_t_side_kernel)),
 }
 # wide, 8 warps only (4 warps spilled 844-888 registers and ran 2-3x slower on the H200:
-# docs/measurements.md); these two were the best and the tested default.
+# docs/kernels.md); these two were the best and the tested default.
 CONFIGS = [dict(kernel="wide", BV=32, num_warps=8, num_stages=3), dict(kernel="wide", BV=64, num_warps=8, num_stages=2)]
 # transposed: the launcher's default (main strips of 16, the side kernel's whole K) and the
 # knobs around it; the side settings measured wrong on the H200 are refused by the launcher,
-# and register caps only spilled (docs/measurements.md).
+# and register caps only spilled (docs/kernels.md).
 _T = dict(kernel="transposed", BV=32, KS=16, num_warps=8, num_stages=2)
 CONFIGS += [_T, {**_T, "KS": 32}, {**_T, "num_stages": 3}, {**_T, "BV": 64}, {**_T, "side_KS": 16}]
 NAMES = ("dq", "dk", "dv", "db", "dg")

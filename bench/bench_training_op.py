@@ -14,7 +14,7 @@ state; loss = <o, do> + <final_state, dht>):
     dispatches that op to FlashQLA whenever `flash_qla` imports (its backend registry,
     `FLA_FLASH_QLA` read per call), so this runner sets `FLA_FLASH_QLA=0` around its step: with
     FlashQLA installed, the op a user calls *is* flashqla-op (measured on the H200: within 2-8 %
-    of it, bench/results/ws_steps/s4call4-trainbench.log);
+    of it);
   * `flashqla-op`: FlashQLA's `chunk_gated_delta_rule` as a user calls it (its intra-card split
     `auto_cp` on), when importable.
 Times are medians of CUDA-event timings of the whole step after warm-up; ratios are fla-op's
@@ -141,7 +141,7 @@ def warm_flashqla(spec: ShapeSpec) -> float:
     """One FlashQLA training step at a bench shape (in a worker process). A small stand-in
     with the same head layout is not enough: on the H200 the timed step still compiled about
     three minutes of kernels at B1 T8192 H16 after such a warm-up (its intra-card split and
-    kernels keyed on more than the layout; bench/results/ws_steps/s4call3-trainbench-cut.log)."""
+    kernels keyed on more than the layout)."""
     from flash_qla import chunk_gated_delta_rule as fq_op
 
     t0 = time.perf_counter()
@@ -233,8 +233,7 @@ def main(argv=None) -> int:
                         "many processes (0: not)")
     p.add_argument("--compile-backends", default="",
                    help="precompile only these of our backends, comma-separated (default: every supported one; "
-                        "e.g. the table's winners, or the backend GDR_BACKEND forces: tilelang_fused alone took "
-                        "~60 s of a starved run in session 7 and never ran)")
+                        "e.g. the table's winners, or the backend GDR_BACKEND forces)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default=str(RESULTS))
@@ -252,7 +251,7 @@ def main(argv=None) -> int:
     if args.match:
         shapes = [s for s in shapes if re.search(args.match, s.label())]
     ops = runners([n for n in args.backends.split(",") if n], [n for n in args.forwards.split(",") if n])
-    # said before anything slow: session 6's starved run printed nothing in 150 s
+    # said before anything slow (a starved run can compile for minutes)
     print(f"{len(shapes)} shapes; runners: {', '.join(ops)}", file=sys.stderr, flush=True)
     if args.compile_jobs:
         # our op's backward (h=None by default): the backends' kernels for these shapes, in

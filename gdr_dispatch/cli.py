@@ -140,7 +140,7 @@ def cmd_tune(args) -> int:
             if not candidates:
                 raise NoBackendError("no supported backend among those asked for")
             # a line per candidate as it is measured: at 32K tokens a shape took minutes without one
-            # (session 6), and starved grids have dozens of candidates
+            # and starved grids have dozens of candidates
             entry, _ = autotune(call, problem, candidates, measure=measure,
                                 progress=lambda line: print(f"    {line}", file=sys.stderr, flush=True))
         except NoBackendError as e:

@@ -10,6 +10,7 @@ calls; a value that cannot be used is an error naming the variable and what it t
 | `GDR_AUTOTUNE` | `0` turns autotuning on a table miss off (the static order runs) | on |
 | `GDR_AUTOTUNE_ALL` | `1` makes a table miss measure every candidate (no pruning by the device's tables) | off |
 | `GDR_CP` | `<n>` cuts every sequence into at most n segments (the exact split); `0` turns the split off | unset: the tables and autotuner decide |
+| `GDR_SPLIT_GRAPHS` | `0` runs the split eagerly on every call (no CUDA graphs of its own) | on |
 | `GDR_SAVE_STATES` | the training op keeps the chunk states for its backward | off |
 | `GDR_ALLOW_UNVERIFIED` | lets kernels whose GPU tests have not passed run | off |
 | `GDR_TUNING_CACHE` | the user table directory | `$XDG_CACHE_HOME/gdr_dispatch` or `~/.cache/gdr_dispatch` |
@@ -27,6 +28,7 @@ AUTOTUNE = "GDR_AUTOTUNE"
 AUTOTUNE_ALL = "GDR_AUTOTUNE_ALL"
 CP = "GDR_CP"
 SAVE_STATES = "GDR_SAVE_STATES"
+SPLIT_GRAPHS = "GDR_SPLIT_GRAPHS"
 ALLOW_UNVERIFIED = "GDR_ALLOW_UNVERIFIED"
 TUNING_CACHE = "GDR_TUNING_CACHE"
 
@@ -68,6 +70,10 @@ def autotune_on() -> bool:
 
 def autotune_all() -> bool:
     return flag(AUTOTUNE_ALL, False)
+
+
+def split_graphs() -> bool:
+    return flag(SPLIT_GRAPHS, True)
 
 
 def save_states() -> bool:

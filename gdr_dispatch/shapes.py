@@ -8,7 +8,9 @@ A grid file is a YAML list (or a mapping with a `shapes:` list) of entries such 
 Keys: B, T (or seqlens for a varlen batch: then B=1, T=sum), H, Hg (default H), K, V
 (default 128), dtype (bfloat16, float16, float32, float64), h (given | none | both, default both),
 initial_state and dht (default true), state_v_first (default false), chunk_size (64),
-strong_decay (default false: g_raw in [-0.5, 0]; true: in [-5.5, -4.5], near fp32 underflow).
+strong_decay (default false: g_raw in [-0.5, 0]; true: in [-5.5, -4.5], near fp32 underflow), gate
+(`uniform`, the default: as strong_decay says; `logsigmoid`: logsigmoid(randn), most heads of a trained
+model; `logsigmoid16`: that over 16, weak decay, FlashQLA's benchmark gate).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import yaml
 from .contract import check_sizes, chunk_counts
 from .problem import Problem, device_info, library_versions
 
+GATES = ("uniform", "logsigmoid", "logsigmoid16")
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
           "float32": torch.float32, "fp32": torch.float32, "float64": torch.float64, "fp64": torch.float64}
 
@@ -43,6 +46,7 @@ class ShapeSpec:
     state_v_first: bool = False
     chunk_size: int = 64
     strong_decay: bool = False  # g_raw around -5 per token (decay near fp32 underflow within a chunk)
+    gate: str = "uniform"  # uniform (strong_decay's ranges) | logsigmoid | logsigmoid16
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -77,6 +81,8 @@ class ShapeSpec:
         object.__setattr__(self, "dtype", str(DTYPES[self.dtype]).replace("torch.", ""))
         if self.h not in ("given", "none", "both"):
             raise ValueError(f"h: expected given, none or both, got {self.h!r}")
+        if self.gate not in GATES:
+            raise ValueError(f"gate: expected one of {', '.join(GATES)}, got {self.gate!r}")
 
     @property
     def seq_lens(self) -> tuple[int, ...]:
@@ -94,7 +100,7 @@ class ShapeSpec:
         else:
             seqs = "varlen " + ",".join(map(str, self.seqlens[:6])) + (",.." if len(self.seqlens) > 6 else "")
         grp = f" Hg{self.Hg}" if self.Hg != self.H else ""
-        decay = " strong-decay" if self.strong_decay else ""
+        decay = (" strong-decay" if self.strong_decay else "") + ("" if self.gate == "uniform" else f" gate={self.gate}")
         return f"{seqs} H{self.H}{grp} K{self.K} V{self.V} {self.dtype}{decay} h={self.h}"
 
     def problem(self, device: torch.device) -> Problem:
@@ -143,6 +149,15 @@ PRESETS: dict[str, list[ShapeSpec]] = {
         # starved grids (fewer sequence x head programs than SMs): the context-parallel split
         ShapeSpec(B=1, T=32768, H=4),
         ShapeSpec(B=2, T=16384, H=8),
+    ],
+    # starved grids (fewer sequence x head programs than SMs), where the exact split runs
+    "h200-starved": [
+        ShapeSpec(B=1, T=8192, H=16),
+        ShapeSpec(B=1, T=32768, H=4),
+        ShapeSpec(B=1, T=65536, H=4),
+        ShapeSpec(B=2, T=16384, H=8),
+        ShapeSpec(B=4, T=8192, H=8),
+        ShapeSpec(seqlens=(16384,) * 4, H=8),
     ],
 }
 
@@ -194,7 +209,12 @@ def make_inputs(spec: ShapeSpec, device, seed: int = 0) -> dict:
     do = rnd(B, T, H, V).to(dt)
     state_dt = torch.float64 if dt == torch.float64 else torch.float32  # g_raw and the states
     u = torch.rand(B, T, H, generator=gen).to(device, state_dt)
-    g_raw = (u - 5.5) if spec.strong_decay else -0.5 * u
+    if spec.gate == "uniform":
+        g_raw = (u - 5.5) if spec.strong_decay else -0.5 * u
+    else:
+        g_raw = torch.nn.functional.logsigmoid(torch.randn(B, T, H, generator=gen)).to(device, state_dt)
+        if spec.gate == "logsigmoid16":
+            g_raw = g_raw / 16
     beta = torch.sigmoid(rnd(B, T, H)).to(dt)
     state = (N, H, V, K) if spec.state_v_first else (N, H, K, V)
     h0 = rnd(*state).to(state_dt) if spec.initial_state else None

@@ -266,6 +266,35 @@ def test_split_captures_in_a_cuda_graph_on_gpu(name, backend, monkeypatch):
             assert relative_error(getattr(captured, n), getattr(eager, n)) < 1e-3, n
 
 
+@pytest.mark.parametrize("backend", ["tilelang_fused", "fla", "flash_qla"])
+@pytest.mark.parametrize("name", ["T100_grouped_all_optional", "varlen_1_63_64_65_vfirst"])
+def test_split_candidates_replay_their_own_graphs_on_gpu(name, backend, monkeypatch):
+    """`<backend>@split<n>` from its third call on replays a graph it captured itself
+    (backends/split/graphs.py): the same gradients as eager, and new inputs of the same shapes
+    copied in (not the captured call's values replayed), fresh outputs each call."""
+    from gdr_dispatch.backends.split import graphs
+
+    if backend not in registered_backends():
+        pytest.skip(f"{backend} not registered here")
+    monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+    spec = ShapeSpec(**{**SHAPES[name].__dict__, "dtype": "bfloat16", "h": "none", "extra": {}})
+    split = SplitBackend(registered_backends()[backend], 4)
+    if not split.supported(spec.problem(torch.device("cuda")))[0]:
+        pytest.skip(f"{split.name} does not take {spec.label()}")
+    kwargs, ref = _case(spec)
+    call = validate(**kwargs)
+    first, second, third = (split.run(call) for _ in range(3))
+    if graphs.held_graphs() == 0:
+        pytest.skip(f"{split.name}: its capture was refused (logged); it runs eagerly")
+    for n in first._fields:
+        if getattr(first, n) is not None:
+            assert relative_error(getattr(third, n), getattr(first, n)) < 1e-3, n
+    assert third.dq.data_ptr() != second.dq.data_ptr()
+    other = {**kwargs, "do": -kwargs["do"]}  # the same shapes, other values: the gradients flip sign
+    flipped = split.run(validate(**other))
+    assert relative_error(flipped.dq, -first.dq) < 1e-3 and relative_error(flipped.dv, -first.dv) < 1e-3
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("name", ["varlen_1_63_64_65_vfirst", "T100_grouped_strong_decay"])
 def test_split_states_kernel_on_gpu(name, dtype):

@@ -76,11 +76,36 @@ def test_the_readme_example_runs(capsys):
 def test_the_readme_training_example_runs(capsys):
     """The drop-in example: forward and backward of the op on a CPU, through fused_gdr_bwd."""
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
-    training = [b for b in blocks if "chunk_gated_delta_rule" in b]
+    training = [b for b in blocks if "chunk_gated_delta_rule(" in b and "cp_group" not in b]
     assert training, "README has no training example"
     exec(compile(training[0], "README.md", "exec"), {})
     assert capsys.readouterr().out.strip() == ("torch.Size([1, 80, 4, 32]) torch.Size([1, 4, 32, 32]) "
-                                               "torch.Size([1, 80, 2, 32])")
+                                               "torch.Size([1, 80, 4, 32])")
+
+
+def test_the_readme_torchrun_example_runs(tmp_path):
+    """The cross-rank example, as README says to run it: two gloo processes under torchrun."""
+    import os
+    import subprocess
+    import sys
+
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    (example,) = [b for b in blocks if "cp_group" in b]
+    script = tmp_path / "cp_example.py"
+    script.write_text(example)
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "GDR_TUNING_CACHE": str(tmp_path / "tables")}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-addr", "127.0.0.1", "--master-port", str(port), str(script)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = sorted(line for line in done.stdout.splitlines() if line[:1] in "01")
+    assert lines == [f"{r} torch.Size([1, 256, 2, 32]) torch.Size([1, 2, 32, 32]) torch.Size([1, 256, 2, 32])"
+                     for r in (0, 1)], done.stdout
 
 
 def test_readme_opens_with_the_two_commands():

@@ -1,7 +1,7 @@
-"""Pass 1's and pass 3's Triton kernels (gdr_dispatch/segment_maps.py) once each on a small
+"""Pass 1's and pass 3's Triton kernels (backends/kernels/segment_maps.py) once each on a small
 varlen call (K = V = 128, bf16, grouped heads, segments of 1/63/64/65/200 tokens), for
-`compute-sanitizer --tool memcheck` (the kernels hit an illegal address on the H200 in session
-11 while the interpreter's runs were clean: segment_maps.BC says which launch configurations).
+`compute-sanitizer --tool memcheck` (a launch configuration can read out of bounds on the H200
+while the interpreter's runs are clean: segment_maps.BC says which ones do).
 Prints each kernel's finish; values are random.
 
     python tools/memcheck_segment_maps.py [LENS [BC,WARPS,STAGES [maps,states]]]

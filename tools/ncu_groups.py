@@ -1,5 +1,5 @@
-"""Warp-state samples of the warp-specialised kernel, per role group and per SASS line: the
-reading of docs/tilelang_ws.md's "Next" 1 (where group A's cycles go).
+"""Warp-state samples of the warp-specialised kernel, per role group and per SASS line: where
+each group's cycles go (docs/kernels.md, "Where the time goes").
 
     python tools/ncu_groups.py ncu-ws-source.csv         # from device_run.sh's ncu step
     python tools/ncu_groups.py ncu-ws-source.csv --top 60 --group A
@@ -68,8 +68,7 @@ def group_profile(rows: list, head: list, warps_steps: float) -> dict:
 
 def compare(ours: tuple[list, list], peer: Path, warps_steps: float) -> None:
     """Ours (`_rows` of our page, already read) beside a peer's kernel (FlashQLA's), group by
-    group: the reading of session 8 (docs/tilelang_ws.md), where A's working samples were 1.37x
-    its counterpart's."""
+    group (docs/kernels.md: A's working samples are 1.37x its counterpart's)."""
     profiles = [group_profile(*ours, warps_steps), group_profile(*_rows(peer), warps_steps)]
     print("\ngroup | instructions per warp and step (ours / peer) | working samples | polling samples | "
           "top working stall reasons (ours / peer)")

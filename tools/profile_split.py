@@ -1,17 +1,15 @@
-"""Where a split call's time goes (issue 15): GPU time against host time, and the top ops.
+"""Where a split call's time goes: GPU time against host time, and the top ops.
 
     python tools/profile_split.py --B 1 --T 32768 --H 4 --segments 16 --backends tilelang_fused,fla
 
 For each backend, unsplit and `<backend>@split<n>`: the median of CUDA-event timings
-(gdr_dispatch.dispatch.measure_ms), the host time to enqueue one call (no sync inside; when
+(gdr_dispatch.autotune.measure_ms), the host time to enqueue one call (no sync inside; when
 it is close to the median the call is host-bound), then one torch.profiler pass with the
-CUDA kernels' total time and the ops that take the most host and device time. Session 6's
-bench read the split candidates 2.5-3 ms above their kernels with a 50 % spread between
-rounds (docs/measurements.md, "The context-parallel split"); session 8's profile found the
-split host-bound. `--graph` also captures each call in a CUDA graph and times its replays
+CUDA kernels' total time and the ops that take the most host and device time (eager, the split
+is host-bound at the starved shapes: docs/kernels.md, "The split"). `--graph` also captures each call in a CUDA graph and times its replays
 (the time in a training step captured whole, where no launch costs host time) and checks the
 replay's gradients against the eager call's. `--pass1` times pass 1 alone, fla's kernels
-against ours (gdr_dispatch/segment_maps.py); with GDR_ALLOW_UNVERIFIED=1 in the environment
+against ours (backends/kernels/segment_maps.py); with GDR_ALLOW_UNVERIFIED=1 in the environment
 the splits above run pass 1 on ours (until their GPU tests pass). `--pyprof N` adds a cProfile
 of N enqueues of each split call (which Python spends the host time).
 """
@@ -56,9 +54,8 @@ def graph_ms(fn, reps: int):
 def scan_configs(call, segments: int, configs: str, reps: int) -> None:
     """The backward scan (pass 2, `h` given) alone under each `BV,WARPS,STAGES` of `configs` ('/' between),
     on the maps of one split call (fla's pass 1): median ms and the largest difference of its
-    results from the shipped configuration's. Session 8 read the scan at 0.131 ms of the split's
-    0.78 ms of GPU time at 32 segments: 16 programs of 32 dependent steps, each loading a 64 KB
-    map; the map loads do not depend on the carried state, so pipelining them may pay."""
+    results from the shipped configuration's (the scan is 16 programs of 32 dependent steps at 32
+    segments, each loading a 64 KB map; the map loads do not depend on the carried state)."""
     from gdr_dispatch.backends.split import passes as cp
     from gdr_dispatch.backends.kernels import segment_scan as ss
 

@@ -1,17 +1,17 @@
 """Static SASS of a warp-specialised kernel, per role group: the report to read before a
-device call (docs/tilelang_ws.md, docs/tilelang_states.md).
+device call (docs/kernels.md).
 
-    python tools/sass_report.py                          # the backward's default build, H = Hg = 2, bf16
-    python tools/sass_report.py --builds default,nogam,uwkv
-    python tools/sass_report.py --phases --builds default,wreg   # per group and phase
-    python tools/sass_report.py --kernel states --builds default,s3,sth   # the state kernel
+    python tools/sass_report.py                          # the backward, H = Hg = 2, bf16
+    python tools/sass_report.py --builds default,timing  # beside its timing build
+    python tools/sass_report.py --phases                 # per group and phase
+    python tools/sass_report.py --kernel states          # the state kernel
 
 Compiles each build on this machine (about a minute each with nvcc for sm_90a; no GPU needed),
 then splits its SASS at the `USETMAXREG` instructions that open the role branches and counts
 per group (each region runs to the next branch's opening, so it includes the group's epilogue): instructions, shared loads (LDS/LDSM), MUFU
 (exp2), HGMMA, local-memory (spill) loads and stores, named barriers. A group issuing one
-instruction per few cycles with one warp per scheduler tracks its instruction count (session 3:
-A -20 % instructions -> A -28 % cycles).
+instruction per few cycles with one warp per scheduler tracks its instruction count (A's
+instructions -20 % gave its cycles -28 %).
 """
 
 from __future__ import annotations
@@ -112,8 +112,8 @@ def per_phase(sass: str, kernel: str = "ws") -> dict:
     """Each consumer group's SASS cut at its mbarrier arrivals (`SYNCS.ARRIVE`: the producer's
     `full` is waited on, the phase barriers are arrived at), so segment k runs from one arrival to
     the next: instructions / spill instructions / named barriers (`BAR.SYNC`, the group's own
-    128-thread syncs). Session 7 found 32 of KV's 34 phase-1 barriers this way: TileLang had put
-    one before every store of an unrolled loop (docs/tilelang_ws.md, `wreg`)."""
+    128-thread syncs): TileLang can put one before every store of an unrolled loop, which this
+    shows as a phase with dozens of them."""
     out = {}
     for g, body in role_regions(sass, kernel)[0]:
         if g == "producer":

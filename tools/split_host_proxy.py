@@ -1,5 +1,5 @@
-"""The split's host work on a CPU, every kernel launch a no-op (issue 15: eager, the split is
-bound by its host's enqueue at the starved shapes, docs/measurements.md "Session 13").
+"""The split's host work on a CPU, every kernel launch a no-op (eager, the split is bound by its
+host's enqueue at the starved shapes: docs/kernels.md, "The split").
 
     python tools/split_host_proxy.py [--segments 32] [--reps 200] [--profile]
 

@@ -1,6 +1,6 @@
-"""The compiler's resource report of our Triton kernels (gdr_dispatch/segment_maps.py) for sm_90a, without a GPU: registers,
-spill stack and shared memory per kernel and launch configuration (read it before a device
-call; docs/measurements.md, "The context-parallel split").
+"""The compiler's resource report of our Triton kernels (backends/kernels/segment_maps.py) for sm_90a, without a GPU:
+registers, spill stack and shared memory per kernel and launch configuration (read it before a
+device call; docs/kernels.md, "The split").
 
     python tools/triton_report.py                              # segment_maps' kernels, K = V = 128
     python tools/triton_report.py --configs 32,8/64,8/16,8     # BC,WARPS pairs

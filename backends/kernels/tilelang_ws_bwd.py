@@ -27,7 +27,7 @@ thread with masked loads before the roles split. No `reduce_sum` spans warps ins
 branch: TileLang's cross-warp all-reduce syncs on the same two hardware barriers in every
 group, so concurrent groups would complete each other's (the race of v1; row sums stay within
 a quad, the rest goes through shared memory). Notes, predictions and measurements:
-docs/tilelang_ws.md.
+docs/kernels.md, "Fused backward".
 
 Outputs: dq/dk per value head in q's dtype (summed over grouped value heads in fp32 by the
 launcher), dv, dg (w.r.t. the raw gate), db, dh0 (always written).
@@ -622,7 +622,7 @@ def ws_config(q, v, b, scale: float) -> tuple:
     jobs (backends' `compile_jobs`), so both hit the same compiled kernel."""
     # dq/dk per value head in q's dtype also when heads are grouped (the launcher sums them in
     # fp32, as FlashQLA's caller does): fp32 stores plus their reduction cost about 1 ms at
-    # varlen 8x4096 H32 Hg16 (docs/tilelang_ws.md)
+    # varlen 8x4096 H32 Hg16 (docs/kernels.md)
     return (v.shape[2], q.shape[2], float(scale), tl_dtype(q.dtype), tl_dtype(b.dtype))
 
 

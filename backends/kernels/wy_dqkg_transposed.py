@@ -15,12 +15,12 @@ around its occupancy walls:
 
 Why that could pay on Blackwell is tmem: the accumulators leave the register file. On the
 H200 a wgmma accumulator lives in registers either way, and the pair is slower than the
-wide kernel at every grid size measured (docs/measurements.md).
+wide kernel at every grid size measured (docs/kernels.md).
 
 Numerics: the same rounding points as the wide kernel (operands of every dot in the input
 dtype, fp32 accumulation). On Hopper + Triton 3.6 the side kernel is wrong with strips of
 32 or 64 (or 4 side warps): db and dg land 1-7e-3 off float64; strips of 16 and the whole
-K are right (docs/measurements.md). The launcher refuses the wrong settings.
+K are right (docs/kernels.md). The launcher refuses the wrong settings.
 """
 
 from __future__ import annotations
@@ -234,7 +234,7 @@ def wy_dqkg_transposed(q, k, v, v_new, du, do, a, g, b, h, dh, scale: float, chu
 
     Defaults: main BV 32 with strips of KS = 16, 8 warps, 2 stages; side BV 64 over the
     whole K (side_KS None), 8 warps: the configuration the GPU oracle tests ran (the sweep
-    and the measured-wrong settings: docs/measurements.md). Those settings raise unless
+    and the measured-wrong settings: docs/kernels.md). Those settings raise unless
     `allow_measured_wrong` (for tools/diag_transposed.py, which reproduces the error).
     The side kernel finalises dk, db and dG in place on the main kernel's partials, so the
     pair is launched once per call and never autotuned.
@@ -244,7 +244,7 @@ def wy_dqkg_transposed(q, k, v, v_new, du, do, a, g, b, h, dh, scale: float, chu
         raise ValueError(
             f"wy_dqkg_transposed: side_KS={side_KS}, side_warps={side_warps}: the side kernel is only "
             f"correct on the H200 with side_KS 16 or K ({q.shape[-1]}) and 8 warps (strips of 32/64 or 4 warps "
-            f"put db and dg 1-7e-3 off float64 there, Triton 3.6; docs/measurements.md)")
+            f"put db and dg 1-7e-3 off float64 there, Triton 3.6; docs/kernels.md)")
     B, T, Hg, K = q.shape
     H, V = v.shape[2], v.shape[3]
     if K & (K - 1) or K < 16:

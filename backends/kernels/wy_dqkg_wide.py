@@ -16,7 +16,7 @@ products of stages 1-4, which carry no convention: `v_new`, `dU` (fla's `dv` aft
 Hopper + Triton [3.4, 3.7.1) miscompiles `tl.dot(tl.trans(acc), ...)` when `acc` comes
 from another `tl.dot` (fla issue 640): no dot here takes a transposed accumulator; `X^T Y`
 with `X` from a dot is `tl.trans(tl.dot(tl.trans(Y), X))`. Registers, spills and timings on
-the H200: docs/measurements.md.
+the H200: docs/kernels.md.
 
 Outputs are stored, never accumulated into (autotuning re-runs kernels): `dq`/`dk` per
 value head in fp32 when heads are grouped, reduced by the launcher (`reduce_value_heads`).
@@ -166,7 +166,7 @@ def wy_dqkg_wide(q, k, v, v_new, du, do, a, g, b, h, dh, scale: float, chunk_siz
     q/k head count in q's dtype, `dv` in v's, `db` in b's, `dg` fp32 w.r.t. the raw gate.
 
     BV = 64, 8 warps, 2 stages: the configuration the GPU oracle tests ran (other
-    configurations measured on the H200: docs/measurements.md).
+    configurations measured on the H200: docs/kernels.md).
     """
     B, T, Hg, K = q.shape
     H, V = v.shape[2], v.shape[3]

@@ -20,7 +20,7 @@ from gdr_dispatch.contract import GDRCall, GDRGrads, chunk_counts, validate
 from gdr_dispatch.problem import Problem
 from gdr_dispatch.registry import Backend, Wrapper, register_context_parallel, register_wrapper
 
-from . import passes, ranks
+from . import graphs, passes, ranks
 
 log = logging.getLogger("gdr_dispatch")
 
@@ -79,6 +79,10 @@ class SplitBackend(Backend):
         return [] if ok else [f"{self.inner.name} on the segments: {why}"]
 
     def run(self, call: GDRCall) -> GDRGrads:
+        # eager it is host-bound at the starved shapes: from the second call on, a graph (graphs.py)
+        return graphs.run(self.name, call, self._run)
+
+    def _run(self, call: GDRCall) -> GDRGrads:
         return passes.split_backward(call, self.segments, run=self.inner.run,
                                      states_by_run=self.inner.own_state_recompute())
 
@@ -131,7 +135,9 @@ class Split(Wrapper):
                      "varlen call", n, env.CP, problem.describe(), n)
         # a forced backend that recomputes the states in its own kernel does so for pass 3 too,
         # as its `<backend>@split<n>` candidate does
-        return passes.split_backward(call, n, run=run, states_by_run=inner is not None and inner.own_state_recompute())
+        own = inner is not None and inner.own_state_recompute()
+        name = f"{env.CP}={n}" + ("" if inner is None else f" on {inner.name}")
+        return graphs.run(name, call, lambda c: passes.split_backward(c, n, run=run, states_by_run=own))
 
 
 register_wrapper(Split())
