@@ -311,9 +311,12 @@ def first_call(call: GDRCall, problem: Problem, options: dict[str, Backend]) -> 
     jobs = compile_jobs_of(call, kept)
     if len(jobs) > 1:
         precompile(jobs, compile_workers(), say)
+    # the most trusted reference of all runs once, untimed, when pruning skipped it
     refs = {n: b for n, b in options.items() if n in skipped and b.reference_rank is not None}
-    if refs and not any(b.reference_rank is not None for b in kept.values()):
-        name = min(refs, key=lambda n: refs[n].reference_rank)
+    kept_best = min((b.reference_rank for b in kept.values() if b.reference_rank is not None), default=None)
+    best = min(refs, key=lambda n: refs[n].reference_rank) if refs else None
+    if best is not None and (kept_best is None or refs[best].reference_rank < kept_best):
+        name = best
         entry, grads = autotune(call, problem, {name: refs[name], **kept}, progress=say, skipped=None,
                                 untimed={name})
         entry["candidates"][name] = {"skipped": skipped[name]}

@@ -290,7 +290,8 @@ def test_split_candidates_replay_their_own_graphs_on_gpu(name, backend, monkeypa
         if getattr(first, n) is not None:
             assert relative_error(getattr(third, n), getattr(first, n)) < 1e-3, n
     assert third.dq.data_ptr() != second.dq.data_ptr()
-    other = {**kwargs, "do": -kwargs["do"]}  # the same shapes, other values: the gradients flip sign
+    # the same shapes, other values: with do and dht negated every gradient flips sign
+    other = {**kwargs, "do": -kwargs["do"], "dht": None if kwargs["dht"] is None else -kwargs["dht"]}
     flipped = split.run(validate(**other))
     assert relative_error(flipped.dq, -first.dq) < 1e-3 and relative_error(flipped.dv, -first.dv) < 1e-3
 
