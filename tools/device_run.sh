@@ -27,7 +27,7 @@ for arg in "$@"; do
       precompile_pid=$! ;;
     tests)
       [ -n "${precompile_pid:-}" ] && wait "$precompile_pid"
-      timeout "$(left)" python3 -m pytest -v tests/test_gpu.py -p no:cacheprovider -W ignore -rfEs --durations=10 \
+      GDR_HF_ROW="$OUT/bench/hf-test.json" timeout "$(left)" python3 -m pytest -v tests/test_gpu.py -p no:cacheprovider -W ignore -rfEs --durations=10 \
         -n "${TESTS_JOBS:-8}" --dist loadgroup ${TESTS_K:+-k "$TESTS_K"} > "$OUT/${TESTS_LOG:-gpu_tests.log}" 2>&1 ;;
     bench)
       timeout "$(left)" python3 bench/bench_gdr_bwd.py --unverified --out "$OUT/bench" ${BENCH_ARGS:---preset h200-train} \
@@ -37,7 +37,7 @@ for arg in "$@"; do
         --splits auto --split-backends tilelang_fused,flash_qla,fla --only-splits --out "$OUT/bench/starved" \
         ${STARVED_ARGS:-} > "$OUT/starved.log" 2>&1 ;;
     firstcall)
-      timeout "$(left)" python3 bench/bench_gdr_bwd.py --first-call --first-call-full --out "$OUT/bench" \
+      timeout "$(left)" python3 bench/bench_gdr_bwd.py --first-call ${FIRSTCALL_FULL:+--first-call-full} --out "$OUT/bench" \
         ${FIRSTCALL_ARGS:-} > "$OUT/firstcall.log" 2>&1 ;;
     hf)
       timeout "$(left)" python3 bench/bench_hf_qwen3_next.py --out "$OUT/bench/hf.json" ${HF_ARGS:-} > "$OUT/hf.log" 2>&1 ;;
