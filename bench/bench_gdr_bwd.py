@@ -390,6 +390,9 @@ def main(argv=None):
         print("bench needs a CUDA device", file=sys.stderr)
         return 2
     if args.first_call:
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format="%(message)s")  # the dispatcher's lines: where the time goes
         shapes = load_grid(args.grid) if args.grid else FIRST_CALL_SHAPES
         rows = [first_call(v, args.first_call_full) for s in shapes for v in s.variants()]
         out = Path(args.out)
