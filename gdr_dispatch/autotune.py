@@ -233,14 +233,33 @@ def _compile_in_subprocess(job: tuple[str, str, tuple]) -> float:
 
 
 def compile_jobs_of(call: GDRCall, candidates: dict[str, Backend]) -> dict[tuple, list[str]]:
-    """Every candidate's compile jobs for `call`, each with the (base) names that need it."""
+    """Every candidate's compile jobs for `call`, each with the (base) names that need it. Warm
+    runs (`warm_job`) are kept once per what their compilers and autotuners key on (the backend,
+    heads, head dims, dtype, flags, varlen or not), not per sequence lengths: the split's segment
+    counts would otherwise warm one backend a dozen times over (76 jobs, 417 s, for the starved
+    bench's eight shapes on the H200)."""
     from .registry import base_name
 
     jobs: dict[tuple, list[str]] = {}
+    warmed: set = set()
     for name, backend in candidates.items():
         for job in backend.compile_jobs(call):
+            if job[1] == warm_backend.__name__:
+                key = warm_key(job)
+                if key in warmed and job not in jobs:
+                    continue
+                warmed.add(key)
             jobs.setdefault(job, []).append(base_name(name))
     return jobs
+
+
+def warm_key(job: tuple) -> tuple:
+    """What a warm job's kernels compile and autotune on: its backend, device and spec less the
+    sizes (B, T, the lengths), with whether it is varlen."""
+    backend, spec, device = job[2]
+    fields = dict(spec)
+    varlen = fields.get("seqlens") is not None
+    return (backend, device, varlen, tuple((k, v) for k, v in sorted(fields.items()) if k not in ("B", "T", "seqlens")))
 
 
 # ---------------------------------------------------------------------------------------

@@ -415,3 +415,17 @@ def test_a_table_miss_skips_what_neighbouring_entries_show_losing(kwargs, fakes,
     tuning_table.forget()
     kept, skipped = at.prune(replace(problem, T=70), {n: registry.get_backend(n) for n in ("fake_slow", "torch")})
     assert set(kept) == {"fake_slow", "torch"} and skipped == {}
+
+
+def test_warm_runs_are_compiled_once_per_compile_key_not_per_length():
+    """The split's candidates at several segment counts share one warm run per backend and mode."""
+    from gdr_dispatch.backends.split import SplitBackend
+
+    spec = ShapeSpec(B=1, T=300, H=2, K=16, V=16, dtype="float16", h="none")
+    call = validate(**call_kwargs(make_inputs(spec, "cpu")))
+    fla = registry.get_backend("fla")
+    cands = {"fla": fla, **{f"fla@split{n}": SplitBackend(fla, n) for n in (2, 4)}}
+    jobs = at.compile_jobs_of(call, cands)
+    keys = [at.warm_key(j) for j in jobs]
+    assert len(jobs) == len(set(keys)) == 2  # the unsplit call, and the segments' varlen call (h given)
+    assert {k[2] for k in keys} == {False, True}

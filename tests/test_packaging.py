@@ -112,3 +112,49 @@ def test_readme_opens_with_the_two_commands():
     lines = (ROOT / "README.md").read_text().splitlines()
     block = lines[lines.index("```") + 1: lines.index("```", lines.index("```") + 1)]
     assert [line.split("#")[0].strip() for line in block] == ["make tune", "make test"]
+
+
+def test_the_core_imports_no_backend_and_its_import_graph_has_no_cycle():
+    """gdr_dispatch/ holds no kernel and imports nothing from backends/ (they register with it);
+    among its modules no import, at module level or inside a function, closes a cycle."""
+    import ast
+
+    core = ROOT / "gdr_dispatch"
+    mods = {}
+    for p in core.rglob("*.py"):
+        name = ".".join(p.relative_to(ROOT).with_suffix("").parts)
+        mods[name.removesuffix(".__init__")] = p
+    graph = {}
+    for name, path in mods.items():
+        text = path.read_text()
+        assert "triton.jit" not in text and "tilelang.language" not in text, f"{name} holds kernel code"
+        pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        deps = set()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom):
+                base = pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else []))
+                assert "backends" not in target.split("."), f"{name} imports {target}"
+                for alias in node.names:
+                    full = f"{target}.{alias.name}"
+                    deps.add(full if full in mods else target)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names)
+        # the package's own __init__ imports its modules; a module reaching it back is no cycle of
+        # theirs unless it imports a name the __init__ defines, which none does
+        graph[name] = {d for d in deps if d in mods and d != name and d != "gdr_dispatch"}
+    state, path = {}, []
+
+    def visit(u):
+        state[u] = 1
+        path.append(u)
+        for v in graph[u]:
+            assert state.get(v) != 1, f"import cycle: {' -> '.join(path[path.index(v):] + [v])}"
+            if v not in state:
+                visit(v)
+        path.pop()
+        state[u] = 2
+
+    for m in graph:
+        if m not in state:
+            visit(m)
