@@ -103,9 +103,9 @@ def test_the_readme_torchrun_example_runs(tmp_path):
                            "--master-addr", "127.0.0.1", "--master-port", str(port), str(script)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = sorted(line for line in done.stdout.splitlines() if line[:1] in "01")
-    assert lines == [f"{r} torch.Size([1, 256, 2, 32]) torch.Size([1, 2, 32, 32]) torch.Size([1, 256, 2, 32])"
-                     for r in (0, 1)], done.stdout
+    # the two ranks' lines may interleave on the shared stdout: each rank's shapes once
+    assert done.stdout.count("torch.Size([1, 256, 2, 32]) torch.Size([1, 2, 32, 32]) torch.Size([1, 256, 2, 32])") == 2, \
+        done.stdout
 
 
 def test_readme_opens_with_the_two_commands():
