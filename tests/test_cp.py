@@ -21,7 +21,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_every_case_matches_the_single_process_call(world, tmp_path):
     port = free_port()
     env = {"PYTHONPATH": str(HERE), "TRITON_INTERPRET": "1", "GDR_TUNING_CACHE": str(tmp_path / "tables")}

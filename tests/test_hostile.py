@@ -128,6 +128,7 @@ def test_compiled_calls_name_the_bad_argument(change, words):
 
 
 # -- d. bounded memory -----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_ten_thousand_random_packings_keep_the_host_memory_bounded(caplog):
     """The log-once keys and every memo are bounded (caches.py): a varlen run that packs its
     sequences differently every step adds nothing per step once the buckets are seen."""
