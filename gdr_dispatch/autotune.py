@@ -147,11 +147,21 @@ def autotune(call: GDRCall, problem: Problem, candidates: dict[str, Backend],
             + f"{time.perf_counter() - t0:.1f} s in all; {spent:.0f} s spent, ~{left:.0f} s left]")
 
     # the cross-check reference: the most trusted candidate that ran (backends declare
-    # `reference_rank`), else the first that ran
+    # `reference_rank`); without one, the candidate most others agree with (never simply the first:
+    # one broken kernel would then fail every correct one), and none when no two agree
     trusted = sorted((b.reference_rank, n) for n, b in candidates.items()
                      if b.reference_rank is not None and n in outputs)
-    ref_name = trusted[0][1] if trusted else next(iter(outputs), None)
     tol = AGREEMENT_TOL[problem.dtype]
+    how = "reference"
+    if trusted:
+        ref_name = trusted[0][1]
+    else:
+        ref_name, how = _majority(outputs, tol), "agreed with most candidates (no reference ran)"
+        if ref_name is None and len(outputs) > 1:
+            detail = "; ".join(f"{n}: {r.get('failed', 'ran')}" for n, r in results.items())
+            raise NoBackendError(f"autotuning {problem.describe()}: no reference ran and no two candidates agree "
+                                 f"within {tol:g}; nothing is stored ({detail})")
+        ref_name = ref_name or next(iter(outputs), None)
     if ref_name is not None:
         for name in outputs:
             if name == ref_name:
@@ -172,7 +182,7 @@ def autotune(call: GDRCall, problem: Problem, candidates: dict[str, Backend],
         "problem": problem.describe(),
         "winner": winner,
         "candidates": results,
-        "cross_check": {"reference": ref_name, "tol": tol},
+        "cross_check": {"reference": ref_name, "tol": tol, "how": how},
         "measured_at": now_iso(),
     }
     return entry, outputs[winner]
@@ -181,6 +191,15 @@ def autotune(call: GDRCall, problem: Problem, candidates: dict[str, Backend],
 # ---------------------------------------------------------------------------------------
 # compiling first, in parallel
 # ---------------------------------------------------------------------------------------
+def _majority(outputs: dict, tol: float) -> Optional[str]:
+    """The candidate whose gradients agree with the most others (ties: the first), None when no
+    two agree."""
+    names = list(outputs)
+    votes = {n: sum(grads_disagreement(outputs[n], outputs[m], tol) is None for m in names if m != n) for n in names}
+    best = max(names, key=lambda n: votes[n], default=None)
+    return best if best is not None and votes[best] > 0 else None
+
+
 def run_compile_job(job: tuple[str, str, tuple]) -> float:
     """Run one `Backend.compile_jobs` entry (in a worker process); returns its wall time in seconds."""
     module, function, args = job
@@ -302,8 +321,9 @@ def prune(problem: Problem, candidates: dict[str, Backend]) -> tuple[dict[str, B
                              f"entr{'y' if len(ratios) == 1 else 'ies'}")
             continue
         kept[name] = backend
-    if not kept:  # never prune everything
-        return dict(candidates), {}
+    if not kept:  # never prune everything: the non-reference candidates then all run
+        kept = {n: b for n, b in candidates.items() if not getattr(b, "reference", False)} or dict(candidates)
+        skipped = {n: why for n, why in skipped.items() if n not in kept}
     return kept, skipped
 
 
@@ -338,7 +358,8 @@ def first_call(call: GDRCall, problem: Problem, options: dict[str, Backend]) -> 
         name = best
         entry, grads = autotune(call, problem, {name: refs[name], **kept}, progress=say, skipped=None,
                                 untimed={name})
-        entry["candidates"][name] = {"skipped": skipped[name]}
+        if "untimed" in entry["candidates"].get(name, {}):  # it ran: say why it was not timed (a failure stays)
+            entry["candidates"][name] = {"skipped": skipped[name]}
         for n, why in skipped.items():
             entry["candidates"].setdefault(n, {"skipped": why})
     else:
@@ -363,7 +384,7 @@ def warm_job(backend: str, call: GDRCall) -> tuple[str, str, tuple]:
                 h="given" if call.h is not None else "none", initial_state=call.initial_state is not None,
                 dht=call.dht is not None, state_v_first=call.state_v_first, chunk_size=call.chunk_size,
                 seqlens=tuple(call.seq_lens) if call.cu_seqlens is not None else None)
-    return (__name__, warm_backend.__name__, (backend, tuple(sorted(spec.items())), call.q.device.type))
+    return (__name__, warm_backend.__name__, (backend, tuple(sorted(spec.items())), str(call.q.device)))
 
 
 def warm_backend(backend: str, spec: tuple, device: str = "cuda") -> None:

@@ -69,6 +69,13 @@ def offsets_of(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
     return offsets
 
 
+def remember(cu_seqlens: torch.Tensor, offsets: tuple[int, ...]) -> None:
+    """Record `offsets` as `cu_seqlens`' values for a capture (a private copy the caller made of
+    a tensor whose values it read: the op's backward reads the forward's lengths so)."""
+    ref = weakref.ref(cu_seqlens, lambda _ref, key=id(cu_seqlens): _offsets.pop(key, None))
+    _offsets[id(cu_seqlens)] = (ref, tuple(offsets))
+
+
 def device_constant(values: tuple, dtype: torch.dtype, device: torch.device,
                     shape: Optional[tuple] = None) -> torch.Tensor:
     """A read-only device tensor holding `values` (viewed as `shape`), built once per content."""

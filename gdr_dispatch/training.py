@@ -41,6 +41,7 @@ import torch
 from . import env
 from .caches import first_time
 from .contract import check_forward_structure, check_scale, packed, sequence_lengths, validate_forward
+from .graph_safe import offsets_of, remember
 from .problem import Problem, device_info, library_versions
 from .registry import get_backend, registered_backends
 
@@ -177,6 +178,15 @@ def _setup_context(ctx, inputs, output):
     q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, state_v_first, save_states = inputs
     o, ht, G, a, h = output
     ctx.mark_non_differentiable(G, a, h)
+    if cu_seqlens is not None:
+        # the backward runs on the forward's lengths: a private copy, so that a buffer the caller
+        # refills before the backward (through numpy or .data, which autograd cannot see) does not
+        # change them; its values are known, so a CUDA graph capture reads nothing
+        traced = torch.compiler.is_compiling() or isinstance(cu_seqlens, torch._subclasses.FakeTensor)
+        offsets = None if traced else offsets_of(cu_seqlens)
+        cu_seqlens = cu_seqlens.clone()
+        if offsets is not None:
+            remember(cu_seqlens, offsets)
     ctx.save_for_backward(q, k, v, beta, G, a, h, initial_state, cu_seqlens)
     ctx.scale, ctx.state_v_first, ctx.save_states, ctx.g_dtype = scale, state_v_first, save_states, g.dtype
 
@@ -204,11 +214,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     natural-log decay (not cumulated); beta `[B, T, H]` in (0, 1); initial_state `[N, H, K, V]`
     (`[N, H, V, K]` with `state_v_first`); cu_seqlens `[N + 1]` for varlen (`B == 1`). Any
     strided views; g, beta and initial_state in any float dtype (computed in fp32).
-    `final_state` (fp32) is None unless `output_final_state`. Differentiable in q, k, v, g, beta
+    `final_state` (fp32; fp64 for fp64 inputs) is None unless `output_final_state`. Differentiable in q, k, v, g, beta
     and initial_state, each gradient in its input's dtype. `save_states` (default:
     `GDR_SAVE_STATES`, else False) keeps the chunk states for the backward instead of
     recomputing them; the module docstring says what each costs. A bad argument raises
-    TypeError or ValueError naming it, eager or compiled.
+    TypeError or ValueError naming it (compiled: torch.compile's TorchRuntimeError around it).
 
     `cp_group` (a `torch.distributed` process group; eager): context parallelism across its ranks.
     Each rank's q/k/v/g/beta hold a contiguous slice of the packed tokens, in rank order (slices
@@ -217,15 +227,15 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     `initial_state` is the global `[N, H, K, V]`, identical on every rank, and each rank's
     gradient for it is its share (their sum is the full gradient, as an all-reduce of a
     replicated input gives); with `output_final_state` every rank returns the same global final
-    state, and the gradients flowing into it are summed over the ranks. One all-gather per
-    direction (and one of the slices' lengths in the forward); exact (docs/design.md).
+    state, and the gradients flowing into it are summed over the ranks. One all-gather of the
+    maps per direction, after one of the slices' lengths; exact (docs/design.md). Eager only: the
+    collectives run in a torch.autograd.Function, which torch.compile does not trace.
     """
     if cp_group is not None:
         from .registry import context_parallel
 
         if save_states is None:
             save_states = env.save_states()
-        check_forward_structure(q, k, v, g, beta, None, None, state_v_first, CHUNK)
         o, ht = context_parallel().op(q, k, v, g, beta, check_scale(scale, q.shape[-1]), initial_state,
                                       output_final_state, cu_seqlens, state_v_first, save_states, cp_group, CHUNK)
         return o, (ht if output_final_state else None)

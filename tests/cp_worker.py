@@ -118,6 +118,27 @@ def cases(world):
     return out
 
 
+def refusal_cases(rank, world, group):
+    """A bad argument on one rank: every rank raises (the bad one its own error naming the
+    argument), none waits in a collective the others never reach."""
+    spec = ShapeSpec(B=1, T=64 * world, H=2, K=8, V=8, dtype="float64", h="none")
+    x = make_inputs(spec, "cpu", seed=5)
+    q, k, v, beta, g = (x[n][:, rank * 64:(rank + 1) * 64] for n in ("q", "k", "v", "b", "g_raw"))
+    out = {}
+    bad_beta = beta[..., :1] if rank == world - 1 else beta
+    try:
+        chunk_gated_delta_rule(q, k, v, g, bad_beta, cp_group=group)
+        out["bad beta on the last rank"] = "no error"
+    except (TypeError, ValueError) as e:
+        out["bad beta on the last rank"] = str(e)
+    try:
+        chunk_gated_delta_rule(q, k, v, g, beta, initial_state=[1.0], cp_group=group)
+        out["a list as initial_state"] = "no error"
+    except (TypeError, ValueError) as e:
+        out["a list as initial_state"] = str(e)
+    return out
+
+
 def main(rank, world, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -128,6 +149,7 @@ def main(rank, world, port, out):
                 results[name] = (op_case if kind == "op" else bwd_case)(spec, cuts, rank, world, dist.group.WORLD)
             except Exception as e:  # noqa: BLE001 - reported per case
                 results[name] = {"error": f"{type(e).__name__}: {e}"}
+        results["refusals"] = refusal_cases(rank, world, dist.group.WORLD)
     finally:
         with open(os.path.join(out, f"{rank}.json"), "w") as f:
             json.dump(results, f)
@@ -141,3 +163,4 @@ if __name__ == "__main__":
     # past this point only interpreter teardown remains, where gloo's threads can end the process
     # with "terminate called without an active exception": the results are written, so leave now
     os._exit(0)
+

@@ -373,7 +373,7 @@ def test_prefix_maps_equal_the_step_by_step_composition(n):
         assert torch.allclose(A[:, j] @ x0 + B[:, j], x, rtol=1e-12, atol=1e-12), j
 
 
-# -- pass 2 as Triton kernels (gdr_dispatch/segment_scan.py; Triton's interpreter on the CPU) ------
+# -- pass 2 as Triton kernels (backends/kernels/segment_scan.py; Triton's interpreter on the CPU) ------
 @pytest.mark.parametrize("K, V, n_seg", [(16, 16, 1), (16, 32, 3), (32, 64, 5)])
 @pytest.mark.parametrize("given", [True, False], ids=["states", "no_states"])
 def test_scan_kernels_equal_the_step_by_step_scan(K, V, n_seg, given):
@@ -577,7 +577,7 @@ def test_the_segment_grid_is_a_reshape_on_a_full_grid_and_a_scatter_otherwise(le
     assert (grid.data_ptr() == x.data_ptr()) == (not empty) and bool(empty) == (lens != (300, 300))
 
 
-# -- pass 1 as Triton kernels (gdr_dispatch/segment_maps.py; Triton's interpreter on the CPU) -----
+# -- pass 1 as Triton kernels (backends/kernels/segment_maps.py; Triton's interpreter on the CPU) -----
 @pytest.mark.parametrize("spec", FLA_PASS_SHAPES, ids=lambda s: s.label())
 def test_triton_pass_1_composes_the_same_maps_as_the_torch_products(spec):
     """Our kernels' [M | R] (the state walk from [I | 0]) and D (the dh walk from zero) against

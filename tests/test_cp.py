@@ -36,6 +36,12 @@ def test_every_case_matches_the_single_process_call(world, tmp_path):
     for r in range(world):
         results = json.loads((tmp_path / f"{r}.json").read_text())
         assert results, f"rank {r} ran no case"
+        refusals = results.pop("refusals")
+        if r == world - 1:
+            assert refusals["bad beta on the last rank"].startswith("beta: expected shape"), refusals
+        else:
+            assert "refused their arguments" in refusals["bad beta on the last rank"], refusals
+        assert refusals["a list as initial_state"].startswith("initial_state: expected a torch.Tensor"), refusals
         for case, errs in results.items():
             assert "error" not in errs, (r, case, errs)
             bad = {n: e for n, e in errs.items() if not e <= 1e-10}

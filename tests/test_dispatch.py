@@ -429,3 +429,24 @@ def test_warm_runs_are_compiled_once_per_compile_key_not_per_length():
     keys = [at.warm_key(j) for j in jobs]
     assert len(jobs) == len(set(keys)) == 2  # the unsplit call, and the segments' varlen call (h given)
     assert {k[2] for k in keys} == {False, True}
+
+
+def test_without_a_reference_the_candidate_most_others_agree_with_is_the_cross_check(kwargs, fakes):
+    """A reference that fails (the torch backend out of memory at a training shape) leaves the
+    cross-check to agreement: a broken candidate must not become the ground truth and win."""
+    call = validate(**kwargs)
+    problem = Problem.from_call(call)
+    ref = fakes("fake_ref", raises=True)
+    ref.reference_rank = -1
+    fakes("fake_bad", scale=3.0)  # first to run, fastest, wrong
+    fakes("fake_good")
+    fakes("fake_good2")
+    times = iter([1.0, 2.0, 3.0])
+    entry, _ = at.autotune(call, problem, {n: registry.get_backend(n) for n in ("fake_ref", "fake_bad", "fake_good",
+                                                                                 "fake_good2")},
+                           measure=lambda fn, dev: next(times))
+    assert entry["winner"] == "fake_good" and entry["cross_check"]["reference"] == "fake_good"
+    assert "disagrees with fake_good" in entry["candidates"]["fake_bad"]["failed"]
+    with pytest.raises(dsp.NoBackendError, match="no two candidates agree"):
+        at.autotune(call, problem, {n: registry.get_backend(n) for n in ("fake_ref", "fake_bad", "fake_good")},
+                    measure=lambda fn, dev: 1.0)

@@ -89,7 +89,7 @@ def scan_configs(call, segments: int, configs: str, reps: int) -> None:
 
 def pass1_configs(call, segments: int, configs: str, reps: int) -> None:
     """Pass 1 alone on the segments of one split call: fla's kernels (stage 1, the state and dh
-    passes) against ours (gdr_dispatch/segment_maps.py, under each `BC,WARPS,STAGES` of `configs`
+    passes) against ours (backends/kernels/segment_maps.py, under each `BC,WARPS,STAGES` of `configs`
     beside the shipped one): median ms, host enqueue ms, and how far our maps are from fla's (M
     against the identity's size, R and D relative; both round their products' operands to 16
     bits, so ~1e-3 apart is agreement and O(1) a bug)."""
@@ -158,7 +158,7 @@ def main() -> int:
     p.add_argument("--pyprof", type=int, default=0, metavar="N",
                    help="also profile N enqueues of each split call in Python (cProfile: where its host time goes)")
     p.add_argument("--pass1", nargs="?", const="", default=None,
-                   help="time pass 1 alone, fla's kernels against ours (gdr_dispatch/segment_maps.py) under the "
+                   help="time pass 1 alone, fla's kernels against ours (backends/kernels/segment_maps.py) under the "
                         "shipped and these 'BC,WARPS,STAGES' configurations ('/'-separated), then stop")
     a = p.parse_args()
     call = validate(**call_kwargs(make_inputs(ShapeSpec(B=a.B, T=a.T, H=a.H, h=a.h), "cuda", seed=1)))

@@ -1,8 +1,7 @@
 """Gate the WY inverse: `A_gated[t, j] = a[t, j] * exp(G_t - G_j)` for j <= t in the chunk.
 
 The same pass also writes `G / ln 2` when asked (fla's log2 gate), which saves the fla
-backend one more launch: at B1 T8192 H16 its backward is launch-bound on the H200
-(bench/results/nvidia-h200-sm90-fla-adapter.txt).
+backend one more launch: at B1 T8192 H16 its backward is launch-bound on the H200.
 
 fla's `recompute_w_u_fwd` and `prepare_wy_repr_bwd` take the gated inverse, the contract
 carries the ungated one (gating is exact, un-gating divides by an underflowing exp; see

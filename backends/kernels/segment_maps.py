@@ -21,7 +21,7 @@ Here: two launches (docs/kernels.md, "The split").
 Products take 16-bit operands (the state, U and the inner products of W's two factors rounded
 to k's dtype, as fla's chain rounds its state and W) with fp32 accumulation; the carried state
 stays fp32. Segments are whole chunks of
-their sequence (context_parallel.segment_plan), so `g`'s chunk-local cumsums hold as given.
+their sequence (backends/split/passes.segment_plan), so `g`'s chunk-local cumsums hold as given.
 """
 
 from __future__ import annotations

@@ -235,7 +235,7 @@ def wy_dqkg_transposed(q, k, v, v_new, du, do, a, g, b, h, dh, scale: float, chu
     Defaults: main BV 32 with strips of KS = 16, 8 warps, 2 stages; side BV 64 over the
     whole K (side_KS None), 8 warps: the configuration the GPU oracle tests ran (the sweep
     and the measured-wrong settings: docs/kernels.md). Those settings raise unless
-    `allow_measured_wrong` (for tools/diag_transposed.py, which reproduces the error).
+    `allow_measured_wrong` (to reproduce the error).
     The side kernel finalises dk, db and dG in place on the main kernel's partials, so the
     pair is launched once per call and never autotuned.
     """

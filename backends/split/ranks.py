@@ -70,20 +70,40 @@ def _comm_device(group, device: torch.device) -> torch.device:
     return device if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
 
+def check_group(group) -> None:
+    """`cp_group` must be a `torch.distributed` process group."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"cp_group: expected a torch.distributed process group (e.g. dist.group.WORLD), got "
+                        f"{type(group).__name__}")
+
+
 def layout(group, T_local: int, cu_seqlens: Optional[torch.Tensor], chunk_size: Optional[int],
-           device: torch.device) -> RankLayout:
-    """The ranks' offsets (one all-gather of an int64) and this rank's pieces. `chunk_size`: the
-    rank edges inside a sequence must fall on whole chunks of it (`fused_gdr_bwd`'s `a` and `g`
-    are chunk-local); None: anywhere (the op chunks each piece itself)."""
+           device: torch.device, local_error: Optional[BaseException] = None) -> RankLayout:
+    """The ranks' offsets (one all-gather of an int64 and a flag) and this rank's pieces.
+    `local_error`: this rank's own arguments failed their checks; every rank then raises (the
+    failing one its own error), so no rank waits in a collective the others never reach.
+    `chunk_size`: the rank edges inside a sequence must fall on whole chunks of it
+    (`fused_gdr_bwd`'s `a` and `g` are chunk-local); None: anywhere (the op chunks each piece)."""
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    mine = torch.tensor([T_local], dtype=torch.int64, device=_comm_device(group, device))
+    mine = torch.tensor([T_local, int(local_error is not None)], dtype=torch.int64, device=_comm_device(group, device))
     sizes = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(sizes, mine, group=group)
+    if local_error is not None:
+        raise local_error
+    failed = [r for r, s in enumerate(sizes) if int(s[1])]
+    if failed:
+        raise ValueError(f"cp_group: rank(s) {failed} refused their arguments (their own errors name them)")
+    empty = [r for r, s in enumerate(sizes) if int(s[0]) == 0]
+    if empty:
+        raise ValueError(f"cp_group: every rank holds at least one token of the packed sequences; rank(s) {empty} "
+                         f"hold none")
     starts = [0]
     for s in sizes:
-        starts.append(starts[-1] + int(s.item()))
+        starts.append(starts[-1] + int(s[0].item()))
     total = starts[-1]
     if cu_seqlens is None:
         bounds = (0, total)
@@ -176,12 +196,22 @@ def backward(q, k, v, a, g, b, do, dht, h, *, scale, initial_state, cu_seqlens, 
     of one validated local call."""
     from dataclasses import replace
 
-    from gdr_dispatch.contract import check_state
+    from gdr_dispatch.contract import _expect_tensor, check_state
 
-    base = validate(q, k, v, a, g, b, do, scale=scale, chunk_size=chunk_size, state_v_first=state_v_first)
-    if base.B != 1:
-        raise ValueError(f"q: with cp_group the ranks' slices are packed tokens, B == 1; got B={base.B}")
-    lay = layout(group, base.T, cu_seqlens, chunk_size, q.device)
+    check_group(group)
+    error, base = None, None
+    try:
+        for name, x in (("dht", dht), ("h", h), ("initial_state", initial_state), ("cu_seqlens", cu_seqlens)):
+            if x is not None:
+                _expect_tensor(name, x)
+                if x.device != q.device:
+                    raise ValueError(f"{name}: expected device {q.device} (the device of q), got {x.device}")
+        base = validate(q, k, v, a, g, b, do, scale=scale, chunk_size=chunk_size, state_v_first=state_v_first)
+        if base.B != 1:
+            raise ValueError(f"q: with cp_group the ranks' slices are packed tokens, B == 1; got B={base.B}")
+    except (TypeError, ValueError) as e:
+        error = e
+    lay = layout(group, 0 if base is None else base.T, cu_seqlens, chunk_size, q.device, local_error=error)
     acc = base.acc_dtype
     N, H, K, V = lay.N, base.H, base.K, base.V
     for name, x in (("initial_state", initial_state), ("dht", dht)):
@@ -261,13 +291,23 @@ class _CPOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, state_v_first,
                 save_states, group, chunk):
-        from gdr_dispatch import training
+        from gdr_dispatch.contract import _expect_tensor, check_forward_structure, check_state
 
-        if q.shape[0] != 1:
-            raise ValueError(f"q: with cp_group the ranks' slices are packed tokens, B == 1; got B={q.shape[0]}")
-        from gdr_dispatch.contract import check_state
-
-        lay = layout(group, q.shape[1], cu_seqlens, None, q.device)
+        check_group(group)
+        error = None
+        try:
+            check_forward_structure(q, k, v, g, beta, None, None, state_v_first, chunk)
+            for name, x in (("initial_state", initial_state), ("cu_seqlens", cu_seqlens)):
+                if x is not None:
+                    _expect_tensor(name, x)
+                    if x.device != q.device:
+                        raise ValueError(f"{name}: expected device {q.device} (the device of q), got {x.device}")
+            if q.shape[0] != 1:
+                raise ValueError(f"q: with cp_group the ranks' slices are packed tokens, B == 1; got B={q.shape[0]}")
+        except (TypeError, ValueError) as e:
+            error = e
+        lay = layout(group, 0 if error is not None else q.shape[1], cu_seqlens, None,
+                     q.device if isinstance(q, torch.Tensor) else torch.device("cpu"), local_error=error)
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         H, K, V = v.shape[2], q.shape[3], v.shape[3]
         if initial_state is not None:
