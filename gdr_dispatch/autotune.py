@@ -260,16 +260,22 @@ def compile_jobs_of(call: GDRCall, candidates: dict[str, Backend]) -> dict[tuple
     from .registry import base_name
 
     jobs: dict[tuple, list[str]] = {}
-    warmed: set = set()
     for name, backend in candidates.items():
         for job in backend.compile_jobs(call):
-            if job[1] == warm_backend.__name__:
-                key = warm_key(job)
-                if key in warmed and job not in jobs:
-                    continue
-                warmed.add(key)
             jobs.setdefault(job, []).append(base_name(name))
-    return jobs
+    return one_warm_run_per_key(jobs)
+
+
+def one_warm_run_per_key(jobs: dict[tuple, list[str]]) -> dict[tuple, list[str]]:
+    """`jobs` with only the first warm run (`warm_job`) of each `warm_key`; other jobs as they are."""
+    out, warmed = {}, set()
+    for job, names in jobs.items():
+        if job[1] == warm_backend.__name__:
+            if warm_key(job) in warmed:
+                continue
+            warmed.add(warm_key(job))
+        out[job] = names
+    return out
 
 
 def warm_key(job: tuple) -> tuple:

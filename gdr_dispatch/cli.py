@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from . import env, tuning_table
-from .autotune import autotune, compile_jobs_of, measure_ms, warm_key
+from .autotune import autotune, compile_jobs_of, measure_ms, one_warm_run_per_key
 from .autotune import precompile as run_precompile
 from .contract import validate
 from .dispatch import NO_TENSORS, STATIC, TABLE, autotune_block_reason, select_backend, wrapped_candidates
@@ -84,11 +84,9 @@ def precompile(variants, device, only, workers: int, splits: bool = True) -> Non
         if splits:
             chosen.update(wrapped_candidates(problem, chosen, thorough=True))
         for job, names in compile_jobs_of(call, chosen).items():
-            if job[1] == "warm_backend" and any(j[1] == "warm_backend" and warm_key(j) == warm_key(job) for j in jobs):
-                continue  # one warm run per compile key over the whole sweep (autotune.compile_jobs_of)
             jobs.setdefault(job, []).extend(names)
         del inputs, call
-    run_precompile(jobs, workers, lambda line: print(line, file=sys.stderr, flush=True))
+    run_precompile(one_warm_run_per_key(jobs), workers, lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def cmd_tune(args) -> int:

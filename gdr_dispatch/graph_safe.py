@@ -28,6 +28,8 @@ from . import caches
 
 #: id(cu_seqlens) -> (weak reference to it, its offsets at the last eager read)
 _offsets: dict[int, tuple] = {}
+#: ids of the 1-D index tensors `device_constant` built: their `_offsets` entry is their content
+_immutable: set = set()
 _constants: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 _pinned: set = set()
 #: Index tensors kept (least recently used go first, never one a capture used).
@@ -37,6 +39,7 @@ MAX_CONSTANTS = 1024
 @caches.on_clear
 def _forget() -> None:
     _offsets.clear()
+    _immutable.clear()
     for key in [k for k in _constants if k not in _pinned]:
         del _constants[key]
 
@@ -48,32 +51,44 @@ def capturing(device: torch.device) -> bool:
 
 def offsets_of(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
     """`cu_seqlens`' values on the host: read on every eager call, from the last eager read of
-    the same tensor under graph capture."""
-    key = id(cu_seqlens)
+    the same tensor under graph capture; never read for an index tensor `device_constant` built
+    (its values are known and nobody writes it)."""
+    if id(cu_seqlens) in _immutable:
+        offsets = remembered(cu_seqlens)
+        if offsets is not None:
+            return offsets
     if capturing(cu_seqlens.device):
-        hit = _offsets.get(key)
-        if hit is None or hit[0]() is not cu_seqlens:
+        offsets = remembered(cu_seqlens)
+        if offsets is None:
             raise RuntimeError(
                 "cu_seqlens: its values are needed on the host, which a CUDA graph capture cannot read; run one "
                 "eager step with this very cu_seqlens tensor before capturing (the graph then replays with its "
                 "lengths)")
-        return hit[1]
+        return offsets
     offsets = tuple(int(x) for x in cu_seqlens.tolist())
-    # remembered for a capture that may follow (a weak reference: the entry dies with the tensor)
-    hit = _offsets.get(key)
-    if hit is None or hit[0]() is not cu_seqlens:
-        ref = weakref.ref(cu_seqlens, lambda _ref, key=key: _offsets.pop(key, None))
-        _offsets[key] = (ref, offsets)
-    else:
-        _offsets[key] = (hit[0], offsets)
+    remember(cu_seqlens, offsets)  # for a capture that may follow
     return offsets
 
 
+def remembered(cu_seqlens: torch.Tensor) -> Optional[tuple[int, ...]]:
+    """The values last read (or recorded) for this very tensor, None if none were; reads nothing."""
+    hit = _offsets.get(id(cu_seqlens))
+    return hit[1] if hit is not None and hit[0]() is cu_seqlens else None
+
+
 def remember(cu_seqlens: torch.Tensor, offsets: tuple[int, ...]) -> None:
-    """Record `offsets` as `cu_seqlens`' values for a capture (a private copy the caller made of
-    a tensor whose values it read: the op's backward reads the forward's lengths so)."""
-    ref = weakref.ref(cu_seqlens, lambda _ref, key=id(cu_seqlens): _offsets.pop(key, None))
-    _offsets[id(cu_seqlens)] = (ref, tuple(offsets))
+    """Record `offsets` as `cu_seqlens`' values (a weak reference: the entry dies with the tensor):
+    what `offsets_of` does after each eager read, and what a caller does for a private copy it made
+    of a tensor whose values it read (the op's backward runs on the forward's lengths so)."""
+    key = id(cu_seqlens)
+    hit = _offsets.get(key)
+    if hit is None or hit[0]() is not cu_seqlens:
+        def gone(_ref, key=key):
+            _offsets.pop(key, None)
+            _immutable.discard(key)
+
+        hit = (weakref.ref(cu_seqlens, gone),)
+    _offsets[key] = (hit[0], tuple(offsets))
 
 
 def device_constant(values: tuple, dtype: torch.dtype, device: torch.device,
@@ -90,6 +105,9 @@ def device_constant(values: tuple, dtype: torch.dtype, device: torch.device,
         t = torch.tensor(values, dtype=dtype)
         t = (t.view(shape) if shape is not None else t).to(device)
         _constants[key] = t
+        if shape is None and not dtype.is_floating_point:  # an offsets-like vector: its values, unread
+            remember(t, values)
+            _immutable.add(id(t))
         for old in [k for k in _constants if k not in _pinned][:max(0, len(_constants) - MAX_CONSTANTS)]:
             del _constants[old]
     else:

@@ -41,7 +41,7 @@ import torch
 from . import env
 from .caches import first_time
 from .contract import check_forward_structure, check_scale, packed, sequence_lengths, validate_forward
-from .graph_safe import offsets_of, remember
+from .graph_safe import offsets_of, remember, remembered
 from .problem import Problem, device_info, library_versions
 from .registry import get_backend, registered_backends
 
@@ -183,7 +183,8 @@ def _setup_context(ctx, inputs, output):
         # refills before the backward (through numpy or .data, which autograd cannot see) does not
         # change them; its values are known, so a CUDA graph capture reads nothing
         traced = torch.compiler.is_compiling() or isinstance(cu_seqlens, torch._subclasses.FakeTensor)
-        offsets = None if traced else offsets_of(cu_seqlens)
+        # the forward's validation has just read them: no second read (a device sync per layer)
+        offsets = None if traced else remembered(cu_seqlens) or offsets_of(cu_seqlens)
         cu_seqlens = cu_seqlens.clone()
         if offsets is not None:
             remember(cu_seqlens, offsets)
@@ -231,16 +232,14 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     maps per direction, after one of the slices' lengths; exact (docs/design.md). Eager only: the
     collectives run in a torch.autograd.Function, which torch.compile does not trace.
     """
+    if save_states is None:
+        save_states = env.save_states()
     if cp_group is not None:
         from .registry import context_parallel
 
-        if save_states is None:
-            save_states = env.save_states()
         o, ht = context_parallel().op(q, k, v, g, beta, check_scale(scale, q.shape[-1]), initial_state,
                                       output_final_state, cu_seqlens, state_v_first, save_states, cp_group, CHUNK)
         return o, (ht if output_final_state else None)
-    if save_states is None:
-        save_states = env.save_states()
     if not torch.compiler.is_compiling():
         # a bad call fails here, naming the argument, before any work (compiled: in the fake)
         check_forward_structure(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, CHUNK)

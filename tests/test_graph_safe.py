@@ -90,3 +90,11 @@ def test_inference_tensors_are_read_every_time():
         assert graph_safe.offsets_of(cu) == (0, 3, 8)
         cu[1] = 4
         assert graph_safe.offsets_of(cu) == (0, 4, 8)
+
+
+def test_the_index_tensors_it_builds_are_never_read_back(monkeypatch):
+    """A 1-D index tensor of `device_constant` (the split's segments' cu_seqlens, say) has known
+    values: `offsets_of` answers from them, eager or captured, without a device read."""
+    cu = graph_safe.device_constant((0, 3, 9), torch.int32, "cpu")
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("read a device constant back"))
+    assert graph_safe.offsets_of(cu) == (0, 3, 9)

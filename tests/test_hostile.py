@@ -295,3 +295,17 @@ def test_a_cu_seqlens_refilled_between_the_forward_and_the_backward_leaves_the_b
     _, want = op_grads(q, k, v, g, beta, torch.tensor([0, 5, 75], dtype=torch.int32))
     for a, b in zip(leaves, want):
         assert torch.allclose(a.grad, b, atol=1e-12)
+
+
+def test_the_op_s_backward_copy_of_cu_seqlens_costs_no_second_read(monkeypatch):
+    """The backward's private copy of cu_seqlens takes the values the forward's validation read,
+    not a read of its own (on a GPU each read synchronises the stream)."""
+    from gdr_dispatch import training
+
+    q, k, v, g, beta, cu = op_inputs()
+    reads = []
+    monkeypatch.setattr(training, "offsets_of", lambda t: reads.append(1) or tuple(t.tolist()))
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta)]
+    o, _ = chunk_gated_delta_rule(*leaves, cu_seqlens=cu)
+    o.sum().backward()
+    assert reads == []

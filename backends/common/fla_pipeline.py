@@ -227,11 +227,12 @@ def residuals(k, beta, g, cu_seqlens, chunk_size):
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.solve_tril import solve_tril
 
-    from gdr_dispatch.graph_safe import offsets_of
+    from gdr_dispatch.graph_safe import offsets_of, remembered
 
     ci = None
     if cu_seqlens is not None:
-        off = offsets_of(cu_seqlens)
+        # the call's validation has just read them (no second device sync), else a read
+        off = remembered(cu_seqlens) or offsets_of(cu_seqlens)
         ci = varlen_chunk_indices([e - s for s, e in zip(off[:-1], off[1:])], chunk_size, k.device, cu_seqlens.dtype)
     common = dict(cu_seqlens=cu_seqlens, chunk_indices=ci)
     k, beta = packed(k), packed(beta)
