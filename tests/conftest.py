@@ -35,6 +35,15 @@ def isolated_tables(tmp_path, monkeypatch):
     clear_caches()
 
 
+def free_port() -> int:
+    """A TCP port on localhost no one listens on now (for gloo process groups in the tests)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 @pytest.fixture
 def with_backends():
     """`with_backends(b1, b2, hide=("flash_qla",))`: register backends (and hide others) until the

@@ -5,29 +5,23 @@ the edges), ranks holding only the middle of a sequence, a sequence of no tokens
 state_v_first, h0/dht present and absent, and fused_gdr_bwd's own cp_group with h given and not."""
 
 import json
-import socket
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import free_port
+
 HERE = Path(__file__).resolve().parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_every_case_matches_the_single_process_call(world, tmp_path):
     port = free_port()
-    env = {"PYTHONPATH": str(HERE), "TRITON_INTERPRET": "1", "GDR_TUNING_CACHE": str(tmp_path / "tables")}
-    import os
-
-    env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "GDR_TUNING_CACHE": str(tmp_path / "tables"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
     procs = [subprocess.Popen([sys.executable, str(HERE / "cp_worker.py"), str(r), str(world), str(port), str(tmp_path)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world)]

@@ -93,11 +93,9 @@ def test_the_readme_torchrun_example_runs(tmp_path):
     (example,) = [b for b in blocks if "cp_group" in b]
     script = tmp_path / "cp_example.py"
     script.write_text(example)
-    import socket
+    from conftest import free_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "TRITON_INTERPRET": "1", "GDR_TUNING_CACHE": str(tmp_path / "tables")}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            "--master-addr", "127.0.0.1", "--master-port", str(port), str(script)], env=env,

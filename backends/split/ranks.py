@@ -29,8 +29,11 @@ from typing import Optional
 import torch
 
 from gdr_dispatch.caches import first_time
-from gdr_dispatch.contract import GDRGrads, check_cu_seqlens_form, validate
+from gdr_dispatch.contract import (GDRGrads, _expect_tensor, check_cu_seqlens_form, check_forward_structure, check_state,
+                                   validate)
 from gdr_dispatch.graph_safe import offsets_of
+
+from .passes import sequence_maps
 
 log = logging.getLogger("gdr_dispatch")
 
@@ -55,6 +58,10 @@ class RankLayout:
         for _, lo, hi in self.pieces:
             out.append(out[-1] + hi - lo)
         return tuple(out)
+
+    def piece_index(self, device) -> torch.Tensor:
+        """Each piece's global sequence, as an index into `[N, ...]` tensors."""
+        return torch.tensor([n for n, _, _ in self.pieces], dtype=torch.long, device=device)
 
     def holds_start(self, n: int) -> bool:
         """Whether this rank holds sequence n's first token (rank 0 for a sequence of none)."""
@@ -179,6 +186,19 @@ def _kv(x, v_first: bool):
     return None if x is None else (x.transpose(-1, -2) if v_first else x)
 
 
+def _start_states(initial_state, v_first: bool, shape: tuple, acc, device) -> torch.Tensor:
+    """The global initial state in K x V layout and the accumulation dtype, zeros without one."""
+    h0 = _kv(initial_state, v_first)
+    return torch.zeros(shape, dtype=acc, device=device) if h0 is None else h0.to(acc)
+
+
+def _check_tensors(q, named) -> None:
+    """The optional tensors `named` (name -> tensor or None): tensors, on q's device."""
+    for name, x in named:
+        if x is not None and _expect_tensor(name, x).device != q.device:
+            raise ValueError(f"{name}: expected device {q.device} (the device of q), got {x.device}")
+
+
 def _say(what: str, lay: RankLayout, nbytes: int) -> None:
     if first_time(("cp", what, lay.world, lay.N, nbytes)):
         log.info("gdr_dispatch: cp %s over %d ranks: %d sequences, this rank %d pieces; one all-gather of %.2f MiB "
@@ -196,16 +216,10 @@ def backward(q, k, v, a, g, b, do, dht, h, *, scale, initial_state, cu_seqlens, 
     of one validated local call."""
     from dataclasses import replace
 
-    from gdr_dispatch.contract import _expect_tensor, check_state
-
     check_group(group)
     error, base = None, None
     try:
-        for name, x in (("dht", dht), ("h", h), ("initial_state", initial_state), ("cu_seqlens", cu_seqlens)):
-            if x is not None:
-                _expect_tensor(name, x)
-                if x.device != q.device:
-                    raise ValueError(f"{name}: expected device {q.device} (the device of q), got {x.device}")
+        _check_tensors(q, (("dht", dht), ("h", h), ("initial_state", initial_state), ("cu_seqlens", cu_seqlens)))
         base = validate(q, k, v, a, g, b, do, scale=scale, chunk_size=chunk_size, state_v_first=state_v_first)
         if base.B != 1:
             raise ValueError(f"q: with cp_group the ranks' slices are packed tokens, B == 1; got B={base.B}")
@@ -220,7 +234,7 @@ def backward(q, k, v, a, g, b, do, dht, h, *, scale, initial_state, cu_seqlens, 
     cu = torch.tensor(lay.local_cu, dtype=torch.int32, device=q.device)
     pc = validate(q, k, v, a, g, b, do, h=h, scale=base.scale, cu_seqlens=cu, chunk_size=chunk_size,
                   state_v_first=state_v_first)
-    M, R, D = _sequence_maps(replace(pc, h=None), need_r=h is None)
+    M, R, D = sequence_maps(replace(pc, h=None), need_r=h is None)
     state = _kv(dht, state_v_first)
     share = torch.zeros(N, H, K, V, dtype=acc, device=q.device) if state is None else state.to(acc)
     parts = [_dense(lay, M, "eye").flatten(2), _dense(lay, D, "zeros").flatten(2), share.flatten(2)]
@@ -233,10 +247,9 @@ def backward(q, k, v, a, g, b, do, dht, h, *, scale, initial_state, cu_seqlens, 
     Mw = split[0].reshape(lay.world, N, H, K, K)
     G_end = split[2].reshape(lay.world, N, H, K, V).sum(0)
     ends, _ = _backward_scan(Mw, split[1].reshape(lay.world, N, H, K, V), G_end)
-    idx = torch.tensor([n for n, _, _ in lay.pieces], dtype=torch.long, device=q.device)
+    idx = lay.piece_index(q.device)
     if h is None:
-        h0 = _kv(initial_state, state_v_first)
-        S0 = torch.zeros(N, H, K, V, dtype=acc, device=q.device) if h0 is None else h0.to(acc)
+        S0 = _start_states(initial_state, state_v_first, (N, H, K, V), acc, q.device)
         starts, _ = _forward_scan(Mw, split[3].reshape(lay.world, N, H, K, V), S0)
         init = starts[lay.rank][idx]
     else:  # each piece starts on one of the caller's chunks: its state there
@@ -265,12 +278,6 @@ def _dh0_share(lay: RankLayout, dh0_pieces, G_end, v_first: bool, acc):
     return dh0
 
 
-def _sequence_maps(call, need_r: bool):
-    from .passes import sequence_maps
-
-    return sequence_maps(call, need_r=need_r)
-
-
 # ---------------------------------------------------------------------------------------
 # chunk_gated_delta_rule(..., cp_group=...)
 # ---------------------------------------------------------------------------------------
@@ -291,17 +298,11 @@ class _CPOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, state_v_first,
                 save_states, group, chunk):
-        from gdr_dispatch.contract import _expect_tensor, check_forward_structure, check_state
-
         check_group(group)
         error = None
         try:
             check_forward_structure(q, k, v, g, beta, None, None, state_v_first, chunk)
-            for name, x in (("initial_state", initial_state), ("cu_seqlens", cu_seqlens)):
-                if x is not None:
-                    _expect_tensor(name, x)
-                    if x.device != q.device:
-                        raise ValueError(f"{name}: expected device {q.device} (the device of q), got {x.device}")
+            _check_tensors(q, (("initial_state", initial_state), ("cu_seqlens", cu_seqlens)))
             if q.shape[0] != 1:
                 raise ValueError(f"q: with cp_group the ranks' slices are packed tokens, B == 1; got B={q.shape[0]}")
         except (TypeError, ValueError) as e:
@@ -316,17 +317,15 @@ class _CPOp(torch.autograd.Function):
         G, a = _residuals(q, k, v, g, beta, cu, chunk)
         pc = validate(q, k, v, a.to(q.dtype), G.to(acc), beta, torch.zeros_like(v), scale=scale, cu_seqlens=cu,
                       chunk_size=chunk)
-        M, R, _ = _sequence_maps(pc, need_r=True)
+        M, R, _ = sequence_maps(pc, need_r=True)
         msg = torch.cat([_dense(lay, M, "eye").flatten(2), _dense(lay, R, "zeros").flatten(2)], dim=-1)
         _say("forward", lay, msg.numel() * msg.element_size())
         got = _gather(group, msg)
         Mw, Rw = got.split([K * K, K * V], dim=-1)
         Mw, Rw = Mw.reshape(lay.world, lay.N, H, K, K), Rw.reshape(lay.world, lay.N, H, K, V)
-        h0 = _kv(initial_state, state_v_first)
-        S0 = torch.zeros(lay.N, H, K, V, dtype=acc, device=q.device) if h0 is None else h0.to(acc)
-        starts, finals = _forward_scan(Mw, Rw, S0)
-        idx = torch.tensor([n for n, _, _ in lay.pieces], dtype=torch.long, device=q.device)
-        init = _kv(starts[lay.rank][idx], state_v_first).to(acc).contiguous()
+        starts, finals = _forward_scan(Mw, Rw, _start_states(initial_state, state_v_first, (lay.N, H, K, V), acc,
+                                                             q.device))
+        init = _kv(starts[lay.rank][lay.piece_index(q.device)], state_v_first).to(acc).contiguous()
         o, _, G, a, h = torch.ops.gdr_dispatch.chunk_gdr_fwd(q, k, v, g, beta, init, cu, scale, False,
                                                              state_v_first, save_states)
         ctx.save_for_backward(q, k, v, beta, G, a, h, init, cu, Mw)
@@ -347,7 +346,7 @@ class _CPOp(torch.autograd.Function):
         N, H, K, V = lay.N, v.shape[2], q.shape[3], v.shape[3]
         do = torch.zeros_like(v) if do is None else do.to(q.dtype)
         pc = validate(q, k, v, a, G, beta, do, scale=ctx.scale, cu_seqlens=cu, chunk_size=a.shape[-1])
-        _, _, D = _sequence_maps(pc, need_r=False)
+        _, _, D = sequence_maps(pc, need_r=False)
         share = torch.zeros(N, H, K, V, dtype=acc, device=q.device)
         if dht is not None and dht.numel() > 0:
             share = _kv(dht, v_first).to(acc)
@@ -357,8 +356,7 @@ class _CPOp(torch.autograd.Function):
         Dw, shares = got.split([K * V, K * V], dim=-1)
         G_end = shares.reshape(lay.world, N, H, K, V).sum(0)
         ends, _ = _backward_scan(Mw, Dw.reshape(lay.world, N, H, K, V), G_end)
-        idx = torch.tensor([n for n, _, _ in lay.pieces], dtype=torch.long, device=q.device)
-        end_grad = _kv(ends[lay.rank][idx], v_first).to(init.dtype).contiguous()
+        end_grad = _kv(ends[lay.rank][lay.piece_index(q.device)], v_first).to(init.dtype).contiguous()
         grads = fused_gdr_bwd(q, k, v, a, G, beta, do, end_grad, h if ctx.save_states else None, scale=ctx.scale,
                               initial_state=init, cu_seqlens=cu, chunk_size=a.shape[-1], state_v_first=v_first)
         dh0 = _dh0_share(lay, grads.dh0, G_end, v_first, acc).to(ctx.h0_dtype) if ctx.has_h0 else None
