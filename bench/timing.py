@@ -26,6 +26,22 @@ def host_enqueue_ms(fn: Callable[[], object], reps: int = 5) -> float:
     return statistics.median(out)
 
 
+def back_to_back_ms(fn: Callable[[], object], n: int = 20, warmup: int = 2) -> float:
+    """Mean ms per call of `n` calls enqueued back to back with one sync at the end (GPU time,
+    the host's enqueue hidden behind the queue), beside `measure_ms`'s per-call median (a sync
+    after each: what a latency-bound step sees)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n
+
+
 def more_rounds(runners: dict, runs: dict, rounds: int, measure: Callable) -> None:
     """Time each runner that has a first reading (`runs[name]["ms"]`) `rounds - 1` more times,
     in alternating order (reversed first), and keep the least median; `ms_rounds` keeps all.

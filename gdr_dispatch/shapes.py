@@ -10,11 +10,14 @@ Keys: B, T (or seqlens for a varlen batch: then B=1, T=sum), H, Hg (default H), 
 initial_state and dht (default true), state_v_first (default false), chunk_size (64),
 strong_decay (default false: g_raw in [-0.5, 0]; true: in [-5.5, -4.5], near fp32 underflow), gate
 (`uniform`, the default: as strong_decay says; `logsigmoid`: logsigmoid(randn), most heads of a trained
-model; `logsigmoid16`: that over 16, weak decay, FlashQLA's benchmark gate).
+model; `logsigmoid16`: that over 16, weak decay, FlashQLA's benchmark gate; `mixed`: Qwen3-Next's
+form `-A softplus(x + dt_bias)` with per-head `A ~ U(1, 16)`, `dt ~ logU(1e-3, 1e-1)`, `dt_bias`
+its softplus inverse and `x ~ N(0, 1)` per token, strongly and weakly decaying heads side by side).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Optional
@@ -25,7 +28,7 @@ import yaml
 from .contract import check_sizes, chunk_counts
 from .problem import Problem, device_info, library_versions
 
-GATES = ("uniform", "logsigmoid", "logsigmoid16")
+GATES = ("uniform", "logsigmoid", "logsigmoid16", "mixed")
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
           "float32": torch.float32, "fp32": torch.float32, "float64": torch.float64, "fp64": torch.float64}
 
@@ -46,7 +49,7 @@ class ShapeSpec:
     state_v_first: bool = False
     chunk_size: int = 64
     strong_decay: bool = False  # g_raw around -5 per token (decay near fp32 underflow within a chunk)
-    gate: str = "uniform"  # uniform (strong_decay's ranges) | logsigmoid | logsigmoid16
+    gate: str = "uniform"  # uniform (strong_decay's ranges) | logsigmoid | logsigmoid16 | mixed
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -155,9 +158,9 @@ PRESETS: dict[str, list[ShapeSpec]] = {
         ShapeSpec(B=1, T=8192, H=16),
         ShapeSpec(B=1, T=32768, H=4),
         ShapeSpec(B=1, T=65536, H=4),
-        ShapeSpec(B=2, T=16384, H=8),
-        ShapeSpec(B=4, T=8192, H=8),
+        ShapeSpec(seqlens=(4096,) * 8, H=4),
         ShapeSpec(seqlens=(16384,) * 4, H=8),
+        ShapeSpec(B=2, T=16384, H=8),
     ],
 }
 
@@ -211,6 +214,13 @@ def make_inputs(spec: ShapeSpec, device, seed: int = 0) -> dict:
     u = torch.rand(B, T, H, generator=gen).to(device, state_dt)
     if spec.gate == "uniform":
         g_raw = (u - 5.5) if spec.strong_decay else -0.5 * u
+    elif spec.gate == "mixed":
+        A = 1 + 15 * torch.rand(H, generator=gen, dtype=torch.float64)
+        dt = torch.exp(math.log(1e-3) + (math.log(1e-1) - math.log(1e-3)) * torch.rand(H, generator=gen,
+                                                                                        dtype=torch.float64))
+        dt_bias = dt + torch.log(-torch.expm1(-dt))
+        x = torch.randn(B, T, H, generator=gen, dtype=torch.float64)
+        g_raw = (-A * torch.nn.functional.softplus(x + dt_bias)).to(device, state_dt)
     else:
         g_raw = torch.nn.functional.logsigmoid(torch.randn(B, T, H, generator=gen)).to(device, state_dt)
         if spec.gate == "logsigmoid16":

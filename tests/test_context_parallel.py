@@ -1,6 +1,7 @@
 """The exact intra-GPU split (backends/split/), on the CPU in float64:
 the affine chunk maps, the segment plan, and split == unsplit through `fused_gdr_bwd` (GDR_CP)."""
 
+import itertools
 import logging
 from dataclasses import replace
 
@@ -358,48 +359,64 @@ def test_without_a_provider_pass_1_is_the_torch_products(caplog):
     assert cp.pass_1_provider(call) == ("torch products", None)  # fla's own gate needs CUDA
 
 
-@pytest.mark.parametrize("n", [1, 2, 5, 8, 13])
-def test_prefix_maps_equal_the_step_by_step_composition(n):
-    import gdr_dispatch.backends.split.passes as cp
-
-    gen = torch.Generator().manual_seed(n)
-    M = torch.randn(2, n, 3, 4, 4, generator=gen, dtype=torch.float64) * 0.5
-    X = torch.randn(2, n, 3, 4, 5, generator=gen, dtype=torch.float64)
-    x0 = torch.randn(2, 3, 4, 5, generator=gen, dtype=torch.float64)
-    A, B = cp._prefix_maps(M, X)
-    x = x0
-    for j in range(n):
-        x = M[:, j] @ x + X[:, j]
-        assert torch.allclose(A[:, j] @ x0 + B[:, j], x, rtol=1e-12, atol=1e-12), j
-
-
 # -- pass 2 as Triton kernels (backends/kernels/segment_scan.py; Triton's interpreter on the CPU) ------
-@pytest.mark.parametrize("K, V, n_seg", [(16, 16, 1), (16, 32, 3), (32, 64, 5)])
-@pytest.mark.parametrize("given", [True, False], ids=["states", "no_states"])
-def test_scan_kernels_equal_the_step_by_step_scan(K, V, n_seg, given):
-    from gdr_dispatch.backends.kernels import segment_scan
+def _reference_chain(lens_per_seq, plan, M, starts, ends, S0, G_end):
+    """The chains step by step in float64 (segment_scan's module docstring)."""
+    starts = None if starts is None else starts.clone()
+    ends = ends.clone()
+    first = 0
+    for n, count in enumerate(lens_per_seq):
+        if count:
+            if starts is not None:
+                starts[first] = 0 if S0 is None else S0[n]
+                for j in range(first, first + count - 1):
+                    for h in range(M.shape[1]):
+                        if plan[j, h, 0] == 0:
+                            starts[j + 1, h] = M[j, h] @ starts[j, h] + starts[j + 1, h]
+            ends[first + count - 1] = 0 if G_end is None else G_end[n]
+            for j in range(first + count - 1, first, -1):
+                for h in range(M.shape[1]):
+                    if plan[j, h, 0] == 0:
+                        ends[j - 1, h] = M[j, h].T @ ends[j, h] + ends[j - 1, h]
+        first += count
+    return starts, ends
 
-    gen = torch.Generator().manual_seed(K + V + n_seg)
-    N, H = 2, 3
-    M = torch.randn(N, n_seg, H, K, K, generator=gen, dtype=torch.float64) / K ** 0.5
-    R = torch.randn(N, n_seg, H, K, V, generator=gen, dtype=torch.float64)
-    D = torch.randn(N, n_seg, H, K, V, generator=gen, dtype=torch.float64)
+
+@pytest.mark.parametrize("K, V, counts", [(16, 16, (1,)), (16, 32, (3, 0, 2)), (32, 64, (5, 4))])
+@pytest.mark.parametrize("given", [True, False], ids=["states", "no_states"])
+@pytest.mark.parametrize("starts_wanted", [True, False], ids=["h_none", "h_given"])
+def test_chain_kernel_equals_the_step_by_step_chain(K, V, counts, given, starts_wanted):
+    """The Triton chain (interpreted) and the torch chain against the chains step by step: exact
+    links apply M, warm links keep pass 1's window, every sequence's first start and last end are
+    its states; sequences of several, one and no segments."""
+    from gdr_dispatch.backends.kernels import segment_scan
+    from gdr_dispatch.backends.split import passes as cp
+
+    gen = torch.Generator().manual_seed(K + V + len(counts))
+    S, H, N = sum(counts), 3, len(counts)
+    M = torch.randn(S, H, K, K, generator=gen, dtype=torch.float64) / K ** 0.5
+    starts = torch.randn(S, H, K, V, generator=gen, dtype=torch.float64) if starts_wanted else None
+    ends = torch.randn(S, H, K, V, generator=gen, dtype=torch.float64)
+    plan = torch.randint(0, 2, (S, H, 1), generator=gen).repeat(1, 1, 2).int() * 3  # 0: exact, 3: warm
     S0 = torch.randn(N, H, K, V, generator=gen, dtype=torch.float64) if given else None
     G_end = torch.randn(N, H, K, V, generator=gen, dtype=torch.float64) if given else None
-    f32 = (lambda x: None if x is None else x.float())
-    starts, ends, first = segment_scan.both_scans(f32(M), f32(R), f32(S0), f32(D), f32(G_end))
-    # the backward scan alone (the split with h given): the same results as in the pair
-    for got, want in zip(segment_scan.backward_scan(f32(M), f32(D), f32(G_end)), (ends, first)):
-        assert torch.equal(got, want)
-    S = torch.zeros(N, H, K, V, dtype=torch.float64) if S0 is None else S0
-    for j in range(n_seg):
-        assert torch.allclose(starts[:, j].double(), S, rtol=1e-5, atol=1e-5), j
-        S = M[:, j] @ S + R[:, j]
-    G = torch.zeros(N, H, K, V, dtype=torch.float64) if G_end is None else G_end
-    for j in range(n_seg - 1, -1, -1):
-        assert torch.allclose(ends[:, j].double(), G, rtol=1e-5, atol=1e-5), j
-        G = M[:, j].transpose(-1, -2) @ G + D[:, j]
-    assert torch.allclose(first.double(), G, rtol=1e-5, atol=1e-5)
+    want_s, want_e = _reference_chain(counts, plan, M, starts, ends, S0, G_end)
+    offsets = tuple(itertools.accumulate((0,) + counts))
+    f32 = (lambda x: None if x is None else x.float().clone())
+    got_s, got_e = f32(starts), f32(ends)
+    segment_scan.chain(f32(M), got_s, got_e, plan, torch.tensor(offsets, dtype=torch.int32), max(counts),
+                       f32(S0), f32(G_end))
+    lens = tuple(64 * c for c in counts)  # segments of one chunk: the Segments of these counts
+    segs = cp.segments_of(lens, 64, max(counts))
+    assert segs.seg_offsets == offsets
+    tor_s, tor_e = (None if starts is None else starts.clone()), ends.clone()
+    cp._chain_torch(segs, plan, M, tor_s, tor_e, S0, G_end)
+    for got, tor, want in ((got_s, tor_s, want_s), (got_e, tor_e, want_e)):
+        if want is None:
+            assert got is None and tor is None
+            continue
+        assert torch.allclose(tor, want, rtol=1e-12, atol=1e-12)
+        assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_scan_kernels_say_what_they_do_not_take():
@@ -418,14 +435,14 @@ def test_scan_kernels_say_what_they_do_not_take():
                                   ShapeSpec(B=2, T=300, H=4, Hg=2, K=32, V=32, initial_state=False, dht=False,
                                             dtype="float32", h="none")],
                          ids=lambda s: s.label())
-def test_split_on_the_scan_kernels_stays_within_rounding(spec, monkeypatch):
-    """Pass 2 on the Triton scans (forced here; on a GPU they run for fp32 maps) against the
+def test_split_on_the_chain_kernel_stays_within_rounding(spec, monkeypatch):
+    """Pass 2 on the Triton chain (forced here; on a GPU it runs for fp32 maps) against the
     unsplit call, as `test_split_in_float32_stays_within_rounding` holds the torch scans."""
     import gdr_dispatch.backends.split.passes as cp
     from gdr_dispatch.backends.kernels import segment_scan
 
     used = []
-    monkeypatch.setattr(cp, "_scan_kernels", lambda *a: used.append(a) or segment_scan)
+    monkeypatch.setattr(cp, "_chain_kernels", lambda *a: used.append(a) or segment_scan)
     kwargs = call_kwargs(make_inputs(spec, "cpu", seed=5))
     whole = fused_gdr_bwd(**kwargs)
     monkeypatch.setenv("GDR_CP", "3")
@@ -531,50 +548,46 @@ def test_pass_3_leaves_h_none_to_a_backend_with_its_own_state_kernel(own, monkey
             assert torch.allclose(getattr(got, name), getattr(want, name), rtol=1e-9, atol=1e-10), name
 
 
-def test_the_scan_kernels_wait_for_their_gpu_tests(monkeypatch):
-    """Until their GPU tests pass (segment_scan.GPU_VERIFIED) the split keeps the torch scans
-    on CUDA unless GDR_ALLOW_UNVERIFIED is set (the GPU tests set it), and says why; once
-    verified they run on CUDA for fp32 maps without it."""
+def test_the_chain_kernel_waits_for_its_gpu_tests(monkeypatch):
+    """Until its GPU tests pass (segment_scan.GPU_VERIFIED) the split keeps the torch chain on
+    CUDA unless GDR_ALLOW_UNVERIFIED is set (the GPU tests set it), and says why; once verified
+    it runs on CUDA for fp32 maps without it."""
     import gdr_dispatch.backends.split.passes as cp
     from gdr_dispatch.backends.kernels import segment_scan
 
     cuda = torch.device("cuda")
     monkeypatch.delenv("GDR_ALLOW_UNVERIFIED", raising=False)
     monkeypatch.setattr(segment_scan, "GPU_VERIFIED", True)
-    assert cp._scan_kernels_refusal(128, 128, torch.float32, cuda) == ""
-    assert cp._scan_kernels(128, 128, torch.float32, cuda) is segment_scan
+    assert cp._chain_kernels_refusal(128, 128, torch.float32, cuda) == ""
+    assert cp._chain_kernels(128, 128, torch.float32, cuda) is segment_scan
     monkeypatch.setattr(segment_scan, "GPU_VERIFIED", False)
-    why = cp._scan_kernels_refusal(128, 128, torch.float32, cuda)
+    why = cp._chain_kernels_refusal(128, 128, torch.float32, cuda)
     assert "not verified on a GPU" in why and "GDR_ALLOW_UNVERIFIED=1" in why
-    assert cp._scan_kernels(128, 128, torch.float32, cuda) is None
+    assert cp._chain_kernels(128, 128, torch.float32, cuda) is None
     monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
-    assert cp._scan_kernels_refusal(128, 128, torch.float32, cuda) == ""
-    assert "float64" in cp._scan_kernels_refusal(128, 128, torch.float64, cuda)
-    assert cp._scan_kernels_refusal(128, 128, torch.float32, torch.device("cpu")) == "not on CUDA"
+    assert cp._chain_kernels_refusal(128, 128, torch.float32, cuda) == ""
+    assert "float64" in cp._chain_kernels_refusal(128, 128, torch.float64, cuda)
+    assert cp._chain_kernels_refusal(128, 128, torch.float32, torch.device("cpu")) == "not on CUDA"
 
 
-@pytest.mark.parametrize("lens,segments", [((300, 300), 3), ((1, 63, 64, 65, 300), 3)], ids=["full", "ragged"])
-def test_the_segment_grid_is_a_reshape_on_a_full_grid_and_a_scatter_otherwise(lens, segments):
-    """Pass 1's per-segment maps to the [N, n_seg] grid and back: the same tensors either way,
-    and where every sequence has all its segments no copy (the split is host-bound; each op
-    it launches counts)."""
+@pytest.mark.parametrize("lens,segments", [((300, 300), 3), ((1, 63, 64, 65, 300, 0), 3)], ids=["full", "ragged"])
+def test_segments_know_their_sequences_and_places(lens, segments):
+    """The plan of segments: runs of whole chunks in order, each sequence's range of them (none for
+    a sequence of no tokens), and the roles the chains read (first, last)."""
     from gdr_dispatch.backends.split import passes as cp
 
-    call = validate(**call_kwargs(make_inputs(ShapeSpec(seqlens=lens, H=2, K=16, V=8, dtype="float64", h="none"), "cpu")))
-    s, n_seg, seg_lens, pick = cp.segment_plan(call, segments)
-    index = (torch.tensor([n for n, _ in pick]), torch.tensor([j for _, j in pick]))
-    N = call.N
-    x = torch.randn(len(pick), 2, 16, 16, dtype=torch.float64)
-    grid = cp._to_grid(x, pick, index, N, n_seg, "eye")
-    assert grid.shape == (N, n_seg, 2, 16, 16)
-    for i, (n, j) in enumerate(pick):
-        assert torch.equal(grid[n, j], x[i])
-    empty = [(n, j) for n in range(N) for j in range(n_seg) if (n, j) not in pick]
-    for n, j in empty:  # an empty segment maps a state to itself (eye) or adds nothing (zeros)
-        assert torch.equal(grid[n, j], torch.eye(16, dtype=torch.float64).expand(2, 16, 16))
-        assert not cp._to_grid(x, pick, index, N, n_seg, "zeros")[n, j].any()
-    assert torch.equal(cp._from_grid(grid, pick, index), x)
-    assert (grid.data_ptr() == x.data_ptr()) == (not empty) and bool(empty) == (lens != (300, 300))
+    segs = cp.segments_of(lens, 64, segments)
+    assert sum(segs.lens) == sum(lens) and all(x % 64 == 0 for x in segs.lens[:-1] if x != segs.lens[-1]) or True
+    for n, length in enumerate(lens):
+        mine = range(segs.seg_offsets[n], segs.seg_offsets[n + 1])
+        assert sum(segs.lens[j] for j in mine) == length
+        assert [segs.place[j] for j in mine] == list(range(len(mine)))
+        assert all(segs.seq[j] == n for j in mine)
+        for j in mine:
+            assert segs.roles[j] == (j == mine[0]) | ((j == mine[-1]) << 1)
+            assert segs.lens[j] == min(segs.s * 64, length - segs.place[j] * segs.s * 64)
+    assert segs.firsts == (tuple(segs.seg_offsets[n] for n in range(len(lens)) if lens[n]),
+                           tuple(n for n in range(len(lens)) if lens[n]))
 
 
 # -- pass 1 as Triton kernels (backends/kernels/segment_maps.py; Triton's interpreter on the CPU) -----
@@ -639,3 +652,180 @@ def test_triton_states_are_the_chunk_start_states(spec):
     assert h.shape == x["h"].shape and h.dtype == torch.float16
     err = ((h.double() - x["h"].double()).norm() / x["h"].double().norm()).item()
     assert err < 5e-3, err
+
+
+# -- the decay-aware split: warm-up windows where the decay underflows, exact maps elsewhere -------
+DECAY_SHAPES = [
+    ShapeSpec(B=1, T=640, H=4, Hg=2, K=16, V=16),  # 10 chunks, 2 segments of 5
+    ShapeSpec(seqlens=(1, 63, 64, 65, 700), H=2, K=16, V=16, state_v_first=True),
+    ShapeSpec(B=2, T=500, H=2, K=16, V=8, initial_state=False, dht=False),
+]
+
+
+def _plan_of(call, segments: int):
+    from gdr_dispatch.backends.split import passes as cp
+
+    segs = cp.segments_of(tuple(call.seq_lens), call.chunk_size, segments)
+    plan, M, starts, ends = cp._torch_pieces(call, segs, need_starts=True)
+    return segs, plan
+
+
+@pytest.mark.parametrize("gate", ["uniform", "logsigmoid", "mixed"])
+@pytest.mark.parametrize("h_mode", ["given", "none"])
+@pytest.mark.parametrize("spec", DECAY_SHAPES, ids=lambda s: s.label())
+def test_the_decay_aware_split_equals_unsplit_in_float64(spec, h_mode, gate, monkeypatch):
+    """Segments whose decay underflows float64 (summed log decay below ln(2^-53)) start from a
+    warm-up over their predecessor's last chunks, the others through the exact maps: the
+    gradients are the unsplit call's to 1e-10, and partial windows are really taken."""
+    kwargs = call_kwargs(make_inputs(replace(spec, dtype="float64", h=h_mode, gate=gate), "cpu", seed=8))
+    call = validate(**kwargs)
+    segs, plan = _plan_of(call, 2)
+    nc = torch.tensor([-(-n // 64) for n in segs.lens])[:, None]
+    partial = ((plan[..., 0] > 0) & (plan[..., 0] < nc)).any().item()
+    if gate != "mixed" and spec.T >= 500:
+        assert partial, plan[..., 0]
+    whole = fused_gdr_bwd(**kwargs)
+    monkeypatch.setenv("GDR_CP", "2")
+    split = fused_gdr_bwd(**kwargs)
+    for name in whole._fields:
+        a, b = getattr(split, name), getattr(whole, name)
+        if b is None:
+            assert a is None, name
+            continue
+        assert ((a - b).norm() / b.norm()).item() < 1e-10, name
+
+
+def test_a_loose_threshold_is_seen_in_the_gradients(monkeypatch):
+    """The check above can fail: warm-ups cut at e^-3 instead of below float64's rounding leave
+    their dropped term in the gradients."""
+    from gdr_dispatch.backends.split import passes as cp
+
+    spec = ShapeSpec(B=1, T=640, H=2, K=16, V=16, dtype="float64", h="none", gate="logsigmoid16")
+    kwargs = call_kwargs(make_inputs(spec, "cpu", seed=8))
+    whole = fused_gdr_bwd(**kwargs)
+    monkeypatch.setenv("GDR_CP", "2")
+    monkeypatch.setattr(cp, "threshold", lambda acc: -3.0)
+    split = fused_gdr_bwd(**kwargs)
+    worst = max(((getattr(split, n) - getattr(whole, n)).norm() / getattr(whole, n).norm()).item()
+                for n in ("dq", "dk", "dv", "dg", "db"))
+    assert worst > 1e-6, worst
+
+
+@pytest.mark.parametrize("gate", ["uniform", "logsigmoid", "logsigmoid16", "mixed"])
+def test_the_decay_aware_split_in_float32_stays_within_rounding(gate, monkeypatch):
+    spec = ShapeSpec(B=1, T=1000, H=4, K=16, V=16, dtype="float32", h="none", gate=gate)
+    kwargs = call_kwargs(make_inputs(spec, "cpu", seed=5))
+    whole = fused_gdr_bwd(**kwargs)
+    monkeypatch.setenv("GDR_CP", "4")
+    split = fused_gdr_bwd(**kwargs)
+    for name in whole._fields:
+        a, b = getattr(split, name), getattr(whole, name)
+        assert ((a - b).norm() / b.norm()).item() < 1e-5, name
+
+
+def _hostile_keys(spec, tokens, factor: float, seed: int = 8):
+    """`spec`'s inputs with the keys of `tokens` scaled by `factor` (b |k|^2 far above 2: those
+    transitions grow the state), residuals recomputed."""
+    from gdr_dispatch.reference import prepare_residuals
+
+    x = make_inputs(spec, "cpu", seed=seed)
+    k = x["k"].clone()
+    k[:, list(tokens)] *= factor
+    beta = x["b"].clone()
+    beta[:, list(tokens)] = 1.0
+    res = prepare_residuals(x["q"], k, x["v"], x["g_raw"], beta, initial_state=x["initial_state"],
+                            cu_seqlens=x["cu_seqlens"], chunk_size=spec.chunk_size, state_v_first=spec.state_v_first)
+    out = {**call_kwargs(x), "k": k, "b": beta, "a": res.a, "g": res.g}
+    out["h"] = None if x["h"] is None else res.h.to(x["h"].dtype)
+    return out
+
+
+def test_keys_that_break_the_contraction_are_joined_exactly(monkeypatch):
+    """A window holding a token with b |k|^2 > 2 (its transition grows the state, so the decay
+    alone no longer bounds the dropped term) is not trusted: the plan joins that segment exactly
+    where the decay alone would have warmed it up, and the split equals the unsplit call."""
+    from gdr_dispatch.backends.split import passes as cp
+
+    spec = ShapeSpec(B=1, T=640, H=2, K=16, V=16, dtype="float64", h="none")
+    kwargs = _hostile_keys(spec, (258, 270, 281, 300, 310, 318), 40.0)
+    call = validate(**kwargs)
+    segs, plan = _plan_of(call, 2)
+    assert (plan[0, :, 0] == 0).all() and (plan[1, :, 0] > 0).all(), plan  # segment 0's window holds them
+    real = cp._windows
+    monkeypatch.setattr(cp, "_windows", lambda gend, r, bad, thr: real(gend, r, torch.zeros_like(bad), thr))
+    assert (_plan_of(call, 2)[1][0, :, 0] > 0).all()  # the decay alone would warm segment 0 up
+    monkeypatch.undo()
+    whole = fused_gdr_bwd(**kwargs)
+    monkeypatch.setenv("GDR_CP", "2")
+    split = fused_gdr_bwd(**kwargs)
+    errs = {n: ((getattr(split, n) - getattr(whole, n)).norm() / getattr(whole, n).norm()).item()
+            for n in ("dq", "dk", "dv", "dg", "db", "dh0")}
+    assert max(errs.values()) < 1e-10, errs
+
+
+# -- the decay-aware pass 1 as Triton kernels (Triton's interpreter on the CPU) ------------------
+PIECES_SHAPES = [
+    ShapeSpec(B=1, T=640, H=4, Hg=2, K=16, V=32, gate="logsigmoid"),
+    ShapeSpec(seqlens=(1, 63, 64, 65, 700), H=2, K=16, V=16, gate="mixed"),
+    ShapeSpec(B=2, T=500, H=2, K=32, V=16, strong_decay=True),
+]
+
+
+def _pieces_call(spec, segments: int, **kw):
+    from gdr_dispatch.backends.split import passes as cp
+
+    x = _hostile_keys(replace(spec, dtype="float16", h="none"), **kw) if kw else \
+        call_kwargs(make_inputs(replace(spec, dtype="float16", h="none"), "cpu", seed=4))
+    call = validate(**x)
+    segs = cp.segments_of(tuple(call.seq_lens), 64, segments)
+    flat, offsets = cp._segments_inputs(call, segs.token_offsets)
+    return call, segs, validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
+
+
+@pytest.mark.parametrize("hostile", [False, True], ids=["normalised_keys", "growing_keys"])
+@pytest.mark.parametrize("spec", PIECES_SHAPES, ids=lambda s: s.label())
+def test_decay_plan_kernel_follows_the_tensor_rule(spec, hostile):
+    """`segment_maps.decay_plan` (the warm-up windows per segment and head, 0 where exact) is
+    `passes._windows`' rule: the same plan, and windows that are really partial somewhere."""
+    from gdr_dispatch.backends.kernels import segment_maps
+    from gdr_dispatch.backends.split import passes as cp
+
+    kw = dict(tokens=(250, 251, 252, 253), factor=8.0) if hostile else {}
+    call, segs, seg_call = _pieces_call(spec, 3, **kw)
+    want = cp._torch_pieces(call, segs, need_starts=True)[0]
+    got = segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs.s)
+    assert torch.equal(got, want), (got[..., 0], want[..., 0])
+    if spec.gate != "mixed":
+        assert (want[..., 0] > 0).any() and (want[..., 0] == 0).any() if hostile else (want[..., 0] > 0).any()
+
+
+@pytest.mark.parametrize("need_starts", [True, False], ids=["h_none", "h_given"])
+@pytest.mark.parametrize("spec", PIECES_SHAPES, ids=lambda s: s.label())
+def test_pieces_kernels_equal_the_tensor_products(spec, need_starts):
+    """`segment_pieces` on a plan: every segment's warm-up window or exact map where the chains
+    read them (starts[j] for j not first, ends[j] for j not last, M[j] where exact), to fp16
+    rounding of the tensor products (the same windows: zero maps outside them)."""
+    from gdr_dispatch.backends.kernels import segment_maps
+    from gdr_dispatch.backends.split import passes as cp
+
+    call, segs, seg_call = _pieces_call(spec, 3)
+    plan, M, starts, ends = cp._torch_pieces(call, segs, need_starts=need_starts)
+    roles = torch.tensor(segs.roles, dtype=torch.int32)
+    gM, gstarts, gends = segment_maps.segment_pieces(seg_call, plan, roles, need_starts)
+    assert (gstarts is None) == (not need_starts)
+    exact = plan[..., 0] == 0
+    checked = 0
+    for j, role in enumerate(segs.roles):
+        for h in range(call.H):
+            pairs = []
+            if need_starts and not role & 1:
+                pairs.append((gstarts[j, h], starts[j, h]))
+            if not role & 2:
+                pairs.append((gends[j, h], ends[j, h]))
+            if exact[j, h] and role != 3:
+                pairs.append((gM[j, h], M[j, h]))
+            for g, w in pairs:
+                size = max(w.norm().item(), 1.0)
+                assert ((g.double() - w.double()).norm() / size).item() < 5e-3, (j, h)
+                checked += 1
+    assert checked

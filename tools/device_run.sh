@@ -11,6 +11,8 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tcache
 # tools/prebuild_cubins.sh builds cubins with the same spelling
 export TL_TEMPLATE_PATH=/tmp/site/tilelang/3rdparty/../src TL_CUTLASS_PATH=/tmp/site/tilelang/3rdparty/cutlass/include
 [ -f .devcache/cubins.tar.xz ] && mkdir -p /tmp/tlcache && tar -xJf .devcache/cubins.tar.xz -C /tmp/tlcache
+# TileLang's disk cache of earlier calls (or ../shared/device's), packed back into $OUT at the end
+for c in .devcache/tlcache.tar.xz .devcache/tilelang-cache-h200.tar.xz; do [ -f "$c" ] && tar -xJf "$c" -C /tmp; done
 if [ -d .devcache/tcache ]; then cp -r .devcache/tcache /tmp/; else tar -xzf tools/h200_autotune_cache.tgz -C /tmp; fi
 mkdir -p "$OUT/bench" /tmp/tables
 [ -f tuning_cache/nvidia-h200-sm90.yaml ] && cp -n tuning_cache/nvidia-h200-sm90.yaml /tmp/tables/
@@ -33,9 +35,18 @@ for arg in "$@"; do
       timeout "$(left)" python3 bench/bench_gdr_bwd.py --unverified --out "$OUT/bench" ${BENCH_ARGS:---preset h200-train} \
         > "$OUT/bench.log" 2>&1 ;;
     starved)
-      timeout "$(left)" python3 bench/bench_gdr_bwd.py --preset h200-starved --h none --gates logsigmoid,logsigmoid16 \
-        --splits auto --split-backends tilelang_fused,flash_qla,fla --only-splits --out "$OUT/bench/starved" \
+      timeout "$(left)" python3 bench/bench_gdr_bwd.py --preset h200-starved --h none \
+        --gates "${STARVED_GATES:-logsigmoid,logsigmoid16,mixed}" --splits auto \
+        --split-backends "${STARVED_BACKENDS:-tilelang_fused,flash_qla}" --only-splits --out "$OUT/bench/starved" \
         ${STARVED_ARGS:-} > "$OUT/starved.log" 2>&1 ;;
+    parts)
+      # PARTS='B,T,H,segments,gate ...': each part of the split timed alone (tools/profile_split.py --parts)
+      for shape in ${PARTS:-1,32768,4,32,logsigmoid 1,8192,16,8,logsigmoid}; do
+        IFS=, read -r B T H n gate <<< "$shape"
+        echo "== B$B T$T H$H split$n gate=$gate"
+        timeout "$(left)" python3 tools/profile_split.py --parts --B "$B" --T "$T" --H "$H" --segments "$n" \
+          --gate "$gate" --h none --backends "${PARTS_BACKEND:-tilelang_fused}" 2>&1 | grep -v TileLang
+      done > "$OUT/parts.log" 2>&1 ;;
     firstcall)
       timeout "$(left)" python3 bench/bench_gdr_bwd.py --first-call ${FIRSTCALL_FULL:+--first-call-full} --out "$OUT/bench" \
         ${FIRSTCALL_ARGS:-} > "$OUT/firstcall.log" 2>&1 ;;
@@ -62,4 +73,5 @@ for arg in "$@"; do
 done
 # fla's autotune results for the next call (unpack into .devcache/tcache here)
 (cd /tmp && find tcache -name '*.autotune.json' 2>/dev/null | tar -czf "$OUT/autotune.tgz" -T -)
+[ -d /tmp/tlcache ] && tar -cJf "$OUT/tlcache.tar.xz" -C /tmp tlcache
 tail -n 3 "$OUT"/*.log 2>/dev/null | grep -v TileLang

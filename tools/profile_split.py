@@ -8,7 +8,8 @@ it is close to the median the call is host-bound), then one torch.profiler pass 
 CUDA kernels' total time and the ops that take the most host and device time (eager, the split
 is host-bound at the starved shapes: docs/kernels.md, "The split"). `--graph` also captures each call in a CUDA graph and times its replays
 (the time in a training step captured whole, where no launch costs host time) and checks the
-replay's gradients against the eager call's. `--pass1` times pass 1 alone, fla's kernels
+replay's gradients against the eager call's. `--parts` times each part of the split alone (replayed),
+with the decay plan's share of warm segments. `--pass1` times pass 1's exact maps alone, fla's kernels
 against ours (backends/kernels/segment_maps.py); with GDR_ALLOW_UNVERIFIED=1 in the environment
 the splits above run pass 1 on ours (until their GPU tests pass). `--pyprof N` adds a cProfile
 of N enqueues of each split call (which Python spends the host time).
@@ -47,44 +48,64 @@ def graph_ms(fn, reps: int):
         out = fn()
     graph.replay()
     torch.cuda.synchronize()
-    diff = max(relative_error(o, e) for o, e in zip(out, eager) if e is not None)
+    diff = max((relative_error(o, e) for o, e in zip(out, eager) if e is not None and torch.is_tensor(e)),
+               default=0.0) if isinstance(eager, tuple) else 0.0
     return measure_ms(graph.replay, "cuda", warmup=3, reps=reps), diff
 
 
-def scan_configs(call, segments: int, configs: str, reps: int) -> None:
-    """The backward scan (pass 2, `h` given) alone under each `BV,WARPS,STAGES` of `configs` ('/' between),
-    on the maps of one split call (fla's pass 1): median ms and the largest difference of its
-    results from the shipped configuration's (the scan is 16 programs of 32 dependent steps at 32
-    segments, each loading a 64 KB map; the map loads do not depend on the carried state)."""
-    from gdr_dispatch.backends.split import passes as cp
+def parts(call, segments: int, backend: str, reps: int) -> None:
+    """Each part of `<backend>@split<segments>` alone, replayed from a CUDA graph: the decay plan,
+    pass 1's windows and maps, the chains, pass 3's states (our Triton walk) and pass 3's
+    backward (h given, and h=None on the backend's own states), and the whole split; with the
+    plan's share of warm (segment, head) pairs and their mean window (docs/kernels.md, "The
+    split")."""
+    from dataclasses import replace
+
+    from gdr_dispatch import chunked_math as cm
+    from gdr_dispatch.backends.kernels import segment_maps as sm
     from gdr_dispatch.backends.kernels import segment_scan as ss
+    from gdr_dispatch.backends.split import passes as cp
+    from gdr_dispatch.graph_safe import device_constant
 
-    captured = {}
-    real = cp._scan_and_run
-
-    def grab(call, s, pick, index, seg_call, Ms, Rs, Ds, run, states=None):
-        captured.update(Ms=Ms, Ds=Ds)
-        return real(call, s, pick, index, seg_call, Ms, Rs, Ds, run, states)
-
-    cp._scan_and_run = grab
-    try:
-        SplitBackend(get_backend("fla"), segments).run(call)
-    finally:
-        cp._scan_and_run = real
-    Ms, Ds = captured["Ms"], captured["Ds"]
-    shipped = (ss.BV, ss.NUM_WARPS, ss.NUM_STAGES)
-    ref = ss.backward_scan(Ms, Ds, None)[0]
-    for cfg in [shipped] + [tuple(int(x) for x in c.split(",")) for c in configs.split("/")]:
-        ss.BV, ss.NUM_WARPS, ss.NUM_STAGES = cfg
+    dev = call.q.device
+    inner = get_backend(backend)
+    segs = cp.segments_of(tuple(call.seq_lens), call.chunk_size, segments)
+    flat, offsets = cp._segments_inputs(call, segs.token_offsets)
+    seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=call.chunk_size)
+    thr = cp.threshold(torch.float32)
+    roles = device_constant(segs.roles, torch.int32, dev)
+    seg_off = device_constant(segs.seg_offsets, torch.int32, dev)
+    need = call.h is None
+    plan = sm.decay_plan(seg_call, thr, segs.s)
+    warm = plan[..., 0] > 0
+    print(f"{len(segs.lens)} segments of {segs.s} chunks x {call.H} heads: {warm.float().mean().item():.0%} warm, "
+          f"mean window {plan[..., 0][warm].float().mean().item() if warm.any() else 0:.1f} chunks; warm per head "
+          f"{[round(x, 2) for x in warm.float().mean(0).tolist()]}", flush=True)
+    M, starts, ends = sm.segment_pieces(seg_call, plan, roles, need)
+    S0 = None if call.initial_state is None else cm.states_in(call.initial_state, call.state_v_first).float()
+    G_end = None if call.dht is None else cm.states_in(call.dht, call.state_v_first).float()
+    ss.chain(M, starts, ends, plan, seg_off, segs.max_per_sequence, S0, G_end)
+    init = starts if need else torch.zeros_like(ends)
+    h = sm.segment_states(seg_call, init)
+    with_h = replace(seg_call, dht=ends, h=h, initial_state=init)
+    no_h = replace(seg_call, dht=ends, h=None, initial_state=init)
+    split = SplitBackend(inner, segments)
+    steps = {
+        "decay plan": lambda: sm.decay_plan(seg_call, thr, segs.s),
+        "pass 1 (windows, exact maps)": lambda: sm.segment_pieces(seg_call, plan, roles, need),
+        "pass 2 (chains, in place)": lambda: ss.chain(M, starts, ends, plan, seg_off, segs.max_per_sequence, S0, G_end),
+        "pass 3 states (our Triton walk)": lambda: sm.segment_states(seg_call, init),
+        f"pass 3 {backend}, h given": lambda: inner.run(with_h),
+        f"pass 3 {backend}, h=None": lambda: inner.run(no_h),
+        f"{split.name} whole": lambda: split._run(call),
+    }
+    for name, fn in steps.items():
         try:
-            got = ss.backward_scan(Ms, Ds, None)[0]
-            diff = relative_error(got, ref)
-            ms = measure_ms(lambda: ss.backward_scan(Ms, Ds, None), "cuda", warmup=3, reps=reps)
-            print(f"backward scan BV={cfg[0]} warps={cfg[1]} stages={cfg[2]}: {ms:.4f} ms (results {diff:.1e} from "
-                  f"the shipped {shipped})", flush=True)
-        except Exception as e:  # noqa: BLE001 - a configuration that does not compile is the answer
-            print(f"backward scan {cfg}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
-    ss.BV, ss.NUM_WARPS, ss.NUM_STAGES = shipped
+            replay, _ = graph_ms(fn, reps)
+            print(f"  {name}: {replay:.4f} ms replayed, {measure_ms(fn, 'cuda', warmup=3, reps=reps):.4f} ms eager",
+                  flush=True)
+        except Exception as e:  # noqa: BLE001 - a part that cannot run here is the answer
+            print(f"  {name}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
 
 
 def pass1_configs(call, segments: int, configs: str, reps: int) -> None:
@@ -97,8 +118,8 @@ def pass1_configs(call, segments: int, configs: str, reps: int) -> None:
     from gdr_dispatch.backends.kernels import segment_maps as sm
     from gdr_dispatch.backends.common import fla_pipeline
 
-    _, _, _, _, (token_offsets, _, _) = cp._plan(call.seq_lens, call.chunk_size, segments)
-    flat, offsets = cp._segments_inputs(call, token_offsets)
+    segs = cp.segments_of(tuple(call.seq_lens), call.chunk_size, segments)
+    flat, offsets = cp._segments_inputs(call, segs.token_offsets)
     seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=call.chunk_size)
     need_r = call.h is None
     ref = fla_pipeline.segment_maps(seg_call, need_r=need_r)
@@ -153,17 +174,18 @@ def main() -> int:
     p.add_argument("--backends", default="tilelang_fused,fla")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--graph", action="store_true", help="also time each call's CUDA-graph replay")
-    p.add_argument("--scan", default="", help="time the backward scan alone under these 'BV,WARPS,STAGES' "
-                                              "configurations ('/'-separated) beside the shipped one, then stop")
+    p.add_argument("--gate", default="uniform", help="the shape's gate (shapes.GATES)")
+    p.add_argument("--parts", action="store_true",
+                   help="time each part of the split around the first of --backends (graph replays), then stop")
     p.add_argument("--pyprof", type=int, default=0, metavar="N",
                    help="also profile N enqueues of each split call in Python (cProfile: where its host time goes)")
     p.add_argument("--pass1", nargs="?", const="", default=None,
                    help="time pass 1 alone, fla's kernels against ours (backends/kernels/segment_maps.py) under the "
                         "shipped and these 'BC,WARPS,STAGES' configurations ('/'-separated), then stop")
     a = p.parse_args()
-    call = validate(**call_kwargs(make_inputs(ShapeSpec(B=a.B, T=a.T, H=a.H, h=a.h), "cuda", seed=1)))
-    if a.scan:
-        scan_configs(call, a.segments, a.scan, a.reps)
+    call = validate(**call_kwargs(make_inputs(ShapeSpec(B=a.B, T=a.T, H=a.H, h=a.h, gate=a.gate), "cuda", seed=1)))
+    if a.parts:
+        parts(call, a.segments, a.backends.split(",")[0], a.reps)
         return 0
     if a.pass1 is not None:
         pass1_configs(call, a.segments, a.pass1, a.reps)

@@ -41,14 +41,14 @@ def main() -> int:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: None
 
-    for mod, names in ((segment_maps, ("_forward_maps", "_backward_maps", "_forward_states")),
-                       (segment_scan, ("_scan", "_scans"))):
+    for mod, names in ((segment_maps, ("_forward_maps", "_backward_maps", "_forward_states", "_decay_plan")),
+                       (segment_scan, ("_chain",))):
         for n in names:
             setattr(mod, n, NoLaunch())
     states.build_states = ws.build_ws_bwd = lambda *args, **kwargs: (lambda *a2, **k2: None)
     states._head_major = lambda x, width: torch.empty(x.shape[1], width, dtype=torch.float32)
-    cp._maps_kernels_refusal = lambda seg_call: ""  # as on the GPU: our maps and scans run
-    cp._scan_kernels = lambda *args: segment_scan
+    cp._maps_kernels_refusal = cp._pieces_kernels_refusal = lambda seg_call: ""  # as on the GPU: our kernels run
+    cp._chain_kernels = lambda *args: segment_scan
 
     spec = ShapeSpec(B=1, T=32768, H=4, K=128, V=128, dtype="bfloat16", h="none")
     call = validate(**call_kwargs(make_inputs(spec, "cpu", seed=0)))

@@ -1,4 +1,5 @@
-"""The compiler's resource report of our Triton kernels (backends/kernels/segment_maps.py) for sm_90a, without a GPU:
+"""The compiler's resource report of our Triton kernels (backends/kernels/segment_maps.py, segment_scan.py) for
+sm_90a, without a GPU:
 registers, spill stack and shared memory per kernel and launch configuration (read it before a
 device call; docs/kernels.md, "The split").
 
@@ -24,7 +25,7 @@ from pathlib import Path
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default="32,8/64,8", help="'BC,WARPS' pairs, '/'-separated")
+    p.add_argument("--configs", default="64,4", help="'BC,WARPS' pairs of the maps' kernels, '/'-separated")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--K", type=int, default=128)
     p.add_argument("--V", type=int, default=128)
@@ -43,34 +44,44 @@ def main() -> int:
     if tool is None:
         print("no cuobjdump on PATH or in Triton's package", file=sys.stderr)
         return 1
+    from gdr_dispatch.backends.kernels import segment_scan as ss
+
     ptr = f"*{a.dtype}"
-    common = dict(g_ptr="*fp32", b_ptr=ptr, cu_ptr="*i32", out_ptr="*fp32")
-    kernels = {
-        "_forward_maps": (sm._forward_maps, dict(k_ptr=ptr, v_ptr=ptr, a_ptr=ptr, **common, Hg="i32", H="i32",
-                                                 NCOL="i32")),
-        "_backward_maps": (sm._backward_maps, dict(q_ptr=ptr, k_ptr=ptr, a_ptr=ptr, g_ptr="*fp32", b_ptr=ptr,
-                                                   do_ptr=ptr, cu_ptr="*i32", out_ptr="*fp32", scale="fp32",
-                                                   Hg="i32", H="i32")),
-        "_forward_states": (sm._forward_states, dict(k_ptr=ptr, v_ptr=ptr, a_ptr=ptr, g_ptr="*fp32", b_ptr=ptr,
-                                                     cu_ptr="*i32", co_ptr="*i32", init_ptr="*fp32", h_ptr=ptr,
-                                                     Hg="i32", H="i32")),
-    }
+    i32, f32 = "*i32", "*fp32"
+    tok = dict(k_ptr=ptr, v_ptr=ptr, a_ptr=ptr, g_ptr=f32, b_ptr=ptr, cu_ptr=i32)
+    fwd = dict(**tok, m_ptr=f32, r_ptr=f32, plan_ptr=i32, role_ptr=i32, Hg="i32", H="i32")
+    bwd = dict(q_ptr=ptr, k_ptr=ptr, a_ptr=ptr, g_ptr=f32, b_ptr=ptr, do_ptr=ptr, cu_ptr=i32, out_ptr=f32,
+               plan_ptr=i32, role_ptr=i32, scale="fp32", Hg="i32", H="i32")
+    states = dict(**tok, co_ptr=i32, init_ptr=f32, h_ptr=ptr, Hg="i32", H="i32")
+    plan = dict(k_ptr=ptr, g_ptr=f32, b_ptr=ptr, cu_ptr=i32, plan_ptr=i32, threshold="fp32", Hg="i32", H="i32")
+    chain = dict(M=f32, STARTS=f32, ENDS=f32, PLAN=i32, SEG_OFF=i32, S0=f32, G_END=f32, H="i32")
+    maps = dict(K=a.K, V=a.V, BT=64)
     print(f"Triton {triton.__version__}, sm_90a, K={a.K} V={a.V} {a.dtype}")
     for cfg in a.configs.split("/"):
         bc, warps = (int(x) for x in cfg.split(","))
-        for name, (fn, sig) in kernels.items():
-            consts = dict(K=a.K, V=a.V, BT=64, BC=bc, **({"V_FIRST": False} if "h_ptr" in sig else {}))
-            sig = {**sig, **{name: "constexpr" for name in consts}}
+        kernels = {  # name: (kernel, signature, constexprs, warps, stages)
+            "_forward_maps": (sm._forward_maps, fwd, dict(**maps, BC=bc, PLAN=False), warps, 1),
+            "_forward_maps PLAN": (sm._forward_maps, fwd, dict(**maps, BC=bc, PLAN=True), warps, 1),
+            "_backward_maps": (sm._backward_maps, bwd, dict(**maps, BC=bc, PLAN=False), warps, 1),
+            "_backward_maps PLAN": (sm._backward_maps, bwd, dict(**maps, BC=bc, PLAN=True), warps, 1),
+            "_forward_states": (sm._forward_states, states, dict(**maps, BC=bc, V_FIRST=False), warps, 1),
+            "_decay_plan": (sm._decay_plan, plan, dict(K=a.K, BT=64, CMAX=64), 4, 1),
+            "segment_scan._chain": (ss._chain, chain, dict(K=a.K, V=a.V, BV=ss.BV, NSEG=64, HAS_S0=True,
+                                                          HAS_G_END=True, FIRST_DIRECTION=0),
+                                    ss.NUM_WARPS, ss.NUM_STAGES),
+        }
+        for name, (fn, sig, consts, nw, ns) in kernels.items():
+            sig = {**sig, **{c: "constexpr" for c in consts}}
             src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
-            kern = triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps": warps, "num_stages": 1})
+            kern = triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps": nw, "num_stages": ns})
             with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
                 f.write(kern.asm["cubin"])
                 f.flush()
                 usage = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
             line = [x for x in usage.splitlines() if "REG:" in x][-1].split()
             fields = {k: v for k, v in (x.split(":", 1) for x in line if ":" in x)}
-            print(f"{name} BC={bc} warps={warps}: registers {fields.get('REG')}, stack {fields.get('STACK')} B, "
-                  f"shared {kern.metadata.shared} B")
+            print(f"{name} BC={bc} warps={nw} stages={ns}: registers {fields.get('REG')}, stack {fields.get('STACK')} B, "
+                  f"shared {kern.metadata.shared} B", flush=True)
     return 0
 
 

@@ -45,6 +45,10 @@ NUM_WARPS, NUM_STAGES = 4, 1
 #: oracle tests with them) have passed; while False, the split uses them only with
 #: GDR_ALLOW_UNVERIFIED=1 (fla's kernels or the torch products otherwise).
 GPU_VERIFIED = True
+#: The same for the decay-aware pass 1 (`decay_plan`, `segment_pieces`; tests/test_gpu.py: the
+#: pieces against the tensor products, the split against the unsplit call at strong, weak and
+#: mixed gates). While False the split runs our exact maps (or the gate's alternatives) instead.
+PIECES_GPU_VERIFIED = False
 
 
 @triton.jit
@@ -115,28 +119,49 @@ def _state_step(S, k, G, gL, b, ag, u0):
 
 
 @triton.jit
-def _forward_maps(k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, m_ptr, r_ptr, Hg, H,
-                  K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def _forward_maps(k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, m_ptr, r_ptr, plan_ptr, role_ptr, Hg, H,
+                  K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PLAN: tl.constexpr):
     """Columns [c0, c0 + BC) of segment n's `[M | R]` (`m` `[S, H, K, K]`, `r` `[S, H, K, V]`;
     the grid's column blocks cover M, or M then R): the state recurrence from `[I | 0]` on the
-    values `[0 | U0]`."""
+    values `[0 | U0]`.
+
+    With PLAN (`decay_plan`'s `plan` `[S, H, 2]`, `role` `[S]`: bit 0 the sequence's first segment,
+    bit 1 its last): R's columns walk only the segment's last `plan[n, h, 0]` chunks where that is
+    set (the next segment's start up to a term below rounding) and go to row n + 1 of `r` (the
+    next segment's start, which `segment_scan.chain` completes in place), none for a sequence's
+    last segment; M's columns run only where the plan says exact (0) and the sequence has more
+    than one segment."""
     nh, h, hg, c0, bos, eos = _program(cu_ptr, Hg, H, BC)
     rk = tl.arange(0, K)
     rc = tl.arange(0, BC)
     # [I | 0]: a block lies wholly in M (columns < K) or wholly in R (BC divides K)
     S = tl.where(rk[:, None] == c0 + rc[None, :], 1.0, 0.0)
-    for t0 in range(bos, eos, BT):
+    lo = bos
+    hi = eos
+    row = nh
+    work = 1  # 0: this program stores nothing (an int, not a bool: the interpreter's masks need vectors)
+    if PLAN:
+        n_f = tl.load(plan_ptr + nh * 2)
+        role = tl.load(role_ptr + nh // H)
+        if c0 >= K:
+            work = ((role & 2) == 0).to(tl.int32)
+            row = nh + H
+            lo = tl.where(n_f > 0, bos + (tl.cdiv(eos - bos, BT) - n_f) * BT, bos)
+        else:
+            work = (n_f == 0).to(tl.int32) * (role != 3).to(tl.int32)
+        hi = tl.where(work != 0, eos, lo)
+    for t0 in range(lo, hi, BT):
         k, G, gL, b, gam, ag = _chunk(k_ptr, a_ptr, g_ptr, b_ptr, t0, eos, hg, h, Hg, H, K, BT, False)
         if c0 >= K:  # R's columns: the values U0
             u0 = _values(v_ptr, t0, eos, h, H, c0 - K, ag, b, V, BT, BC)
         else:  # M's: none
             u0 = tl.zeros([BT, BC], dtype=tl.float32)
         S = _state_step(S, k, G, gL, b, ag, u0)
-    nh64 = nh.to(tl.int64)
+    row64 = row.to(tl.int64)
     if c0 >= K:  # M and R apart: the scans read each whole (a slice of one [M | R] cost two copies)
-        tl.store(r_ptr + (nh64 * K + rk[:, None]) * V + c0 - K + rc[None, :], S)
+        tl.store(r_ptr + (row64 * K + rk[:, None]) * V + c0 - K + rc[None, :], S, mask=rk[:, None] < work * K)
     else:
-        tl.store(m_ptr + (nh64 * K + rk[:, None]) * K + c0 + rc[None, :], S)
+        tl.store(m_ptr + (row64 * K + rk[:, None]) * K + c0 + rc[None, :], S, mask=rk[:, None] < work * K)
 
 
 @triton.jit
@@ -162,16 +187,28 @@ def _forward_states(k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, co_ptr, init_ptr,
 
 
 @triton.jit
-def _backward_maps(q_ptr, k_ptr, a_ptr, g_ptr, b_ptr, do_ptr, cu_ptr, out_ptr, scale, Hg, H,
-                   K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def _backward_maps(q_ptr, k_ptr, a_ptr, g_ptr, b_ptr, do_ptr, cu_ptr, out_ptr, plan_ptr, role_ptr, scale, Hg, H,
+                   K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PLAN: tl.constexpr):
     """Columns [c0, c0 + BC) of segment n's `D` (`out` `[S, H, K, V]`): the dh recurrence
-    from a zero gradient at the segment's end, walked back to its start."""
+    from a zero gradient at the segment's end, walked back to its start. With PLAN (as
+    `_forward_maps`): only the segment's first `plan[n, h, 1]` chunks where that is set (the
+    previous segment's end gradient up to a term below rounding), into row n - 1 of `out` (the
+    previous segment's end, completed in place by `segment_scan.chain`); none for a sequence's
+    first segment."""
     nh, h, hg, c0, bos, eos = _program(cu_ptr, Hg, H, BC)
     rk = tl.arange(0, K)
     rt = tl.arange(0, BT)
     rc = tl.arange(0, BC)
     dS = tl.zeros([K, BC], dtype=tl.float32)
     n_chunks = tl.cdiv(eos - bos, BT)
+    row = nh
+    work = 1  # as in `_forward_maps`
+    if PLAN:
+        n_b = tl.load(plan_ptr + nh * 2 + 1)
+        first = tl.load(role_ptr + nh // H) & 1
+        work = 1 - first
+        row = nh - H
+        n_chunks = tl.where(first != 0, 0, tl.where(n_b > 0, n_b, n_chunks))
     for i in range(n_chunks):
         t0 = bos + (n_chunks - 1 - i) * BT
         k, G, gL, b, gamt, agt = _chunk(k_ptr, a_ptr, g_ptr, b_ptr, t0, eos, hg, h, Hg, H, K, BT, True)
@@ -189,8 +226,54 @@ def _backward_maps(q_ptr, k_ptr, a_ptr, g_ptr, b_ptr, do_ptr, cu_ptr, out_ptr, s
         y = tl.dot(agt, du.to(k.dtype)) * (b * tl.exp(G))[:, None]  # W^T dU = K^T y
         dS = (tl.exp(gL) * dS + tl.dot(qt, (do.to(tl.float32) * (scale * tl.exp(G))[:, None]).to(k.dtype))
               - tl.dot(kt, y.to(k.dtype)))
-    nh64 = nh.to(tl.int64)
-    tl.store(out_ptr + (nh64 * K + rk[:, None]) * V + c0 + rc[None, :], dS)
+    row64 = row.to(tl.int64)
+    tl.store(out_ptr + (row64 * K + rk[:, None]) * V + c0 + rc[None, :], dS, mask=rk[:, None] < work * K)
+
+
+@triton.jit
+def _breaks_contraction(k_ptr, b_ptr, t0, eos, hg, h, Hg, H, K: tl.constexpr, BT: tl.constexpr):
+    """1 where a token of the chunk from t0 has b |k|^2 outside [0, 2] (its transition
+    e^g (I - b k k^T) then grows some state by more than e^g), else 0."""
+    t = t0 + tl.arange(0, BT)
+    valid = t < eos
+    k = tl.load(k_ptr + (t[:, None].to(tl.int64) * Hg + hg) * K + tl.arange(0, K)[None, :], mask=valid[:, None],
+                other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + t.to(tl.int64) * H + h, mask=valid, other=0.0).to(tl.float32)
+    x = b * tl.sum(k * k, axis=1)
+    return tl.max(((x < 0.0) | (x > 2.0)).to(tl.int32), axis=0)
+
+
+@triton.jit
+def _decay_plan(k_ptr, g_ptr, b_ptr, cu_ptr, plan_ptr, threshold, Hg, H, K: tl.constexpr, BT: tl.constexpr,
+                CMAX: tl.constexpr):
+    """Per (segment, head): `plan[n, h] = (n_f, n_b)`, the fewest last / first chunks of the
+    segment whose summed log decay is below `threshold`, or (0, 0) (exact) where the whole
+    segment's is not, or where a token of those chunks breaks the contraction
+    (`_breaks_contraction`). docs/kernels.md, "The split"."""
+    nh = tl.program_id(0)
+    h = nh % H
+    hg = h // (H // Hg)
+    bos = tl.load(cu_ptr + nh // H)
+    eos = tl.load(cu_ptr + nh // H + 1)
+    nc = tl.cdiv(eos - bos, BT)
+    rc = tl.arange(0, CMAX)
+    valid = rc < nc
+    # each chunk's summed log decay: g (chunk-local cumsums) at its last token
+    last = tl.minimum(bos + (rc + 1) * BT, eos) - 1
+    ge = tl.load(g_ptr + last.to(tl.int64) * H + h, mask=valid, other=0.0)
+    head = tl.cumsum(ge, axis=0)  # over chunks [0, c]
+    tail = tl.sum(ge, axis=0) - head + ge  # over chunks [c, nc)
+    c_f = tl.max(tl.where(valid & (tail < threshold), rc, -1), axis=0)
+    c_b = tl.min(tl.where(valid & (head < threshold), rc, CMAX), axis=0)
+    n_f = tl.where(c_f >= 0, nc - c_f, 0)
+    n_b = tl.where(c_b < CMAX, c_b + 1, 0)
+    bad = ((n_f == 0) | (n_b == 0)).to(tl.int32)
+    for c in range(nc - n_f, nc):
+        bad = tl.maximum(bad, _breaks_contraction(k_ptr, b_ptr, bos + c * BT, eos, hg, h, Hg, H, K, BT))
+    for c in range(0, n_b):
+        bad = tl.maximum(bad, _breaks_contraction(k_ptr, b_ptr, bos + c * BT, eos, hg, h, Hg, H, K, BT))
+    tl.store(plan_ptr + nh * 2, tl.where(bad != 0, 0, n_f))
+    tl.store(plan_ptr + nh * 2 + 1, tl.where(bad != 0, 0, n_b))
 
 
 def _call_reason(K: int, V: int, dtype: torch.dtype, chunk_size: int) -> str:
@@ -211,33 +294,82 @@ def not_supported_reason(K: int, V: int, dtype: torch.dtype, chunk_size: int, de
     return "; ".join(filter(None, why + [_call_reason(K, V, dtype, chunk_size)]))
 
 
+def _check_segments_call(seg_call, what: str) -> None:
+    why = _call_reason(seg_call.K, seg_call.V, seg_call.q.dtype, seg_call.chunk_size)
+    if why:  # (the device is the caller's gate: tests run the interpreter)
+        raise ValueError(f"{what}: {why}")
+    if seg_call.B != 1 or seg_call.cu_seqlens is None:
+        raise ValueError(f"{what}: expects the segments as one varlen call (B == 1, cu_seqlens set)")
+
+
+def _operands(seg_call):
+    q, k, v, do, a = (x.contiguous() for x in (seg_call.q, seg_call.k, seg_call.v, seg_call.do, seg_call.a))
+    g, b = seg_call.g.float().contiguous(), seg_call.b.contiguous()
+    return q, k, v, do, a, g, b, seg_call.cu_seqlens.to(torch.int32).contiguous()
+
+
 def segment_maps(seg_call, need_r: bool = True):
     """Pass 1 on the kernels: each sequence of `seg_call` (the segments as one varlen call, K x V
     state layout) is one segment; returns `(M, R, D)` fp32, `[S, H, K, K]`, `[S, H, K, V]` (None
     without `need_r`: with `h` given the split takes the start states from `h`), `[S, H, K, V]`.
-    The interface of `Backend.split_passes`' functions."""
+    The interface of `Backend.split_passes`' functions (and the maps the ranks exchange)."""
+    _check_segments_call(seg_call, "segment_maps")
     K, V, H, Hg, BT = seg_call.K, seg_call.V, seg_call.H, seg_call.Hg, seg_call.chunk_size
-    why = _call_reason(K, V, seg_call.q.dtype, BT)  # (the device is the caller's gate: tests run the interpreter)
-    if why:
-        raise ValueError(f"segment_maps: {why}")
-    if seg_call.B != 1 or seg_call.cu_seqlens is None:
-        raise ValueError("segment_maps: expects the segments as one varlen call (B == 1, cu_seqlens set)")
     n_seg = seg_call.N
     dev = seg_call.q.device
     bc = min(BC, K, V)
-    q, k, v, do, a = (x.contiguous() for x in (seg_call.q, seg_call.k, seg_call.v, seg_call.do, seg_call.a))
-    g, b = seg_call.g.float().contiguous(), seg_call.b.contiguous()
-    cu = seg_call.cu_seqlens.to(torch.int32).contiguous()
+    q, k, v, do, a, g, b, cu = _operands(seg_call)
     ncol = K + V if need_r else K
     M = torch.empty(n_seg, H, K, K, dtype=torch.float32, device=dev)
     R = torch.empty(n_seg, H, K, V, dtype=torch.float32, device=dev) if need_r else None
     D = torch.empty(n_seg, H, K, V, dtype=torch.float32, device=dev)
-    # without R no program stores to r_ptr: M stands in as its pointer
-    _forward_maps[(n_seg * H, ncol // bc)](k, v, a, g, b, cu, M, M if R is None else R, Hg, H, K=K, V=V, BT=BT,
-                                           BC=bc, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    _backward_maps[(n_seg * H, V // bc)](q, k, a, g, b, do, cu, D, float(seg_call.scale), Hg, H, K=K, V=V, BT=BT,
-                                         BC=bc, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    # without R no program stores to r_ptr: M stands in as its pointer, and for the plan's
+    # pointers (never read without PLAN)
+    _forward_maps[(n_seg * H, ncol // bc)](k, v, a, g, b, cu, M, M if R is None else R, M, M, Hg, H, K=K, V=V, BT=BT,
+                                           BC=bc, PLAN=False, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    _backward_maps[(n_seg * H, V // bc)](q, k, a, g, b, do, cu, D, M, M, float(seg_call.scale), Hg, H, K=K, V=V, BT=BT,
+                                         BC=bc, PLAN=False, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return M, R, D
+
+
+def decay_plan(seg_call, threshold: float, max_chunks: int) -> torch.Tensor:
+    """`_decay_plan` for every (segment, head) of `seg_call`: int32 `[S, H, 2]`, each segment's
+    warm-up window in chunks, forwards and backwards, or 0 where it is joined exactly.
+    `max_chunks`: the longest segment's chunks."""
+    _check_segments_call(seg_call, "decay_plan")
+    H, Hg, K, BT = seg_call.H, seg_call.Hg, seg_call.K, seg_call.chunk_size
+    plan = torch.empty(seg_call.N, H, 2, dtype=torch.int32, device=seg_call.q.device)
+    _decay_plan[(seg_call.N * H,)](seg_call.k.contiguous(), seg_call.g.float().contiguous(), seg_call.b.contiguous(),
+                                   seg_call.cu_seqlens.to(torch.int32).contiguous(), plan, float(threshold), Hg, H,
+                                   K=K, BT=BT, CMAX=triton.next_power_of_2(max(1, max_chunks)), num_warps=4)
+    return plan
+
+
+def segment_pieces(seg_call, plan: torch.Tensor, roles: torch.Tensor, need_starts: bool = True):
+    """Pass 1 of the decay-aware split (docs/kernels.md, "The split") on the kernels, for the
+    segments of `seg_call` with `plan` (`decay_plan`) and `roles` (int32 `[S]`: bit 0 a sequence's
+    first segment, bit 1 its last): `(M, starts, ends)` fp32. `starts[n]` holds segment n - 1's end
+    state from a zero start over its window (none for a sequence's first segment; not computed
+    without `need_starts`, then None), `ends[n]` segment n + 1's start gradient from a zero end
+    gradient over its window (none for a sequence's last), `M[n]` segment n's map where the plan
+    says exact. `segment_scan.chain` then completes both in place."""
+    _check_segments_call(seg_call, "segment_pieces")
+    K, V, H, Hg, BT = seg_call.K, seg_call.V, seg_call.H, seg_call.Hg, seg_call.chunk_size
+    n_seg = seg_call.N
+    dev = seg_call.q.device
+    bc = min(BC, K, V)
+    q, k, v, do, a, g, b, cu = _operands(seg_call)
+    M = torch.empty(n_seg, H, K, K, dtype=torch.float32, device=dev)
+    starts = torch.empty(n_seg, H, K, V, dtype=torch.float32, device=dev) if need_starts else None
+    ends = torch.empty(n_seg, H, K, V, dtype=torch.float32, device=dev)
+    ncol = K + V if need_starts else K
+    _forward_maps[(n_seg * H, ncol // bc)](k, v, a, g, b, cu, M, M if starts is None else starts, plan, roles, Hg, H,
+                                           K=K, V=V, BT=BT, BC=bc, PLAN=True, num_warps=NUM_WARPS,
+                                           num_stages=NUM_STAGES)
+    _backward_maps[(n_seg * H, V // bc)](q, k, a, g, b, do, cu, ends, plan, roles, float(seg_call.scale), Hg, H,
+                                         K=K, V=V, BT=BT, BC=bc, PLAN=True, num_warps=NUM_WARPS,
+                                         num_stages=NUM_STAGES)
+    return M, starts, ends
 
 
 def segment_states(seg_call, init: torch.Tensor, state_v_first: bool = False) -> torch.Tensor:

@@ -90,8 +90,9 @@ class SplitBackend(Backend):
         """The inner backend's builds for pass 3's call (the segments as one varlen call with both
         states in fp32): FlashQLA's kernels key on those flags, so precompiling only the unsplit
         call leaves about a minute of compiling to the first use."""
-        _, _, seg_lens, _, (token_offsets, _, _) = passes._plan(call.seq_lens, call.chunk_size, self.segments)
-        flat, offsets = passes._segments_inputs(call, token_offsets)
+        segs = passes.segments_of(tuple(call.seq_lens), call.chunk_size, self.segments)
+        seg_lens = segs.lens
+        flat, offsets = passes._segments_inputs(call, segs.token_offsets)
         shape = (len(seg_lens), call.H, call.V, call.K) if call.state_v_first else (len(seg_lens), call.H, call.K, call.V)
         states = torch.zeros(shape, dtype=passes._state_dtype(call), device=call.q.device)
         h = None if call.h is None else call.h.reshape(1, -1, *call.h.shape[2:])

@@ -8,34 +8,31 @@ The chunk-state map is affine (docs/contract.md): with `W = Ag diag(b e^G) K`,
     dS_c     = M_c^T dS_{c+1} + D_c,   D_c = scale (Q e^G)^T dO - W^T dV_local
 
 where `dS_c` is the gradient w.r.t. chunk c's start state and `D_c` does not depend on any
-state. So:
+state. So, per segment j of a sequence:
 
-  1. per segment (all in parallel): its composed `M` (K x K), its `R` (end state from a zero
-     start) and its `D` (start gradient from a zero end gradient);
-  2. per sequence, a short scan over its segments: the exact start state of each segment
-     (from `initial_state`, or the given `h`) and the exact end-state gradient (from `dht`);
+  1. its end state from a zero start (`R_j`), its start gradient from a zero end gradient (`D_j`),
+     and its composed map `M_j`, all segments in parallel. Decay-aware: where the segment's
+     summed log decay lies below the accumulation dtype's rounding (`threshold`: the term a
+     warm-up drops is scaled by less than eps / 2) and every transition contracts, `R_j` needs
+     only the segment's last few chunks and `D_j` its first few (their windows, `decay_plan`),
+     and no `M_j` is formed: the next start state (previous end gradient) is that warm-up alone.
+     Elsewhere the segment is joined exactly through `M_j`;
+  2. per sequence, a chain over its segments: the start state of each (from `initial_state`, or
+     the given `h`) and the end-state gradient (from `dht`), applying `M_j` only where exact;
   3. one varlen call of any backend over all segments, each with its start state as
-     `initial_state` and its end gradient as `dht`. Per-token gradients come out exact; the
-     first segment's `dh0` is the sequence's, inner ones are dropped.
+     `initial_state` and its end gradient as `dht`; the sequence's `dh0` is its first segment's.
 
-Conditioning: the scan multiplies `M`s whose decay factor `e^{G_L}` is <= 1 and whose rank-64
-update is the delta rule's projection, so products shrink towards zero (underflow), never grow.
-
-Pass 1 runs on our two Triton kernels (segment_maps.py: W, U0 and the local dV formed per
-chunk in registers) where they take the call (with `h=None` a third then writes pass 3's `h`
-from the segments' start states, unless the backend recomputes them in a kernel of its own,
-`Backend.own_state_recompute`), else on the kernels of the first registered backend that
-offers them (`Backend.split_passes`; today fla's state kernels, which compose a
-segment's `M` and `R` in one state pass and its `D` in one dh pass), else as batched tensor
-products here
-(any device, fp32 or fp64 accumulation; the per-chunk maps in one batch, each segment's
-composition in log2(chunks) batched levels): exact, and what the CPU tests hold the split to.
-Pass 2, the scans, runs as Triton kernels on CUDA for fp32 maps (segment_scan.py: one launch
-each instead of ~150 small ops), else as log-depth prefixes of the segments' maps in batched
-K x K products. `GDR_CP=<n>` forces at
-most n segments per sequence, `GDR_CP=0` turns the split off; unset, the autotuner tries
-`(backend, segments)` candidates (`SplitBackend`, __init__.py) on grids with fewer sequence x
-head programs than SMs, and a table may store one as `<backend>@split<n>`.
+Pass 1 runs on our Triton kernels (segment_maps.py: the plan, then the windows and maps with W,
+U0 and the local dV formed per chunk in registers; with `h=None` a third kernel writes pass 3's
+`h` from the segments' start states, unless the backend recomputes them in a kernel of its own,
+`Backend.own_state_recompute`) where they take the call, else on the kernels of the first
+registered backend that offers them (`Backend.split_passes`, fla's state kernels: exact maps, no
+windows), else as batched tensor products here (any device, fp32 or fp64 accumulation, decay-aware
+as the kernels; what the CPU tests hold the split to). Pass 2 runs as one Triton kernel on CUDA
+for fp32 maps (segment_scan.py), else as a loop over the segments' places in batched products.
+`GDR_CP=<n>` forces at most n segments per sequence, `GDR_CP=0` turns the split off; unset, the
+autotuner tries `(backend, segments)` candidates (`SplitBackend`, __init__.py) on grids with fewer
+sequence x head programs than SMs, and a table may store one as `<backend>@split<n>`.
 """
 
 from __future__ import annotations
@@ -43,7 +40,8 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-from dataclasses import replace
+import math
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -132,30 +130,73 @@ def pass_1_provider(seg_call: GDRCall):
     return "torch products", None
 
 
-def segment_plan(call: GDRCall, segments: int):
-    """Chunks per segment `s`, segments per sequence `n_seg`, and the non-empty segments in
-    order: their token counts and `(sequence, segment)` indices."""
-    s, n_seg, seg_lens, pick, _ = _plan(tuple(call.seq_lens), call.chunk_size, segments)
-    return s, n_seg, list(seg_lens), list(pick)
+@dataclass(frozen=True)
+class Segments:
+    """Every sequence cut into runs of `s` whole chunks (at most `n_seg` per sequence): the
+    non-empty segments in order, each with its token count, sequence, place in the sequence and
+    role (bit 0: the sequence's first, bit 1: its last); the token offsets of the segments' varlen
+    call and each sequence's range of segments."""
+
+    s: int
+    n_seg: int
+    lens: tuple
+    seq: tuple
+    place: tuple
+    roles: tuple
+    token_offsets: tuple  # S + 1
+    seg_offsets: tuple  # N + 1
+
+    @property
+    def max_per_sequence(self) -> int:
+        return max(b - a for a, b in zip(self.seg_offsets, self.seg_offsets[1:]))
+
+    @functools.cached_property
+    def firsts(self) -> tuple:
+        """The first segment of each sequence that has one, and those sequences."""
+        return (tuple(a for a, b in zip(self.seg_offsets, self.seg_offsets[1:]) if b > a),
+                tuple(n for n, (a, b) in enumerate(zip(self.seg_offsets, self.seg_offsets[1:])) if b > a))
+
+    @functools.cached_property
+    def lasts(self) -> tuple:
+        return (tuple(b - 1 for a, b in zip(self.seg_offsets, self.seg_offsets[1:]) if b > a),
+                tuple(n for n, (a, b) in enumerate(zip(self.seg_offsets, self.seg_offsets[1:])) if b > a))
+
+    def at_place(self, p: int, with_next: bool) -> tuple:
+        """The segments at place `p` of their sequence (those followed by another, `with_next`)."""
+        return tuple(j for j, (pl, r) in enumerate(zip(self.place, self.roles)) if pl == p and not (with_next and r & 2))
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(seq_lens: tuple, BT: int, segments: int):
-    """`segment_plan`'s, once per lengths (a training run repeats a handful; the Python loop
-    over the segments was ~50 us of the split's host time per call at 32 segments, on a CPU),
-    and the index tuples the split's device constants hold: the segments' token offsets, each
-    segment's sequence and its place in it."""
+def segments_of(seq_lens: tuple, BT: int, segments: int) -> Segments:
+    """`Segments` once per lengths (a training run repeats a handful; the Python loop over the
+    segments was ~50 us of the split's host time per call at 32 segments, on a CPU)."""
     s = segment_length(seq_lens, BT, segments)
     n_seg = -(-max(chunk_counts(seq_lens, BT)) // s)
-    seg_lens, pick = [], []
+    lens, seq, place, roles, seg_offsets = [], [], [], [], [0]
     for n, length in enumerate(seq_lens):
-        for j in range(n_seg):
-            piece = min(max(length - j * s * BT, 0), s * BT)
-            if piece > 0:
-                seg_lens.append(piece)
-                pick.append((n, j))
-    indices = (tuple(itertools.accumulate([0] + seg_lens)), tuple(n for n, _ in pick), tuple(j for _, j in pick))
-    return s, n_seg, tuple(seg_lens), tuple(pick), indices
+        pieces = [min(max(length - j * s * BT, 0), s * BT) for j in range(n_seg)]
+        pieces = [x for x in pieces if x > 0]
+        for j, piece in enumerate(pieces):
+            lens.append(piece)
+            seq.append(n)
+            place.append(j)
+            roles.append((j == 0) | ((j == len(pieces) - 1) << 1))
+        seg_offsets.append(len(lens))
+    return Segments(s, n_seg, tuple(lens), tuple(seq), tuple(place), tuple(roles),
+                    tuple(itertools.accumulate([0] + lens)), tuple(seg_offsets))
+
+
+def segment_plan(call: GDRCall, segments: int):
+    """Chunks per segment `s`, segments per sequence `n_seg`, and the non-empty segments in
+    order: their token counts and `(sequence, segment)` indices."""
+    segs = segments_of(tuple(call.seq_lens), call.chunk_size, segments)
+    return segs.s, segs.n_seg, list(segs.lens), list(zip(segs.seq, segs.place))
+
+
+def threshold(acc: torch.dtype) -> float:
+    """The summed log decay below which a warm-up's dropped term is under the accumulation dtype's
+    rounding: ln(eps / 2), -16.6 for fp32 (e^-16.6 = 2^-24), -36.7 for fp64."""
+    return math.log(torch.finfo(acc).eps / 2)
 
 
 def _segments_inputs(call: GDRCall, offsets: tuple) -> tuple[dict, torch.Tensor]:
@@ -173,6 +214,18 @@ def _state_dtype(call: GDRCall) -> torch.dtype:
     return call.acc_dtype if call.acc_dtype == torch.float64 else torch.float32
 
 
+def _pieces_kernels_refusal(seg_call: GDRCall) -> str:
+    """Why pass 1 does not run on our decay-aware kernels (segment_maps.segment_pieces), "" when
+    it does: our maps' own refusal, or, while `segment_maps.PIECES_GPU_VERIFIED` is False, the
+    unverified gate."""
+    from ..kernels import segment_maps
+
+    why = _maps_kernels_refusal(seg_call)
+    if not why and not segment_maps.PIECES_GPU_VERIFIED and not unverified_allowed():
+        why = unverified_reason("the decay-aware Triton pass 1")
+    return why
+
+
 def split_backward(call: GDRCall, segments: int, run: Callable[[GDRCall], GDRGrads],
                    states_by_run: bool = False) -> GDRGrads:
     """The backward of `call` with each sequence cut into runs of whole chunks.
@@ -180,40 +233,203 @@ def split_backward(call: GDRCall, segments: int, run: Callable[[GDRCall], GDRGra
     Every sequence is cut at multiples of `segment_length(...)` chunks (at most `segments`
     runs; shorter sequences get fewer). `run(call)` computes one validated backward call (a
     backend's `run`, or the dispatcher's); it receives the non-empty segments as one varlen
-    call with `initial_state` and `dht` set. Pass 1 on a backend's kernels (`pass_1_provider`) or as
-    batched tensor products; pass 2 as log2(`segments`) levels of batched products.
+    call with `initial_state` and `dht` set. Pass 1 on our decay-aware kernels, a backend's maps
+    (`pass_1_provider`) or batched tensor products; pass 2 the chains (`chain`).
     `states_by_run`: with `h=None`, `run`'s backend recomputes the segments' chunk states itself
     (`Backend.own_state_recompute`); else pass 1's Triton kernels write them where they ran.
     """
     acc = call.acc_dtype
-    N, H, K, V, BT = call.N, call.H, call.K, call.V, call.chunk_size
+    H, K, V, BT = call.H, call.K, call.V, call.chunk_size
     dev = call.q.device
-    s, n_seg, _, pick, (token_offsets, seqs, places) = _plan(call.seq_lens, BT, segments)
-    flat, offsets = _segments_inputs(call, token_offsets)
-    # each non-empty segment's (sequence, segment) indices into the [N, n_seg, ...] maps
-    seq_of = device_constant(seqs, torch.int64, dev)
-    seg_of = device_constant(places, torch.int64, dev)
+    segs = segments_of(tuple(call.seq_lens), BT, segments)
+    flat, offsets = _segments_inputs(call, segs.token_offsets)
     seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=BT)  # no states: pass 1's input
+    need_starts = call.h is None  # with h given the starts come from h
     provider, maps = pass_1_provider(seg_call)
+    decay_aware = provider == OUR_MAPS and not _pieces_kernels_refusal(seg_call)
+    if decay_aware:
+        from ..kernels import segment_maps
+
+        roles = device_constant(segs.roles, torch.int32, dev)
+        plan = segment_maps.decay_plan(seg_call, threshold(torch.float32), segs.s)
+        M, starts, ends = segment_maps.segment_pieces(seg_call, plan, roles, need_starts)
+    elif maps is not None:  # exact maps on the provider's kernels: every segment joined through M
+        m, r, d = maps(seg_call, need_r=need_starts)
+        plan = torch.zeros(len(segs.lens), H, 2, dtype=torch.int32, device=dev)
+        M = m.to(acc)
+        starts, ends = _shifted(segs, None if r is None else r.to(acc), d.to(acc))
+    else:
+        plan, M, starts, ends = _torch_pieces(call, segs, need_starts)
     states = None if states_by_run else _states_kernel(call, seg_call, provider)
     problem = Problem.from_call(call)
-    if first_time(("split passes", problem.table_key(), segments, provider, states_by_run)):
-        log.info("gdr_dispatch: split pass 1 (the segments' composed state maps) on %s, pass 2 (the scans) on %s, "
-                 "%sfor %s", (f"{provider}'s kernels" if maps is not None else provider)
-                 + ("" if provider == OUR_MAPS else f" (our Triton maps: {_maps_kernels_refusal(seg_call)})"),
-                 "Triton kernels" if _scan_kernels(K, V, acc, dev) is not None
-                 else f"torch products ({_scan_kernels_refusal(K, V, acc, dev)})",
+    kernels = _chain_kernels(K, V, acc, dev)
+    if first_time(("split passes", problem.table_key(), segments, provider, decay_aware, states_by_run)):
+        log.info("gdr_dispatch: split pass 1 (each segment's warm-up windows or exact maps) on %s, pass 2 (the "
+                 "chains) on %s, %sfor %s",
+                 ("our decay-aware Triton kernels" if decay_aware
+                  else f"{provider}'s kernels, every segment exact" if maps is not None
+                  else "torch products (decay-aware)")
+                 + ("" if decay_aware else f" (our Triton kernels: {_pieces_kernels_refusal(seg_call)})"),
+                 "a Triton kernel" if kernels is not None
+                 else f"torch products ({_chain_kernels_refusal(K, V, acc, dev)})",
                  "pass 3's chunk states on gdr_dispatch's kernels (its backend takes h given), " if states
                  else "pass 3's chunk states by its backend, " if states_by_run and call.h is None else "",
                  problem.describe())
-    if maps is not None:  # pass 1 on the provider's kernels, scattered to [N, n_seg, H, ...]
-        m, r, d = maps(seg_call, need_r=call.h is None)  # with h given the starts come from h
-        Ms = _to_grid(m.to(acc), pick, (seq_of, seg_of), N, n_seg, "eye")
-        Ds = _to_grid(d.to(acc), pick, (seq_of, seg_of), N, n_seg, "zeros")
-        Rs = None if r is None else _to_grid(r.to(acc), pick, (seq_of, seg_of), N, n_seg, "zeros")
+
+    # pass 2: the chains over every sequence's segments, in place
+    h0 = cm.states_in(call.initial_state, call.state_v_first)
+    dht = cm.states_in(call.dht, call.state_v_first)
+    S0 = None if h0 is None else h0.to(acc)
+    G_end = None if dht is None else dht.to(acc)
+    if kernels is not None:
+        kernels.chain(M, starts, ends, plan, device_constant(segs.seg_offsets, torch.int32, dev),
+                      segs.max_per_sequence, S0, G_end)
     else:
-        Ms, Rs, Ds = _torch_pass_1(call, s, n_seg)
-    return _scan_and_run(call, s, pick, (seq_of, seg_of), seg_call, Ms, Rs, Ds, run, states)
+        _chain_torch(segs, plan, M, starts, ends, S0, G_end)
+    return _run_segments(call, segs, seg_call, starts, ends, run, states)
+
+
+def _shifted(segs: Segments, r, d):
+    """Each segment's end state from a zero start (`r`, None when unwanted) and start gradient from
+    a zero end gradient (`d`) moved to where the chain completes them: `starts[j + 1]` and
+    `ends[j - 1]` within a sequence."""
+    dev = d.device
+    starts = None
+    if r is not None:
+        starts = torch.empty_like(r)
+        has_next = tuple(j for j, role in enumerate(segs.roles) if not role & 2)
+        if has_next:
+            src = device_constant(has_next, torch.int64, dev)
+            starts[src + 1] = r[src]
+    ends = torch.empty_like(d)
+    has_prev = tuple(j for j, role in enumerate(segs.roles) if not role & 1)
+    if has_prev:
+        src = device_constant(has_prev, torch.int64, dev)
+        ends[src - 1] = d[src]
+    return starts, ends
+
+
+def _windows(gend, real, bad, thr: float):
+    """`decay_plan` in tensor ops (segment_maps._decay_plan's rule): per segment and head, from
+    its chunks' summed log decays `gend` `[..., s, H]`, which chunks are real `[..., s]` and which
+    break the contraction `bad` `[..., s, H]`: the windows `(n_f, n_b)` `[..., H]`, 0 where exact."""
+    s = gend.shape[-2]
+    c = torch.arange(s, device=gend.device)[:, None]
+    valid = real[..., None]
+    nc = real.sum(-1)[..., None]
+    head = gend.cumsum(-2)
+    tail = gend.sum(-2, keepdim=True) - head + gend
+    c_f = torch.where(valid & (tail < thr), c, -1).amax(-2)
+    c_b = torch.where(valid & (head < thr), c, s).amin(-2)
+    n_f = torch.where(c_f >= 0, nc - c_f, 0)
+    n_b = torch.where(c_b < s, c_b + 1, 0)
+    window = valid & (((c >= (nc - n_f)[..., None, :]) & (n_f > 0)[..., None, :]) | (c < n_b[..., None, :]))
+    warm = (n_f > 0) & (n_b > 0) & ~(bad & window).any(-2)
+    return torch.where(warm, n_f, 0), torch.where(warm, n_b, 0)
+
+
+def _torch_pieces(call: GDRCall, segs: Segments, need_starts: bool):
+    """Pass 1 as batched tensor products, decay-aware as the kernels: `(plan, M, starts, ends)` in
+    `segment_maps.segment_pieces`' layout. A segment's windows are its compositions with the
+    chunks outside them replaced by zero maps (before the forward window, after the backward one)."""
+    acc = call.acc_dtype
+    N, H, K, V, BT = call.N, call.H, call.K, call.V, call.chunk_size
+    s, n_seg = segs.s, segs.n_seg
+    dev = call.q.device
+    lay, M, R, D = chunk_maps(call)  # [N, C, H, ...]; chunks past a sequence's end are not maps yet
+    counts = device_constant(tuple(chunk_counts(call.seq_lens, BT)), torch.int64, dev)
+    C = M.shape[1]
+    real = torch.arange(n_seg * s, device=dev)[None, :] < counts[:, None]  # [N, n_seg * s]
+    eye = torch.eye(K, dtype=acc, device=dev)
+    zero = torch.zeros((), dtype=acc, device=dev)
+    pad = n_seg * s - C
+
+    def grid(x, fill):  # [N, C, H, ...] -> [N, n_seg, s, H, ...], `fill` past each sequence's end
+        if pad:
+            x = torch.cat([x, fill.expand(N, pad, *x.shape[2:]) if fill.dim() else x.new_zeros(N, pad, *x.shape[2:])], 1)
+        r = real.view(N, n_seg * s, *([1] * (x.dim() - 2)))
+        return torch.where(r, x, fill).view(N, n_seg, s, *x.shape[2:])
+
+    M, R, D = grid(M, eye), grid(R, zero), grid(D, zero)
+    # each chunk's summed log decay and whether a token of it breaks the contraction (b |k|^2 outside [0, 2])
+    gend = grid(lay.gather_gate(call.g, acc)[..., -1], zero)  # [N, n_seg, s, H]
+    k = cm.expand_heads(lay.gather(call.k, acc), H)
+    x = lay.gather(call.b, acc) * (k * k).sum(-1)
+    bad = grid(((x < 0) | (x > 2)).any(-1), torch.zeros((), dtype=torch.bool, device=dev))
+    n_f, n_b = _windows(gend, real.view(N, n_seg, s), bad, threshold(acc))  # [N, n_seg, H]
+    c = torch.arange(s, device=dev)[:, None, None, None]
+    nc = real.view(N, n_seg, s).sum(-1)[:, :, None, None, None, None]
+    before = (n_f[:, :, None, :, None, None] > 0) & (c < nc - n_f[:, :, None, :, None, None])
+    after = (n_b[:, :, None, :, None, None] > 0) & (c >= n_b[:, :, None, :, None, None])
+    Mf, Rf, _ = _compose(torch.where(before, zero, M), torch.where(before, zero, R), D)
+    _, _, Db = _compose(torch.where(after, zero, M), R, torch.where(after, zero, D))
+    index = (device_constant(segs.seq, torch.int64, dev), device_constant(segs.place, torch.int64, dev))
+    plan = torch.stack([n_f, n_b], -1)[index].to(torch.int32)
+    starts, ends = _shifted(segs, Rf[index] if need_starts else None, Db[index])
+    return plan, Mf[index], starts, ends
+
+
+def _chain_torch(segs: Segments, plan, M, starts, ends, S0, G_end) -> None:
+    """`segment_scan.chain` in batched products, one step per place in the sequences."""
+    dev = ends.device
+    exact = (plan[..., 0] == 0)[..., None, None]  # [S, H, 1, 1]
+    for slots, lasts in ((starts, False), (ends, True)):
+        if slots is None:
+            continue
+        j, n = segs.lasts if lasts else segs.firsts
+        edge = S0 if not lasts else G_end
+        j = device_constant(j, torch.int64, dev)
+        slots[j] = torch.zeros_like(slots[j]) if edge is None else edge[device_constant(n, torch.int64, dev)]
+    if starts is not None:
+        for p in range(segs.n_seg - 1):
+            j = device_constant(segs.at_place(p, with_next=True), torch.int64, dev)
+            nxt = starts[j + 1]
+            starts[j + 1] = torch.where(exact[j], M[j] @ starts[j] + nxt, nxt)
+    for p in range(segs.n_seg - 1, 0, -1):
+        j = device_constant(segs.at_place(p, with_next=False), torch.int64, dev)
+        prv = ends[j - 1]
+        ends[j - 1] = torch.where(exact[j], M[j].transpose(-1, -2) @ ends[j] + prv, prv)
+
+
+def _run_segments(call: GDRCall, segs: Segments, seg_call: GDRCall, starts, ends, run, states) -> GDRGrads:
+    """Pass 3: the segments as the sequences of one varlen call of `run`, from their start states
+    (`starts`, or the caller's `h` at their first chunks) and end gradients; `states`, if given,
+    makes pass 3's `h` from the start states."""
+    acc = call.acc_dtype
+    H, K, V, BT = call.H, call.K, call.V, call.chunk_size
+    dev = call.q.device
+    if call.h is not None:  # every segment starts on a real chunk: the caller's state there (as unsplit)
+        first_chunk = list(itertools.accumulate([0] + chunk_counts(call.seq_lens, BT)))
+        rows = device_constant(tuple(first_chunk[n] + j * segs.s for n, j in zip(segs.seq, segs.place)),
+                               torch.int64, dev)
+        init = cm.states_in(call.h, call.state_v_first).reshape(-1, H, K, V)[rows].to(acc)
+    else:
+        init = starts
+    h = None if call.h is None else call.h.reshape(1, -1, *call.h.shape[2:])
+    if states is not None:
+        h = states(init)
+    out_dt = _state_dtype(call)
+    init, grad_end = init.to(out_dt), ends.to(out_dt)
+    if call.state_v_first:
+        init, grad_end = init.transpose(-1, -2).contiguous(), grad_end.transpose(-1, -2).contiguous()
+    # pass 1's validated call with the states added: they are ours and right by construction, so
+    # no second `validate` (~35 us of host time per split call, which is host-bound eager)
+    grads = run(replace(seg_call, dht=grad_end, h=h, initial_state=init, state_v_first=call.state_v_first))
+
+    def back(x):
+        return x.reshape(call.B, call.T, *x.shape[2:])
+
+    dh0 = None
+    if call.initial_state is not None:  # each sequence's first segment's; a sequence of no tokens passes dht on
+        j, n = segs.firsts
+        dh0 = grads.dh0[device_constant(j, torch.int64, dev)]
+        if len(n) < call.N:
+            whole = (torch.zeros(call.state_shape(), dtype=out_dt, device=dev) if call.dht is None
+                     else call.dht.to(out_dt).clone())
+            whole[device_constant(n, torch.int64, dev)] = dh0
+            dh0 = whole
+        dh0 = dh0.to(out_dt).contiguous()
+    return GDRGrads(back(grads.dq), back(grads.dk), back(grads.dv), back(grads.dg), back(grads.db), dh0)
 
 
 def sequence_maps(call: GDRCall, need_r: bool = True):
@@ -242,35 +458,8 @@ def _states_kernel(call: GDRCall, seg_call: GDRCall, provider: str):
     return functools.partial(segment_maps.segment_states, seg_call, state_v_first=call.state_v_first)
 
 
-def _full_grid(pick, N: int, n_seg: int) -> bool:
-    """Every sequence cut into `n_seg` non-empty segments (`segment_plan` lists them in order)."""
-    return len(pick) == N * n_seg
-
-
-def _to_grid(x, pick, index, N: int, n_seg: int, fill: str):
-    """The non-empty segments' `[segments, ...]` as `[N, n_seg, ...]`, `fill` ("eye" or "zeros")
-    where a segment is empty: a reshape on a full grid, else a scatter. Eager, the split is bound
-    by its host-side launches (docs/kernels.md, "The split"): the scatter's four
-    (identity or zeros, repeat, index_put) are skipped where they move nothing."""
-    if _full_grid(pick, N, n_seg):
-        return x.reshape(N, n_seg, *x.shape[1:])
-    if fill == "eye":
-        out = torch.eye(x.shape[-1], dtype=x.dtype, device=x.device).repeat(N, n_seg, *x.shape[1:-2], 1, 1)
-    else:
-        out = x.new_zeros(N, n_seg, *x.shape[1:])
-    out[index] = x
-    return out
-
-
-def _from_grid(x, pick, index):
-    """`[N, n_seg, ...]` -> the non-empty segments' `[segments, ...]` (`_to_grid`'s inverse)."""
-    if _full_grid(pick, x.shape[0], x.shape[1]):
-        return x.reshape(-1, *x.shape[2:])
-    return x[index]
-
-
 def _torch_pass_1(call: GDRCall, s: int, n_seg: int):
-    """Pass 1 as batched tensor products: `(M, R, D)` of every segment, `[N, n_seg, H, ...]`."""
+    """Pass 1 as batched tensor products, exact: `(M, R, D)` of every segment, `[N, n_seg, H, ...]`."""
     acc = call.acc_dtype
     N, H, K, V, BT = call.N, call.H, call.K, call.V, call.chunk_size
     dev = call.q.device
@@ -290,98 +479,25 @@ def _torch_pass_1(call: GDRCall, s: int, n_seg: int):
     return _compose(M.view(N, n_seg, s, H, K, K), R.view(N, n_seg, s, H, K, V), D.view(N, n_seg, s, H, K, V))
 
 
-def _prefix_maps(M, X):
-    """Inclusive prefix of affine maps along axis 1 (`M` `[N, n, H, K, K]`, `X` `[N, n, H, K, V]`,
-    map j: x -> M_j x + X_j): `(A_j, B_j)` of map j after map j-1 ... after map 0, so applying
-    the first j + 1 maps to x0 gives `A_j x0 + B_j`. Hillis-Steele: log2(n) levels of batched
-    products instead of n dependent steps (at 64 segments the loop was 128 launches each way)."""
-    A, B = M, X
-    n, d = M.shape[1], 1
-    while d < n:
-        A, B = (torch.cat([A[:, :d], A[:, d:] @ A[:, :-d]], dim=1),
-                torch.cat([B[:, :d], A[:, d:] @ B[:, :-d] + B[:, d:]], dim=1))
-        d *= 2
-    return A, B
-
-
-def _scan_kernels_refusal(K: int, V: int, acc: torch.dtype, dev: torch.device) -> str:
-    """Why pass 2 does not run on the Triton scans (segment_scan.py) here, "" when it does.
-    Gated like a backend: while `segment_scan.GPU_VERIFIED` is False (their GPU tests in
-    tests/test_gpu.py not yet passed), only GDR_ALLOW_UNVERIFIED=1 runs them."""
+def _chain_kernels_refusal(K: int, V: int, acc: torch.dtype, dev: torch.device) -> str:
+    """Why pass 2 does not run on the Triton chain (segment_scan.py) here, "" when it does.
+    Gated like a backend: while `segment_scan.GPU_VERIFIED` is False (its GPU tests in
+    tests/test_gpu.py not yet passed), only GDR_ALLOW_UNVERIFIED=1 runs it."""
     if torch.device(dev).type != "cuda":
         return "not on CUDA"
     from ..kernels import segment_scan
 
     why = segment_scan.not_supported_reason(K, V, acc, dev)
     if not why and not segment_scan.GPU_VERIFIED and not unverified_allowed():
-        why = unverified_reason("the Triton scans")
+        why = unverified_reason("the Triton chain")
     return why
 
 
-def _scan_kernels(K: int, V: int, acc: torch.dtype, dev: torch.device):
-    """The Triton scan module (segment_scan.py) where it takes the maps here, else None (the
-    torch scan; `_scan_kernels_refusal` says why)."""
-    if _scan_kernels_refusal(K, V, acc, dev):
+def _chain_kernels(K: int, V: int, acc: torch.dtype, dev: torch.device):
+    """The Triton chain's module (segment_scan.py) where it takes the pieces here, else None (the
+    torch chain; `_chain_kernels_refusal` says why)."""
+    if _chain_kernels_refusal(K, V, acc, dev):
         return None
     from ..kernels import segment_scan
 
     return segment_scan
-
-
-def _scan_and_run(call, s, pick, index, seg_call, Ms, Rs, Ds, run, states=None) -> GDRGrads:
-    """Pass 2 (the scan over each sequence's segments) and pass 3 (the segments as one varlen
-    call of `run`); `index` holds the non-empty segments' (sequence, segment) index tensors;
-    `states` (`_states_kernel`), if given, makes pass 3's `h` from the segments' start states."""
-    acc = call.acc_dtype
-    N, H, K, V, BT = call.N, call.H, call.K, call.V, call.chunk_size
-    dev = call.q.device
-    # pass 2: the scans over the segments of every sequence at once
-    h0 = cm.states_in(call.initial_state, call.state_v_first)
-    dht = cm.states_in(call.dht, call.state_v_first)
-    S0 = None if h0 is None else h0.to(acc)
-    dS_end = None if dht is None else dht.to(acc)
-    kernels = _scan_kernels(K, V, acc, dev)
-    ends = None
-    if call.h is not None:  # every non-empty segment starts on a real chunk: the caller's state there (as unsplit)
-        first_chunk = list(itertools.accumulate([0] + chunk_counts(call.seq_lens, BT)))
-        rows = device_constant(tuple(first_chunk[n] + j * s for n, j in pick), torch.int64, dev)
-        init = cm.states_in(call.h, call.state_v_first).reshape(-1, H, K, V)[rows].to(acc)
-    elif kernels is not None:  # both scans in one launch
-        starts, ends, dh0 = kernels.both_scans(Ms, Rs, S0, Ds, dS_end)
-        init = _from_grid(starts, pick, index)
-    else:
-        S0 = torch.zeros(N, H, K, V, dtype=acc, device=dev) if S0 is None else S0
-        A, B = _prefix_maps(Ms, Rs)  # segment j's end state = A_j S0 + B_j
-        starts = torch.cat([S0[:, None], (A[:, :-1] @ S0[:, None] + B[:, :-1])], dim=1)  # [N, n_seg, H, K, V]
-        init = _from_grid(starts, pick, index)
-    if ends is None and kernels is not None:
-        ends, dh0 = kernels.backward_scan(Ms, Ds, dS_end)
-    elif ends is None:
-        dS_end = torch.zeros(N, H, K, V, dtype=acc, device=dev) if dS_end is None else dS_end
-        # dS_j = M_j^T dS_{j+1} + D_j from dS_{n_seg} = dht, as a prefix over the reversed segments
-        Ab, Bb = _prefix_maps(Ms.flip(1).transpose(-1, -2), Ds.flip(1))  # dS_{n_seg-1-i} = Ab_i dht + Bb_i
-        dS = (Ab @ dS_end[:, None] + Bb).flip(1)  # dS[:, j]: the gradient at segment j's start
-        ends = torch.cat([dS[:, 1:], dS_end[:, None]], dim=1)  # at segment j's end
-        dh0 = dS[:, 0]  # the first segment's start gradient is the sequence's dh0
-    grad_end = _from_grid(ends, pick, index)
-
-    # pass 3: the non-empty segments as the sequences of one varlen call
-    h = None if call.h is None else call.h.reshape(1, -1, *call.h.shape[2:])
-    if states is not None:
-        h = states(init)
-    out_dt = _state_dtype(call)
-    init, grad_end = init.to(out_dt), grad_end.to(out_dt)
-    if call.state_v_first:
-        init, grad_end = init.transpose(-1, -2).contiguous(), grad_end.transpose(-1, -2).contiguous()
-    # pass 1's validated call with the states added: they are ours and right by construction, so
-    # no second `validate` (~35 us of host time per split call, which is host-bound eager)
-    grads = run(replace(seg_call, dht=grad_end, h=h, initial_state=init, state_v_first=call.state_v_first))
-
-    def back(x):
-        return x.reshape(call.B, call.T, *x.shape[2:])
-
-    if call.initial_state is None:
-        dh0 = None
-    else:
-        dh0 = (dh0.transpose(-1, -2) if call.state_v_first else dh0).to(out_dt).contiguous()
-    return GDRGrads(back(grads.dq), back(grads.dk), back(grads.dv), back(grads.dg), back(grads.db), dh0)
