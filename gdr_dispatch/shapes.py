@@ -216,9 +216,9 @@ def make_inputs(spec: ShapeSpec, device, seed: int = 0) -> dict:
         g_raw = (u - 5.5) if spec.strong_decay else -0.5 * u
     elif spec.gate == "mixed":
         A = 1 + 15 * torch.rand(H, generator=gen, dtype=torch.float64)
-        dt = torch.exp(math.log(1e-3) + (math.log(1e-1) - math.log(1e-3)) * torch.rand(H, generator=gen,
-                                                                                        dtype=torch.float64))
-        dt_bias = dt + torch.log(-torch.expm1(-dt))
+        step = torch.exp(math.log(1e-3) + (math.log(1e-1) - math.log(1e-3)) * torch.rand(H, generator=gen,
+                                                                                          dtype=torch.float64))
+        dt_bias = step + torch.log(-torch.expm1(-step))  # softplus(dt_bias) = step
         x = torch.randn(B, T, H, generator=gen, dtype=torch.float64)
         g_raw = (-A * torch.nn.functional.softplus(x + dt_bias)).to(device, state_dt)
     else:

@@ -247,6 +247,7 @@ def test_split_names_parse():
 # -- pass 1 on fla's state kernels (stand-ins on the CPU) ----------------------------------------
 FLA_PASS_SHAPES = [
     ShapeSpec(B=2, T=300, H=4, Hg=2, K=16, V=32),  # grouped heads, a partial last chunk
+    ShapeSpec(B=2, T=100, H=4, Hg=2, K=16, V=16, strong_decay=True),
     ShapeSpec(seqlens=(1, 63, 64, 65, 300), H=2, K=16, V=16, state_v_first=True),
     ShapeSpec(B=1, T=200, H=2, K=16, V=16, initial_state=False, dht=False),
 ]
@@ -404,7 +405,8 @@ def test_chain_kernel_equals_the_step_by_step_chain(K, V, counts, given, starts_
     offsets = tuple(itertools.accumulate((0,) + counts))
     f32 = (lambda x: None if x is None else x.float().clone())
     got_s, got_e = f32(starts), f32(ends)
-    segment_scan.chain(f32(M), got_s, got_e, plan, torch.tensor(offsets, dtype=torch.int32), max(counts),
+    wide = torch.cat([f32(M), torch.zeros(S, H, K, V)], -1)  # M as a provider hands it over: a slice of [M | R]
+    segment_scan.chain(wide[..., :K], got_s, got_e, plan, torch.tensor(offsets, dtype=torch.int32), max(counts),
                        f32(S0), f32(G_end))
     lens = tuple(64 * c for c in counts)  # segments of one chunk: the Segments of these counts
     segs = cp.segments_of(lens, 64, max(counts))

@@ -107,6 +107,10 @@ def chain(M: torch.Tensor, starts, ends: torch.Tensor, plan: torch.Tensor, seg_o
     `M` `[S, H, K, K]` (read where `plan` `[S, H, 2]` says exact), `seg_offsets` int32 `[N + 1]`
     (sequence n's segments), `max_segments` the most any sequence has, `S0` / `G_end` `[N, H,
     K, V]` fp32 the sequences' initial states and final-state gradients (None: 0)."""
+    for name, x in (("starts", starts), ("ends", ends)):
+        if x is not None and not x.is_contiguous():
+            raise ValueError(f"chain: {name} must be contiguous (it is completed in place)")
+    M, plan = M.contiguous(), plan.contiguous()  # a provider's M may be a slice of its [M | R]
     N = seg_offsets.shape[0] - 1
     H, K, V = ends.shape[1], ends.shape[2], ends.shape[3]
     bv = min(BV, V)

@@ -296,12 +296,12 @@ def _shifted(segs: Segments, r, d):
     dev = d.device
     starts = None
     if r is not None:
-        starts = torch.empty_like(r)
+        starts = torch.empty(r.shape, dtype=r.dtype, device=dev)  # contiguous: the chain completes it in place
         has_next = tuple(j for j, role in enumerate(segs.roles) if not role & 2)
         if has_next:
             src = device_constant(has_next, torch.int64, dev)
             starts[src + 1] = r[src]
-    ends = torch.empty_like(d)
+    ends = torch.empty(d.shape, dtype=d.dtype, device=dev)
     has_prev = tuple(j for j, role in enumerate(segs.roles) if not role & 1)
     if has_prev:
         src = device_constant(has_prev, torch.int64, dev)
