@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 
 from gdr_dispatch.problem import device_info, library_versions
-from gdr_dispatch.shapes import PRESETS, ShapeSpec, load_grid
-from timing import measure_ms, relative_error
+from gdr_dispatch.shapes import PRESETS, ShapeSpec, load_grid, log_decay
+from timing import back_to_back_ms, measure_ms, relative_error
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LEAVES = ("q", "k", "v", "g", "beta", "initial_state")
@@ -58,7 +58,7 @@ def step_inputs(spec: ShapeSpec, device, seed: int = 0) -> dict:
     x = dict(q=rnd(B, T, spec.Hg, spec.K).to(dt),
              k=torch.nn.functional.normalize(rnd(B, T, spec.Hg, spec.K), dim=-1).to(dt),
              v=rnd(B, T, spec.H, spec.V).to(dt),
-             g=(-0.5 * torch.rand(B, T, spec.H, generator=gen)).to(acc),
+             g=log_decay(spec, gen).to(acc),
              beta=torch.sigmoid(rnd(B, T, spec.H)).to(dt),
              initial_state=rnd(N, spec.H, spec.K, spec.V).to(acc),
              do=rnd(B, T, spec.H, spec.V).to(dt), dht=rnd(N, spec.H, spec.K, spec.V).to(acc))
@@ -181,7 +181,8 @@ def bench_shape(spec: ShapeSpec, ops: dict, warmup: int, reps: int) -> dict:
             got = step(op, x)
             err = max(relative_error(got[n], ref[n]) for n in got) if ref is not None else None
             ms = measure_ms(lambda: step(op, x), "cuda", warmup=warmup, reps=reps)
-            row["runs"][name] = {"ms": round(ms, 4), **({"max_rel_err_vs_fla_op": float(f"{err:.3e}")} if ref else {})}
+            row["runs"][name] = {"ms": round(ms, 4), "b2b_ms": round(back_to_back_ms(lambda: step(op, x)), 4),
+                                 **({"max_rel_err_vs_fla_op": float(f"{err:.3e}")} if ref else {})}
             if name.startswith("ours"):
                 row["runs"][name]["backend"] = choices.backend
         except Exception as e:  # noqa: BLE001 - a failing runner is reported, the sweep goes on
@@ -195,15 +196,16 @@ def bench_shape(spec: ShapeSpec, ops: dict, warmup: int, reps: int) -> dict:
 
 def to_markdown(rows, device) -> str:
     names = list(dict.fromkeys(n for r in rows for n in r["runs"]))
-    lines = [f"Training step (forward + backward) on {device}, median ms (fla-op ms / this ms in brackets; "
-             "ours: [the backend the dispatcher ran])", "",
+    lines = [f"Training step (forward + backward) on {device}, ms per step (a sync after each) / back to back (20 "
+             "enqueued, one sync); fla-op's per-step ms / this one's in brackets; ours: [the backend the dispatcher "
+             "ran]", "",
              "| shape | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for r in rows:
         base = r["runs"].get("fla-op", {}).get("ms")
         cells = []
         for n in names:
             run = r["runs"].get(n, {})
-            cells.append(f"{run['ms']:.3f}" + (f" ({base / run['ms']:.2f}x)" if base else "")
+            cells.append(f"{run['ms']:.3f} / {run.get('b2b_ms', float('nan')):.3f}" + (f" ({base / run['ms']:.2f}x)" if base else "")
                          + (f" [{run['backend']}]" if n == "ours" and run.get("backend") else "") if "ms" in run
                          else ("failed" if "failed" in run else "-"))
         lines.append(f"| {r['shape']} | " + " | ".join(cells) + " |")
@@ -234,6 +236,7 @@ def main(argv=None) -> int:
     p.add_argument("--compile-backends", default="",
                    help="precompile only these of our backends, comma-separated (default: every supported one; "
                         "e.g. the table's winners, or the backend GDR_BACKEND forces)")
+    p.add_argument("--gates", default="", help="run every shape once per gate (shapes.GATES), comma-separated")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default=str(RESULTS))
@@ -248,6 +251,9 @@ def main(argv=None) -> int:
         print("bench needs a CUDA device", file=sys.stderr)
         return 2
     shapes = load_grid(args.grid) if args.grid else PRESETS[args.preset]
+    if args.gates:
+        from dataclasses import replace as _replace
+        shapes = [_replace(s, gate=gate) for s in shapes for gate in args.gates.split(",")]
     if args.match:
         shapes = [s for s in shapes if re.search(args.match, s.label())]
     ops = runners([n for n in args.backends.split(",") if n], [n for n in args.forwards.split(",") if n])

@@ -187,6 +187,23 @@ def load_grid(path: str | Path) -> list[ShapeSpec]:
     return out
 
 
+def log_decay(spec: ShapeSpec, gen: torch.Generator) -> torch.Tensor:
+    """The per-token log decay `g_raw` `[B, T, H]` (float64, CPU) of `spec`'s gate (module docstring)."""
+    B, T, H = spec.B, spec.T, spec.H
+    u = torch.rand(B, T, H, generator=gen)
+    if spec.gate == "uniform":
+        return (u.double() - 5.5) if spec.strong_decay else -0.5 * u.double()
+    if spec.gate == "mixed":
+        A = 1 + 15 * torch.rand(H, generator=gen, dtype=torch.float64)
+        step = torch.exp(math.log(1e-3) + (math.log(1e-1) - math.log(1e-3)) * torch.rand(H, generator=gen,
+                                                                                          dtype=torch.float64))
+        dt_bias = step + torch.log(-torch.expm1(-step))  # softplus(dt_bias) = step
+        x = torch.randn(B, T, H, generator=gen, dtype=torch.float64)
+        return -A * torch.nn.functional.softplus(x + dt_bias)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, generator=gen)).double()
+    return g / 16 if spec.gate == "logsigmoid16" else g
+
+
 def make_inputs(spec: ShapeSpec, device, seed: int = 0) -> dict:
     """Random forward inputs for `spec` and the backward call's arguments built from them.
 
@@ -211,20 +228,7 @@ def make_inputs(spec: ShapeSpec, device, seed: int = 0) -> dict:
     v = rnd(B, T, H, V).to(dt)
     do = rnd(B, T, H, V).to(dt)
     state_dt = torch.float64 if dt == torch.float64 else torch.float32  # g_raw and the states
-    u = torch.rand(B, T, H, generator=gen).to(device, state_dt)
-    if spec.gate == "uniform":
-        g_raw = (u - 5.5) if spec.strong_decay else -0.5 * u
-    elif spec.gate == "mixed":
-        A = 1 + 15 * torch.rand(H, generator=gen, dtype=torch.float64)
-        step = torch.exp(math.log(1e-3) + (math.log(1e-1) - math.log(1e-3)) * torch.rand(H, generator=gen,
-                                                                                          dtype=torch.float64))
-        dt_bias = step + torch.log(-torch.expm1(-step))  # softplus(dt_bias) = step
-        x = torch.randn(B, T, H, generator=gen, dtype=torch.float64)
-        g_raw = (-A * torch.nn.functional.softplus(x + dt_bias)).to(device, state_dt)
-    else:
-        g_raw = torch.nn.functional.logsigmoid(torch.randn(B, T, H, generator=gen)).to(device, state_dt)
-        if spec.gate == "logsigmoid16":
-            g_raw = g_raw / 16
+    g_raw = log_decay(spec, gen).to(device, state_dt)
     beta = torch.sigmoid(rnd(B, T, H)).to(dt)
     state = (N, H, V, K) if spec.state_v_first else (N, H, K, V)
     h0 = rnd(*state).to(state_dt) if spec.initial_state else None

@@ -50,6 +50,9 @@ for arg in "$@"; do
     firstcall)
       timeout "$(left)" python3 bench/bench_gdr_bwd.py --first-call ${FIRSTCALL_FULL:+--first-call-full} --out "$OUT/bench" \
         ${FIRSTCALL_ARGS:-} > "$OUT/firstcall.log" 2>&1 ;;
+    training)
+      timeout "$(left)" python3 bench/bench_training_op.py --out "$OUT/bench/training" ${TRAINING_ARGS:---preset h200-train} \
+        > "$OUT/training.log" 2>&1 ;;
     hf)
       timeout "$(left)" python3 bench/bench_hf_qwen3_next.py --out "$OUT/bench/hf.json" ${HF_ARGS:-} > "$OUT/hf.log" 2>&1 ;;
     tune)

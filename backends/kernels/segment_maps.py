@@ -48,7 +48,7 @@ GPU_VERIFIED = True
 #: The same for the decay-aware pass 1 (`decay_plan`, `segment_pieces`; tests/test_gpu.py: the
 #: pieces against the tensor products, the split against the unsplit call at strong, weak and
 #: mixed gates). While False the split runs our exact maps (or the gate's alternatives) instead.
-PIECES_GPU_VERIFIED = False
+PIECES_GPU_VERIFIED = True
 
 
 @triton.jit
