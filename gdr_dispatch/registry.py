@@ -192,9 +192,17 @@ class Backend:
     split_candidate: bool = True
     optional_lib: Optional[str] = None  # the optional library (problem.OPTIONAL_LIBS) it needs, if any
     limits: Limits = Limits(devices=None)
+    #: Backends that share their kernels' design win and lose together (`triton_wide` and
+    #: `triton_transposed`: "triton"): a first call on a full grid skips a family the device's
+    #: tables show never winning there (autotune.losing_families). None: the backend's own name.
+    family_name: Optional[str] = None
     #: Environment variables other than gdr_dispatch's own that `extra_reasons` reads: a call's
     #: plan (plans.py) is keyed on their values, so a change between calls is seen.
     extra_env: tuple[str, ...] = ()
+
+    @property
+    def family(self) -> str:
+        return self.family_name or self.name
 
     @property
     def env_vars(self) -> tuple[str, ...]:
