@@ -53,7 +53,8 @@ class Named(Backend):
 
 def canned(kwargs) -> Canned:
     call = validate(**kwargs)
-    out = GDRGrads(*(torch.empty_like(x) for x in (call.q, call.k, call.v, call.g, call.b, call.initial_state)))
+    out = GDRGrads(*(None if x is None else torch.empty_like(x)
+                     for x in (call.q, call.k, call.v, call.g, call.b, call.initial_state)))
     return Canned("fake_canned", out=out)
 
 
@@ -315,3 +316,37 @@ def test_plans_are_bounded_and_forgotten_by_clear_caches(with_backends):
     assert caches.memo("backward plans").limit <= 4096
     dsp.clear_caches()
     assert caches.sizes()["backward plans"] == 0
+
+
+@pytest.mark.slow
+def test_ten_thousand_random_packings_through_the_hot_path_keep_the_host_memory_bounded(with_backends):
+    """A varlen run that packs its sequences differently every step: the plans (one per sequence
+    count) and their chunk-count variants stop growing once seen."""
+    import gc
+    import random
+    import tracemalloc
+
+    rng = random.Random(0)
+    T = 512
+    x = make_inputs(ShapeSpec(seqlens=(T,), H=2, K=8, V=8, dtype="float32", h="none"), "cpu")
+    kwargs = {**call_kwargs(x), "initial_state": None, "dht": None, "max_seqlen": None}
+    with_backends(canned(kwargs))
+
+    def step():
+        cuts = sorted(rng.sample(range(1, T), rng.randint(1, 20)))
+        fused_gdr_bwd(**{**kwargs, "cu_seqlens": torch.tensor([0, *cuts, T], dtype=torch.int32)})
+
+    for _ in range(500):
+        step()
+    tracemalloc.start()
+    gc.collect()
+    before = tracemalloc.take_snapshot()
+    sizes_before = sum(caches.sizes().values())
+    for _ in range(10_000):
+        step()
+    gc.collect()
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    grown = sum(s.size_diff for s in after.compare_to(before, "filename"))
+    assert sum(caches.sizes().values()) - sizes_before < 50, caches.sizes()
+    assert grown < 512 * 1024, f"host memory grew by {grown} bytes over 10,000 packings"
