@@ -20,7 +20,8 @@ rounds), `host_us` (one call's enqueue after a sync, to its return; median). The
 per row, `dispatched` against the pick's own call: the host time it adds and its latency ratio.
 
 `--profile`: for each shape, a torch.profiler trace (Chrome JSON) and its `key_averages` table of
-20 dispatched calls and 20 own calls, and a cProfile summary of 200 dispatched calls' host side.
+20 dispatched calls, 20 of the pick's `run` and 20 of its own call, and a cProfile summary of 200
+dispatched calls' host side (`--profile-stack`: Python frames in the trace too).
 Writes bench/results/<device>-hot-path.json and .md (`--out` elsewhere). `--device cpu` runs the
 plumbing on a CPU (tests/test_bench_scripts.py, with FlashQLA faked).
 """
@@ -193,13 +194,14 @@ def measure(fn, env: dict, sync, reps: int, rounds: int) -> dict:
                 "host_us": round(host_us(fn, sync, reps), 1)}
 
 
-def profile(fns: dict, sync, out: Path, stem: str, device: torch.device) -> list[str]:
+def profile(fns: dict, sync, out: Path, stem: str, device: torch.device, with_stack: bool = False) -> list[str]:
     """A torch.profiler trace and table of 20 calls of each of `fns`, and cProfile's summary of 200
-    calls of the first; returns the files written."""
+    calls of the first; returns the files written. `with_stack`: Python frames in the trace (torch
+    2.13's CPU profiler then at times fails to decode an event's name: UnicodeDecodeError)."""
     from torch.profiler import ProfilerActivity, record_function
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with torch.profiler.profile(activities=activities, with_stack=True) as prof:
+    with torch.profiler.profile(activities=activities, with_stack=with_stack) as prof:
         for name, (fn, env) in fns.items():
             with environment(**env), record_function(name):
                 for _ in range(BACK_TO_BACK):
@@ -224,7 +226,7 @@ def profile(fns: dict, sync, out: Path, stem: str, device: torch.device) -> list
 
 
 def bench_shape(spec: ShapeSpec, device: torch.device, backends, reps: int, rounds: int,
-                out: Optional[Path] = None) -> dict:
+                out: Optional[Path] = None, with_stack: bool = False) -> dict:
     sync = syncer(device)
     kwargs = call_kwargs(make_inputs(spec, device, seed=1))
     with environment(GDR_BACKEND=None, GDR_CP=None):
@@ -246,7 +248,11 @@ def bench_shape(spec: ShapeSpec, device: torch.device, backends, reps: int, roun
         own = f"own {pick.split('@')[0]}"
         chosen = {n: fns[n] for n in ("dispatched", f"run {pick}", own) if not isinstance(fns.get(n, ""), str)}
         stem = f"{device_info(device).slug}-hot-path-{spec.label().replace(' ', '_')}"
-        row["profile"] = profile(chosen, sync, out, stem, device)
+        try:
+            row["profile"] = profile(chosen, sync, out, stem, device, with_stack)
+        except Exception as e:  # noqa: BLE001 - the readings stand; the row says the profile failed
+            row["profile_failed"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            print(f"    profile failed: {row['profile_failed']}", file=sys.stderr, flush=True)
     return row
 
 
@@ -298,6 +304,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=50, help="calls per latency and host reading")
     p.add_argument("--rounds", type=int, default=5, help="back-to-back rounds")
     p.add_argument("--profile", action="store_true", help="a torch.profiler trace and summaries per shape")
+    p.add_argument("--profile-stack", action="store_true", help="with --profile: Python frames in the trace")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
@@ -322,7 +329,8 @@ def main(argv=None):
     backends = [n for n in args.backends.split(",") if n]
     for i, spec in enumerate(variants, 1):
         print(f"[{i}/{len(variants)}] {spec.label()}", file=sys.stderr, flush=True)
-        row = bench_shape(spec, device, backends, args.reps, args.rounds, out if args.profile else None)
+        row = bench_shape(spec, device, backends, args.reps, args.rounds, out if args.profile else None,
+                          args.profile_stack)
         row["measured_at"] = doc["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         doc["rows"].append(row)
         md = to_markdown(doc["rows"], dev.name)  # written after every shape: a run cut short keeps what it has

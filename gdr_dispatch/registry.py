@@ -158,7 +158,7 @@ class Limits:
 
 def _same_values(a: Collection[int], b: Collection[int]) -> bool:
     """`a` and `b` hold the same values; a range is never expanded (the fla chain's V limit holds
-    65520 values: a tuple of it cost over a millisecond per `supported` call)."""
+    65520 values: a tuple of it costs over a millisecond per `supported` call)."""
     if isinstance(a, range) and isinstance(b, range):
         return a == b
     return len(a) == len(b) and tuple(a) == tuple(b)

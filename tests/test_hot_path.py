@@ -17,9 +17,9 @@ from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs
 
 SPEC = ShapeSpec(B=2, T=70, H=2, K=8, V=8, dtype="float32", h="given")
 VARLEN = ShapeSpec(seqlens=(30, 45), H=2, K=8, V=8, dtype="float64", h="given")
-#: Python functions one memoised `fused_gdr_bwd` may call, the backend's `run` included (9 when
-#: this was written; 114 before the hot path, which validated, built a Problem, re-checked the
-#: choice's verdict and walked PATH for nvcc on every call).
+#: Python functions one memoised `fused_gdr_bwd` may call, the backend's `run` included: the key,
+#: the plan and the run are 9 (the full check and decision, a Problem, the choice's verdict and
+#: its nvcc lookup are over a hundred).
 MAX_CALLS = 12
 
 
@@ -95,8 +95,8 @@ def test_a_memoised_call_makes_a_bounded_number_of_python_calls(with_backends):
 
 
 def test_a_memoised_call_costs_less_host_time_than_validation_alone(with_backends):
-    """Before the hot path a memoised call cost 3.2x `validate` alone on the CI machine (the
-    validation, a Problem, the choice's verdict, an nvcc lookup); with it, 0.7x."""
+    """The full check and decision (validation, a Problem, the choice's verdict, an nvcc lookup)
+    cost about 3x `validate` alone on a CPU; the plan about 0.7x."""
     kwargs = call_kwargs(make_inputs(SPEC, "cpu"))
     with_backends(canned(kwargs))
     ours, check = best_us(lambda: fused_gdr_bwd(**kwargs)), best_us(lambda: validate(**kwargs))
