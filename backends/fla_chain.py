@@ -14,14 +14,13 @@ fla's stage 5, so only it carries that limit.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 from gdr_dispatch.autotune import warm_job
 from gdr_dispatch.contract import GDRCall, GDRGrads
 from gdr_dispatch.problem import Problem
 from gdr_dispatch.registry import Backend, register
-from gdr_dispatch.toolchain import version_tuple
+from gdr_dispatch.toolchain import NVCC_ENV, module_found, version_tuple
 
 from .common import fla_pipeline
 
@@ -33,7 +32,7 @@ def _fla_tilelang_dqkwg_usable() -> tuple[bool, str]:
     """Whether fla-core will route chunk_bwd_dqkwg to its TileLang kernel (its own checks)."""
     if os.environ.get("FLA_DISABLE_BACKEND_DISPATCH") == "1":
         return False, "FLA_DISABLE_BACKEND_DISPATCH=1 turns off fla's TileLang dispatch"
-    if importlib.util.find_spec("tilelang") is None:
+    if not module_found("tilelang"):
         return False, "tilelang is not installed (pip install tilelang)"
     from fla.ops.common.backends.tilelang import CommonTileLangBackend
 
@@ -67,6 +66,8 @@ class FlaBackend(Backend):
     static_rank = 10  # the fallback on a GPU: takes every call the fast backends refuse
     reference_rank = 1  # fla-core's own chain: the cross-check reference when torch cannot run
     limits = fla_pipeline.CHAIN_LIMITS
+    # what its Hopper hazard's check reads (fla's own switches and its nvcc lookup)
+    extra_env = ("FLA_DISABLE_BACKEND_DISPATCH", "FLA_TILELANG") + NVCC_ENV
 
     forward_rank = 20  # the training op's forward on a GPU (tests/test_gpu.py's op tests, H200)
 

@@ -22,6 +22,7 @@ import importlib.util
 
 import torch
 
+from gdr_dispatch import caches
 from gdr_dispatch.contract import GDRCall, GDRGrads, packed
 from gdr_dispatch.problem import Problem
 from gdr_dispatch.registry import Backend, Limits, register
@@ -33,6 +34,17 @@ from .kernels.head_sum import sum_value_heads
 ARCH_CHUNK = {(9, 0): 64, (10, 0): 64, (10, 3): 64, (12, 0): 32, (12, 1): 32}
 #: The release line whose source these limits were checked against.
 CHECKED_MINOR = "0.1."
+
+
+@functools.lru_cache(maxsize=None)
+def _ops():
+    """FlashQLA's `chunk` and `utils` modules (imported on first use and kept until
+    `dispatch.clear_caches()`: `run` is on the hot path)."""
+    return (importlib.import_module("flash_qla.ops.gated_delta_rule.chunk"),
+            importlib.import_module("flash_qla.ops.utils"))
+
+
+caches.on_clear(_ops.cache_clear)
 
 
 @functools.lru_cache(maxsize=None)
@@ -79,8 +91,7 @@ class FlashQLABackend(Backend):
         return reasons
 
     def run(self, call: GDRCall) -> GDRGrads:
-        chunk = importlib.import_module("flash_qla.ops.gated_delta_rule.chunk")
-        utils = importlib.import_module("flash_qla.ops.utils")
+        chunk, utils = _ops()
         dtype = call.q.dtype
         # its kernels take packed tensors (TMA descriptors), and a and h in q's dtype (as its own
         # forward makes them)
@@ -121,7 +132,7 @@ class FlashQLABackend(Backend):
         natural-log chunk cumsum, the ungated inverse built by its own KK^T solve, chunk-start
         states). `auto_cp=False`: its intra-card split warms a segment's start state up from
         an earlier point instead of computing it, so it is not exact."""
-        chunk = importlib.import_module("flash_qla.ops.gated_delta_rule.chunk")
+        chunk = _ops()[0]
         h0 = None if initial_state is None else packed(initial_state.float())
         q, k, v, beta = (packed(x) for x in (q, k, v, beta))  # its kernels take packed tensors only
         G, a, o, h, ht, _ = chunk.chunk_gated_delta_rule_fwd(

@@ -10,6 +10,9 @@ our TileLang state kernel). Design, floor and times beside FlashQLA's: docs/kern
 
 from __future__ import annotations
 
+import functools
+import importlib
+
 from gdr_dispatch.contract import GDRCall, GDRGrads
 from gdr_dispatch.registry import Backend, register
 
@@ -25,9 +28,7 @@ class TileLangFusedBackend(Backend):
         return h_none_reasons(p)
 
     def run(self, call: GDRCall) -> GDRGrads:
-        from .kernels.tilelang_ws_bwd import ws_bwd_given_h
-
-        return run_given_h(call, ws_bwd_given_h)
+        return run_given_h(call, _launcher())
 
     def own_state_recompute(self) -> bool:
         return own_state_recompute()
@@ -37,6 +38,12 @@ class TileLangFusedBackend(Backend):
 
         return states_compile_jobs(call) + [(m.__name__, m.build_ws_bwd.__name__,
                                              m.ws_config(call.q, call.v, call.b, call.scale))]
+
+
+@functools.lru_cache(maxsize=None)
+def _launcher():
+    """The kernel's launcher, imported on first use (its module imports tilelang), then kept."""
+    return importlib.import_module(f"{__package__}.kernels.tilelang_ws_bwd").ws_bwd_given_h
 
 
 register(TileLangFusedBackend())

@@ -27,6 +27,7 @@ LIMIT_WHY = "the only K run on a GPU so far"
 class TritonTransposedBackend(Backend):
     name = "triton_transposed"
     static_rank = 30  # below triton_wide: 1.1-1.4x slower than it on the H200 (docs/kernels.md)
+    family_name = "triton"  # fla's stages 1-4 and our fused Triton stage, as triton_wide
 
     limits = replace(fla_pipeline.CHAIN_LIMITS, K=TRANSPOSED_K, why={**fla_pipeline.CHAIN_LIMITS.why, "K": LIMIT_WHY})
 

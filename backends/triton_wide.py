@@ -26,6 +26,7 @@ LIMIT_WHY = "the only K run on a GPU so far; smaller K passes in Triton's interp
 class TritonWideBackend(Backend):
     name = "triton_wide"
     static_rank = 20  # 1.1-1.4x slower than fla at every h200-train shape (docs/kernels.md)
+    family_name = "triton"  # fla's stages 1-4 and our fused Triton stage, as triton_transposed
 
     limits = replace(fla_pipeline.CHAIN_LIMITS, K=WIDE_K, why={**fla_pipeline.CHAIN_LIMITS.why, "K": LIMIT_WHY})
 

@@ -16,17 +16,26 @@ def _map_source_subpackage(name: str) -> None:
 
     An install (wheel or editable) maps `backends/` and `tuning_cache/` into this package
     through pyproject.toml's package-dir; a bare checkout on PYTHONPATH (the GPU machine)
-    has no such mapping, so it is made here, explicitly and only when the import would fail.
+    has no such mapping, so it is made here. A checkout imported ahead of an editable install
+    of another checkout (a second worktree run from its own directory) takes its own folders,
+    not the ones the install maps.
     """
     full = f"{__name__}.{name}"
-    if full in _sys.modules or _ilu.find_spec(full) is not None:
+    if full in _sys.modules:
         return
-    init = _Path(__file__).resolve().parent.parent / name / "__init__.py"
-    if not init.is_file():
-        return
+    here = _Path(__file__).resolve().parent
+    init = here.parent / name / "__init__.py"
+    found = _ilu.find_spec(full)
+    if found is not None and found.origin and here in _Path(found.origin).resolve().parents:
+        return  # a wheel: the folder ships inside this package
+    if not (init.is_file() and (here.parent / "pyproject.toml").is_file()):
+        return  # not a checkout: the import fails or succeeds on its own
+    if found is not None and found.origin and _Path(found.origin).resolve() == init:
+        return  # an editable install of this very checkout
     spec = _ilu.spec_from_file_location(full, init, submodule_search_locations=[str(init.parent)])
     module = _ilu.module_from_spec(spec)
     _sys.modules[full] = module
+    setattr(_sys.modules[__name__], name, module)
     spec.loader.exec_module(module)
 
 

@@ -34,6 +34,10 @@ AUTOTUNE_REPS = 10
 #: is off by O(1).
 AGREEMENT_TOL = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4, "float64": 1e-8}
 
+#: While a first call measures, a line at WARNING at most this often (seconds): Python's logging
+#: shows WARNING without any set-up, so the user waiting sees that it goes on.
+HEARTBEAT_S = 30.0
+
 
 def measure_ms(fn: Callable[[], object], device_type: str, warmup: int = AUTOTUNE_WARMUP,
                reps: int = AUTOTUNE_REPS) -> float:
@@ -219,17 +223,23 @@ def precompile(jobs: dict[tuple, list[str]], workers: int, say: Callable[[str], 
     workers = max(1, min(workers, len(jobs)))
     say(f"compiling {len(jobs)} kernels in {workers} processes first")
     t0 = time.perf_counter()
-    from concurrent.futures import ThreadPoolExecutor, as_completed
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
     with ThreadPoolExecutor(workers) as pool:
         futures = {pool.submit(_compile_in_subprocess, job): job for job in jobs}
-        for fut in as_completed(futures):
-            module, function, cfg = futures[fut]
-            what = f"{'/'.join(sorted(set(jobs[futures[fut]])))}: {function}{cfg}"
-            try:
-                say(f"  compiled {what} in {fut.result():.1f} s")
-            except Exception as e:  # noqa: BLE001 - the timing compiles it again and records the failure
-                say(f"  failed to compile {what}: {type(e).__name__}: {str(e)[-300:]}")
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, timeout=HEARTBEAT_S, return_when=FIRST_COMPLETED)
+            if not done:  # a build takes a minute: say that it goes on
+                say(f"  still compiling: {len(jobs) - len(pending)} of {len(jobs)} done, "
+                    f"{time.perf_counter() - t0:.0f} s spent")
+            for fut in done:
+                module, function, cfg = futures[fut]
+                what = f"{'/'.join(sorted(set(jobs[futures[fut]])))}: {function}{cfg}"
+                try:
+                    say(f"  compiled {what} in {fut.result():.1f} s")
+                except Exception as e:  # noqa: BLE001 - the timing compiles it again and records the failure
+                    say(f"  failed to compile {what}: {type(e).__name__}: {str(e)[-300:]}")
     say(f"  all {len(jobs)} in {time.perf_counter() - t0:.1f} s")
 
 
@@ -293,23 +303,76 @@ def warm_key(job: tuple) -> tuple:
 #: A candidate measured this much slower than the winner at every neighbouring table entry is
 #: not measured on a table miss (docs/design.md, "Autotuning").
 PRUNE_MARGIN = 1.25
+#: A backend family (`Backend.family`) is not measured on a full grid's table miss when the
+#: device's tables hold at least `NEVER_WINS_ENTRIES` full-grid entries (same dtype, K, V, chunk
+#: size, `h` mode) where it ran, it won none of them, and it was `NEVER_WINS_MARGIN` or more
+#: slower than the winner at every one.
+NEVER_WINS_ENTRIES = 3
+NEVER_WINS_MARGIN = 1.1
+
+
+def family_of(name: str) -> str:
+    """The family (`Backend.family`) of a candidate name, wrapped or not; the base name for a
+    backend not registered here."""
+    from .registry import base_name, registered_backends
+
+    base = base_name(name)
+    backend = registered_backends().get(base)
+    return backend.family if backend is not None else base
+
+
+def losing_families(problem: Problem) -> dict[str, str]:
+    """family -> why it is not measured at `problem` (empty unless it is a full grid: as many
+    sequence x head programs as SMs or more): the families the device's tables show never
+    winning at full grids (`NEVER_WINS_ENTRIES`, `NEVER_WINS_MARGIN`)."""
+    from . import tuning_table
+
+    sms = problem.device.sm_count
+    if problem.seq_head_ctas < sms:
+        return {}
+    won, ratios = set(), {}
+    for key, entry in tuning_table.device_entries(problem):
+        programs = tuning_table.entry_programs(key, entry)
+        cands = entry.get("candidates", {})
+        best = cands.get(entry.get("winner"), {}).get("ms") if isinstance(cands, dict) else None
+        if programs is None or programs < sms or not isinstance(best, (int, float)) or best <= 0:
+            continue
+        won.add(family_of(entry["winner"]))
+        mine: dict[str, float] = {}
+        for name, c in cands.items():
+            if isinstance(c, dict) and isinstance(c.get("ms"), (int, float)) and not {"failed", "skipped",
+                                                                                    "unsupported"} & set(c):
+                f = family_of(name)
+                mine[f] = min(mine.get(f, float("inf")), c["ms"] / best)
+        for f, r in mine.items():
+            ratios.setdefault(f, []).append(r)
+    return {f: f"the {f} family never won at the {len(r)} full-grid entries of this device's tables where it ran "
+               f"(at best {min(r):.2f}x the winner)"
+            for f, r in ratios.items()
+            if f not in won and len(r) >= NEVER_WINS_ENTRIES and min(r) >= NEVER_WINS_MARGIN}
 
 
 def prune(problem: Problem, candidates: dict[str, Backend]) -> tuple[dict[str, Backend], dict[str, str]]:
     """`(kept, skipped)`: on a GPU a reference backend (`Backend.reference`, the exact torch math)
-    is skipped, and so is a candidate that the device's tables show losing by more than
-    `PRUNE_MARGIN` (or failing) at every neighbouring entry where it was measured (same device,
-    dtype, K, V, chunk size, `h` given or not, wave bucket; any library versions). A candidate
-    no neighbour measured is kept. `GDR_AUTOTUNE_ALL=1` keeps everything."""
+    is skipped; on a full grid, so is every member of a family the device's tables show never
+    winning at full grids (`losing_families`); and so is a candidate that the device's tables
+    show losing by more than `PRUNE_MARGIN` (or failing) at every neighbouring entry where it was
+    measured (same device, dtype, K, V, chunk size, `h` given or not, wave bucket; any library
+    versions). A candidate no neighbour measured is kept; everything is never skipped (the
+    non-reference candidates then run). `GDR_AUTOTUNE_ALL=1` keeps everything."""
     from . import env, tuning_table
 
     if env.autotune_all() or problem.device.type != "cuda":
         return dict(candidates), {}
     kept, skipped = {}, {}
     neighbours = tuning_table.neighbours(problem)
+    losing = losing_families(problem)
     for name, backend in candidates.items():
         if getattr(backend, "reference", False) and len(candidates) > 1:
             skipped[name] = "a reference backend: it runs once for the cross-check, untimed"
+            continue
+        if family_of(name) in losing:
+            skipped[name] = losing[family_of(name)]
             continue
         ratios = []
         for key, entry in neighbours:
@@ -346,14 +409,14 @@ def first_call(call: GDRCall, problem: Problem, options: dict[str, Backend]) -> 
 
     t0 = time.perf_counter()
     kept, skipped = prune(problem, options)
-
-    def say(line):
-        log.info("gdr_dispatch: %s", line)
-
+    jobs = compile_jobs_of(call, kept)
+    say = waiting(f"first call at {problem.describe()}: no tuning-table entry, so {len(kept)} of {len(options)} "
+                  f"candidates are measured on it" + (f", their {len(jobs)} kernels compiled first" if len(jobs) > 1
+                                                       else "")
+                  + f"; this call takes a while ({env_hint()})")
     if skipped:
         say(f"table miss for {problem.describe()}: measuring {len(kept)} of {len(options)} candidates; skipped: "
             + "; ".join(f"{n} ({why})" for n, why in skipped.items()))
-    jobs = compile_jobs_of(call, kept)
     if len(jobs) > 1:
         precompile(jobs, compile_workers(), say)
     # the most trusted reference of all runs once, untimed, when pruning skipped it
@@ -371,8 +434,32 @@ def first_call(call: GDRCall, problem: Problem, options: dict[str, Backend]) -> 
     else:
         entry, grads = autotune(call, problem, kept, progress=say, skipped=skipped)
     entry["first_call_s"] = round(time.perf_counter() - t0, 1)
-    say(f"table miss for {problem.describe()}: {entry['winner']} in {entry['first_call_s']} s")
+    log.warning("gdr_dispatch: first call at %s: %s picked in %s s; later calls take it from the table",
+                problem.describe(), entry["winner"], entry["first_call_s"])
     return entry, grads
+
+
+def waiting(start: str) -> Callable[[str], None]:
+    """A `say` for a first call: `start` at WARNING now; then every line at INFO, and the first
+    line after each `HEARTBEAT_S` at WARNING too."""
+    log.warning("gdr_dispatch: %s", start)
+    last = [time.perf_counter()]
+
+    def say(line: str) -> None:
+        now = time.perf_counter()
+        if now - last[0] >= HEARTBEAT_S:
+            last[0] = now
+            log.warning("gdr_dispatch: %s", line)
+        else:
+            log.info("gdr_dispatch: %s", line)
+
+    return say
+
+
+def env_hint() -> str:
+    from .env import AUTOTUNE
+
+    return f"{AUTOTUNE}=0 takes the static order instead; `gdr-dispatch tune` measures ahead of time"
 
 
 if __name__ == "__main__":  # one compile job, in its own process (precompile)

@@ -14,15 +14,16 @@ Selection, in order (environment read on every call, env.py):
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-from . import caches, env, tuning_table
+from . import caches, env, plans, tuning_table
 from .autotune import check_outputs, first_call
-from .contract import GDRCall, GDRGrads, validate
+from .contract import GDRCall, GDRGrads, check_backward_structure, check_backward_values, check_scale, make_call
 from .problem import Problem
 from .registry import Backend, NoBackendError, get_backend, parse_wrapped, registered_backends, wrappers
 
@@ -35,6 +36,8 @@ FORCED, TABLE, AUTOTUNED, STATIC = "GDR_BACKEND", "table", "autotuned", "static 
 
 #: Why a call is not autotuned when `select_backend` has no tensors to measure on.
 NO_TENSORS = "no tensors to measure on"
+#: Why a call is not autotuned during a CUDA graph capture (its static choice holds for it only).
+CAPTURING = "CUDA graph capture in progress (nothing may compile or benchmark)"
 
 
 @dataclass
@@ -73,7 +76,7 @@ def autotune_block_reason(problem: Problem, have_tensors: bool) -> Optional[str]
     if problem.device.type != "cuda":
         return f"{problem.device.type} tensors are never autotuned"
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return "CUDA graph capture in progress (nothing may compile or benchmark)"
+        return CAPTURING
     if not have_tensors:
         return NO_TENSORS
     return None
@@ -224,32 +227,82 @@ def fused_gdr_bwd(q, k, v, a, g, b, do, dht=None, h=None, *, scale=None, initial
         return context_parallel().backward(q, k, v, a, g, b, do, dht, h, scale=scale, initial_state=initial_state,
                                            cu_seqlens=cu_seqlens, chunk_size=chunk_size, state_v_first=state_v_first,
                                            group=cp_group, run=run_call)
-    call = validate(q, k, v, a, g, b, do, dht, h, scale=scale, initial_state=initial_state,
-                    cu_seqlens=cu_seqlens, chunk_size=chunk_size, state_v_first=state_v_first,
-                    max_seqlen=max_seqlen)
-    return run_call(call)
+    key = plans.backward_key(q, k, v, a, g, b, do, dht, h, initial_state, cu_seqlens, scale, chunk_size,
+                             state_v_first, max_seqlen)
+    plan = plans.backward.get(key) if key is not None else None
+    if plan is None:
+        dims = check_backward_structure(q, k, v, a, g, b, do, dht, h, initial_state=initial_state,
+                                        cu_seqlens=cu_seqlens, chunk_size=chunk_size, state_v_first=state_v_first)
+        fixed = None if cu_seqlens is not None else check_backward_values(
+            dims[0], dims[1], dims[4], dims[3], dims[5], h, None, chunk_size, state_v_first, max_seqlen)
+        plan = _Plan(dims, fixed)
+    B, T, _, K, H, V = plan.dims
+    seq_lens, num_chunks = plan.fixed or check_backward_values(B, T, H, K, V, h, cu_seqlens, chunk_size,
+                                                               state_v_first, max_seqlen)
+    if plan.scale is None:
+        plan.scale = check_scale(scale, K)
+    call = make_call(q, k, v, a, g, b, do, dht, h, plan.scale, initial_state, cu_seqlens, chunk_size, state_v_first,
+                     seq_lens, num_chunks, max_seqlen)
+    runner = plan.runners.get(num_chunks)
+    if runner is not None:
+        return runner(call)
+    grads, runner = _decide_and_run(call)
+    if runner is not None and key is not None:
+        plan.runners[num_chunks] = runner
+        plans.backward[key] = plan
+    return grads
+
+
+class _Plan:
+    """A backward call's plan (plans.py): its checked sizes `(B, T, Hg, K, H, V)`, its values part
+    when it reads no tensor values (no `cu_seqlens`), its scale, and the function that runs it per
+    chunk count (the count is the one value of `cu_seqlens` a backend's verdict reads: its
+    32-bit indexing limit)."""
+
+    __slots__ = ("dims", "fixed", "scale", "runners")
+
+    def __init__(self, dims: tuple, fixed: Optional[tuple]):
+        self.dims, self.fixed, self.scale = dims, fixed, None
+        self.runners = caches.Memo("chunk counts", limit=256)
 
 
 def run_call(call: GDRCall) -> GDRGrads:
     """A validated call: through `GDR_CP`'s split when set, else on the dispatcher's pick."""
+    return _decide_and_run(call)[0]
+
+
+def _decide_and_run(call: GDRCall) -> tuple[GDRGrads, Optional[Callable[[GDRCall], GDRGrads]]]:
+    """`run_call`, and the function a later call with the same plan key runs instead of deciding
+    again: the chosen backend's `run` (None when the choice holds for this call only: a static
+    choice made during a CUDA graph capture)."""
     segments = env.cp_segments()
     if segments is not None and segments > 1:
         forced = forced_backend()
         for w in wrappers():
-            return w.forced(call, segments, run=_run, inner=forced)
-    return _run(call)
+            runner = functools.partial(w.forced, n=segments, run=_run, inner=forced)
+            return runner(call), runner
+    problem = Problem.from_call(call)
+    choice = select_backend(problem, call)
+    _log_choice(problem, choice)
+    grads = choice.grads if choice.grads is not None else choice.backend.run(call)
+    # a backend's output shapes and dtypes follow from the Problem: checked on its first call
+    # for each key (~10 us of host time per call otherwise, at shapes that are launch-bound)
+    checked = (choice.backend.name, problem.table_key())
+    if checked not in _outputs_checked:
+        check_outputs(call, grads, choice.backend.name)
+        _outputs_checked[checked] = True
+    once = choice.source == STATIC and choice.detail == CAPTURING
+    return grads, None if once else choice.backend.run
 
 
 def _run(call: GDRCall) -> GDRGrads:
-    """One validated call on the backend the dispatcher picks for it."""
+    """One validated call on the backend the dispatcher picks for it (the split's segments)."""
     problem = Problem.from_call(call)
     choice = select_backend(problem, call)
     _log_choice(problem, choice)
     if choice.grads is not None:
         return choice.grads
     grads = choice.backend.run(call)
-    # a backend's output shapes and dtypes follow from the Problem: checked on its first call
-    # for each key (~10 us of host time per call otherwise, at shapes that are launch-bound)
     checked = (choice.backend.name, problem.table_key())
     if checked not in _outputs_checked:
         check_outputs(call, grads, choice.backend.name)

@@ -32,13 +32,20 @@ SPLIT_GRAPHS = "GDR_SPLIT_GRAPHS"
 ALLOW_UNVERIFIED = "GDR_ALLOW_UNVERIFIED"
 TUNING_CACHE = "GDR_TUNING_CACHE"
 
+#: What a backward call's choice of backend reads from the environment (with each backend's
+#: `env_vars`, registry.decision_env): a call's plan is keyed on their values (plans.py).
+#: XDG_CACHE_HOME and HOME locate the user table when GDR_TUNING_CACHE is unset.
+DECIDING = (BACKEND, AUTOTUNE, AUTOTUNE_ALL, CP, ALLOW_UNVERIFIED, TUNING_CACHE, "XDG_CACHE_HOME", "HOME")
+#: What the training op's choice of forward reads (with each backend's `env_vars`).
+FORWARD_DECIDING = (FORWARD, ALLOW_UNVERIFIED)
+
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 
 
 def flag(name: str, default: bool) -> bool:
     """A boolean variable; anything unrecognised is an error naming it."""
-    raw = os.environ.get(name)
+    raw = get(name)
     if raw is None:
         return default
     value = raw.strip().lower()
@@ -50,7 +57,7 @@ def flag(name: str, default: bool) -> bool:
 
 
 def _name(var: str) -> Optional[str]:
-    raw = os.environ.get(var, "").strip()
+    raw = (get(var) or "").strip()
     return raw or None
 
 
@@ -86,7 +93,7 @@ def unverified_allowed() -> bool:
 
 def cp_segments() -> Optional[int]:
     """`GDR_CP`: None when unset, 0 (off) or the number of segments per sequence."""
-    raw = os.environ.get(CP)
+    raw = get(CP)
     if raw is None or raw.strip() == "":
         return None
     try:
@@ -97,6 +104,35 @@ def cp_segments() -> Optional[int]:
     if value < 0:
         raise ValueError(f"{CP}: expected 0 or more segments per sequence, got {value}")
     return value
+
+
+def snapshot(names: tuple[str, ...]) -> tuple:
+    """The raw values of `names` (None where unset), compared, never interpreted: a hot-path
+    key. Read from `os.environ`'s own mapping (about 80 ns a variable; `os.environ.get` of an
+    unset one raises and catches a KeyError inside, about 1.5 us)."""
+    raw = getattr(os.environ, "_data", None)
+    if raw is None:  # not CPython's os.environ: the public reads, same values
+        return tuple(os.environ.get(n) for n in names)
+    return tuple(map(raw.get, _encoded(names)))
+
+
+def get(name: str) -> Optional[str]:
+    """`os.environ.get(name)`, as cheap for an unset variable as for a set one (`snapshot`)."""
+    raw = getattr(os.environ, "_data", None)
+    if raw is None:
+        return os.environ.get(name)
+    value = raw.get(_encoded((name,))[0])
+    return None if value is None else os.environ.decodevalue(value)
+
+
+def _encoded(names: tuple[str, ...]) -> tuple:
+    keys = _ENCODED.get(names)
+    if keys is None:
+        keys = _ENCODED[names] = tuple(os.environ.encodekey(n) for n in names)
+    return keys
+
+
+_ENCODED: dict = {}
 
 
 def user_table_dir() -> Path:

@@ -94,24 +94,24 @@ def remember(cu_seqlens: torch.Tensor, offsets: tuple[int, ...]) -> None:
 def device_constant(values: tuple, dtype: torch.dtype, device: torch.device,
                     shape: Optional[tuple] = None) -> torch.Tensor:
     """A read-only device tensor holding `values` (viewed as `shape`), built once per content."""
-    device = torch.device(device)
-    key = (values, dtype, str(device), shape)
+    device = device if isinstance(device, torch.device) else torch.device(device)
+    key = (values, dtype, device, shape)
     t = _constants.get(key)
-    if t is None:
-        if capturing(device):
-            raise RuntimeError(
-                "gdr_dispatch: an index tensor for these sequence lengths would be copied to the device during "
-                "CUDA graph capture; run one eager step with the same lengths before capturing")
-        t = torch.tensor(values, dtype=dtype)
-        t = (t.view(shape) if shape is not None else t).to(device)
-        _constants[key] = t
-        if shape is None and not dtype.is_floating_point:  # an offsets-like vector: its values, unread
-            remember(t, values)
-            _immutable.add(id(t))
-        for old in [k for k in _constants if k not in _pinned][:max(0, len(_constants) - MAX_CONSTANTS)]:
-            del _constants[old]
-    else:
+    if t is not None:  # the hot path: one capture check, to keep what a graph will read
         _constants.move_to_end(key)
+        if key not in _pinned and capturing(device):
+            _pinned.add(key)
+        return t
     if capturing(device):
-        _pinned.add(key)
+        raise RuntimeError(
+            "gdr_dispatch: an index tensor for these sequence lengths would be copied to the device during "
+            "CUDA graph capture; run one eager step with the same lengths before capturing")
+    t = torch.tensor(values, dtype=dtype)
+    t = (t.view(shape) if shape is not None else t).to(device)
+    _constants[key] = t
+    if shape is None and not dtype.is_floating_point:  # an offsets-like vector: its values, unread
+        remember(t, values)
+        _immutable.add(id(t))
+    for old in [k for k in _constants if k not in _pinned][:max(0, len(_constants) - MAX_CONSTANTS)]:
+        del _constants[old]
     return t

@@ -22,7 +22,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Iterator, Optional
 
-from . import env
+from . import env, toolchain
 from .contract import GDRCall, GDRGrads
 from .problem import Problem
 
@@ -141,7 +141,7 @@ class Limits:
 
         if fits(self.K, p.K) and fits(self.V, p.V):
             return []
-        if self.K is not None and self.V is not None and tuple(self.K) == tuple(self.V):
+        if self.K is not None and self.V is not None and _same_values(self.K, self.V):
             return [f"K and V must be {says(self.K)}{note('K')}, got K={p.K}, V={p.V}"]
         out = []
         if not fits(self.K, p.K):
@@ -150,11 +150,22 @@ class Limits:
             out.append(f"V must be {says(self.V)}{note('V')}, got V={p.V}")
         return out
 
+    @property
+    def env_vars(self) -> tuple[str, ...]:
+        """The environment variables these limits' reasons read (the hot path keys on them)."""
+        return toolchain.NVCC_ENV if self.nvcc else ()
+
+
+def _same_values(a: Collection[int], b: Collection[int]) -> bool:
+    """`a` and `b` hold the same values; a range is never expanded (the fla chain's V limit holds
+    65520 values: a tuple of it costs over a millisecond per `supported` call)."""
+    if isinstance(a, range) and isinstance(b, range):
+        return a == b
+    return len(a) == len(b) and tuple(a) == tuple(b)
+
 
 def _nvcc_found() -> bool:
-    from .toolchain import nvcc_found
-
-    return nvcc_found()
+    return toolchain.nvcc_found()
 
 
 # ---------------------------------------------------------------------------------------
@@ -181,6 +192,22 @@ class Backend:
     split_candidate: bool = True
     optional_lib: Optional[str] = None  # the optional library (problem.OPTIONAL_LIBS) it needs, if any
     limits: Limits = Limits(devices=None)
+    #: Backends that share their kernels' design win and lose together (`triton_wide` and
+    #: `triton_transposed`: "triton"): a first call on a full grid skips a family the device's
+    #: tables show never winning there (autotune.losing_families). None: the backend's own name.
+    family_name: Optional[str] = None
+    #: Environment variables other than gdr_dispatch's own that `extra_reasons` reads: a call's
+    #: plan (plans.py) is keyed on their values, so a change between calls is seen.
+    extra_env: tuple[str, ...] = ()
+
+    @property
+    def family(self) -> str:
+        return self.family_name or self.name
+
+    @property
+    def env_vars(self) -> tuple[str, ...]:
+        """Every environment variable this backend's verdict reads besides gdr_dispatch's own."""
+        return self.limits.env_vars + self.extra_env
 
     def extra_reasons(self, problem: Problem) -> list[str]:
         """What only this backend refuses (the declared `limits` are the base class's)."""
@@ -263,6 +290,12 @@ _REGISTRY: dict[str, Backend] = {}
 _WRAPPERS: dict[str, Wrapper] = {}
 _CONTEXT_PARALLEL: list = []
 _hidden: contextvars.ContextVar[frozenset] = contextvars.ContextVar("gdr_hidden_backends", default=frozenset())
+#: Bumped by every change to the registry: plans made before a change are not reused after it.
+_generation = [0]
+
+
+def _changed() -> None:
+    _generation[0] += 1
 
 
 def register(backend: Backend) -> Backend:
@@ -271,12 +304,50 @@ def register(backend: Backend) -> Backend:
     if any(w.mark in backend.name for w in _WRAPPERS.values()):
         raise ValueError(f"backend name {backend.name!r}: contains a wrapper's mark")
     _REGISTRY[backend.name] = backend
+    _changed()
     return backend
 
 
 def register_wrapper(wrapper: Wrapper) -> Wrapper:
     _WRAPPERS[wrapper.mark] = wrapper
+    _changed()
     return wrapper
+
+
+def state() -> tuple:
+    """What a verdict reads from the registry besides the environment: its generation, the
+    backends `scoped` hides here and the unverified gate of this context (plans.py keys on it)."""
+    return _generation[0], _hidden.get(), _allow_unverified.get()
+
+
+def decision_env() -> tuple[str, ...]:
+    """Every environment variable a call's choice of backend reads: gdr_dispatch's own
+    (`env.DECIDING`) and each registered backend's (`Backend.env_vars`), once per generation."""
+    return _decision_env(_generation[0])
+
+
+@functools.lru_cache(maxsize=8)
+def _decision_env(generation: int) -> tuple[str, ...]:
+    _load_builtin_backends()
+    names = set(env.DECIDING)
+    for b in _REGISTRY.values():
+        names.update(b.env_vars)
+    return tuple(sorted(names))
+
+
+def forward_env() -> tuple[str, ...]:
+    """The environment variables the training op's choice of forward reads (`env.FORWARD_DECIDING`
+    and each registered backend's), once per generation."""
+    return _forward_env(_generation[0])
+
+
+@functools.lru_cache(maxsize=8)
+def _forward_env(generation: int) -> tuple[str, ...]:
+    _load_builtin_backends()
+    names = set(env.FORWARD_DECIDING)
+    for b in _REGISTRY.values():
+        names.update(b.env_vars)
+    return tuple(sorted(names))
 
 
 def register_context_parallel(provider) -> None:
@@ -358,6 +429,7 @@ def scoped(add: Collection[Backend] = (), hide: Collection[str] = ()) -> Iterato
                 _REGISTRY.pop(name, None)
             else:
                 _REGISTRY[name] = old
+        _changed()
         caches.clear()
 
 

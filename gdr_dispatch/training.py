@@ -38,9 +38,9 @@ from typing import Optional
 
 import torch
 
-from . import env
-from .caches import first_time
-from .contract import check_forward_structure, check_scale, packed, sequence_lengths, validate_forward
+from . import env, plans
+from .caches import Memo, first_time
+from .contract import check_forward_structure, check_scale, packed, sequence_lengths
 from .graph_safe import offsets_of, remember, remembered
 from .problem import Problem, device_info, library_versions
 from .registry import get_backend, registered_backends
@@ -113,11 +113,25 @@ def chunk_gdr_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                   output_final_state: bool, state_v_first: bool, save_states: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(o, final_state or [], G, a, h or [])`: the output and the backward's residuals."""
-    _, seq_lens = validate_forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, CHUNK)
-    problem = forward_problem(q, v, beta, initial_state, cu_seqlens, state_v_first, seq_lens)
-    backend, how = forward_choice(problem)
-    if first_time(("forward", problem.table_key(), backend.name)):
-        log.info("gdr_dispatch: forward %s for %s (%s)", backend.name, problem.describe(), how)
+    key = plans.forward_key(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, state_v_first,
+                            save_states)
+    plan = plans.forward.get(key) if key is not None else None
+    if plan is None:
+        B, T, Hg, K, H, V = check_forward_structure(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, CHUNK)
+        check_scale(scale, K)
+        plan = _ForwardPlan(B, T, None if cu_seqlens is not None else sequence_lengths(None, B, T))
+    seq_lens = plan.fixed or sequence_lengths(cu_seqlens, plan.B, plan.T)  # the values, on every eager call
+    # what a provider's verdict reads from the values: the chunk count and the longest sequence
+    variant = (sum(-(-n // CHUNK) for n in seq_lens), max(seq_lens)) if plan.fixed is None else None
+    backend = plan.backends.get(variant)
+    if backend is None:
+        problem = forward_problem(q, v, beta, initial_state, cu_seqlens, state_v_first, seq_lens)
+        backend, how = forward_choice(problem)
+        if first_time(("forward", problem.table_key(), backend.name)):
+            log.info("gdr_dispatch: forward %s for %s (%s)", backend.name, problem.describe(), how)
+        if key is not None:
+            plan.backends[variant] = backend
+            plans.forward[key] = plan
     o, ht, G, a, h = backend.forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first,
                                      output_final_state, CHUNK, need_states=save_states)
     if save_states:
@@ -125,6 +139,17 @@ def chunk_gdr_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     return (packed(o.to(q.dtype)), packed(ht.to(acc)) if output_final_state else _empty(q), packed(G.to(acc)),
             packed(a.to(q.dtype)), packed(h) if save_states else _empty(q))
+
+
+class _ForwardPlan:
+    """The op forward's plan (plans.py): its sizes, its sequence lengths when they read no values
+    (no `cu_seqlens`), and its provider per (chunk count, longest sequence)."""
+
+    __slots__ = ("B", "T", "fixed", "backends")
+
+    def __init__(self, B: int, T: int, fixed: Optional[tuple]):
+        self.B, self.T, self.fixed = B, T, fixed
+        self.backends = Memo("forward variants", limit=256)
 
 
 @chunk_gdr_fwd.register_fake
@@ -207,6 +232,14 @@ def _backward(ctx, do, dht, dG, da, dh):
 torch.library.register_autograd("gdr_dispatch::chunk_gdr_fwd", _backward, setup_context=_setup_context)
 
 
+def _plain(q, k, v, g, beta, initial_state, cu_seqlens) -> bool:
+    """Tensors where the op's schema wants them, and a 4-D `q` (`check_scale` reads its last dim)."""
+    T = torch.Tensor
+    return (isinstance(q, T) and isinstance(k, T) and isinstance(v, T) and isinstance(g, T) and isinstance(beta, T)
+            and (initial_state is None or isinstance(initial_state, T))
+            and (cu_seqlens is None or isinstance(cu_seqlens, T)) and q.dim() == 4)
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            cu_seqlens=None, state_v_first=False, save_states=None, cp_group=None):
     """The gated delta rule's chunked forward with a dispatched backward: `(o, final_state)`.
@@ -240,8 +273,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         o, ht = context_parallel().op(q, k, v, g, beta, check_scale(scale, q.shape[-1]), initial_state,
                                       output_final_state, cu_seqlens, state_v_first, save_states, cp_group, CHUNK)
         return o, (ht if output_final_state else None)
-    if not torch.compiler.is_compiling():
-        # a bad call fails here, naming the argument, before any work (compiled: in the fake)
+    if not torch.compiler.is_compiling() and not _plain(q, k, v, g, beta, initial_state, cu_seqlens):
+        # a call the op's schema would refuse fails here, naming the argument, before any work; the
+        # forward checks the rest as this does (compiled: in the fake)
         check_forward_structure(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, CHUNK)
     scale = check_scale(scale, q.shape[-1])
     o, ht, _, _, _ = torch.ops.gdr_dispatch.chunk_gdr_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scale,

@@ -32,6 +32,7 @@ import datetime as _dt
 import fcntl
 import logging
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from numbers import Real
@@ -233,6 +234,32 @@ def neighbours(problem) -> list[tuple[str, dict]]:
             if entry.get("winner"):
                 out.append((key, entry))
     return out
+
+
+def device_entries(problem) -> list[tuple[str, dict]]:
+    """Every entry of the device's tables (user, then shipped; any library versions) with a winner
+    and `problem`'s device, capability, dtype, K, V, chunk size and `h` mode, at any size: what
+    `autotune.losing_families` reads."""
+    mine = problem.problem_key().split("|")
+    h_given = "h_given" in mine[8].split("+")
+    out = []
+    for d in (user_table_dir(), shipped_table_dir()):
+        entries, _ = _load(table_path(d, problem.device.slug))
+        for key, entry in entries.items():
+            parts = key.split("|")
+            if len(parts) < 12 or parts[:5] != mine[:5] or parts[7] != mine[7]:
+                continue
+            if ("h_given" in parts[8].split("+")) == h_given and entry.get("winner"):
+                out.append((key, entry))
+    return out
+
+
+def entry_programs(key: str, entry: dict) -> Optional[int]:
+    """Sequences x value heads of the problem an entry was measured at (its `problem` line's `B<n>`
+    or `N<n>`, its key's `H<n>`); None when either cannot be read."""
+    seqs = re.match(r"[BN](\d+)\b", str(entry.get("problem", "")))
+    heads = re.fullmatch(r"H(\d+)", key.split("|")[5]) if len(key.split("|")) > 5 else None
+    return int(seqs.group(1)) * int(heads.group(1)) if seqs and heads else None
 
 
 @dataclass(frozen=True)

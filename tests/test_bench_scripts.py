@@ -293,3 +293,37 @@ def test_bench_states_timing_reads_each_groups_counters_per_chunk(monkeypatch):
     # slot j per chunk: 10 j (first CTA) and 20 j (second): mean 15 j
     assert out[1].startswith("S0") and "work 0  ready wait 15  work 30  xready wait 45  work 60" in out[1]
     assert out[3].startswith("X") and "ready wait 0  work 15" in out[3] and out[3].endswith("| loop 90")
+
+
+def test_hot_path_bench_times_every_runner_and_profiles_on_a_cpu(tmp_path, monkeypatch, with_backends):
+    """bench_hot_path.py's plumbing on a CPU with FlashQLA faked (tests/fake_flash_qla.py): the
+    dispatched call, the pick through GDR_BACKEND, its `run` and its own call each get their three
+    readings; the row says what dispatched adds against the own call; the profile's files exist;
+    GDR_BACKEND is restored after the runner that sets it."""
+    import bench_hot_path as bh
+    import fake_flash_qla
+
+    from gdr_dispatch.backends import flash_qla
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    calls = fake_flash_qla.install(monkeypatch)
+    with_backends(flash_qla.FlashQLABackend())
+    monkeypatch.setattr(flash_qla.FlashQLABackend, "not_supported_reasons", lambda self, p: [])
+    monkeypatch.delenv("GDR_BACKEND", raising=False)
+    assert bh.main(["--device", "cpu", "--shapes", "1,64,2,1,16,16", "--dtype", "float16", "--reps", "2",
+                    "--rounds", "1", "--profile", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "cpu-hot-path.json").read_text())
+    assert [r["h"] for r in doc["rows"]] == ["given", "none"]
+    for row in doc["rows"]:
+        assert row["pick"] == "flash_qla"
+        runs = row["runs"]
+        for name in ("dispatched", "via flash_qla", "run flash_qla", "own flash_qla"):
+            assert {"latency_ms", "b2b_ms", "host_us"} <= set(runs[name]), (name, runs[name])
+        assert "unsupported" in runs["via tilelang_fused"]["skipped"]
+        assert row["added"]["against"] == "own flash_qla" and row["added"]["latency_ratio"] > 0
+        assert all(Path(f).stat().st_size > 0 for f in row["profile"])
+    assert "fused_gdr_h" in calls and "chunk_local_cumsum" in calls
+    md = (tmp_path / "cpu-hot-path.md").read_text()
+    assert "| B1 T64 H2 Hg1 K16 V16 float16 | given | flash_qla |" in md and "own flash_qla" in md
+    assert "GDR_BACKEND" not in bh.os.environ
+    assert "cProfile, 200 calls of dispatched" in Path(doc["rows"][0]["profile"][1]).read_text()

@@ -156,3 +156,12 @@ def test_the_core_imports_no_backend_and_its_import_graph_has_no_cycle():
     for m in graph:
         if m not in state:
             visit(m)
+
+
+def test_backends_and_tables_come_with_the_core_they_sit_beside():
+    """A checkout run from its own directory, with an editable install of another checkout in the
+    environment, imports its own backends and tables, not the other checkout's."""
+    core = Path(importlib.import_module("gdr_dispatch").__file__).resolve().parent
+    for sub in ("backends", "tuning_cache"):
+        where = Path(importlib.import_module(f"gdr_dispatch.{sub}").__file__).resolve().parent
+        assert where in (core / sub, core.parent / sub), f"gdr_dispatch.{sub} loaded from {where}, the core from {core}"

@@ -9,6 +9,7 @@ chunk_size 32 instead of 64 differs by that much after three steps).
 
 import copy
 import inspect
+import sys
 import types
 
 import pytest
@@ -72,7 +73,8 @@ def linear_attn_config(**extra):
 def qwen3_next_model():
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    # value heads 4 over key heads 2: HF repeats q and k to 4 heads before the call
+    # value heads 4 over key heads 2: q and k reach the op at 2 heads (this transformers repeats
+    # them inside its reference, which the hook replaces)
     cfg = Qwen3NextConfig(**linear_attn_config(linear_num_key_heads=2, linear_num_value_heads=4,
                                                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                                shared_expert_intermediate_size=32, mlp_only_layers=[0, 2]))
@@ -162,6 +164,8 @@ def test_training_matches_hf_torch_reference(arch, monkeypatch):
     assert not call["v"][3], "v reached the op contiguous: HF's strided view was copied"
     if arch == "qwen3_5":  # no head repeat: q and k are views too (the l2norm keeps their layout)
         assert not call["q"][3] and not call["k"][3], call
+    else:  # grouped: q and k at the key heads, v at the value heads
+        assert call["q"][1][2] == call["k"][1][2] == 2 and call["v"][1][2] == 4, call
 
 
 def test_cached_prefill_and_continuation_match(monkeypatch):
@@ -311,3 +315,93 @@ def test_l2norm_is_fla_and_hf_form():
     torch.testing.assert_close(y, qwen3_next.l2norm(xf, dim=-1, eps=1e-6).bfloat16(), rtol=0, atol=0)
     z = torch.zeros(1, 4)  # F.normalize would give 0 here too, but through max(|x|, eps), not +eps
     torch.testing.assert_close(gdr_hf.l2norm(z), z)
+
+
+class LegacyGatedDeltaNet(torch.nn.Module):
+    """transformers 4.x's layout: the layer holds its chunk function and repeats q and k to the
+    value heads before calling it (HF's exact form)."""
+
+    def __init__(self, fn, num_k_heads=2, num_v_heads=4):
+        super().__init__()
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.chunk_gated_delta_rule = fn
+
+    def forward(self, query, key, value, g, beta, initial_state=None):
+        if self.num_v_heads // self.num_k_heads > 1:
+            query = query.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)
+            key = key.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)
+        return self.chunk_gated_delta_rule(query, key, value, g=g, beta=beta, initial_state=initial_state,
+                                           output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+
+@pytest.mark.parametrize("hg, h", [(2, 4), (1, 4), (2, 2)])
+def test_a_layer_that_repeats_q_and_k_hands_the_op_the_key_heads(hg, h, monkeypatch):
+    """Every r-th head of HF's repeat_interleave is an original: the op gets q and k at the key
+    heads, and the gradients of the un-repeated q and k (and of v, g, beta, h0) equal those of
+    HF's reference on the repeated ones, in float64."""
+    gen = torch.Generator().manual_seed(4)
+    Bt, Tt, K, V = 2, 70, 16, 8
+    q, k = (torch.randn(Bt, Tt, hg, K, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(Bt, Tt, h, V, generator=gen, dtype=torch.float64)
+    g = -torch.rand(Bt, Tt, h, generator=gen, dtype=torch.float64)
+    beta = torch.rand(Bt, Tt, h, generator=gen, dtype=torch.float64)
+    h0 = torch.randn(Bt, h, K, V, generator=gen, dtype=torch.float64)
+    do, dht = torch.randn(Bt, Tt, h, V, generator=gen, dtype=torch.float64), torch.randn(h0.shape, generator=gen,
+                                                                                          dtype=torch.float64)
+
+    def grads(layer):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
+        o, ht = layer(*leaves[:5], initial_state=leaves[5])
+        ((o * do).sum() + (ht * dht).sum()).backward()
+        return [o.detach(), ht.detach()] + [x.grad for x in leaves]
+
+    want = grads(LegacyGatedDeltaNet(in_fp64(qwen3_next.torch_chunk_gated_delta_rule), hg, h))
+    layer = LegacyGatedDeltaNet(qwen3_next.torch_chunk_gated_delta_rule, hg, h)
+    assert gdr_hf.layer_repeats(layer) == h // hg
+    seen = record_op_calls(monkeypatch)
+    gdr_hf.enable(torch.nn.Sequential(layer))
+    got = grads(layer)
+    assert seen[0]["q"][1][2] == seen[0]["k"][1][2] == hg and seen[0]["v"][1][2] == h, seen[0]
+    for name, x, y in zip(("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
+        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-10, msg=name)
+
+
+def test_repeats_are_read_from_the_layer_and_never_guessed():
+    """This transformers' layers do not repeat (1); a module shared by layers that repeat
+    differently slices nothing; q and k that come at the key heads are left as they are."""
+    assert gdr_hf.layer_repeats(qwen3_next_model().model.layers[0].linear_attn) == 1
+
+    class Lying(LegacyGatedDeltaNet):
+        def forward(self, query, key, value, g, beta, initial_state=None):  # no repeat here
+            return self.chunk_gated_delta_rule(query, key, value, g=g, beta=beta)
+
+    assert gdr_hf.layer_repeats(Lying(None)) == 1
+
+    # a modeling module whose layers read the module's name and repeat before the call
+    mod = types.ModuleType("fake_modeling_gdn")
+    mod.torch_chunk_gated_delta_rule = qwen3_next.torch_chunk_gated_delta_rule
+    sys.modules[mod.__name__] = mod
+
+    class ModuleGatedDeltaNet(LegacyGatedDeltaNet):
+        def __init__(self, num_k_heads, num_v_heads):
+            torch.nn.Module.__init__(self)
+            self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+
+    ModuleGatedDeltaNet.__module__ = mod.__name__
+    try:
+        assert gdr_hf._sites_of(torch.nn.Sequential(ModuleGatedDeltaNet(2, 4)))[0][3] == 2
+        assert gdr_hf._sites_of(torch.nn.Sequential(ModuleGatedDeltaNet(2, 4), ModuleGatedDeltaNet(1, 4)))[0][3] == 1
+        gdr_hf.enable(torch.nn.Sequential(ModuleGatedDeltaNet(2, 4)))
+        assert gdr_hf._repeats_of(mod.torch_chunk_gated_delta_rule) == 2
+        gdr_hf.enable(torch.nn.Sequential(ModuleGatedDeltaNet(1, 4)))  # another model, another repeat
+        assert mod.torch_chunk_gated_delta_rule is gdr_hf.hf_chunk_gated_delta_rule
+        gdr_hf.disable()
+        assert mod.torch_chunk_gated_delta_rule is qwen3_next.torch_chunk_gated_delta_rule
+    finally:
+        del sys.modules[mod.__name__]
+    q, k, v, g, beta, _ = _gdr_inputs(H=2)
+    fn = gdr_hf._adapter(2)
+    out = fn(q, k, torch.cat([v, v], dim=2), torch.cat([g, g], dim=2), torch.cat([beta, beta], dim=2))[0]
+    ref = gdr_hf.hf_chunk_gated_delta_rule(q, k, torch.cat([v, v], dim=2), torch.cat([g, g], dim=2),
+                                           torch.cat([beta, beta], dim=2))[0]
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)

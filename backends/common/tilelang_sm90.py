@@ -4,13 +4,15 @@ reaches a kernel given `h`."""
 
 from __future__ import annotations
 
-import importlib.util
+import functools
+import importlib
 import logging
 
-from gdr_dispatch.caches import first_time
+from gdr_dispatch.caches import first_time, memo
 from gdr_dispatch.contract import GDRCall, GDRGrads
 from gdr_dispatch.problem import Problem
 from gdr_dispatch.registry import Limits, unverified_allowed, unverified_reason
+from gdr_dispatch.toolchain import module_found
 
 from . import fla_pipeline
 
@@ -35,17 +37,16 @@ def h_none_reasons(p: Problem) -> list[str]:
 
 
 log = logging.getLogger("gdr_dispatch")
+_said = memo("h=None states logged", limit=1024)  # the shapes whose log line was considered
 
 
 def states_kernel_refusal() -> str:
     """Why `h=None` does not recompute the states on our TileLang kernel
     (kernels/tilelang_states.py), "" when it does; the backends' other limits are its own (sm90,
     K = V = 128, chunk 64, bf16/fp16). Gated like a backend until its GPU tests pass."""
-    if importlib.util.find_spec("tilelang") is None:
+    if not module_found("tilelang"):
         return "tilelang is not installed"
-    from ..kernels import tilelang_states
-
-    if not tilelang_states.GPU_VERIFIED and not unverified_allowed():
+    if not _states_kernel().GPU_VERIFIED and not unverified_allowed():
         return unverified_reason("the state kernel")
     return ""
 
@@ -59,16 +60,25 @@ def recompute_states(call: GDRCall):
     """The chunk-start states of an `h=None` call: our state kernel where `states_kernel_refusal`
     allows it, else fla's stages 1-2. Says once per problem which ran."""
     why = states_kernel_refusal()
-    problem = Problem.from_call(call)
-    if first_time(("h=None states", problem.table_key(), why)):
-        log.info("gdr_dispatch: h=None: the chunk states on %s for %s",
-                 "our TileLang state kernel" if not why else f"fla's stages 1-2 (our state kernel: {why})",
-                 problem.describe())
+    # the log line's problem is built once per shape and dtype, not per call (it is on the hot path)
+    seen = (call.q.shape, call.v.shape, call.q.dtype, call.q.device, call.N, call.max_seqlen,
+            call.cu_seqlens is None, call.initial_state is None, call.dht is None, why)
+    if seen not in _said:
+        _said[seen] = True
+        problem = Problem.from_call(call)
+        if first_time(("h=None states", problem.table_key(), why)):
+            log.info("gdr_dispatch: h=None: the chunk states on %s for %s",
+                     "our TileLang state kernel" if not why else f"fla's stages 1-2 (our state kernel: {why})",
+                     problem.describe())
     if why:
         return fla_pipeline.recompute_states(call)
-    from ..kernels.tilelang_states import call_states
+    return _states_kernel().call_states(call)[0]
 
-    return call_states(call)[0]
+
+@functools.lru_cache(maxsize=None)
+def _states_kernel():
+    """kernels/tilelang_states.py, imported on first use (it imports tilelang), then kept."""
+    return importlib.import_module(f"{__package__.rpartition('.')[0]}.kernels.tilelang_states")
 
 
 def states_compile_jobs(call: GDRCall) -> list:

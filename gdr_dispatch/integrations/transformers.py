@@ -21,14 +21,27 @@ HF do (`x * rsqrt(sum(x^2) + 1e-6)` in fp32, cast back; not `F.normalize`, whose
 reference drops it), drops HF's forward plumbing that rides along in the layer's `**kwargs`
 (`use_cache`, `position_ids`, ...: HF's wrapper passes on only its kernel's parameters) and raises
 TypeError naming any kernel keyword (fla's) it cannot honour. The decode step (one token with
-a cache) keeps HF's `torch_recurrent_gated_delta_rule`. A layer whose whole forward a `kernels`
+a cache) keeps HF's `torch_recurrent_gated_delta_rule`.
+
+Grouped heads: the op takes q and k at the key-head count (value head `i` reads key head
+`i // (H // Hg)`), so a GVA-aware backend reads them once per group. transformers 5.x layers
+hand the chunk function q and k at that count already (HF's reference repeats them inside
+itself). Layers that repeat them before the call (`query.repeat_interleave(self.num_v_heads //
+self.num_k_heads, dim=2)` in the layer's forward, as transformers 4.x's did) are found when
+`enable(model)` reads the layer's forward; their adapter hands the op every r-th head of the
+repeated q and k (`q[:, :, ::r]`, the originals) when the call's shapes say they are repeated.
+The slice is differentiable: the op's dq/dk at the key heads (sums over each group) land on one
+head of each group, and the repeat's backward sums the group, so the un-repeated q and k get
+the very gradient they would without the slice. A layer whose whole forward a `kernels`
 hub kernel replaced (`model.kernelize()`) does not call the name at all.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
+import re
 import sys
 import threading
 import types
@@ -94,15 +107,19 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def hf_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
-                              output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
+                              output_final_state=False, use_qk_l2norm_in_kernel=False, *, _repeats=1, **kwargs):
     """HF's `torch_chunk_gated_delta_rule` call, run by `gdr_dispatch.chunk_gated_delta_rule`.
 
     Returns `(o [B, T, H, V] in query's dtype, final_state [B, H, K, V] fp32 or None)`, as HF's
     reference does. `chunk_size` is accepted and ignored (the op's chunk is fixed; the result
     does not depend on it beyond rounding). Besides HF's keywords it takes fla's `scale`,
     `cu_seqlens`, `state_v_first` (or the old `transpose_state_layout`),
-    `use_beta_sigmoid_in_kernel`, `allow_neg_eigval` and our `save_states`.
+    `use_beta_sigmoid_in_kernel`, `allow_neg_eigval` and our `save_states`. `_repeats` (set by
+    `enable` for layers that repeat q and k before the call): the repeat factor r, undone by
+    taking every r-th head when q and k come with the value heads' count.
     """
+    if _repeats > 1 and query.shape[2] == value.shape[2] == key.shape[2] and query.shape[2] % _repeats == 0:
+        query, key = query[:, :, ::_repeats], key[:, :, ::_repeats]
     scale = kwargs.pop("scale", None)
     cu_seqlens = kwargs.pop("cu_seqlens", None)
     state_v_first = bool(kwargs.pop("state_v_first", False))
@@ -142,6 +159,33 @@ def hf_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial
 hf_chunk_gated_delta_rule._gdr_dispatch_hook = True
 
 
+def _adapter(repeats: int):
+    """The adapter for layers that repeat q and k `repeats` times before the call (1: none)."""
+    if repeats <= 1:
+        return hf_chunk_gated_delta_rule
+    fn = functools.partial(hf_chunk_gated_delta_rule, _repeats=repeats)
+    fn._gdr_dispatch_hook = True
+    return fn
+
+
+#: HF's repeat of q and k to the value heads in a layer's forward (transformers 4.x)
+_REPEAT = re.compile(r"(query|key)\s*=\s*\1\.repeat_interleave\(\s*self\.num_v_heads\s*//\s*"
+                     r"self\.num_k_heads\s*,\s*dim\s*=\s*2\s*\)")
+
+
+def layer_repeats(layer) -> int:
+    """How many times `layer` repeats q and k along the heads before its chunk call: its
+    `num_v_heads // num_k_heads` when its forward holds HF's `repeat_interleave` of both, else 1."""
+    r = getattr(layer, "num_v_heads", 0) // max(getattr(layer, "num_k_heads", 0) or 1, 1)
+    if r <= 1:
+        return 1
+    try:
+        src = inspect.getsource(type(layer).forward)
+    except (OSError, TypeError):
+        return 1
+    return r if {m.group(1) for m in _REPEAT.finditer(src)} == {"query", "key"} else 1
+
+
 def _brief(x) -> str:
     if isinstance(x, torch.Tensor):
         return f"<tensor {list(x.shape)} {str(x.dtype).replace('torch.', '')}>"
@@ -153,23 +197,29 @@ def _is_hook(fn) -> bool:
     return bool(getattr(fn, "_gdr_dispatch_hook", False))
 
 
-def _sites_of(model) -> list[tuple[str, object, str]]:
-    """`(key, owner, attribute)` for each place `model`'s Gated DeltaNet layers read their chunk
-    function from: the layer itself where it holds it as an instance attribute (transformers 4.x
-    bound `self.chunk_gated_delta_rule` in `__init__`), else its modeling module's `FUNC_NAME`
-    (transformers 5.x, read at call time)."""
-    sites, seen = [], set()
+def _repeats_of(fn) -> int:
+    return getattr(fn, "keywords", {}).get("_repeats", 1) if isinstance(fn, functools.partial) else 1
+
+
+def _sites_of(model) -> list[tuple[str, object, str, int]]:
+    """`(key, owner, attribute, repeats)` for each place `model`'s Gated DeltaNet layers read their
+    chunk function from: the layer itself where it holds it as an instance attribute
+    (transformers 4.x bound `self.chunk_gated_delta_rule` in `__init__`), else its modeling
+    module's `FUNC_NAME` (transformers 5.x, read at call time); `repeats`: `layer_repeats`, for a
+    module the one its layers share (1 when they differ: the adapter then slices nothing)."""
+    sites, modules = [], {}
     for layer in model.modules():
         cls = type(layer)
         if not cls.__name__.endswith("GatedDeltaNet"):
             continue
         if callable(layer.__dict__.get(INSTANCE_ATTR)):
-            sites.append((f"{cls.__name__}@{id(layer):#x}", layer, INSTANCE_ATTR))
+            sites.append((f"{cls.__name__}@{id(layer):#x}", layer, INSTANCE_ATTR, layer_repeats(layer)))
             continue
         mod = sys.modules.get(cls.__module__)
-        if mod is not None and hasattr(mod, FUNC_NAME) and cls.__module__ not in seen:
-            seen.add(cls.__module__)
-            sites.append((cls.__module__, mod, FUNC_NAME))
+        if mod is not None and hasattr(mod, FUNC_NAME):
+            modules.setdefault(cls.__module__, (mod, set()))[1].add(layer_repeats(layer))
+    for name, (mod, repeats) in modules.items():
+        sites.append((name, mod, FUNC_NAME, repeats.pop() if len(repeats) == 1 else 1))
     if not sites:
         raise ValueError(f"{type(model).__name__} has no Gated DeltaNet layer that reads its chunk function "
                          f"from {INSTANCE_ATTR} or its module's {FUNC_NAME} (supported: transformers 5.x "
@@ -191,23 +241,27 @@ def enable(model=None) -> list[str]:
             sites = []
             for name in MODULES:
                 try:
-                    sites.append((name, importlib.import_module(name), FUNC_NAME))
+                    sites.append((name, importlib.import_module(name), FUNC_NAME, 1))
                 except ImportError:
                     continue
             if not sites:
                 raise ImportError("gdr_dispatch.integrations.transformers: this transformers has none of "
                                   + ", ".join(MODULES))
         patched = []
-        for key, owner, attr in sites:
+        for key, owner, attr, repeats in sites:
             current = getattr(owner, attr, None)
             if current is None:
                 raise AttributeError(f"{key} has no {attr} (transformers {_tf_version()}): "
                                      f"the hook knows transformers 5.x's layout")
             if _is_hook(current):
+                if _repeats_of(current) != repeats and _repeats_of(current) > 1:
+                    # another model's layers repeat otherwise: slicing for one would be wrong for
+                    # the other, so this module's adapter slices nothing from now on
+                    setattr(owner, attr, hf_chunk_gated_delta_rule)
                 continue
             ref = key if isinstance(owner, types.ModuleType) else weakref.ref(owner)
             _originals[key] = (ref, attr, current)
-            setattr(owner, attr, hf_chunk_gated_delta_rule)
+            setattr(owner, attr, _adapter(repeats))
             patched.append(key)
         return patched
 

@@ -1,0 +1,123 @@
+"""A first call's levers that need no GPU: the families the device's tables show never winning at
+full grids are not measured, and the user waiting is told what happens (docs/design.md,
+"Autotuning"). Tables are written here for a faked GPU."""
+
+import logging
+from dataclasses import replace
+
+import pytest
+import torch
+
+from gdr_dispatch import Backend, registry, tuning_table
+from gdr_dispatch import autotune as at
+from gdr_dispatch.problem import DeviceInfo
+from gdr_dispatch.shapes import ShapeSpec
+
+GPU = DeviceInfo("cuda", "Fake GPU", (9, 0), 16)
+
+
+class Member(Backend):
+    def __init__(self, name, family=None):
+        self.name, self.family_name = name, family
+
+    def not_supported_reasons(self, problem):
+        return []
+
+
+def problem(B=4, H=8, T=1024, h="given"):
+    """4 x 8 = 32 programs on 16 SMs: a full grid; B=1, H=8 is a starved one."""
+    return replace(ShapeSpec(B=B, T=T, H=H, K=64, V=64, dtype="bfloat16", h=h).problem(torch.device("cpu")), device=GPU)
+
+
+def record(p, winner, ms: dict):
+    tuning_table.record(GPU.slug, GPU.name, {p.table_key(): {
+        "problem": p.describe(), "winner": winner,
+        "candidates": {n: ({"ms": v} if isinstance(v, (int, float)) else v) for n, v in ms.items()}}})
+
+
+@pytest.fixture
+def fakes(with_backends):
+    with_backends(Member("fast_a"), Member("slow_x", "slow"), Member("slow_y", "slow"), Member("other"))
+
+
+def full_grid_history(times=3, slow=1.5, T0=2048):
+    for i in range(times):
+        record(problem(T=T0 * 2 ** i), "fast_a", {"fast_a": 1.0, "slow_x": slow, "slow_y": slow + 0.2, "other": 1.05})
+
+
+def test_a_family_that_never_won_at_full_grids_is_not_measured(fakes, caplog):
+    full_grid_history()
+    cands = {n: registry.get_backend(n) for n in ("fast_a", "slow_x", "slow_y", "other")}
+    kept, skipped = at.prune(problem(), cands)
+    assert set(kept) == {"fast_a", "other"}
+    assert set(skipped) == {"slow_x", "slow_y"}
+    assert "the slow family never won at the 3 full-grid entries" in skipped["slow_x"]
+    assert "at best 1.50x the winner" in skipped["slow_x"]
+
+
+@pytest.mark.parametrize("case", ["starved", "two entries", "won once", "close once", "other h mode", "all"])
+def test_the_family_rule_is_conservative(fakes, monkeypatch, case):
+    cands = {n: registry.get_backend(n) for n in ("fast_a", "slow_x", "slow_y")}
+    target = problem()
+    if case == "starved":  # 1 x 8 programs on 16 SMs: the tables' full grids say nothing of it
+        full_grid_history()
+        target = problem(B=1)
+    elif case == "two entries":
+        full_grid_history(times=2)
+    elif case == "won once":
+        full_grid_history()
+        record(problem(T=64), "slow_y", {"fast_a": 1.0, "slow_y": 0.9})
+    elif case == "close once":
+        full_grid_history()
+        record(problem(T=64), "fast_a", {"fast_a": 1.0, "slow_x": 1.05})
+    elif case == "other h mode":
+        full_grid_history()
+        target = problem(h="none")
+    else:
+        full_grid_history()
+        monkeypatch.setenv("GDR_AUTOTUNE_ALL", "1")
+        kept, skipped = at.prune(target, cands)
+        assert set(kept) == set(cands) and skipped == {}
+    assert case == "all" or at.losing_families(target) == {}, case
+
+
+def test_starved_entries_are_no_evidence(fakes):
+    """Entries at starved grids (fewer programs than SMs) neither count against a family nor for it."""
+    for T in (2048, 4096, 8192):
+        record(problem(B=1, T=T), "fast_a", {"fast_a": 1.0, "slow_x": 3.0})
+    assert at.losing_families(problem()) == {}
+
+
+def test_a_first_call_says_what_it_waits_for_at_warning(fakes, monkeypatch, caplog):
+    """Python's logging shows WARNING without any set-up: the start, a line at most every
+    HEARTBEAT_S while it lasts, and the pick."""
+    call = object()
+    p = problem()
+    monkeypatch.setattr(at, "compile_jobs_of", lambda call, kept: {("m", "f", (1,)): ["fast_a"],
+                                                                  ("m", "g", (2,)): ["other"]})
+    monkeypatch.setattr(at, "precompile", lambda jobs, workers, say: say("compiled everything"))
+    monkeypatch.setattr(at, "autotune", lambda call, problem, cands, progress, skipped=None, untimed=(): (
+        progress("autotune [1/2] fast_a: 1.0 ms") or ({"winner": "fast_a", "candidates": {}}, None)))
+    with caplog.at_level(logging.INFO, "gdr_dispatch"):
+        entry, _ = at.first_call(call, p, {n: registry.get_backend(n) for n in ("fast_a", "other")})
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "no tuning-table entry, so 2 of 2 candidates are measured on it, their 2 kernels compiled first" in warnings[0]
+    assert "GDR_AUTOTUNE=0" in warnings[0] and "fast_a picked in" in warnings[-1]
+    assert len(warnings) == 2  # everything between within HEARTBEAT_S: INFO
+    caplog.clear()
+    monkeypatch.setattr(at, "HEARTBEAT_S", 0.0)
+    with caplog.at_level(logging.INFO, "gdr_dispatch"):
+        at.first_call(call, p, {n: registry.get_backend(n) for n in ("fast_a", "other")})
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("compiled everything" in w for w in warnings) and any("autotune [1/2]" in w for w in warnings)
+
+
+def test_compiling_says_that_it_goes_on(monkeypatch):
+    import time
+
+    monkeypatch.setattr(at, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(at, "_compile_in_subprocess", lambda job: time.sleep(0.3) or 0.3)
+    lines = []
+    at.precompile({("m", "f", (1,)): ["a"], ("m", "f", (2,)): ["b"]}, 1, lines.append)
+    assert any(line.startswith("  still compiling: 0 of 2 done") for line in lines), lines
+    assert lines[-1].startswith("  all 2 in")
