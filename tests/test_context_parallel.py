@@ -580,7 +580,7 @@ def test_segments_know_their_sequences_and_places(lens, segments):
     from gdr_dispatch.backends.split import passes as cp
 
     segs = cp.segments_of(lens, 64, segments)
-    assert sum(segs.lens) == sum(lens) and all(x % 64 == 0 for x in segs.lens[:-1] if x != segs.lens[-1]) or True
+    assert sum(segs.lens) == sum(lens)
     for n, length in enumerate(lens):
         mine = range(segs.seg_offsets[n], segs.seg_offsets[n + 1])
         assert sum(segs.lens[j] for j in mine) == length
@@ -832,3 +832,45 @@ def test_pieces_kernels_equal_the_tensor_products(spec, need_starts):
                 assert ((g.double() - w.double()).norm() / size).item() < 5e-3, (j, h)
                 checked += 1
     assert checked
+
+
+def _reset_call(dtype: str, T: int = 4096, reset: int = 63):
+    """One sequence of weak decay (-2 per chunk) with a reset token (log decay -1e9, a mask constant
+    some models use) at the end of its first chunk: float32 sums of the segment's chunks round the
+    reset's -1e9 by 64, so a window taken as `total - head` could come out chunks too short."""
+    from gdr_dispatch.reference import prepare_residuals
+
+    spec = ShapeSpec(B=1, T=T, H=2, K=16, V=16, dtype=dtype, h="none")
+    x = make_inputs(spec, "cpu", seed=9)
+    g_raw = torch.full_like(x["g_raw"], -2.0 / 64)
+    g_raw[:, reset] = -1e9
+    res = prepare_residuals(x["q"], x["k"], x["v"], g_raw, x["b"], initial_state=x["initial_state"], chunk_size=64)
+    return validate(**{**call_kwargs(x), "a": res.a, "g": res.g})
+
+
+def test_a_reset_token_does_not_shorten_the_windows():
+    """The windows' sums run from each end of the segment: after a reset token the forward window
+    still needs its 9 chunks of -2 (-18 < -16.6), in the tensor rule and in the kernel."""
+    from gdr_dispatch.backends.kernels import segment_maps
+    from gdr_dispatch.backends.split import passes as cp
+
+    call = _reset_call("float16")
+    segs = cp.segments_of(tuple(call.seq_lens), 64, 2)  # 2 segments of 32 chunks
+    plan = cp._torch_pieces(call, segs, need_starts=True)[0]
+    assert (plan[0, :, 0] == 9).all() and (plan[0, :, 1] == 1).all(), plan
+    flat, offsets = cp._segments_inputs(call, segs.token_offsets)
+    seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
+    assert torch.equal(segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs.s), plan)
+
+
+def test_a_reset_token_splits_exactly_in_float32(monkeypatch):
+    from dataclasses import asdict
+
+    call = _reset_call("float32", T=2048)
+    kwargs = {n: getattr(call, n) for n in ("q", "k", "v", "a", "g", "b", "do", "dht", "h", "initial_state")}
+    whole = fused_gdr_bwd(**kwargs, scale=call.scale)
+    monkeypatch.setenv("GDR_CP", "2")
+    split = fused_gdr_bwd(**kwargs, scale=call.scale)
+    for name in whole._fields:
+        a, b = getattr(split, name), getattr(whole, name)
+        assert ((a - b).norm() / b.norm()).item() < 1e-5, name

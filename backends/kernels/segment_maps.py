@@ -261,8 +261,9 @@ def _decay_plan(k_ptr, g_ptr, b_ptr, cu_ptr, plan_ptr, threshold, Hg, H, K: tl.c
     # each chunk's summed log decay: g (chunk-local cumsums) at its last token
     last = tl.minimum(bos + (rc + 1) * BT, eos) - 1
     ge = tl.load(g_ptr + last.to(tl.int64) * H + h, mask=valid, other=0.0)
+    # each from its own end: `total - head` would round a reset token's -1e9 into the others' sums
     head = tl.cumsum(ge, axis=0)  # over chunks [0, c]
-    tail = tl.sum(ge, axis=0) - head + ge  # over chunks [c, nc)
+    tail = tl.cumsum(ge, axis=0, reverse=True)  # over chunks [c, nc)
     c_f = tl.max(tl.where(valid & (tail < threshold), rc, -1), axis=0)
     c_b = tl.min(tl.where(valid & (head < threshold), rc, CMAX), axis=0)
     n_f = tl.where(c_f >= 0, nc - c_f, 0)

@@ -317,8 +317,8 @@ def _windows(gend, real, bad, thr: float):
     c = torch.arange(s, device=gend.device)[:, None]
     valid = real[..., None]
     nc = real.sum(-1)[..., None]
-    head = gend.cumsum(-2)
-    tail = gend.sum(-2, keepdim=True) - head + gend
+    head = gend.cumsum(-2)  # each from its own end (as the kernel; see there)
+    tail = gend.flip(-2).cumsum(-2).flip(-2)
     c_f = torch.where(valid & (tail < thr), c, -1).amax(-2)
     c_b = torch.where(valid & (head < thr), c, s).amin(-2)
     n_f = torch.where(c_f >= 0, nc - c_f, 0)
