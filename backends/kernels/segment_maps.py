@@ -258,15 +258,18 @@ def _decay_plan(k_ptr, g_ptr, b_ptr, cu_ptr, plan_ptr, threshold, Hg, H, K: tl.c
     nc = tl.cdiv(eos - bos, BT)
     rc = tl.arange(0, CMAX)
     valid = rc < nc
-    # each chunk's summed log decay: g (chunk-local cumsums) at its last token
+    # each chunk's summed log decay: g (chunk-local cumsums) at its last token, in order and from
+    # the last chunk back; each window's sum runs from its own end of the segment (`total - head`
+    # would round a reset token's -1e9 into the others' sums by 64)
     last = tl.minimum(bos + (rc + 1) * BT, eos) - 1
     ge = tl.load(g_ptr + last.to(tl.int64) * H + h, mask=valid, other=0.0)
-    # each from its own end: `total - head` would round a reset token's -1e9 into the others' sums
-    head = tl.cumsum(ge, axis=0)  # over chunks [0, c]
-    tail = tl.cumsum(ge, axis=0, reverse=True)  # over chunks [c, nc)
-    c_f = tl.max(tl.where(valid & (tail < threshold), rc, -1), axis=0)
+    back = tl.minimum(bos + (nc - rc) * BT, eos) - 1  # chunk nc - 1 - r's last token
+    ge_back = tl.load(g_ptr + back.to(tl.int64) * H + h, mask=valid, other=0.0)
+    head = tl.cumsum(ge, axis=0)  # over chunks [0, r]
+    tail = tl.cumsum(ge_back, axis=0)  # over chunks [nc - 1 - r, nc)
+    r_f = tl.min(tl.where(valid & (tail < threshold), rc, CMAX), axis=0)
     c_b = tl.min(tl.where(valid & (head < threshold), rc, CMAX), axis=0)
-    n_f = tl.where(c_f >= 0, nc - c_f, 0)
+    n_f = tl.where(r_f < CMAX, r_f + 1, 0)
     n_b = tl.where(c_b < CMAX, c_b + 1, 0)
     bad = ((n_f == 0) | (n_b == 0)).to(tl.int32)
     for c in range(nc - n_f, nc):
