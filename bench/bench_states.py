@@ -24,7 +24,7 @@ import torch
 
 from gdr_dispatch.contract import validate
 from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs
-from timing import measure_ms
+from timing import back_to_back_ms, measure_ms
 
 SHAPES = {
     "B8 T4096 H32": ShapeSpec(B=8, T=4096, H=32, K=128, V=128, h="none"),
@@ -136,7 +136,7 @@ def main() -> int:
             for label, fn in live.items():
                 ms = measure_ms(fn, "cuda", warmup=3, reps=a.reps)
                 row[label] = min(ms, row.get(label, ms))
-                ms = queued_ms(fn, a.reps)
+                ms = back_to_back_ms(fn, a.reps)
                 row[f"{label} queued"] = min(ms, row.get(f"{label} queued", ms))
         for label in live:
             print(name, label, row[label], "queued", row[f"{label} queued"], row.get(f"{label} vs ours", ""),
@@ -147,21 +147,6 @@ def main() -> int:
         if a.timing:
             print(timing(call), flush=True)
     return 0
-
-
-def queued_ms(fn, reps: int) -> float:
-    """ms per call of `reps` calls queued back to back between two events: the host's work per
-    call (allocations, descriptors, launches) is hidden while it stays under the GPU's, as in a
-    training step; per-call timing (`measure_ms`, synchronised each call) counts it."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def write_results(out: Path, rows: list) -> None:

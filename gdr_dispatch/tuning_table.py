@@ -220,26 +220,19 @@ def neighbours(problem) -> list[tuple[str, dict]]:
     """The device's table entries (user, then shipped; any library versions) for problems like
     `problem`: same device, capability, dtype, K, V, chunk size, wave bucket and `h` given or not,
     other sizes. What the autotuner prunes a table miss's candidates by (autotune.prune)."""
-    mine = problem.problem_key().split("|")
-    h_given = "h_given" in mine[8].split("+")
-    out = []
-    for d in (user_table_dir(), shipped_table_dir()):
-        entries, _ = _load(table_path(d, problem.device.slug))
-        for key, entry in entries.items():
-            parts = key.split("|")
-            if len(parts) < 12 or parts[:5] != mine[:5] or parts[7] != mine[7] or parts[9] != mine[9]:
-                continue
-            if ("h_given" in parts[8].split("+")) != h_given or parts[:12] == mine[:12]:
-                continue
-            if entry.get("winner"):
-                out.append((key, entry))
-    return out
+    return _alike(problem, same_wave=True)
 
 
 def device_entries(problem) -> list[tuple[str, dict]]:
     """Every entry of the device's tables (user, then shipped; any library versions) with a winner
     and `problem`'s device, capability, dtype, K, V, chunk size and `h` mode, at any size: what
     `autotune.losing_families` reads."""
+    return _alike(problem, same_wave=False)
+
+
+def _alike(problem, same_wave: bool) -> list[tuple[str, dict]]:
+    """The entries with a winner and `problem`'s device, capability, dtype, K, V, chunk size and
+    `h` mode; `same_wave`: also its wave bucket, and not `problem` itself."""
     mine = problem.problem_key().split("|")
     h_given = "h_given" in mine[8].split("+")
     out = []
@@ -248,6 +241,8 @@ def device_entries(problem) -> list[tuple[str, dict]]:
         for key, entry in entries.items():
             parts = key.split("|")
             if len(parts) < 12 or parts[:5] != mine[:5] or parts[7] != mine[7]:
+                continue
+            if same_wave and (parts[9] != mine[9] or parts[:12] == mine[:12]):
                 continue
             if ("h_given" in parts[8].split("+")) == h_given and entry.get("winner"):
                 out.append((key, entry))

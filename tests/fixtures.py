@@ -54,3 +54,26 @@ def fused_stage_case(spec, dtype: str, seed: int = 7):
     kernel_in = dict(q=x["q"], k=x["k"], v=x["v"], v_new=lay.scatter(v_new, dt), du=lay.scatter(du, dt), do=x["do"],
                      a=x["a"], g=x["g"], b=x["b"], h=states_out(h, dt), dh=states_out(dh, dt))
     return x, kernel_in, expected
+
+
+def host_growth(step, n: int = 10_000) -> tuple[int, int]:
+    """`step()` run `n` times after a warm-up of 500: the bytes host memory grew by (tracemalloc,
+    after a cycle collection: what only waits for the collector is not growth) and the entries
+    the library's memos gained (caches.sizes)."""
+    import gc
+    import tracemalloc
+
+    from gdr_dispatch import caches
+
+    for _ in range(500):
+        step()
+    tracemalloc.start()
+    gc.collect()
+    before = tracemalloc.take_snapshot()
+    sizes_before = sum(caches.sizes().values())
+    for _ in range(n):
+        step()
+    gc.collect()
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    return sum(s.size_diff for s in after.compare_to(before, "filename")), sum(caches.sizes().values()) - sizes_before

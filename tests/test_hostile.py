@@ -11,10 +11,8 @@ h. meta tensors get a clear refusal;
 i. what fla's op takes (16-bit g and initial_state) the op takes.
 """
 
-import gc
 import logging
 import random
-import tracemalloc
 
 import numpy as np
 import pytest
@@ -22,6 +20,7 @@ import torch
 
 from gdr_dispatch import (NoBackendError, caches, chunk_gated_delta_rule, fused_gdr_bwd, oracle_grads,
                           prepare_residuals)
+from fixtures import host_growth
 from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs
 
 
@@ -153,19 +152,8 @@ def test_ten_thousand_random_packings_keep_the_host_memory_bounded(caplog):
         caches.first_time(("forward", problem.table_key(), "torch"))
 
     with caplog.at_level(logging.INFO, "gdr_dispatch"):
-        for _ in range(200):
-            step()
-        tracemalloc.start()
-        gc.collect()  # what is only waiting for the cycle collector is not growth
-        before = tracemalloc.take_snapshot()
-        sizes_before = sum(caches.sizes().values())
-        for _ in range(10_000):
-            step()
-        gc.collect()
-        after = tracemalloc.take_snapshot()
-        tracemalloc.stop()
-    grown = sum(s.size_diff for s in after.compare_to(before, "filename"))
-    assert sum(caches.sizes().values()) - sizes_before < 50, caches.sizes()
+        grown, memos = host_growth(step)
+    assert memos < 50, caches.sizes()
     assert grown < 512 * 1024, f"host memory grew by {grown} bytes over 10,000 packings"
 
 

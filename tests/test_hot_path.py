@@ -322,9 +322,9 @@ def test_plans_are_bounded_and_forgotten_by_clear_caches(with_backends):
 def test_ten_thousand_random_packings_through_the_hot_path_keep_the_host_memory_bounded(with_backends):
     """A varlen run that packs its sequences differently every step: the plans (one per sequence
     count) and their chunk-count variants stop growing once seen."""
-    import gc
     import random
-    import tracemalloc
+
+    from fixtures import host_growth
 
     rng = random.Random(0)
     T = 512
@@ -336,17 +336,6 @@ def test_ten_thousand_random_packings_through_the_hot_path_keep_the_host_memory_
         cuts = sorted(rng.sample(range(1, T), rng.randint(1, 20)))
         fused_gdr_bwd(**{**kwargs, "cu_seqlens": torch.tensor([0, *cuts, T], dtype=torch.int32)})
 
-    for _ in range(500):
-        step()
-    tracemalloc.start()
-    gc.collect()
-    before = tracemalloc.take_snapshot()
-    sizes_before = sum(caches.sizes().values())
-    for _ in range(10_000):
-        step()
-    gc.collect()
-    after = tracemalloc.take_snapshot()
-    tracemalloc.stop()
-    grown = sum(s.size_diff for s in after.compare_to(before, "filename"))
-    assert sum(caches.sizes().values()) - sizes_before < 50, caches.sizes()
+    grown, memos = host_growth(step)
+    assert memos < 50, caches.sizes()
     assert grown < 512 * 1024, f"host memory grew by {grown} bytes over 10,000 packings"

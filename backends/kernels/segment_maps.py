@@ -318,22 +318,7 @@ def segment_maps(seg_call, need_r: bool = True):
     without `need_r`: with `h` given the split takes the start states from `h`), `[S, H, K, V]`.
     The interface of `Backend.split_passes`' functions (and the maps the ranks exchange)."""
     _check_segments_call(seg_call, "segment_maps")
-    K, V, H, Hg, BT = seg_call.K, seg_call.V, seg_call.H, seg_call.Hg, seg_call.chunk_size
-    n_seg = seg_call.N
-    dev = seg_call.q.device
-    bc = min(BC, K, V)
-    q, k, v, do, a, g, b, cu = _operands(seg_call)
-    ncol = K + V if need_r else K
-    M = torch.empty(n_seg, H, K, K, dtype=torch.float32, device=dev)
-    R = torch.empty(n_seg, H, K, V, dtype=torch.float32, device=dev) if need_r else None
-    D = torch.empty(n_seg, H, K, V, dtype=torch.float32, device=dev)
-    # without R no program stores to r_ptr: M stands in as its pointer, and for the plan's
-    # pointers (never read without PLAN)
-    _forward_maps[(n_seg * H, ncol // bc)](k, v, a, g, b, cu, M, M if R is None else R, M, M, Hg, H, K=K, V=V, BT=BT,
-                                           BC=bc, PLAN=False, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    _backward_maps[(n_seg * H, V // bc)](q, k, a, g, b, do, cu, D, M, M, float(seg_call.scale), Hg, H, K=K, V=V, BT=BT,
-                                         BC=bc, PLAN=False, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    return M, R, D
+    return _maps(seg_call, None, None, need_r)
 
 
 def decay_plan(seg_call, threshold: float, max_chunks: int) -> torch.Tensor:
@@ -358,22 +343,31 @@ def segment_pieces(seg_call, plan: torch.Tensor, roles: torch.Tensor, need_start
     gradient over its window (none for a sequence's last), `M[n]` segment n's map where the plan
     says exact. `segment_scan.chain` then completes both in place."""
     _check_segments_call(seg_call, "segment_pieces")
+    return _maps(seg_call, plan, roles, need_starts)
+
+
+def _maps(seg_call, plan, roles, need_r: bool):
+    """Both walks over every segment: `(M, R or None, D)`, exact without a `plan`, else as
+    `segment_pieces` says (R then holds the next segments' starts, D the previous ends)."""
     K, V, H, Hg, BT = seg_call.K, seg_call.V, seg_call.H, seg_call.Hg, seg_call.chunk_size
     n_seg = seg_call.N
     dev = seg_call.q.device
     bc = min(BC, K, V)
     q, k, v, do, a, g, b, cu = _operands(seg_call)
     M = torch.empty(n_seg, H, K, K, dtype=torch.float32, device=dev)
-    starts = torch.empty(n_seg, H, K, V, dtype=torch.float32, device=dev) if need_starts else None
-    ends = torch.empty(n_seg, H, K, V, dtype=torch.float32, device=dev)
-    ncol = K + V if need_starts else K
-    _forward_maps[(n_seg * H, ncol // bc)](k, v, a, g, b, cu, M, M if starts is None else starts, plan, roles, Hg, H,
-                                           K=K, V=V, BT=BT, BC=bc, PLAN=True, num_warps=NUM_WARPS,
+    R = torch.empty(n_seg, H, K, V, dtype=torch.float32, device=dev) if need_r else None
+    D = torch.empty(n_seg, H, K, V, dtype=torch.float32, device=dev)
+    # stand-in pointers, never used: M for R where no program stores R, and for the plan without one
+    with_plan = plan is not None
+    plan, roles = (plan, roles) if with_plan else (M, M)
+    ncol = K + V if need_r else K
+    _forward_maps[(n_seg * H, ncol // bc)](k, v, a, g, b, cu, M, M if R is None else R, plan, roles, Hg, H,
+                                           K=K, V=V, BT=BT, BC=bc, PLAN=with_plan, num_warps=NUM_WARPS,
                                            num_stages=NUM_STAGES)
-    _backward_maps[(n_seg * H, V // bc)](q, k, a, g, b, do, cu, ends, plan, roles, float(seg_call.scale), Hg, H,
-                                         K=K, V=V, BT=BT, BC=bc, PLAN=True, num_warps=NUM_WARPS,
+    _backward_maps[(n_seg * H, V // bc)](q, k, a, g, b, do, cu, D, plan, roles, float(seg_call.scale), Hg, H,
+                                         K=K, V=V, BT=BT, BC=bc, PLAN=with_plan, num_warps=NUM_WARPS,
                                          num_stages=NUM_STAGES)
-    return M, starts, ends
+    return M, R, D
 
 
 def segment_states(seg_call, init: torch.Tensor, state_v_first: bool = False) -> torch.Tensor:
