@@ -417,7 +417,7 @@ def test_chain_kernel_equals_the_step_by_step_chain(K, V, counts, given, starts_
         assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
-def test_scan_kernels_say_what_they_do_not_take():
+def test_the_chain_kernel_says_what_it_does_not_take():
     from gdr_dispatch.backends.kernels.segment_scan import not_supported_reason
 
     assert not_supported_reason(128, 128, torch.float32, torch.device("cuda")) == ""
