@@ -35,7 +35,6 @@ import io
 import json
 import os
 import pstats
-import statistics
 import sys
 import time
 from dataclasses import replace
@@ -49,6 +48,7 @@ from gdr_dispatch.contract import packed, validate
 from gdr_dispatch.dispatch import select_backend
 from gdr_dispatch.problem import device_info, library_versions
 from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs
+from timing import back_to_back_ms, host_enqueue_ms, latency_ms
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = [ShapeSpec(B=4, T=4096, H=16), ShapeSpec(B=8, T=4096, H=32)]
@@ -60,44 +60,6 @@ BACK_TO_BACK = 20
 # -- timers ---------------------------------------------------------------------------------------
 def syncer(device: torch.device) -> Callable[[], None]:
     return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-
-def latency_ms(fn, sync, reps: int) -> float:
-    """Median wall time of one call between two syncs."""
-    out = []
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(out)
-
-
-def back_to_back_ms(fn, sync, rounds: int, calls: int = BACK_TO_BACK) -> float:
-    """Mean time per call of `calls` calls enqueued back to back, one sync after them; median of
-    the rounds."""
-    out = []
-    for _ in range(rounds):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync()
-        out.append((time.perf_counter() - t0) * 1e3 / calls)
-    return statistics.median(out)
-
-
-def host_us(fn, sync, reps: int) -> float:
-    """Median host time of one call (the enqueue, after a sync, to its return)."""
-    out = []
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1e6)
-    sync()
-    return statistics.median(out)
 
 
 # -- runners --------------------------------------------------------------------------------------
@@ -189,9 +151,9 @@ def measure(fn, env: dict, sync, reps: int, rounds: int) -> dict:
         for _ in range(3):  # warm: compiles, the plan, the allocator
             fn()
         sync()
-        return {"latency_ms": round(latency_ms(fn, sync, reps), 4),
-                "b2b_ms": round(back_to_back_ms(fn, sync, rounds), 4),
-                "host_us": round(host_us(fn, sync, reps), 1)}
+        return {"latency_ms": round(latency_ms(fn, reps, sync), 4),
+                "b2b_ms": round(back_to_back_ms(fn, BACK_TO_BACK, 0, sync, rounds), 4),
+                "host_us": round(host_enqueue_ms(fn, reps, sync) * 1e3, 1)}
 
 
 def profile(fns: dict, sync, out: Path, stem: str, device: torch.device, with_stack: bool = False) -> list[str]:

@@ -12,34 +12,48 @@ import torch
 from gdr_dispatch.autotune import measure_ms, relative_error  # noqa: F401  (re-exported for the scripts)
 
 
-def host_enqueue_ms(fn: Callable[[], object], reps: int = 5) -> float:
-    """Median host time of one call's enqueue in ms, the GPU drained before each (no sync
-    inside). Near `measure_ms`'s reading the call is host-bound: eager, the split's time at B1
-    T32768 H4 is its host's (docs/kernels.md, "The split")."""
+def host_enqueue_ms(fn: Callable[[], object], reps: int = 5, sync: Callable[[], None] = torch.cuda.synchronize) -> float:
+    """Median host time of one call's enqueue in ms, the device drained (`sync`) before each (no
+    sync inside). Near `measure_ms`'s reading the call is host-bound: eager, the split's time at
+    B1 T32768 H4 is its host's (docs/kernels.md, "The split")."""
     out = []
     for _ in range(reps):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         fn()
         out.append((time.perf_counter() - t0) * 1e3)
-    torch.cuda.synchronize()
+    sync()
     return statistics.median(out)
 
 
-def back_to_back_ms(fn: Callable[[], object], n: int = 20, warmup: int = 2) -> float:
-    """Mean ms per call of `n` calls enqueued back to back with one sync at the end (GPU time,
-    the host's enqueue hidden behind the queue), beside `measure_ms`'s per-call median (a sync
-    after each: what a latency-bound step sees)."""
+def latency_ms(fn: Callable[[], object], reps: int, sync: Callable[[], None] = torch.cuda.synchronize) -> float:
+    """Median wall time of one call between two syncs (what a step that waits on each call sees)."""
+    out = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(out)
+
+
+def back_to_back_ms(fn: Callable[[], object], n: int = 20, warmup: int = 2,
+                    sync: Callable[[], None] = torch.cuda.synchronize, rounds: int = 1) -> float:
+    """Mean ms per call of `n` calls enqueued back to back with one sync after them (GPU time, the
+    host's enqueue hidden behind the queue; median of `rounds`), beside `measure_ms`'s per-call
+    median (a sync after each: what a latency-bound step sees)."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / n
+    out = []
+    for _ in range(rounds):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        sync()
+        out.append((time.perf_counter() - t0) * 1e3 / n)
+    return statistics.median(out)
 
 
 def more_rounds(runners: dict, runs: dict, rounds: int, measure: Callable) -> None:

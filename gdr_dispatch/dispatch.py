@@ -281,6 +281,19 @@ def _decide_and_run(call: GDRCall) -> tuple[GDRGrads, Optional[Callable[[GDRCall
         for w in wrappers():
             runner = functools.partial(w.forced, n=segments, run=_run, inner=forced)
             return runner(call), runner
+    grads, choice = _chosen(call)
+    once = choice.source == STATIC and choice.detail == CAPTURING
+    return grads, None if once else choice.backend.run
+
+
+def _run(call: GDRCall) -> GDRGrads:
+    """One validated call on the backend the dispatcher picks for it (the split's segments)."""
+    return _chosen(call)[0]
+
+
+def _chosen(call: GDRCall) -> tuple[GDRGrads, Choice]:
+    """The dispatcher's pick for `call`, logged once, and its gradients (the autotuner's when
+    choosing ran it)."""
     problem = Problem.from_call(call)
     choice = select_backend(problem, call)
     _log_choice(problem, choice)
@@ -291,20 +304,4 @@ def _decide_and_run(call: GDRCall) -> tuple[GDRGrads, Optional[Callable[[GDRCall
     if checked not in _outputs_checked:
         check_outputs(call, grads, choice.backend.name)
         _outputs_checked[checked] = True
-    once = choice.source == STATIC and choice.detail == CAPTURING
-    return grads, None if once else choice.backend.run
-
-
-def _run(call: GDRCall) -> GDRGrads:
-    """One validated call on the backend the dispatcher picks for it (the split's segments)."""
-    problem = Problem.from_call(call)
-    choice = select_backend(problem, call)
-    _log_choice(problem, choice)
-    if choice.grads is not None:
-        return choice.grads
-    grads = choice.backend.run(call)
-    checked = (choice.backend.name, problem.table_key())
-    if checked not in _outputs_checked:
-        check_outputs(call, grads, choice.backend.name)
-        _outputs_checked[checked] = True
-    return grads
+    return grads, choice

@@ -323,28 +323,19 @@ def state() -> tuple:
 def decision_env() -> tuple[str, ...]:
     """Every environment variable a call's choice of backend reads: gdr_dispatch's own
     (`env.DECIDING`) and each registered backend's (`Backend.env_vars`), once per generation."""
-    return _decision_env(_generation[0])
-
-
-@functools.lru_cache(maxsize=8)
-def _decision_env(generation: int) -> tuple[str, ...]:
-    _load_builtin_backends()
-    names = set(env.DECIDING)
-    for b in _REGISTRY.values():
-        names.update(b.env_vars)
-    return tuple(sorted(names))
+    return _env_names(env.DECIDING, _generation[0])
 
 
 def forward_env() -> tuple[str, ...]:
     """The environment variables the training op's choice of forward reads (`env.FORWARD_DECIDING`
     and each registered backend's), once per generation."""
-    return _forward_env(_generation[0])
+    return _env_names(env.FORWARD_DECIDING, _generation[0])
 
 
-@functools.lru_cache(maxsize=8)
-def _forward_env(generation: int) -> tuple[str, ...]:
+@functools.lru_cache(maxsize=16)
+def _env_names(own: tuple[str, ...], generation: int) -> tuple[str, ...]:
     _load_builtin_backends()
-    names = set(env.FORWARD_DECIDING)
+    names = set(own)
     for b in _REGISTRY.values():
         names.update(b.env_vars)
     return tuple(sorted(names))

@@ -3,9 +3,7 @@ bounded number of the core's Python calls and at most `HOST_BUDGET_US` of host t
 picked backend's own `run`. Skipped without CUDA (tests/conftest.py); the CPU side is
 tests/test_hot_path.py, the full measurement bench/bench_hot_path.py."""
 
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,9 @@ from gdr_dispatch import Problem, fused_gdr_bwd
 from gdr_dispatch.contract import validate
 from gdr_dispatch.dispatch import select_backend
 from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # the bench's timers
+from timing import host_enqueue_ms  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -26,14 +27,7 @@ SHAPES = [ShapeSpec(B=4, T=4096, H=16, h="given"), ShapeSpec(B=4, T=4096, H=16, 
 
 
 def host_us(fn, reps=50):
-    out = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(out)
+    return host_enqueue_ms(fn, reps) * 1e3
 
 
 def picked(kwargs):

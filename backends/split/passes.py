@@ -145,6 +145,7 @@ class Segments:
     roles: tuple
     token_offsets: tuple  # S + 1
     seg_offsets: tuple  # N + 1
+    first_chunks: tuple  # each segment's first chunk among all sequences' chunks (a row of `h`)
 
     @property
     def max_per_sequence(self) -> int:
@@ -160,6 +161,16 @@ class Segments:
     def lasts(self) -> tuple:
         return (tuple(b - 1 for a, b in zip(self.seg_offsets, self.seg_offsets[1:]) if b > a),
                 tuple(n for n, (a, b) in enumerate(zip(self.seg_offsets, self.seg_offsets[1:])) if b > a))
+
+    @functools.cached_property
+    def with_next(self) -> tuple:
+        """The segments another of their sequence follows."""
+        return tuple(j for j, role in enumerate(self.roles) if not role & 2)
+
+    @functools.cached_property
+    def with_prev(self) -> tuple:
+        """The segments that follow another of their sequence."""
+        return tuple(j for j, role in enumerate(self.roles) if not role & 1)
 
     def at_place(self, p: int, with_next: bool) -> tuple:
         """The segments at place `p` of their sequence (those followed by another, `with_next`)."""
@@ -182,8 +193,10 @@ def segments_of(seq_lens: tuple, BT: int, segments: int) -> Segments:
             place.append(j)
             roles.append((j == 0) | ((j == len(pieces) - 1) << 1))
         seg_offsets.append(len(lens))
+    chunk0 = list(itertools.accumulate([0] + chunk_counts(seq_lens, BT)))
     return Segments(s, n_seg, tuple(lens), tuple(seq), tuple(place), tuple(roles),
-                    tuple(itertools.accumulate([0] + lens)), tuple(seg_offsets))
+                    tuple(itertools.accumulate([0] + lens)), tuple(seg_offsets),
+                    tuple(chunk0[n] + j * s for n, j in zip(seq, place)))
 
 
 def segment_plan(call: GDRCall, segments: int):
@@ -297,14 +310,12 @@ def _shifted(segs: Segments, r, d):
     starts = None
     if r is not None:
         starts = torch.empty(r.shape, dtype=r.dtype, device=dev)  # contiguous: the chain completes it in place
-        has_next = tuple(j for j, role in enumerate(segs.roles) if not role & 2)
-        if has_next:
-            src = device_constant(has_next, torch.int64, dev)
+        if segs.with_next:
+            src = device_constant(segs.with_next, torch.int64, dev)
             starts[src + 1] = r[src]
     ends = torch.empty(d.shape, dtype=d.dtype, device=dev)
-    has_prev = tuple(j for j, role in enumerate(segs.roles) if not role & 1)
-    if has_prev:
-        src = device_constant(has_prev, torch.int64, dev)
+    if segs.with_prev:
+        src = device_constant(segs.with_prev, torch.int64, dev)
         ends[src - 1] = d[src]
     return starts, ends
 
@@ -333,7 +344,7 @@ def _torch_pieces(call: GDRCall, segs: Segments, need_starts: bool):
     `segment_maps.segment_pieces`' layout. A segment's windows are its compositions with the
     chunks outside them replaced by zero maps (before the forward window, after the backward one)."""
     acc = call.acc_dtype
-    N, H, K, V, BT = call.N, call.H, call.K, call.V, call.chunk_size
+    N, H, K, BT = call.N, call.H, call.K, call.chunk_size
     s, n_seg = segs.s, segs.n_seg
     dev = call.q.device
     lay, M, R, D = chunk_maps(call)  # [N, C, H, ...]; chunks past a sequence's end are not maps yet
@@ -396,12 +407,10 @@ def _run_segments(call: GDRCall, segs: Segments, seg_call: GDRCall, starts, ends
     (`starts`, or the caller's `h` at their first chunks) and end gradients; `states`, if given,
     makes pass 3's `h` from the start states."""
     acc = call.acc_dtype
-    H, K, V, BT = call.H, call.K, call.V, call.chunk_size
+    H, K, V = call.H, call.K, call.V
     dev = call.q.device
     if call.h is not None:  # every segment starts on a real chunk: the caller's state there (as unsplit)
-        first_chunk = list(itertools.accumulate([0] + chunk_counts(call.seq_lens, BT)))
-        rows = device_constant(tuple(first_chunk[n] + j * segs.s for n, j in zip(segs.seq, segs.place)),
-                               torch.int64, dev)
+        rows = device_constant(segs.first_chunks, torch.int64, dev)
         init = cm.states_in(call.h, call.state_v_first).reshape(-1, H, K, V)[rows].to(acc)
     else:
         init = starts
