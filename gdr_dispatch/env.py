@@ -37,7 +37,7 @@ TUNING_CACHE = "GDR_TUNING_CACHE"
 #: XDG_CACHE_HOME and HOME locate the user table when GDR_TUNING_CACHE is unset.
 DECIDING = (BACKEND, AUTOTUNE, AUTOTUNE_ALL, CP, ALLOW_UNVERIFIED, TUNING_CACHE, "XDG_CACHE_HOME", "HOME")
 #: What the training op's choice of forward reads (with each backend's `env_vars`).
-FORWARD_DECIDING = (FORWARD, ALLOW_UNVERIFIED)
+FORWARD_DECIDING = (FORWARD, AUTOTUNE, CP, ALLOW_UNVERIFIED, TUNING_CACHE, "XDG_CACHE_HOME", "HOME")
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")

@@ -111,6 +111,7 @@ class Problem:
     state_v_first: bool
     device: DeviceInfo
     versions: tuple[tuple[str, Optional[str]], ...]
+    forward: bool = False  # the training op's forward (its own table entries: gdr_dispatch/training.py)
 
     @property
     def grouped(self) -> bool:
@@ -128,7 +129,7 @@ class Problem:
 
     @property
     def flags(self) -> tuple[str, ...]:
-        names = ("varlen", "grouped", "h_given", "has_dht", "has_initial_state", "state_v_first")
+        names = ("varlen", "grouped", "h_given", "has_dht", "has_initial_state", "state_v_first", "forward")
         return tuple(n for n in names if getattr(self, n))
 
     def version(self, lib: str) -> Optional[str]:
@@ -169,7 +170,7 @@ class Problem:
             f"{seqs} T{self.T} H{self.H} Hg{self.Hg} K{self.K} V{self.V} {self.dtype}"
             f" h={'given' if self.h_given else 'None'}"
             + (" dht" if self.has_dht else "") + (" h0" if self.has_initial_state else "")
-            + (" v_first" if self.state_v_first else "")
+            + (" v_first" if self.state_v_first else "") + (" (forward)" if self.forward else "")
         )
 
     @staticmethod

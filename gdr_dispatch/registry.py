@@ -278,6 +278,11 @@ class Wrapper:
         `thorough`, else the few a table miss times."""
         return {}
 
+    def forward_candidates(self, problem: Problem, offers: dict[str, Backend]) -> dict[str, Backend]:
+        """The wrapped forwards worth measuring for the training op's forward `problem`, built on
+        `offers` (the forward providers that take it)."""
+        return {}
+
     def wrap(self, inner: Backend, n: int) -> Backend:
         raise NotImplementedError
 

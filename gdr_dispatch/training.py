@@ -34,16 +34,16 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import replace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-from . import env, plans
-from .caches import Memo, first_time
+from . import env, plans, tuning_table
+from .caches import Memo, first_time, memo
 from .contract import check_forward_structure, check_scale, packed, sequence_lengths
 from .graph_safe import offsets_of, remember, remembered
 from .problem import Problem, device_info, library_versions
-from .registry import get_backend, registered_backends
+from .registry import get_backend, registered_backends, wrappers
 
 CHUNK = 64
 log = logging.getLogger("gdr_dispatch")
@@ -65,7 +65,7 @@ def forward_problem(q, v, beta, initial_state, cu_seqlens, state_v_first, seq_le
     B, T, Hg, K = q.shape
     H, V = v.shape[2], v.shape[3]
     lens = list(seq_lens if seq_lens is not None else sequence_lengths(cu_seqlens, B, T))
-    return Problem(B=B, T=T, H=H, Hg=Hg, K=K, V=V, N=len(lens), chunk_size=CHUNK,
+    return Problem(B=B, T=T, H=H, Hg=Hg, K=K, V=V, N=len(lens), chunk_size=CHUNK, forward=True,
                    num_chunks=sum(-(-n // CHUNK) for n in lens), max_seqlen=max(lens, default=0),
                    dtype=_dt(q), a_dtype=_dt(q), b_dtype=_dt(beta), h_dtype=None, state_dtype=_dt(initial_state),
                    varlen=cu_seqlens is not None, h_given=False, has_dht=False,
@@ -73,11 +73,19 @@ def forward_problem(q, v, beta, initial_state, cu_seqlens, state_v_first, seq_le
                    device=device_info(q.device), versions=tuple(library_versions().items()))
 
 
-def forward_choice(problem: Problem):
-    """`(backend, how)`: the backend whose `forward` runs and how it was chosen. The one
-    `GDR_FORWARD` names (an error, with its reasons, if it cannot take the call), else the lowest
-    `forward_rank` that can; `how` names the ones ranked before it and why they refused. Read
-    per call."""
+_forward_decided = memo("forward decisions")  # table key -> (backend, how), from a table or a measurement
+
+
+def forward_choice(problem: Problem, measure_on: Optional[Callable] = None):
+    """`(backend, how)`: the backend whose `forward` runs and how it was chosen.
+
+    In order: the one `GDR_FORWARD` names (an error, with its reasons, if it cannot take the
+    call; `<provider>@split<n>` too); a tuning-table entry for the forward (its key carries the
+    `forward` flag); on a starved grid, where the split's forwards are candidates, a measurement
+    of every candidate on the call's inputs (`measure_on(backend)` runs one; autotuning allowed),
+    stored in the user's table; else the lowest `forward_rank` that takes the call (on a full grid
+    the ranks are the measured order: docs/design.md, "The training op"). `how` names the
+    ones passed over and why."""
     forced = env.forced_forward_name()
     if forced:
         backend = get_backend(forced, what=f"{env.FORWARD}={forced}")
@@ -85,15 +93,86 @@ def forward_choice(problem: Problem):
         if not ok:
             raise ValueError(f"{env.FORWARD}={forced}: its forward cannot take {problem.describe()}: {why}")
         return backend, env.FORWARD
-    refusals = []
-    offers = [b for b in registered_backends().values() if b.forward_rank is not None]
-    for backend in sorted(offers, key=lambda b: b.forward_rank):
+    key = problem.table_key()
+    decided = _forward_decided.get(key)
+    if decided is not None and decided[0].forward_supported(problem)[0]:
+        return decided
+    refusals, offers = [], {}
+    for backend in sorted((b for b in registered_backends().values() if b.forward_rank is not None),
+                          key=lambda b: b.forward_rank):
         ok, why = backend.forward_supported(problem)
         if ok:
-            return backend, "lowest forward_rank that takes it" + (
-                f"; passed over {'; '.join(refusals)}" if refusals else "")
-        refusals.append(f"{backend.name}: {why}")
-    raise RuntimeError(f"no backend's forward takes {problem.describe()}: " + "; ".join(refusals))
+            offers[backend.name] = backend
+        else:
+            refusals.append(f"{backend.name}: {why}")
+    if not offers:
+        raise RuntimeError(f"no backend's forward takes {problem.describe()}: " + "; ".join(refusals))
+    # the exact torch math (`Backend.reference`) is never worth measuring beside kernels
+    first = next(iter(offers.values()))
+    candidates = {n: b for n, b in offers.items() if not b.reference or b is first}
+    for w in wrappers():
+        candidates.update(w.forward_candidates(problem, offers))
+    for hit in tuning_table.lookup(problem.device.slug, problem.problem_key(), problem.versions_key()):
+        winner = hit.entry.get("winner")
+        if winner in candidates:
+            _forward_decided[key] = (candidates[winner], f"table {hit.path}")
+            return _forward_decided[key]
+        if hit.exact:
+            log.warning("gdr_dispatch: table %s names %r for %s, which cannot take it now; ignoring the entry",
+                        hit.path, winner, problem.describe())
+    if any(n not in offers for n in candidates) and measure_on is not None:
+        from .dispatch import autotune_block_reason
+
+        if autotune_block_reason(problem, True) is None:
+            entry = _measure_forwards(problem, candidates, next(iter(offers)), measure_on)
+            try:
+                where = f"stored in {tuning_table.record(problem.device.slug, problem.device.name, {key: entry})}"
+            except OSError as e:
+                log.warning("gdr_dispatch: could not write the tuning table (%s); keeping the choice in memory", e)
+                where = "not stored"
+            _forward_decided[key] = (candidates[entry["winner"]], f"measured, {where}")
+            return _forward_decided[key]
+    return first, "lowest forward_rank that takes it" + (f"; passed over {'; '.join(refusals)}" if refusals else "")
+
+
+def _measure_forwards(problem: Problem, candidates: dict, reference: str, measure_on: Callable) -> dict:
+    """Time every candidate forward on the call's inputs and cross-check each output and final
+    state against `reference`'s (the lowest-ranked provider, unsplit): the table entry."""
+    from .autotune import AGREEMENT_TOL, measure_ms, relative_error, waiting
+    from .tuning_table import now_iso
+
+    say = waiting(f"first call of the op's forward at {problem.describe()}: no tuning-table entry, so its "
+                  f"{len(candidates)} candidates (providers and their splits) are measured on it")
+    results, outputs = {}, {}
+    for i, (name, backend) in enumerate(candidates.items(), 1):
+        try:
+            outputs[name] = measure_on(backend)
+            results[name] = {"ms": round(measure_ms(lambda: measure_on(backend), problem.device.type), 4)}
+        except Exception as e:  # a candidate that breaks is recorded, never chosen
+            outputs.pop(name, None)
+            results[name] = {"failed": f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
+        say(f"forward [{i}/{len(candidates)}] {name}: " + (f"{results[name]['ms']} ms" if "ms" in results[name]
+                                                            else results[name]["failed"]))
+    tol = AGREEMENT_TOL[problem.dtype]
+    ref = outputs.get(reference)
+    for name, out in outputs.items():
+        if ref is None or name == reference:
+            continue
+        for what, i in (("o", 0), ("final_state", 1)):
+            err = relative_error(out[i], ref[i]) if out[i] is not None and ref[i] is not None else 0.0
+            if not err <= tol:
+                results[name] = {"failed": f"disagrees with {reference}: {what} relative error {err:.3g} > {tol:g}",
+                                 "ms": results[name].get("ms")}
+                break
+    timed = {n: r["ms"] for n, r in results.items() if "ms" in r and "failed" not in r}
+    if not timed:
+        raise RuntimeError(f"every forward failed at {problem.describe()}: "
+                           + "; ".join(f"{n}: {r.get('failed')}" for n, r in results.items()))
+    winner = min(timed, key=timed.get)
+    log.warning("gdr_dispatch: the op's forward at %s: %s picked (%.3f ms); later calls take it from the table",
+                problem.describe(), winner, timed[winner])
+    return {"problem": problem.describe(), "winner": winner, "candidates": results,
+            "cross_check": {"reference": reference if ref is not None else None, "tol": tol}, "measured_at": now_iso()}
 
 
 def select_forward(problem: Problem):
@@ -104,7 +183,7 @@ def select_forward(problem: Problem):
 def forward_view(problem: Problem) -> Problem:
     """A backward call's problem as the training op's forward sees it: no `h`, no `dht`, `a`
     still to be made (in q's dtype)."""
-    return replace(problem, h_given=False, h_dtype=None, has_dht=False, a_dtype=problem.dtype)
+    return replace(problem, h_given=False, h_dtype=None, has_dht=False, a_dtype=problem.dtype, forward=True)
 
 
 @torch.library.custom_op("gdr_dispatch::chunk_gdr_fwd", mutates_args=())
@@ -126,7 +205,9 @@ def chunk_gdr_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     backend = plan.backends.get(variant)
     if backend is None:
         problem = forward_problem(q, v, beta, initial_state, cu_seqlens, state_v_first, seq_lens)
-        backend, how = forward_choice(problem)
+        backend, how = forward_choice(problem, measure_on=lambda b: b.forward(
+            q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, output_final_state, CHUNK,
+            need_states=save_states)[:2])
         if first_time(("forward", problem.table_key(), backend.name)):
             log.info("gdr_dispatch: forward %s for %s (%s)", backend.name, problem.describe(), how)
         if key is not None:

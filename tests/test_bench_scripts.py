@@ -170,7 +170,8 @@ def test_training_bench_forces_a_forward_provider_for_the_step(monkeypatch):
     monkeypatch.delenv("GDR_FORWARD", raising=False)
     seen = []
     real = training.forward_choice
-    monkeypatch.setattr(training, "forward_choice", lambda p: seen.append(bt.os.environ.get("GDR_FORWARD")) or real(p))
+    monkeypatch.setattr(training, "forward_choice",
+                        lambda p, **kw: seen.append(bt.os.environ.get("GDR_FORWARD")) or real(p, **kw))
     runner = bt.runners(forwards=["torch"])["ours/fwd=torch"]
     bt.step(runner, bt.step_inputs(ShapeSpec(B=1, T=40, H=2, K=16, V=16, dtype="float64"), "cpu"))
     assert seen == ["torch"] and "GDR_FORWARD" not in bt.os.environ

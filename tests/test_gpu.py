@@ -465,3 +465,43 @@ def test_decay_aware_split_in_float32_on_gpu(gate, monkeypatch):
     for n in whole._fields:
         if getattr(whole, n) is not None:
             assert relative_error(getattr(split, n), getattr(whole, n)) < 1e-4, n
+
+
+@pytest.mark.parametrize("provider", ["flash_qla", "fla"])
+@pytest.mark.parametrize("gate", DECAY_GATES)
+def test_split_forward_equals_the_whole_on_gpu(provider, gate, monkeypatch):
+    """The op's forward as `<provider>@split8` (backends/split/forward.py) against the provider
+    whole, at strong, weak and mixed gates, one sequence (no initial state) and a GVA pack with
+    `state_v_first` and h0: outputs, final states and residuals to 16-bit rounding, and the
+    gradients through the op."""
+    import torch.nn.functional as F
+
+    from gdr_dispatch import chunk_gated_delta_rule, clear_caches
+    from gdr_dispatch.shapes import log_decay
+
+    if provider not in registered_backends():
+        pytest.skip(f"{provider} not registered here")
+    for seqlens, Hg, v_first, h0 in (((8192,), 4, False, False), ((3000, 63, 5000, 129), 2, True, True)):
+        gen = torch.Generator().manual_seed(11)
+        T, H, K = sum(seqlens), 4, 128
+        spec = ShapeSpec(seqlens=seqlens, H=H, Hg=Hg, K=K, V=K, gate=gate)
+        q = torch.randn(1, T, Hg, K, generator=gen).cuda().bfloat16()
+        k = F.normalize(torch.randn(1, T, Hg, K, generator=gen), dim=-1).cuda().bfloat16()
+        v = torch.randn(1, T, H, K, generator=gen).cuda().bfloat16()
+        g = log_decay(spec, gen).float().cuda()
+        beta = torch.rand(1, T, H, generator=gen).cuda().bfloat16()
+        init = torch.randn(len(seqlens), H, K, K, generator=gen).cuda() if h0 else None
+        cu = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        outs = {}
+        for name in (provider, f"{provider}@split8"):
+            monkeypatch.setenv("GDR_FORWARD", name)
+            clear_caches()
+            raw = torch.ops.gdr_dispatch.chunk_gdr_fwd(q, k, v, g, beta, init, cu, K ** -0.5, True, v_first, True)
+            leaves = [x.clone().requires_grad_(True) for x in (q, k, v, g, beta)]
+            o, ht = chunk_gated_delta_rule(*leaves, initial_state=init, output_final_state=True, cu_seqlens=cu,
+                                           state_v_first=v_first)
+            ((o.float() * o.detach().float().sin()).sum() + (ht * ht.detach().cos()).sum()).backward()
+            outs[name] = list(raw) + [x.grad for x in leaves]
+        names = ("o", "final_state", "G", "a", "h", "dq", "dk", "dv", "dg", "dbeta")
+        errs = {n: relative_error(a, b) for n, a, b in zip(names, outs[f"{provider}@split8"], outs[provider])}
+        assert max(errs.values()) < 2e-2, (seqlens, errs)

@@ -306,12 +306,6 @@ def _check_segments_call(seg_call, what: str) -> None:
         raise ValueError(f"{what}: expects the segments as one varlen call (B == 1, cu_seqlens set)")
 
 
-def _operands(seg_call):
-    q, k, v, do, a = (x.contiguous() for x in (seg_call.q, seg_call.k, seg_call.v, seg_call.do, seg_call.a))
-    g, b = seg_call.g.float().contiguous(), seg_call.b.contiguous()
-    return q, k, v, do, a, g, b, seg_call.cu_seqlens.to(torch.int32).contiguous()
-
-
 def segment_maps(seg_call, need_r: bool = True):
     """Pass 1 on the kernels: each sequence of `seg_call` (the segments as one varlen call, K x V
     state layout) is one segment; returns `(M, R, D)` fp32, `[S, H, K, K]`, `[S, H, K, V]` (None
@@ -334,29 +328,34 @@ def decay_plan(seg_call, threshold: float, max_chunks: int) -> torch.Tensor:
     return plan
 
 
-def segment_pieces(seg_call, plan: torch.Tensor, roles: torch.Tensor, need_starts: bool = True):
+def segment_pieces(seg_call, plan: torch.Tensor, roles: torch.Tensor, need_starts: bool = True,
+                   need_ends: bool = True):
     """Pass 1 of the decay-aware split (docs/kernels.md, "The split") on the kernels, for the
     segments of `seg_call` with `plan` (`decay_plan`) and `roles` (int32 `[S]`: bit 0 a sequence's
     first segment, bit 1 its last): `(M, starts, ends)` fp32. `starts[n]` holds segment n - 1's end
     state from a zero start over its window (none for a sequence's first segment; not computed
     without `need_starts`, then None), `ends[n]` segment n + 1's start gradient from a zero end
-    gradient over its window (none for a sequence's last), `M[n]` segment n's map where the plan
+    gradient over its window (none for a sequence's last; not computed without `need_ends`: the
+    op's forward, whose `do` does not exist yet, then None), `M[n]` segment n's map where the plan
     says exact. `segment_scan.chain` then completes both in place."""
     _check_segments_call(seg_call, "segment_pieces")
-    return _maps(seg_call, plan, roles, need_starts)
+    return _maps(seg_call, plan, roles, need_starts, need_ends)
 
 
-def _maps(seg_call, plan, roles, need_r: bool):
-    """Both walks over every segment: `(M, R or None, D)`, exact without a `plan`, else as
-    `segment_pieces` says (R then holds the next segments' starts, D the previous ends)."""
+def _maps(seg_call, plan, roles, need_r: bool, need_d: bool = True):
+    """Both walks over every segment (the backward one only with `need_d`): `(M, R or None, D or
+    None)`, exact without a `plan`, else as `segment_pieces` says (R then holds the next segments'
+    starts, D the previous ends)."""
     K, V, H, Hg, BT = seg_call.K, seg_call.V, seg_call.H, seg_call.Hg, seg_call.chunk_size
     n_seg = seg_call.N
     dev = seg_call.q.device
     bc = min(BC, K, V)
-    q, k, v, do, a, g, b, cu = _operands(seg_call)
+    k, v, a = (x.contiguous() for x in (seg_call.k, seg_call.v, seg_call.a))
+    g, b = seg_call.g.float().contiguous(), seg_call.b.contiguous()
+    cu = seg_call.cu_seqlens.to(torch.int32).contiguous()
     M = torch.empty(n_seg, H, K, K, dtype=torch.float32, device=dev)
     R = torch.empty(n_seg, H, K, V, dtype=torch.float32, device=dev) if need_r else None
-    D = torch.empty(n_seg, H, K, V, dtype=torch.float32, device=dev)
+    D = torch.empty(n_seg, H, K, V, dtype=torch.float32, device=dev) if need_d else None
     # stand-in pointers, never used: M for R where no program stores R, and for the plan without one
     with_plan = plan is not None
     plan, roles = (plan, roles) if with_plan else (M, M)
@@ -364,9 +363,11 @@ def _maps(seg_call, plan, roles, need_r: bool):
     _forward_maps[(n_seg * H, ncol // bc)](k, v, a, g, b, cu, M, M if R is None else R, plan, roles, Hg, H,
                                            K=K, V=V, BT=BT, BC=bc, PLAN=with_plan, num_warps=NUM_WARPS,
                                            num_stages=NUM_STAGES)
-    _backward_maps[(n_seg * H, V // bc)](q, k, a, g, b, do, cu, D, plan, roles, float(seg_call.scale), Hg, H,
-                                         K=K, V=V, BT=BT, BC=bc, PLAN=with_plan, num_warps=NUM_WARPS,
-                                         num_stages=NUM_STAGES)
+    if need_d:
+        q, do = seg_call.q.contiguous(), seg_call.do.contiguous()
+        _backward_maps[(n_seg * H, V // bc)](q, k, a, g, b, do, cu, D, plan, roles, float(seg_call.scale), Hg, H,
+                                             K=K, V=V, BT=BT, BC=bc, PLAN=with_plan, num_warps=NUM_WARPS,
+                                             num_stages=NUM_STAGES)
     return M, R, D
 
 

@@ -100,23 +100,28 @@ def not_supported_reason(K: int, V: int, dtype: torch.dtype, device: torch.devic
     return ""
 
 
-def chain(M: torch.Tensor, starts, ends: torch.Tensor, plan: torch.Tensor, seg_offsets: torch.Tensor,
+def chain(M: torch.Tensor, starts, ends, plan: torch.Tensor, seg_offsets: torch.Tensor,
           max_segments: int, S0=None, G_end=None) -> None:
     """Completes pass 1's `starts` and `ends` (`[S, H, K, V]` fp32, module docstring) in place:
-    every segment's exact start state (None: not wanted, `h` is given) and end-state gradient.
+    every segment's exact start state (None: not wanted, `h` is given) and end-state gradient
+    (None: not wanted, the op's forward; not both None).
     `M` `[S, H, K, K]` (read where `plan` `[S, H, 2]` says exact), `seg_offsets` int32 `[N + 1]`
     (sequence n's segments), `max_segments` the most any sequence has, `S0` / `G_end` `[N, H,
     K, V]` fp32 the sequences' initial states and final-state gradients (None: 0)."""
     for name, x in (("starts", starts), ("ends", ends)):
         if x is not None and not x.is_contiguous():
             raise ValueError(f"chain: {name} must be contiguous (it is completed in place)")
+    if starts is None and ends is None:
+        raise ValueError("chain: nothing to complete (starts and ends both None)")
     M, plan = M.contiguous(), plan.contiguous()  # a provider's M may be a slice of its [M | R]
     N = seg_offsets.shape[0] - 1
-    H, K, V = ends.shape[1], ends.shape[2], ends.shape[3]
+    some = ends if ends is not None else starts
+    H, K, V = some.shape[1], some.shape[2], some.shape[3]
     bv = min(BV, V)
-    # absent tensors: `ends` stands in as a pointer never read
-    _chain[(N * H, V // bv, 1 if starts is None else 2)](
-        M, ends if starts is None else starts, ends, plan, seg_offsets, ends if S0 is None else S0.contiguous(),
-        ends if G_end is None else G_end.contiguous(), H, K=K, V=V, BV=bv,
+    directions = (starts is not None) + (ends is not None)
+    # absent tensors: `some` stands in as a pointer never read
+    _chain[(N * H, V // bv, directions)](
+        M, some if starts is None else starts, some if ends is None else ends, plan, seg_offsets,
+        some if S0 is None else S0.contiguous(), some if G_end is None else G_end.contiguous(), H, K=K, V=V, BV=bv,
         NSEG=triton.next_power_of_2(max(1, max_segments)), HAS_S0=S0 is not None, HAS_G_END=G_end is not None,
         FIRST_DIRECTION=1 if starts is None else 0, num_warps=NUM_WARPS, num_stages=NUM_STAGES)

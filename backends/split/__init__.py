@@ -78,6 +78,23 @@ class SplitBackend(Backend):
         ok, why = self.inner.supported(inner)
         return [] if ok else [f"{self.inner.name} on the segments: {why}"]
 
+    def forward_not_supported_reasons(self, p: Problem) -> list[str]:
+        if self.inner.forward_rank is None:
+            return [f"{self.inner.name} offers no forward"]
+        # the segments are one varlen call from their start states, in the accumulation dtype
+        inner = replace(p, B=1, T=p.B * p.T, varlen=True, has_initial_state=True,
+                        state_dtype="float64" if p.dtype == "float64" else "float32", max_seqlen=None,
+                        N=p.N * self.segments)
+        ok, why = self.inner.forward_supported(inner)
+        return [] if ok else [f"{self.inner.name}'s forward on the segments: {why}"]
+
+    def forward(self, q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, need_final, chunk_size,
+                need_states=True):
+        from .forward import split_forward
+
+        return split_forward(self.inner.forward, self.segments, q, k, v, g, beta, scale, initial_state, cu_seqlens,
+                             state_v_first, need_final, chunk_size, need_states=need_states)
+
     def run(self, call: GDRCall) -> GDRGrads:
         # eager it is host-bound at the starved shapes: from the second call on, a graph (graphs.py)
         return graphs.run(self.name, call, self._run)
@@ -122,6 +139,22 @@ class Split(Wrapper):
                 if backend.split_candidate:
                     split = SplitBackend(backend, segments)
                     if split.supported(problem)[0]:
+                        out[split.name] = split
+        return out
+
+    def forward_candidates(self, problem: Problem, offers: dict) -> dict:
+        """`<provider>@split<n>` for the op's forward on a starved grid, the counts a table miss
+        of the backward times: nothing with `GDR_CP=0`, on a CPU, or when the grid is full."""
+        if env.cp_segments() == 0 or problem.device.type != "cuda":
+            return {}
+        if problem.seq_head_ctas >= problem.device.sm_count:
+            return {}
+        out = {}
+        for segments in segment_counts(problem, thorough=False):
+            for backend in offers.values():
+                if backend.split_candidate and not backend.reference:
+                    split = SplitBackend(backend, segments)
+                    if split.forward_supported(problem)[0]:
                         out[split.name] = split
         return out
 

@@ -251,13 +251,31 @@ def split_backward(call: GDRCall, segments: int, run: Callable[[GDRCall], GDRGra
     `states_by_run`: with `h=None`, `run`'s backend recomputes the segments' chunk states itself
     (`Backend.own_state_recompute`); else pass 1's Triton kernels write them where they ran.
     """
-    acc = call.acc_dtype
-    H, K, V, BT = call.H, call.K, call.V, call.chunk_size
-    dev = call.q.device
-    segs = segments_of(tuple(call.seq_lens), BT, segments)
+    segs = segments_of(tuple(call.seq_lens), call.chunk_size, segments)
     flat, offsets = _segments_inputs(call, segs.token_offsets)
-    seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=BT)  # no states: pass 1's input
+    seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=call.chunk_size)  # no states
     need_starts = call.h is None  # with h given the starts come from h
+    provider, decay_aware, plan, M, starts, ends = pass_1(call, segs, seg_call, need_starts)
+    states = None if states_by_run else _states_kernel(call, seg_call, provider)
+    problem = Problem.from_call(call)
+    if first_time(("split passes", problem.table_key(), segments, provider, decay_aware, states_by_run)):
+        log.info("gdr_dispatch: split pass 1 (each segment's warm-up windows or exact maps) on %s, pass 2 (the "
+                 "chains) on %s, %sfor %s", pass_1_words(seg_call, provider, decay_aware),
+                 chain_words(call.K, call.V, call.acc_dtype, call.q.device),
+                 "pass 3's chunk states on gdr_dispatch's kernels (its backend takes h given), " if states
+                 else "pass 3's chunk states by its backend, " if states_by_run and call.h is None else "",
+                 problem.describe())
+    pass_2(call, segs, plan, M, starts, ends)
+    return _run_segments(call, segs, seg_call, starts, ends, run, states)
+
+
+def pass_1(call: GDRCall, segs: Segments, seg_call: GDRCall, need_starts: bool, need_ends: bool = True):
+    """Pass 1 for `call` cut into `segs` (`seg_call`: the segments as one varlen call):
+    `(provider, decay_aware, plan, M, starts, ends)` in `segment_maps.segment_pieces`' layout, on
+    our decay-aware kernels, else a backend's exact maps, else tensor products (decay-aware).
+    Without `need_ends` (the op's forward: `call.do` is a stand-in) the kernels skip the backward
+    walk and `ends` is None; the other providers form it anyway, from the stand-in, unread."""
+    acc, dev = call.acc_dtype, call.q.device
     provider, maps = pass_1_provider(seg_call)
     decay_aware = provider == OUR_MAPS and not _pieces_kernels_refusal(seg_call)
     if decay_aware:
@@ -265,41 +283,45 @@ def split_backward(call: GDRCall, segments: int, run: Callable[[GDRCall], GDRGra
 
         roles = device_constant(segs.roles, torch.int32, dev)
         plan = segment_maps.decay_plan(seg_call, threshold(torch.float32), segs.s)
-        M, starts, ends = segment_maps.segment_pieces(seg_call, plan, roles, need_starts)
+        M, starts, ends = segment_maps.segment_pieces(seg_call, plan, roles, need_starts, need_ends)
     elif maps is not None:  # exact maps on the provider's kernels: every segment joined through M
         m, r, d = maps(seg_call, need_r=need_starts)
-        plan = torch.zeros(len(segs.lens), H, 2, dtype=torch.int32, device=dev)
+        plan = torch.zeros(len(segs.lens), call.H, 2, dtype=torch.int32, device=dev)
         M = m.to(acc)
         starts, ends = _shifted(segs, None if r is None else r.to(acc), d.to(acc))
     else:
         plan, M, starts, ends = _torch_pieces(call, segs, need_starts)
-    states = None if states_by_run else _states_kernel(call, seg_call, provider)
-    problem = Problem.from_call(call)
-    kernels = _chain_kernels(K, V, acc, dev)
-    if first_time(("split passes", problem.table_key(), segments, provider, decay_aware, states_by_run)):
-        log.info("gdr_dispatch: split pass 1 (each segment's warm-up windows or exact maps) on %s, pass 2 (the "
-                 "chains) on %s, %sfor %s",
-                 ("our decay-aware Triton kernels" if decay_aware
-                  else f"{provider}'s kernels, every segment exact" if maps is not None
-                  else "torch products (decay-aware)")
-                 + ("" if decay_aware else f" (our Triton kernels: {_pieces_kernels_refusal(seg_call)})"),
-                 "a Triton kernel" if kernels is not None
-                 else f"torch products ({_chain_kernels_refusal(K, V, acc, dev)})",
-                 "pass 3's chunk states on gdr_dispatch's kernels (its backend takes h given), " if states
-                 else "pass 3's chunk states by its backend, " if states_by_run and call.h is None else "",
-                 problem.describe())
+    return provider, decay_aware, plan, M, starts, ends
 
-    # pass 2: the chains over every sequence's segments, in place
+
+def pass_1_words(seg_call: GDRCall, provider: str, decay_aware: bool) -> str:
+    """What ran pass 1, for the log line."""
+    if decay_aware:
+        return "our decay-aware Triton kernels"
+    return (f"{provider}'s kernels, every segment exact" if provider != "torch products"
+            else "torch products (decay-aware)") + f" (our Triton kernels: {_pieces_kernels_refusal(seg_call)})"
+
+
+def chain_words(K: int, V: int, acc: torch.dtype, dev: torch.device) -> str:
+    """What runs pass 2, for the log line."""
+    why = _chain_kernels_refusal(K, V, acc, dev)
+    return "a Triton kernel" if not why else f"torch products ({why})"
+
+
+def pass_2(call: GDRCall, segs: Segments, plan, M, starts, ends) -> None:
+    """The chains over every sequence's segments, completing `starts` and `ends` (either may be
+    None) in place, from the call's `initial_state` and `dht`."""
+    acc, dev = call.acc_dtype, call.q.device
     h0 = cm.states_in(call.initial_state, call.state_v_first)
     dht = cm.states_in(call.dht, call.state_v_first)
-    S0 = None if h0 is None else h0.to(acc)
-    G_end = None if dht is None else dht.to(acc)
+    S0 = None if h0 is None or starts is None else h0.to(acc)
+    G_end = None if dht is None or ends is None else dht.to(acc)
+    kernels = _chain_kernels(call.K, call.V, acc, dev)
     if kernels is not None:
         kernels.chain(M, starts, ends, plan, device_constant(segs.seg_offsets, torch.int32, dev),
                       segs.max_per_sequence, S0, G_end)
     else:
         _chain_torch(segs, plan, M, starts, ends, S0, G_end)
-    return _run_segments(call, segs, seg_call, starts, ends, run, states)
 
 
 def _shifted(segs: Segments, r, d):
@@ -382,7 +404,7 @@ def _torch_pieces(call: GDRCall, segs: Segments, need_starts: bool):
 
 def _chain_torch(segs: Segments, plan, M, starts, ends, S0, G_end) -> None:
     """`segment_scan.chain` in batched products, one step per place in the sequences."""
-    dev = ends.device
+    dev = plan.device
     exact = (plan[..., 0] == 0)[..., None, None]  # [S, H, 1, 1]
     for slots, lasts in ((starts, False), (ends, True)):
         if slots is None:
@@ -396,7 +418,7 @@ def _chain_torch(segs: Segments, plan, M, starts, ends, S0, G_end) -> None:
             j = device_constant(segs.at_place(p, with_next=True), torch.int64, dev)
             nxt = starts[j + 1]
             starts[j + 1] = torch.where(exact[j], M[j] @ starts[j] + nxt, nxt)
-    for p in range(segs.n_seg - 1, 0, -1):
+    for p in range(segs.n_seg - 1, 0, -1) if ends is not None else ():
         j = device_constant(segs.at_place(p, with_next=False), torch.int64, dev)
         prv = ends[j - 1]
         ends[j - 1] = torch.where(exact[j], M[j].transpose(-1, -2) @ ends[j] + prv, prv)

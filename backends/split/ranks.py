@@ -33,6 +33,7 @@ from gdr_dispatch.contract import (GDRGrads, _expect_tensor, check_cu_seqlens_fo
                                    validate)
 from gdr_dispatch.graph_safe import offsets_of
 
+from .forward import residuals
 from .passes import sequence_maps
 
 log = logging.getLogger("gdr_dispatch")
@@ -281,19 +282,6 @@ def _dh0_share(lay: RankLayout, dh0_pieces, G_end, v_first: bool, acc):
 # ---------------------------------------------------------------------------------------
 # chunk_gated_delta_rule(..., cp_group=...)
 # ---------------------------------------------------------------------------------------
-def _residuals(q, k, v, g, beta, cu, chunk_size):
-    """`(G, a)` of the pieces, before their start states are known."""
-    if q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16):
-        from ..common import fla_pipeline
-
-        G, a, _ = fla_pipeline.residuals(k, beta, g, cu, chunk_size)
-        return G, a
-    from gdr_dispatch.reference import prepare_residuals
-
-    res = prepare_residuals(q, k, v, g, beta, cu_seqlens=cu, chunk_size=chunk_size)
-    return res.g, res.a
-
-
 class _CPOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, state_v_first,
@@ -314,7 +302,7 @@ class _CPOp(torch.autograd.Function):
         if initial_state is not None:
             check_state("initial_state", initial_state, lay.N, H, K, V, state_v_first)
         cu = torch.tensor(lay.local_cu, dtype=torch.int32, device=q.device)
-        G, a = _residuals(q, k, v, g, beta, cu, chunk)
+        G, a = residuals(q, k, v, g, beta, cu, chunk)
         pc = validate(q, k, v, a.to(q.dtype), G.to(acc), beta, torch.zeros_like(v), scale=scale, cu_seqlens=cu,
                       chunk_size=chunk)
         M, R, _ = sequence_maps(pc, need_r=True)
