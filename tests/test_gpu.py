@@ -473,7 +473,7 @@ def test_split_forward_equals_the_whole_on_gpu(provider, gate, monkeypatch):
     """The op's forward as `<provider>@split8` (backends/split/forward.py) against the provider
     whole, at strong, weak and mixed gates, one sequence (no initial state) and a GVA pack with
     `state_v_first` and h0: outputs, final states and residuals to 16-bit rounding, and the
-    gradients through the op."""
+    gradients through the op; replayed from its CUDA graph, the same outputs."""
     import torch.nn.functional as F
 
     from gdr_dispatch import chunk_gated_delta_rule, clear_caches
@@ -497,6 +497,11 @@ def test_split_forward_equals_the_whole_on_gpu(provider, gate, monkeypatch):
             monkeypatch.setenv("GDR_FORWARD", name)
             clear_caches()
             raw = torch.ops.gdr_dispatch.chunk_gdr_fwd(q, k, v, g, beta, init, cu, K ** -0.5, True, v_first, True)
+            if "@split" in name:  # the second call captures a graph, the third replays it: the same outputs
+                for _ in range(2):
+                    again = torch.ops.gdr_dispatch.chunk_gdr_fwd(q, k, v, g, beta, init, cu, K ** -0.5, True,
+                                                                 v_first, True)
+                assert all(relative_error(a, b) < 1e-6 for a, b in zip(again, raw)), name
             leaves = [x.clone().requires_grad_(True) for x in (q, k, v, g, beta)]
             o, ht = chunk_gated_delta_rule(*leaves, initial_state=init, output_final_state=True, cu_seqlens=cu,
                                            state_v_first=v_first)

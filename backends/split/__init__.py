@@ -90,10 +90,20 @@ class SplitBackend(Backend):
 
     def forward(self, q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, need_final, chunk_size,
                 need_states=True):
-        from .forward import split_forward
+        from .forward import lengths, split_forward
 
-        return split_forward(self.inner.forward, self.segments, q, k, v, g, beta, scale, initial_state, cu_seqlens,
-                             state_v_first, need_final, chunk_size, need_states=need_states)
+        def fn(x):
+            return split_forward(self.inner.forward, self.segments, *x[:5], scale, x[5], x[6], state_v_first,
+                                 need_final, chunk_size, need_states=need_states)
+
+        tensors = (q, k, v, g, beta, initial_state, cu_seqlens)
+        if not graphs.wanted(q):
+            return fn(tensors)
+        # eager it is host-bound at the starved shapes, as the backward: from the second call, a graph
+        lens = lengths(cu_seqlens, q.shape[0], q.shape[1])
+        key = (f"{self.name} forward", tuple(None if x is None else (tuple(x.shape), x.dtype) for x in tensors),
+               lens, scale, state_v_first, need_final, need_states, chunk_size, str(q.device))
+        return graphs.run_tensors(f"{self.name} (the op's forward)", key, tensors, fn, lens)
 
     def run(self, call: GDRCall) -> GDRGrads:
         # eager it is host-bound at the starved shapes: from the second call on, a graph (graphs.py)

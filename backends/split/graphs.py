@@ -23,6 +23,7 @@ import torch
 
 from gdr_dispatch import caches, env
 from gdr_dispatch.contract import GDRCall, GDRGrads
+from gdr_dispatch.graph_safe import remember, remembered
 
 log = logging.getLogger("gdr_dispatch")
 
@@ -42,40 +43,54 @@ def key_of(name: str, call: GDRCall) -> tuple:
             call.state_v_first, str(call.q.device))
 
 
-def wanted(call: GDRCall) -> bool:
-    return call.q.is_cuda and env.split_graphs() and not torch.cuda.is_current_stream_capturing()
+def wanted(q: torch.Tensor) -> bool:
+    """Whether a split call on `q`'s device replays from graphs: on CUDA, outside a capture of the
+    caller's, unless GDR_SPLIT_GRAPHS=0."""
+    return q.is_cuda and env.split_graphs() and not torch.cuda.is_current_stream_capturing()
 
 
 def run(name: str, call: GDRCall, fn: Callable[[GDRCall], GDRGrads]) -> GDRGrads:
     """`fn(call)`, replayed from a graph from the second call with the same key on (module docstring)."""
-    if not wanted(call):
+    if not wanted(call.q):
         return fn(call)
-    key = key_of(name, call)
+
+    def on(tensors):
+        return tuple(fn(replace(call, **dict(zip(TENSORS, tensors)))))
+
+    return GDRGrads(*run_tensors(name, key_of(name, call), tuple(getattr(call, n) for n in TENSORS), on,
+                                 call.seq_lens))
+
+
+def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tuple], seq_lens: tuple) -> tuple:
+    """`fn(tensors)` (a tuple of tensors or None in, the same out), replayed from a graph from the
+    second call with the same `key` on: the eager split's backward (`run`) and the op's split
+    forward (forward.py). Inputs are copied into the graph's own; outputs come back as fresh copies."""
     hit = _graphs.get(key)
     if hit is None:
         state = _seen.get(key)
         if state is None:
             _seen[key] = "eager"
-            return fn(call)  # the warm-up: compiles, caches the index tensors the capture reads
+            return fn(tensors)  # the warm-up: compiles, caches the index tensors the capture reads
         if state == "refused":
-            return fn(call)
-        hit = _capture(name, key, call, fn)
+            return fn(tensors)
+        hit = _capture(name, key, tensors, fn, seq_lens)
         if hit is None:
-            return fn(call)
+            return fn(tensors)
     graph, static, out = hit
     _graphs[key] = hit  # most recently used
-    for n in TENSORS[:-1]:
-        x = getattr(call, n)
-        if x is not None:
-            getattr(static, n).copy_(x)
+    for x, s in zip(tensors, static):
+        if x is not None and x.is_floating_point():  # (the lengths are the key's: cu_seqlens stays)
+            s.copy_(x)
     graph.replay()
-    return GDRGrads(*(None if x is None else x.clone() for x in out))
+    return tuple(None if x is None else x.clone() for x in out)
 
 
-def _capture(name: str, key: tuple, call: GDRCall, fn):
-    dev = call.q.device
-    static = replace(call, **{n: getattr(call, n).clone(memory_format=torch.contiguous_format)
-                              for n in TENSORS if getattr(call, n) is not None})
+def _capture(name: str, key: tuple, tensors: tuple, fn, seq_lens: tuple):
+    dev = next(x for x in tensors if x is not None).device
+    static = tuple(None if x is None else x.clone(memory_format=torch.contiguous_format) for x in tensors)
+    for x, s in zip(tensors, static):  # a cu_seqlens copy holds the lengths read from the caller's
+        if x is not None and not x.is_floating_point() and remembered(x) is not None:
+            remember(s, remembered(x))
     before = torch.cuda.memory_allocated(dev)
     graph = torch.cuda.CUDAGraph()
     try:
@@ -94,9 +109,9 @@ def _capture(name: str, key: tuple, call: GDRCall, fn):
                      type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
         return None
     held = torch.cuda.memory_allocated(dev) - before
-    if caches.first_time(("split graph", name, call.seq_lens[:4], len(call.seq_lens))):
+    if caches.first_time(("split graph", name, seq_lens[:4], len(seq_lens))):
         log.info("gdr_dispatch: %s for %s tokens replays from a CUDA graph from now on; it holds %.0f MiB "
-                 "(at most %d such graphs are kept; GDR_SPLIT_GRAPHS=0 turns them off)", name, sum(call.seq_lens),
+                 "(at most %d such graphs are kept; GDR_SPLIT_GRAPHS=0 turns them off)", name, sum(seq_lens),
                  held / 2 ** 20, LIMIT)
     hit = (graph, static, tuple(out))
     _graphs[key] = hit
