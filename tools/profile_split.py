@@ -12,7 +12,8 @@ replay's gradients against the eager call's. `--parts` times each part of the sp
 with the decay plan's share of warm segments. `--pass1` times pass 1's exact maps alone, fla's kernels
 against ours (backends/kernels/segment_maps.py); with GDR_ALLOW_UNVERIFIED=1 in the environment
 the splits above run pass 1 on ours (until their GPU tests pass). `--pyprof N` adds a cProfile
-of N enqueues of each split call (which Python spends the host time).
+of N enqueues of each split call (which Python spends the host time). `--forward 8,16` times the
+op's forward instead: each provider of --backends whole and split, and the split forward's parts.
 """
 
 from __future__ import annotations
@@ -108,6 +109,85 @@ def parts(call, segments: int, backend: str, reps: int) -> None:
             print(f"  {name}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
 
 
+def forward_parts(spec: ShapeSpec, segments: str, providers: str, reps: int) -> None:
+    """The op's forward (`chunk_gdr_fwd`, no `h` kept, the final state out): each provider whole and
+    `<provider>@split<n>` for each of `segments` (comma-separated), per call (a sync around it),
+    eager and replayed from a CUDA graph, with its host enqueue; then the split forward's parts
+    alone (replayed): the residuals, the plan, pass 1 forwards, the chain, the provider over the
+    segments (backends/split/forward.py)."""
+    import os
+
+    from gdr_dispatch import clear_caches
+    from gdr_dispatch.backends.kernels import segment_maps as sm
+    from gdr_dispatch.backends.kernels import segment_scan as ss
+    from gdr_dispatch.backends.split import forward as fw
+    from gdr_dispatch.backends.split import passes as cp
+    from gdr_dispatch.graph_safe import device_constant
+    from gdr_dispatch.shapes import log_decay
+
+    gen = torch.Generator().manual_seed(1)
+    B, T, H, K = spec.B, spec.T, spec.H, spec.K
+    q = torch.randn(B, T, H, K, generator=gen).cuda().bfloat16()
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1).cuda().bfloat16()
+    v = torch.randn(B, T, H, K, generator=gen).cuda().bfloat16()
+    g = log_decay(spec, gen).float().cuda()
+    beta = torch.rand(B, T, H, generator=gen).cuda().bfloat16()
+    h0 = torch.randn(B, H, K, K, generator=gen).cuda()
+
+    def op():
+        return torch.ops.gdr_dispatch.chunk_gdr_fwd(q, k, v, g, beta, h0, None, K ** -0.5, True, False, False)
+
+    for provider in providers.split(","):
+        for name in [provider] + [f"{provider}@split{n}" for n in segments.split(",")]:
+            os.environ["GDR_FORWARD"] = name
+            clear_caches()
+            try:
+                eager = measure_ms(op, "cuda", warmup=3, reps=reps)  # (a split replays its graph from call 2)
+                os.environ["GDR_SPLIT_GRAPHS"] = "0"
+                plain = measure_ms(op, "cuda", warmup=2, reps=reps)
+                enqueue = host_enqueue_ms(op, reps)
+                os.environ.pop("GDR_SPLIT_GRAPHS")
+                replay, _ = graph_ms(op, reps)
+                print(f"  forward {name}: {eager:.4f} ms as the op runs it, {plain:.4f} ms eager (host enqueue "
+                      f"{enqueue:.4f}), {replay:.4f} ms replayed", flush=True)
+            except Exception as e:  # noqa: BLE001 - a forward that cannot run here is the answer
+                print(f"  forward {name}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+            os.environ.pop("GDR_SPLIT_GRAPHS", None)
+    os.environ.pop("GDR_FORWARD", None)
+    provider = get_backend(providers.split(",")[0])
+    n = int(segments.split(",")[0])
+    segs = cp.segments_of((T,) * B, 64, n)
+    offsets = device_constant(segs.token_offsets, torch.int32, q.device)
+    fq, fk, fv, fg, fb = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta))
+    G, a = fw.residuals(fq, fk, fv, fg, fb, offsets, 64)
+    a = a.to(q.dtype)
+    seg_call = validate(fq, fk, fv, a, G, fb, fv, scale=K ** -0.5, cu_seqlens=offsets, chunk_size=64)
+    roles = device_constant(segs.roles, torch.int32, q.device)
+    seg_off = device_constant(segs.seg_offsets, torch.int32, q.device)
+    thr = cp.threshold(torch.float32)
+    plan = sm.decay_plan(seg_call, thr, segs.s)
+    M, starts, _ = sm.segment_pieces(seg_call, plan, roles, True, False)
+    init = starts.clone()
+    steps = {
+        "residuals (fla: cumsum, KK^T, solve)": lambda: fw.residuals(fq, fk, fv, fg, fb, offsets, 64),
+        "decay plan": lambda: sm.decay_plan(seg_call, thr, segs.s),
+        "pass 1 forwards": lambda: sm.segment_pieces(seg_call, plan, roles, True, False),
+        "chain forwards": lambda: ss.chain(M, starts, None, plan, seg_off, segs.max_per_sequence, h0.float(), None),
+        f"{provider.name} over the segments": lambda: provider.forward(fq, fk, fv, fg, fb, K ** -0.5, init, offsets,
+                                                                       False, True, 64, need_states=False),
+        f"{provider.name} whole": lambda: provider.forward(q, k, v, g, beta, K ** -0.5, h0, None, False, True, 64,
+                                                          need_states=False),
+    }
+    print(f"  parts of {provider.name}@split{n} ({len(segs.lens)} segments):", flush=True)
+    for name, fn in steps.items():
+        try:
+            replay, _ = graph_ms(fn, reps)
+            print(f"    {name}: {replay:.4f} ms replayed, {measure_ms(fn, 'cuda', warmup=3, reps=reps):.4f} ms eager, "
+                  f"host enqueue {host_enqueue_ms(fn, reps):.4f}", flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"    {name}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+
+
 def pass1_configs(call, segments: int, configs: str, reps: int) -> None:
     """Pass 1 alone on the segments of one split call: fla's kernels (stage 1, the state and dh
     passes) against ours (backends/kernels/segment_maps.py, under each `BC,WARPS,STAGES` of `configs`
@@ -182,7 +262,13 @@ def main() -> int:
     p.add_argument("--pass1", nargs="?", const="", default=None,
                    help="time pass 1 alone, fla's kernels against ours (backends/kernels/segment_maps.py) under the "
                         "shipped and these 'BC,WARPS,STAGES' configurations ('/'-separated), then stop")
+    p.add_argument("--forward", default=None, metavar="COUNTS",
+                   help="the op's forward instead: each of --backends (forward providers) whole and split in these "
+                        "segment counts (comma-separated), then the split forward's parts; then stop")
     a = p.parse_args()
+    if a.forward:
+        forward_parts(ShapeSpec(B=a.B, T=a.T, H=a.H, gate=a.gate), a.forward, a.backends, a.reps)
+        return 0
     call = validate(**call_kwargs(make_inputs(ShapeSpec(B=a.B, T=a.T, H=a.H, h=a.h, gate=a.gate), "cuda", seed=1)))
     if a.parts:
         parts(call, a.segments, a.backends.split(",")[0], a.reps)
