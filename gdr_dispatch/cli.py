@@ -120,7 +120,8 @@ def cmd_tune(args) -> int:
         precompile(variants, device, only, args.compile_jobs, splits=not args.no_splits)
 
     results = []
-    written = 0
+    written = written_forward = 0
+    forwards_done = set()  # the op forward's table keys already measured (h and dht do not change them)
     needs = {}  # optional library -> the backends that need it (a table entry is also written without them)
     for n, b in registered_backends().items():
         if b.optional_lib:
@@ -158,6 +159,8 @@ def cmd_tune(args) -> int:
         win = entry["winner"]
         won = f"{win} {entry['candidates'][win]['ms']:.3f} ms" if win else f"no winner ({entry.get('error')})"
         print(f"      -> {won}  [{time.perf_counter() - t0:.1f} s]", file=sys.stderr, flush=True)
+        if not args.no_splits and device.type == "cuda":
+            written_forward += _tune_forward(spec, inputs, dev, out_dir, needs, measure, forwards_done)
         del inputs, call
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -167,10 +170,43 @@ def cmd_tune(args) -> int:
     print(summarize(results, known + splits))
     path = tuning_table.table_path(out_dir, dev.slug)
     if written:
-        print(f"\ntable written: {path} ({written} of {len(results)} shapes)")
+        print(f"\ntable written: {path} ({written} of {len(results)} shapes"
+              + (f"; the op's forward at {written_forward} starved shapes" if written_forward else "") + ")")
     else:
         print(f"\nnothing written to {path}: no shape had a winner", file=sys.stderr)
     return 0 if written == len(results) else 1
+
+
+def _tune_forward(spec: ShapeSpec, inputs: dict, dev, out_dir: Path, needs: dict, measure, done: set) -> int:
+    """On a starved grid, the op's forward too: its providers and their splits measured on the
+    shape's inputs (training.measure_forwards) and stored under the forward's key; 1 when written."""
+    from .training import CHUNK, forward_candidates, forward_problem, measure_forwards
+
+    q, k, v, g, beta = inputs["q"], inputs["k"], inputs["v"], inputs["g_raw"], inputs["b"]
+    h0, cu, v_first = inputs["initial_state"], inputs["cu_seqlens"], inputs["state_v_first"]
+    problem = forward_problem(q, v, beta, h0, cu, v_first)
+    key = problem.table_key()
+    if key in done:
+        return 0
+    done.add(key)
+    try:
+        offers, candidates, _ = forward_candidates(problem)
+    except RuntimeError as e:
+        print(f"    forward: {e}", file=sys.stderr)
+        return 0
+    if all(n in offers for n in candidates):  # a full grid: the ranks are the measured order
+        return 0
+    scale = q.shape[-1] ** -0.5
+
+    def measure_on(backend):
+        return backend.forward(q, k, v, g, beta, scale, h0, cu, v_first, True, CHUNK, need_states=False)[:2]
+
+    entry = measure_forwards(problem, candidates, next(iter(offers)), measure_on, measure=measure,
+                             say=lambda line: print(f"    {line}", file=sys.stderr, flush=True))
+    tuning_table.record(dev.slug, dev.name, {key: entry, **tuning_table.without_optional(key, entry, needs)}, out_dir)
+    print(f"      -> the op's forward: {entry['winner']} {entry['candidates'][entry['winner']]['ms']:.3f} ms",
+          file=sys.stderr, flush=True)
+    return 1
 
 
 def _spec_from_args(args) -> ShapeSpec:

@@ -8,9 +8,10 @@ decay, not cumulated; `beta` already in (0, 1); varlen through `cu_seqlens` with
 The forward saves exactly the contract's residuals (docs/contract.md: the chunk cumsum `G`, the
 ungated inverse `a`, and `h` or not) and the backward is `fused_gdr_bwd`, so the tuning tables and
 `GDR_BACKEND` decide which backend runs it. The forward comes from a backend that offers one
-(`Backend.forward`): `GDR_FORWARD=<name>` picks it, else the lowest `forward_rank` that takes the
-call (FlashQLA's fused forward where flash-qla is installed, else fla-core's kernels on a GPU, the
-torch reference elsewhere); a log line names it.
+(`Backend.forward`), or its split (`<provider>@split<n>`, backends/split/forward.py), chosen as
+`forward_choice` says: `GDR_FORWARD`, a table entry, a measurement on a starved grid, else the
+lowest `forward_rank` that takes the call (FlashQLA's fused forward where flash-qla is installed,
+else fla-core's kernels on a GPU, the torch reference elsewhere); a log line names it.
 
 Inputs are taken as callers pass them: strided views (HF's q, k, v are a split of one projection,
 then a transpose), `g`, `beta` and `initial_state` in 16-bit dtypes as fla's op takes them
@@ -97,6 +98,37 @@ def forward_choice(problem: Problem, measure_on: Optional[Callable] = None):
     decided = _forward_decided.get(key)
     if decided is not None and decided[0].forward_supported(problem)[0]:
         return decided
+    offers, candidates, refusals = forward_candidates(problem)
+    first = next(iter(offers.values()))
+    for hit in tuning_table.lookup(problem.device.slug, problem.problem_key(), problem.versions_key()):
+        winner = hit.entry.get("winner")
+        if winner in candidates:
+            _forward_decided[key] = (candidates[winner], f"table {hit.path}")
+            return _forward_decided[key]
+        if hit.exact:
+            log.warning("gdr_dispatch: table %s names %r for %s, which cannot take it now; ignoring the entry",
+                        hit.path, winner, problem.describe())
+    if any(n not in offers for n in candidates) and measure_on is not None:
+        from .dispatch import autotune_block_reason
+
+        if autotune_block_reason(problem, True) is None:
+            entry = measure_forwards(problem, candidates, next(iter(offers)), measure_on)
+            try:
+                where = f"stored in {tuning_table.record(problem.device.slug, problem.device.name, {key: entry})}"
+            except OSError as e:
+                log.warning("gdr_dispatch: could not write the tuning table (%s); keeping the choice in memory", e)
+                where = "not stored"
+            log.warning("gdr_dispatch: the op's forward at %s: %s picked (%s ms); later calls take it from the "
+                        "table", problem.describe(), entry["winner"], entry["candidates"][entry["winner"]]["ms"])
+            _forward_decided[key] = (candidates[entry["winner"]], f"measured, {where}")
+            return _forward_decided[key]
+    return first, "lowest forward_rank that takes it" + (f"; passed over {'; '.join(refusals)}" if refusals else "")
+
+
+def forward_candidates(problem: Problem) -> tuple[dict, dict, list]:
+    """`(offers, candidates, refusals)`: the providers whose forward takes `problem` (lowest
+    `forward_rank` first), what a measurement times (those but the exact torch math unless it is
+    the only one, and the split's forwards on a starved grid), and why the others refuse."""
     refusals, offers = [], {}
     for backend in sorted((b for b in registered_backends().values() if b.forward_rank is not None),
                           key=lambda b: b.forward_rank):
@@ -112,42 +144,26 @@ def forward_choice(problem: Problem, measure_on: Optional[Callable] = None):
     candidates = {n: b for n, b in offers.items() if not b.reference or b is first}
     for w in wrappers():
         candidates.update(w.forward_candidates(problem, offers))
-    for hit in tuning_table.lookup(problem.device.slug, problem.problem_key(), problem.versions_key()):
-        winner = hit.entry.get("winner")
-        if winner in candidates:
-            _forward_decided[key] = (candidates[winner], f"table {hit.path}")
-            return _forward_decided[key]
-        if hit.exact:
-            log.warning("gdr_dispatch: table %s names %r for %s, which cannot take it now; ignoring the entry",
-                        hit.path, winner, problem.describe())
-    if any(n not in offers for n in candidates) and measure_on is not None:
-        from .dispatch import autotune_block_reason
-
-        if autotune_block_reason(problem, True) is None:
-            entry = _measure_forwards(problem, candidates, next(iter(offers)), measure_on)
-            try:
-                where = f"stored in {tuning_table.record(problem.device.slug, problem.device.name, {key: entry})}"
-            except OSError as e:
-                log.warning("gdr_dispatch: could not write the tuning table (%s); keeping the choice in memory", e)
-                where = "not stored"
-            _forward_decided[key] = (candidates[entry["winner"]], f"measured, {where}")
-            return _forward_decided[key]
-    return first, "lowest forward_rank that takes it" + (f"; passed over {'; '.join(refusals)}" if refusals else "")
+    return offers, candidates, refusals
 
 
-def _measure_forwards(problem: Problem, candidates: dict, reference: str, measure_on: Callable) -> dict:
-    """Time every candidate forward on the call's inputs and cross-check each output and final
-    state against `reference`'s (the lowest-ranked provider, unsplit): the table entry."""
+def measure_forwards(problem: Problem, candidates: dict, reference: str, measure_on: Callable,
+                     measure: Optional[Callable] = None, say: Optional[Callable[[str], None]] = None) -> dict:
+    """Time every candidate forward on the call's inputs (`measure(fn, device_type) -> ms`,
+    default `autotune.measure_ms`) and cross-check each output and final state against
+    `reference`'s (the lowest-ranked provider, unsplit): the table entry. `say` gets a line per
+    candidate (default: a first call's progress lines)."""
     from .autotune import AGREEMENT_TOL, measure_ms, relative_error, waiting
     from .tuning_table import now_iso
 
-    say = waiting(f"first call of the op's forward at {problem.describe()}: no tuning-table entry, so its "
-                  f"{len(candidates)} candidates (providers and their splits) are measured on it")
+    measure = measure or measure_ms
+    say = say or waiting(f"first call of the op's forward at {problem.describe()}: no tuning-table entry, so its "
+                         f"{len(candidates)} candidates (providers and their splits) are measured on it")
     results, outputs = {}, {}
     for i, (name, backend) in enumerate(candidates.items(), 1):
         try:
             outputs[name] = measure_on(backend)
-            results[name] = {"ms": round(measure_ms(lambda: measure_on(backend), problem.device.type), 4)}
+            results[name] = {"ms": round(measure(lambda: measure_on(backend), problem.device.type), 4)}
         except Exception as e:  # a candidate that breaks is recorded, never chosen
             outputs.pop(name, None)
             results[name] = {"failed": f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
@@ -169,8 +185,7 @@ def _measure_forwards(problem: Problem, candidates: dict, reference: str, measur
         raise RuntimeError(f"every forward failed at {problem.describe()}: "
                            + "; ".join(f"{n}: {r.get('failed')}" for n, r in results.items()))
     winner = min(timed, key=timed.get)
-    log.warning("gdr_dispatch: the op's forward at %s: %s picked (%.3f ms); later calls take it from the table",
-                problem.describe(), winner, timed[winner])
+    log.info("gdr_dispatch: the op's forward at %s: %s picked (%.3f ms)", problem.describe(), winner, timed[winner])
     return {"problem": problem.describe(), "winner": winner, "candidates": results,
             "cross_check": {"reference": reference if ref is not None else None, "tol": tol}, "measured_at": now_iso()}
 

@@ -152,3 +152,24 @@ def test_gdr_forward_names_a_split_and_says_why_it_cannot(monkeypatch):
     monkeypatch.setenv("GDR_FORWARD", "triton_wide@split2")
     with pytest.raises(ValueError, match="GDR_FORWARD=triton_wide@split2: .*triton_wide offers no forward"):
         chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"])
+
+
+def test_tune_measures_the_forward_at_a_starved_shape_once(monkeypatch, with_backends, tmp_path):
+    """`gdr-dispatch tune` on a GPU also measures the op's forward where the split's forwards are
+    candidates, once per forward key (the h and dht variants share it), into the table it writes."""
+    from gdr_dispatch import autotune, cli
+
+    with_backends(_FakeForward())
+    monkeypatch.setattr(autotune, "measure_ms", lambda fn, device_type: fn() and 1.0)
+    real = training.forward_problem
+    monkeypatch.setattr(training, "forward_problem",
+                        lambda *a, **kw: replace(real(*a, **kw), device=DeviceInfo("cuda", "Fake GPU", (9, 0), 16)))
+    spec = ShapeSpec(B=1, T=1024, H=2, K=16, V=16, dtype="float64", h="none")
+    x = make_inputs(spec, "cpu", seed=1)
+    dev = DeviceInfo("cuda", "Fake GPU", (9, 0), 16)
+    done = set()
+    assert cli._tune_forward(spec, x, dev, tmp_path, {}, autotune.measure_ms, done) == 1
+    assert cli._tune_forward(spec, x, dev, tmp_path, {}, autotune.measure_ms, done) == 0
+    (key, entry), = tuning_table.load_entries(tuning_table.table_path(tmp_path, dev.slug)).items()
+    assert "forward" in key and set(entry["candidates"]) == {"fake_forward", "fake_forward@split4",
+                                                             "fake_forward@split8"}
