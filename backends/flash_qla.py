@@ -140,6 +140,27 @@ class FlashQLABackend(Backend):
             output_final_state=need_final, output_h=need_states, auto_cp=False, state_v_first=state_v_first)
         return o, ht, G, a, h
 
+    residual_forward = True
+    residual_forward_verified = False  # until tests/test_gpu.py's split-forward test passes with the halves
+
+    def forward_residuals(self, q, k, v, g, beta, cu_seqlens, chunk_size):
+        """Its own forward's first kernels: the chunk cumsum and the fused KK^T solve."""
+        chunk, utils = _ops()
+        G = utils.chunk_local_cumsum(g=packed(g.float()), chunk_size=chunk_size, cu_seqlens=cu_seqlens)
+        a = chunk.kkt_solve(k=packed(k), b=packed(beta), chunk_size=chunk_size, cu_seqlens=cu_seqlens)
+        return G, a
+
+    def forward_from_residuals(self, q, k, v, G, a, beta, scale, initial_state, cu_seqlens, state_v_first,
+                               need_final, chunk_size, need_states=True):
+        """Its fused forward kernel (`fused_gdr_fwd`) on given residuals, no split of its own."""
+        chunk = _ops()[0]
+        h0 = None if initial_state is None else packed(initial_state.float())
+        o, h, ht = chunk.fused_gdr_fwd(q=packed(q), k=packed(k), v=packed(v), a=packed(a.to(q.dtype)),
+                                       g=packed(G.float()), b=packed(beta), scale=scale, initial_state=h0,
+                                       output_final_state=need_final, output_h=need_states, output_o=True,
+                                       cu_seqlens=cu_seqlens, state_v_first=state_v_first)
+        return o, (ht if need_final else None), (h if need_states else None)
+
     def compile_jobs(self, call: GDRCall) -> list[tuple[str, str, tuple]]:
         # FlashQLA's kernels take their lengths at run time and key their JIT on the head counts,
         # dtypes, scale and flags: one run on a one-chunk input with the same keys compiles them

@@ -250,6 +250,23 @@ class Backend:
         backend may return `h=None` when `need_states` is False). Inputs may be any strided views."""
         raise NotImplementedError
 
+    #: Whether the forward comes in two halves, `forward_residuals` (`G`, `a`) and
+    #: `forward_from_residuals` (the rest): the split forward then computes the residuals once, on
+    #: this backend's kernels (backends/split/forward.py). `residual_forward_verified = False` until
+    #: the split forward's GPU test passes with them (its whole `forward` runs until then, unless
+    #: `allow_unverified()`).
+    residual_forward: bool = False
+    residual_forward_verified: bool = True
+
+    def forward_residuals(self, q, k, v, g, beta, cu_seqlens, chunk_size: int):
+        """`(G, a)` of a forward call: the natural-log chunk cumsum (fp32) and the ungated inverse."""
+        raise NotImplementedError
+
+    def forward_from_residuals(self, q, k, v, G, a, beta, scale: float, initial_state, cu_seqlens,
+                               state_v_first: bool, need_final: bool, chunk_size: int, need_states: bool = True):
+        """`(o, final_state or None, h or None)` from `forward_residuals`' `(G, a)`."""
+        raise NotImplementedError
+
     def split_passes(self, problem: Problem):
         """Pass 1 of the exact split on this backend's kernels, if it has them for `problem` (the
         segments' varlen call): a function `(call, need_r=True)` returning every segment's

@@ -173,3 +173,47 @@ def test_tune_measures_the_forward_at_a_starved_shape_once(monkeypatch, with_bac
     (key, entry), = tuning_table.load_entries(tuning_table.table_path(tmp_path, dev.slug)).items()
     assert "forward" in key and set(entry["candidates"]) == {"fake_forward", "fake_forward@split4",
                                                              "fake_forward@split8"}
+
+
+def test_a_provider_in_two_halves_computes_the_residuals_once_when_verified(monkeypatch, with_backends):
+    """A provider in two halves runs as such only once verified (or GDR_ALLOW_UNVERIFIED): its
+    residuals are computed once, its second half takes them, and the result is the whole call's."""
+    from gdr_dispatch.backends.split.forward import residuals
+
+    torch_fwd = registry.get_backend("torch")
+
+    class Halves(_FakeForward):
+        name = "fake_halves"
+        residual_forward = True
+        residual_forward_verified = False
+        handed = []
+
+        def forward_residuals(self, q, k, v, g, beta, cu_seqlens, chunk_size):
+            self.handed.append("residuals")
+            return residuals(q, k, v, g, beta, cu_seqlens, chunk_size)
+
+        def forward_from_residuals(self, q, k, v, G, a, beta, scale, initial_state, cu_seqlens, state_v_first,
+                                   need_final, chunk_size, need_states=True):
+            self.handed.append("rest")
+            # the torch reference's forward needs g: recover it from the cumsum it was handed
+            Gc = G.reshape(*G.shape[:-2], -1, chunk_size, G.shape[-1]) if G.shape[1] % chunk_size == 0 else None
+            assert Gc is not None
+            g = torch.cat([Gc[..., :1, :], Gc.diff(dim=-2)], dim=-2).reshape(G.shape)
+            o, ht, G2, a2, h = torch_fwd.forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first,
+                                                 need_final, chunk_size, need_states=need_states)
+            assert _rel(G2, G) < 1e-12 and _rel(a2.double(), a.double()) < 1e-12
+            return o, ht, h
+
+    halves = Halves()
+    with_backends(halves)
+    x = _op_inputs(ShapeSpec(B=1, T=1024, H=2, K=16, V=16, gate="mixed"))  # whole chunks: g recoverable above
+    whole = _forward(x, "torch", monkeypatch)
+    split = _forward(x, "fake_halves@split4", monkeypatch)
+    assert Halves.handed == []  # unverified: its whole forward ran
+    for a, b in zip(split, whole):
+        assert _rel(a, b) < 1e-10
+    monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+    split = _forward(x, "fake_halves@split4", monkeypatch)
+    assert Halves.handed == ["residuals", "rest"]
+    for name, a, b in zip(("o", "final_state", "G", "a", "h"), split, whole):
+        assert _rel(a, b) < 1e-10, name

@@ -93,7 +93,7 @@ class SplitBackend(Backend):
         from .forward import lengths, split_forward
 
         def fn(x):
-            return split_forward(self.inner.forward, self.segments, *x[:5], scale, x[5], x[6], state_v_first,
+            return split_forward(self.inner, self.segments, *x[:5], scale, x[5], x[6], state_v_first,
                                  need_final, chunk_size, need_states=need_states)
 
         tensors = (q, k, v, g, beta, initial_state, cu_seqlens)

@@ -9,8 +9,9 @@ whole chunks, from the segments' exact start states.
 4. The provider's forward over the segments as one varlen call, each from its start state; a
    sequence's final state is its last segment's.
 
-The provider recomputes `G` and `a` for the segments (its own kernels, the same values): the
-residuals it returns are the call's.
+A provider that offers its forward in two halves (`Backend.residual_forward`: FlashQLA's) computes
+the residuals on its own kernels and its forward takes them; any other recomputes `G` and `a` for
+the segments (the same values) and the residuals it returns are the call's.
 """
 
 from __future__ import annotations
@@ -48,11 +49,19 @@ def lengths(cu_seqlens, B: int, T: int) -> tuple:
     return tuple(b - a for a, b in zip(off, off[1:])) if off is not None else sequence_lengths(cu_seqlens, B, T)
 
 
-def split_forward(forward, segments: int, q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first,
+def halves(inner) -> bool:
+    """Whether the split forward runs `inner` in its two halves (`Backend.residual_forward`): the
+    residuals once, on its kernels, then the rest from them."""
+    from gdr_dispatch.registry import unverified_allowed
+
+    return inner.residual_forward and (inner.residual_forward_verified or unverified_allowed())
+
+
+def split_forward(inner, segments: int, q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first,
                   need_final, chunk_size, need_states=True):
-    """`forward` (a provider's `Backend.forward`) over every sequence cut into at most `segments`
-    runs of whole chunks (module docstring): `(o, final_state or None, G, a, h)` as `forward`
-    returns them for the whole call."""
+    """`inner`'s forward (a provider, `Backend.forward`, or its two halves) over every sequence cut
+    into at most `segments` runs of whole chunks (module docstring): `(o, final_state or None, G,
+    a, h)` as `inner.forward` returns them for the whole call."""
     B, T, H = q.shape[0], q.shape[1], v.shape[2]
     dev = q.device
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -65,7 +74,8 @@ def split_forward(forward, segments: int, q, k, v, g, beta, scale, initial_state
 
     fq, fk, fv, fg, fb = (flat(x) for x in (q, k, v, g, beta))
     # the segments' residuals are the whole call's (both per chunk): computed once on the segments
-    G, a = residuals(fq, fk, fv, fg, fb, offsets, chunk_size)
+    two = halves(inner)
+    G, a = (inner.forward_residuals if two else residuals)(fq, fk, fv, fg, fb, offsets, chunk_size)
     G, a = G.to(acc), a.to(q.dtype)
     seg_call = validate(fq, fk, fv, a, G, fb, fv, scale=scale, cu_seqlens=offsets, chunk_size=chunk_size)
     # the call in its own layout (pass 2 reads its initial_state; the tensor products its
@@ -78,8 +88,12 @@ def split_forward(forward, segments: int, q, k, v, g, beta, scale, initial_state
     init = starts.to(passes._state_dtype(call))
     if state_v_first:
         init = init.transpose(-1, -2)
-    o, ht, G, a, h = forward(fq, fk, fv, fg, fb, scale, init.contiguous(), offsets, state_v_first, need_final,
-                             chunk_size, need_states=need_states)
+    if two:
+        o, ht, h = inner.forward_from_residuals(fq, fk, fv, G, a, fb, scale, init.contiguous(), offsets, state_v_first,
+                                                need_final, chunk_size, need_states=need_states)
+    else:
+        o, ht, G, a, h = inner.forward(fq, fk, fv, fg, fb, scale, init.contiguous(), offsets, state_v_first,
+                                       need_final, chunk_size, need_states=need_states)
     final = None
     if need_final:  # each sequence's last segment's; a sequence of no tokens keeps its initial state
         j, n = segs.lasts
