@@ -35,6 +35,7 @@ import io
 import json
 import os
 import pstats
+import re
 import sys
 import time
 from dataclasses import replace
@@ -209,7 +210,7 @@ def bench_shape(spec: ShapeSpec, device: torch.device, backends, reps: int, roun
     if out is not None:
         own = f"own {pick.split('@')[0]}"
         chosen = {n: fns[n] for n in ("dispatched", f"run {pick}", own) if not isinstance(fns.get(n, ""), str)}
-        stem = f"{device_info(device).slug}-hot-path-{spec.label().replace(' ', '_')}"
+        stem = f"{device_info(device).slug}-hot-path-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", spec.label())
         try:
             row["profile"] = profile(chosen, sync, out, stem, device, with_stack)
         except Exception as e:  # noqa: BLE001 - the readings stand; the row says the profile failed
