@@ -226,3 +226,23 @@ def test_tune_with_an_optional_peer_writes_the_entry_for_users_without_it(tmp_pa
     rest = next(e for k, e in entries.items() if "flash_qla" not in k)
     assert peer["winner"] == "fake_peer" and rest["winner"] == "torch"
     assert rest["candidates"]["fake_peer"] == {"unsupported": "flash_qla not installed"} and "flash_qla=9.9" in rest["derived_from"]
+
+
+def test_the_tools_grids_load_and_cover_the_models_tensor_parallel_degrees():
+    """Every grid in tools/ loads; the model grids hold Qwen3-Next's and Qwen3.5's head layouts at
+    TP 1, 2, 4 and 8 (key heads as HF's hook passes them, and repeated)."""
+    from pathlib import Path
+
+    from gdr_dispatch.shapes import load_grid
+
+    tools = Path(__file__).resolve().parent.parent / "tools"
+    layouts = set()
+    for path in sorted(tools.glob("tune_*.yaml")):
+        shapes = load_grid(path)
+        assert shapes, path
+        if path.name.startswith("tune_models"):
+            layouts |= {(s.H, s.Hg) for s in shapes}
+            assert {s.B * s.T for s in shapes} == {8192, 16384, 32768}, path
+    for H, Hk in ((32, 16), (64, 16)):
+        for tp in (1, 2, 4, 8):
+            assert (H // tp, Hk // tp) in layouts and (H // tp, H // tp) in layouts, (H, Hk, tp)
