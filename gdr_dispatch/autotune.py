@@ -8,6 +8,7 @@ measures everything it is asked to.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import logging
 import statistics
@@ -226,7 +227,8 @@ def precompile(jobs: dict[tuple, list[str]], workers: int, say: Callable[[str], 
     from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
     with ThreadPoolExecutor(workers) as pool:
-        futures = {pool.submit(_compile_in_subprocess, job): job for job in jobs}
+        # a job the op's first forward started (`start_compiles`) is waited for, not run again
+        futures = {pool.submit(_wait_early if job in _early else _compile_in_subprocess, job): job for job in jobs}
         pending = set(futures)
         while pending:
             done, pending = wait(pending, timeout=HEARTBEAT_S, return_when=FIRST_COMPLETED)
@@ -243,22 +245,80 @@ def precompile(jobs: dict[tuple, list[str]], workers: int, say: Callable[[str], 
     say(f"  all {len(jobs)} in {time.perf_counter() - t0:.1f} s")
 
 
-def _compile_in_subprocess(job: tuple[str, str, tuple]) -> float:
+def _spawn(job: tuple[str, str, tuple]):
+    """`python -m gdr_dispatch.autotune JOB` started (its stderr into a temporary file: a pipe
+    nobody reads while it runs could fill and stall it): `(process, stderr file, start time)`."""
     import os
     import subprocess
     import sys
+    import tempfile
     from pathlib import Path
 
-    t0 = time.perf_counter()
     env = dict(os.environ)
     here = str(Path(__file__).resolve().parent.parent)  # where this gdr_dispatch imports from
     env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    done = subprocess.run([sys.executable, "-m", "gdr_dispatch.autotune", repr(job)], env=env,
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
-        raise RuntimeError(lines[-1] if lines else f"exit status {done.returncode}")
+    err = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen([sys.executable, "-m", "gdr_dispatch.autotune", repr(job)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=err, text=True)
+    return proc, err, time.perf_counter()
+
+
+def _finish(started) -> float:
+    """Wait for a `_spawn`ed job: its wall time in seconds, or RuntimeError with its last line."""
+    proc, err, t0 = started
+    code = proc.wait()
+    err.seek(0)
+    lines = [line for line in err.read().strip().splitlines() if line.strip()]
+    err.close()
+    if code != 0:
+        raise RuntimeError(lines[-1] if lines else f"exit status {code}")
     return time.perf_counter() - t0
+
+
+def _compile_in_subprocess(job: tuple[str, str, tuple]) -> float:
+    return _finish(_spawn(job))
+
+
+#: Compile jobs started ahead of the call that needs them (`start_compiles`): job -> `_spawn`'s.
+_early: dict = {}
+
+
+def start_compiles(jobs) -> int:
+    """Start compile jobs (`compile_jobs_of`' keys) in background processes now, at most
+    `compile_workers()` running at once, without waiting: the op's first forward at a shape
+    starts its backward's builds so they overlap its own (docs/design.md, "The first step");
+    `precompile` then waits for them instead of starting them again, and a table hit's in-process
+    build finds them in the disk caches. The number started."""
+    running = sum(p[0].poll() is None for p in _early.values())
+    started = 0
+    for job in jobs:
+        if job in _early:
+            continue
+        if running >= compile_workers():
+            break
+        _early[job] = _spawn(job)
+        running += 1
+        started += 1
+    return started
+
+
+def _wait_early(job) -> float:
+    try:
+        return _finish(_early[job])
+    finally:
+        _early.pop(job, None)
+
+
+def _stop_early() -> None:
+    """At exit: the early jobs nobody waited for are stopped (their partial builds are not cached)."""
+    for proc, err, _ in list(_early.values()):
+        if proc.poll() is None:
+            proc.terminate()
+        err.close()
+    _early.clear()
+
+
+atexit.register(_stop_early)
 
 
 def compile_jobs_of(call: GDRCall, candidates: dict[str, Backend]) -> dict[tuple, list[str]]:

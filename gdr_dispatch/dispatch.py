@@ -158,6 +158,34 @@ def select_backend(problem: Problem, call: Optional[GDRCall] = None) -> Choice:
     return _decided[(key, blocked)]
 
 
+def start_backward_compiles(call: GDRCall) -> int:
+    """Start, in background processes, the builds a backward call like `call` will need
+    (autotune.start_compiles): the table's winner on a hit, else the candidates a first call
+    would measure (pruned as it prunes them). What the op's first forward at a shape calls, so
+    the backward's compiles overlap the forward's (docs/design.md, "The first step"). Nothing
+    when the choice is forced (`GDR_BACKEND`, `GDR_CP`), already made, or may not be measured.
+    The number of jobs started."""
+    from .autotune import compile_jobs_of, prune, start_compiles
+
+    problem = Problem.from_call(call)
+    if env.forced_backend_name() or env.cp_segments() is not None or autotune_block_reason(problem, True):
+        return 0
+    key = problem.table_key()
+    if _decided.get(key) is not None:
+        return 0
+    known = registered_backends()
+    options = {n: b for n, b in known.items() if b.supported(problem)[0]}
+    options.update(wrapped_candidates(problem, options, thorough=env.autotune_all()))
+    for hit in tuning_table.lookup(problem.device.slug, problem.problem_key(), problem.versions_key()):
+        winner = _table_winner(hit.entry, options)
+        if winner is not None:
+            return start_compiles(compile_jobs_of(call, {winner: options[winner]}))
+    if len(options) < 2:
+        return 0
+    kept, _ = prune(problem, options)
+    return start_compiles(compile_jobs_of(call, kept))
+
+
 def _table_winner(entry: dict, options: dict) -> Optional[str]:
     """The entry's winner when it can run now; with GDR_CP=0 and a split winner, the fastest
     measured unwrapped candidate of the same entry."""

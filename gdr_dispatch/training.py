@@ -232,6 +232,9 @@ def chunk_gdr_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
         if key is not None:
             plan.backends[variant] = backend
             plans.forward[key] = plan
+        if q.is_cuda and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)):
+            _start_backward_compiles(q, k, v, beta, initial_state, cu_seqlens, scale, output_final_state,
+                                     state_v_first, save_states)
     o, ht, G, a, h = backend.forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first,
                                      output_final_state, CHUNK, need_states=save_states)
     if save_states:
@@ -239,6 +242,41 @@ def chunk_gdr_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     return (packed(o.to(q.dtype)), packed(ht.to(acc)) if output_final_state else _empty(q), packed(G.to(acc)),
             packed(a.to(q.dtype)), packed(h) if save_states else _empty(q))
+
+
+def _start_backward_compiles(q, k, v, beta, initial_state, cu_seqlens, scale, output_final_state, state_v_first,
+                             save_states) -> None:
+    """A training forward at a new shape: the builds its backward will need start now, in
+    background processes (dispatch.start_backward_compiles), so they overlap the forward's own
+    compiles and measurement. The backward's call is built with uninitialised residuals (compile
+    jobs read shapes and flags only)."""
+    from .contract import validate
+    from .dispatch import start_backward_compiles
+
+    B, T, H = v.shape[0], v.shape[1], v.shape[2]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    a = q.new_empty(B, T, H, CHUNK)
+    G = q.new_empty(B, T, H, dtype=acc)
+    dht = h = None
+    if output_final_state:  # autograd hands the backward a gradient for every output it returns
+        dht = q.new_empty(initial_state.shape if initial_state is not None else
+                          ((len(sequence_lengths(cu_seqlens, B, T)),) + ((H, v.shape[3], q.shape[3]) if state_v_first
+                                                                          else (H, q.shape[3], v.shape[3]))),
+                          dtype=acc)
+    if save_states:
+        lens = sequence_lengths(cu_seqlens, B, T)
+        nt = sum(-(-n // CHUNK) for n in lens)
+        lead = (1, nt) if cu_seqlens is not None else (B, nt // B)
+        h = q.new_empty(lead + ((H, v.shape[3], q.shape[3]) if state_v_first else (H, q.shape[3], v.shape[3])))
+    try:
+        n = start_backward_compiles(validate(q, k, v, a, G, beta, v, dht, h, scale=scale,
+                                             initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_size=CHUNK,
+                                             state_v_first=state_v_first))
+    except Exception as e:  # noqa: BLE001 - an early start is an optimisation: the backward decides as ever
+        log.info("gdr_dispatch: could not start the backward's compiles early (%s: %s)", type(e).__name__, e)
+        return
+    if n:
+        log.info("gdr_dispatch: the backward's %d kernel builds started in the background", n)
 
 
 class _ForwardPlan:

@@ -121,3 +121,51 @@ def test_compiling_says_that_it_goes_on(monkeypatch):
     at.precompile({("m", "f", (1,)): ["a"], ("m", "f", (2,)): ["b"]}, 1, lines.append)
     assert any(line.startswith("  still compiling: 0 of 2 done") for line in lines), lines
     assert lines[-1].startswith("  all 2 in")
+
+
+def test_compiles_started_early_are_waited_for_not_run_again(tmp_path):
+    """`start_compiles` runs jobs in background processes at once; `precompile` later waits for
+    those (each built once) and says so as for its own."""
+    marker = tmp_path / "runs"
+    # a job is the module and function a worker process imports and calls: this one appends to a file
+    job = ("builtins", "exec", (f"open({str(marker)!r}, 'a').write('x')",))
+    assert at.start_compiles({job: ["a"]}) == 1
+    assert at.start_compiles({job: ["a"]}) == 0  # already running (or done): not started twice
+    lines = []
+    at.precompile({job: ["a"], ("builtins", "exec", ("pass",)): ["b"]}, 2, lines.append)
+    assert marker.read_text() == "x"
+    assert any("compiled a: exec" in line for line in lines) and any("compiled b: exec" in line for line in lines)
+    assert job not in at._early
+
+
+def test_the_ops_first_training_forward_starts_its_backwards_builds(monkeypatch, with_backends, caplog):
+    """A training forward (inputs that require grad) at a new shape starts the builds of the
+    backward's candidates right away; an inference forward, or a second call, starts none."""
+    from gdr_dispatch import chunk_gated_delta_rule, clear_caches, training
+    from gdr_dispatch import dispatch as dsp
+
+    started = []
+
+    class Building(Member):
+        def compile_jobs(self, call):
+            return [("m", "build", (self.name, call.H, call.dht is not None, call.h is not None))]
+
+    with_backends(Building("fast_a"), Building("other"))
+    monkeypatch.setattr(at, "start_compiles", lambda jobs: started.extend(jobs) or len(jobs))
+    monkeypatch.setattr(dsp, "autotune_block_reason", lambda p, have_tensors: None)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # the trigger's own check
+    x = {n: torch.randn(1, 130, 2, 16, dtype=torch.float64) for n in ("q", "k", "v")}
+    g = -torch.rand(1, 130, 2, dtype=torch.float64)
+    beta = torch.rand(1, 130, 2, dtype=torch.float64)
+    clear_caches()
+    with torch.no_grad():
+        chunk_gated_delta_rule(x["q"], x["k"], x["v"], g, beta)
+    assert started == []
+    q = x["q"].clone().requires_grad_(True)
+    clear_caches()
+    with caplog.at_level(logging.INFO, logger="gdr_dispatch"):
+        chunk_gated_delta_rule(q, x["k"], x["v"], g, beta, output_final_state=True)
+    assert sorted(started) == [("m", "build", ("fast_a", 2, True, False)), ("m", "build", ("other", 2, True, False))]
+    assert any("kernel builds started in the background" in r.getMessage() for r in caplog.records)
+    chunk_gated_delta_rule(q, x["k"], x["v"], g, beta, output_final_state=True)
+    assert len(started) == 2  # the plan is made: nothing more
