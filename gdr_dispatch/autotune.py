@@ -258,8 +258,9 @@ def _spawn(job: tuple[str, str, tuple]):
     here = str(Path(__file__).resolve().parent.parent)  # where this gdr_dispatch imports from
     env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     err = tempfile.TemporaryFile(mode="w+")
+    # its own process group: stopping it at exit stops the compilers it started too
     proc = subprocess.Popen([sys.executable, "-m", "gdr_dispatch.autotune", repr(job)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=err, text=True)
+                            stdout=subprocess.DEVNULL, stderr=err, text=True, start_new_session=True)
     return proc, err, time.perf_counter()
 
 
@@ -289,6 +290,12 @@ def start_compiles(jobs) -> int:
     starts its backward's builds so they overlap its own (docs/design.md, "The first step");
     `precompile` then waits for them instead of starting them again, and a table hit's in-process
     build finds them in the disk caches. The number started."""
+    for done in [j for j, p in _early.items() if p[0].poll() is not None]:  # finished, nobody waited: said here
+        try:
+            _wait_early(done)
+        except RuntimeError as e:
+            log.info("gdr_dispatch: an early build failed (the call that needs it builds it again): %s: %s",
+                     done[1], e)
     running = sum(p[0].poll() is None for p in _early.values())
     started = 0
     for job in jobs:
@@ -310,10 +317,21 @@ def _wait_early(job) -> float:
 
 
 def _stop_early() -> None:
-    """At exit: the early jobs nobody waited for are stopped (their partial builds are not cached)."""
+    """At exit: the early jobs nobody waited for are stopped, with the compilers they started
+    (their process groups); their partial builds are not cached."""
+    import os
+    import signal
+
     for proc, err, _ in list(_early.values()):
         if proc.poll() is None:
-            proc.terminate()
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=5)
+            except Exception:  # noqa: BLE001 - gone already, or will not die: kill it
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except OSError:
+                    pass
         err.close()
     _early.clear()
 
@@ -477,7 +495,7 @@ def first_call(call: GDRCall, problem: Problem, options: dict[str, Backend]) -> 
     if skipped:
         say(f"table miss for {problem.describe()}: measuring {len(kept)} of {len(options)} candidates; skipped: "
             + "; ".join(f"{n} ({why})" for n, why in skipped.items()))
-    if len(jobs) > 1:
+    if len(jobs) > 1 or any(job in _early for job in jobs):  # (one started early is waited for here)
         precompile(jobs, compile_workers(), say)
     # the most trusted reference of all runs once, untimed, when pruning skipped it
     refs = {n: b for n, b in options.items() if n in skipped and b.reference_rank is not None}

@@ -159,12 +159,13 @@ def select_backend(problem: Problem, call: Optional[GDRCall] = None) -> Choice:
 
 
 def start_backward_compiles(call: GDRCall) -> int:
-    """Start, in background processes, the builds a backward call like `call` will need
-    (autotune.start_compiles): the table's winner on a hit, else the candidates a first call
-    would measure (pruned as it prunes them). What the op's first forward at a shape calls, so
-    the backward's compiles overlap the forward's (docs/design.md, "The first step"). Nothing
-    when the choice is forced (`GDR_BACKEND`, `GDR_CP`), already made, or may not be measured.
-    The number of jobs started."""
+    """Start, in background processes, the builds a backward call like `call` will need at a
+    table miss (autotune.start_compiles): the candidates its first call would measure, pruned as
+    it prunes them. What the op's first forward at a shape calls, so the backward's compiles
+    overlap the forward's (docs/design.md, "The first step"); the backward's first call waits for
+    them. Nothing on a table hit (its winner builds in-process, as ever: no processes at every
+    launch of a tuned model), nor when the choice is forced (`GDR_BACKEND`, `GDR_CP`), already
+    made, or may not be measured. The number of jobs started."""
     from .autotune import compile_jobs_of, prune, start_compiles
 
     problem = Problem.from_call(call)
@@ -177,9 +178,8 @@ def start_backward_compiles(call: GDRCall) -> int:
     options = {n: b for n, b in known.items() if b.supported(problem)[0]}
     options.update(wrapped_candidates(problem, options, thorough=env.autotune_all()))
     for hit in tuning_table.lookup(problem.device.slug, problem.problem_key(), problem.versions_key()):
-        winner = _table_winner(hit.entry, options)
-        if winner is not None:
-            return start_compiles(compile_jobs_of(call, {winner: options[winner]}))
+        if _table_winner(hit.entry, options) is not None:
+            return 0
     if len(options) < 2:
         return 0
     kept, _ = prune(problem, options)

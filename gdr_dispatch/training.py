@@ -44,7 +44,7 @@ from .caches import Memo, first_time, memo
 from .contract import check_forward_structure, check_scale, packed, sequence_lengths
 from .graph_safe import offsets_of, remember, remembered
 from .problem import Problem, device_info, library_versions
-from .registry import get_backend, registered_backends, wrappers
+from .registry import forward_env, get_backend, registered_backends, wrappers
 
 CHUNK = 64
 log = logging.getLogger("gdr_dispatch")
@@ -94,27 +94,35 @@ def forward_choice(problem: Problem, measure_on: Optional[Callable] = None):
         if not ok:
             raise ValueError(f"{env.FORWARD}={forced}: its forward cannot take {problem.describe()}: {why}")
         return backend, env.FORWARD
-    key = problem.table_key()
+    # the decision stands per table key and the environment it read (GDR_CP, the table directory, ...)
+    key = (problem.table_key(), env.snapshot(forward_env()))
     decided = _forward_decided.get(key)
     if decided is not None and decided[0].forward_supported(problem)[0]:
         return decided
     offers, candidates, refusals = forward_candidates(problem)
     first = next(iter(offers.values()))
     for hit in tuning_table.lookup(problem.device.slug, problem.problem_key(), problem.versions_key()):
-        winner = hit.entry.get("winner")
-        if winner in candidates:
-            _forward_decided[key] = (candidates[winner], f"table {hit.path}")
+        winner = _forward_winner(hit.entry, problem, offers)
+        if winner is not None:
+            _forward_decided[key] = (winner, f"table {hit.path}")
             return _forward_decided[key]
         if hit.exact:
             log.warning("gdr_dispatch: table %s names %r for %s, which cannot take it now; ignoring the entry",
-                        hit.path, winner, problem.describe())
+                        hit.path, hit.entry.get("winner"), problem.describe())
     if any(n not in offers for n in candidates) and measure_on is not None:
         from .dispatch import autotune_block_reason
 
         if autotune_block_reason(problem, True) is None:
-            entry = measure_forwards(problem, candidates, next(iter(offers)), measure_on)
             try:
-                where = f"stored in {tuning_table.record(problem.device.slug, problem.device.name, {key: entry})}"
+                entry = measure_forwards(problem, candidates, first.name, measure_on)
+            except RuntimeError as e:  # nothing agreed with the provider whole: it runs, as ranked
+                log.warning("gdr_dispatch: the op's forward at %s was not measured (%s); %s runs", problem.describe(),
+                            e, first.name)
+                _forward_decided[key] = (first, f"lowest forward_rank (the measurement failed: {e})")
+                return _forward_decided[key]
+            try:
+                where = tuning_table.record(problem.device.slug, problem.device.name, {problem.table_key(): entry})
+                where = f"stored in {where}"
             except OSError as e:
                 log.warning("gdr_dispatch: could not write the tuning table (%s); keeping the choice in memory", e)
                 where = "not stored"
@@ -123,6 +131,25 @@ def forward_choice(problem: Problem, measure_on: Optional[Callable] = None):
             _forward_decided[key] = (candidates[entry["winner"]], f"measured, {where}")
             return _forward_decided[key]
     return first, "lowest forward_rank that takes it" + (f"; passed over {'; '.join(refusals)}" if refusals else "")
+
+
+def _forward_winner(entry: dict, problem: Problem, offers: dict):
+    """A table entry's forward winner when it can take `problem` now (a split count measured at
+    another size of the same table key too), else None; with `GDR_CP=0` and a split winner, the
+    fastest unsplit provider the entry measured."""
+    name = entry.get("winner")
+    if not isinstance(name, str):
+        return None
+    try:
+        backend = get_backend(name)
+    except ValueError:
+        return None
+    split = "@" in name
+    if split and env.cp_segments() == 0:
+        measured = {n: c["ms"] for n, c in entry.get("candidates", {}).items()
+                    if n in offers and isinstance(c, dict) and isinstance(c.get("ms"), (int, float)) and "failed" not in c}
+        return offers[min(measured, key=measured.get)] if measured else None
+    return backend if backend.forward_supported(problem)[0] else None
 
 
 def forward_candidates(problem: Problem) -> tuple[dict, dict, list]:
@@ -175,8 +202,10 @@ def measure_forwards(problem: Problem, candidates: dict, reference: str, measure
                                                             else results[name]["failed"]))
     tol = AGREEMENT_TOL[problem.dtype]
     ref = outputs.get(reference)
+    if ref is None:  # nothing to cross-check a split against: no pick
+        raise RuntimeError(f"the provider whole ({reference}) failed: {results[reference].get('failed')}")
     for name, out in outputs.items():
-        if ref is None or name == reference:
+        if name == reference:
             continue
         for what, i in (("o", 0), ("final_state", 1)):
             err = relative_error(out[i], ref[i]) if out[i] is not None and ref[i] is not None else 0.0
@@ -191,7 +220,7 @@ def measure_forwards(problem: Problem, candidates: dict, reference: str, measure
     winner = min(timed, key=timed.get)
     log.info("gdr_dispatch: the op's forward at %s: %s picked (%.3f ms)", problem.describe(), winner, timed[winner])
     return {"problem": problem.describe(), "winner": winner, "candidates": results,
-            "cross_check": {"reference": reference if ref is not None else None, "tol": tol}, "measured_at": now_iso()}
+            "cross_check": {"reference": reference, "tol": tol}, "measured_at": now_iso()}
 
 
 def select_forward(problem: Problem):
@@ -223,6 +252,11 @@ def chunk_gdr_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     variant = (sum(-(-n // CHUNK) for n in seq_lens), max(seq_lens)) if plan.fixed is None else None
     backend = plan.backends.get(variant)
     if backend is None:
+        if q.is_cuda and not len(plan.backends) and any(
+                x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)):
+            # a training forward at a new shape: the backward's builds start now, beside the forward's
+            _start_backward_compiles(q, k, v, beta, initial_state, cu_seqlens, scale, output_final_state,
+                                     state_v_first, save_states)
         problem = forward_problem(q, v, beta, initial_state, cu_seqlens, state_v_first, seq_lens)
         backend, how = forward_choice(problem, measure_on=lambda b: b.forward(
             q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, output_final_state, CHUNK,
@@ -232,9 +266,6 @@ def chunk_gdr_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
         if key is not None:
             plan.backends[variant] = backend
             plans.forward[key] = plan
-        if q.is_cuda and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)):
-            _start_backward_compiles(q, k, v, beta, initial_state, cu_seqlens, scale, output_final_state,
-                                     state_v_first, save_states)
     o, ht, G, a, h = backend.forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first,
                                      output_final_state, CHUNK, need_states=save_states)
     if save_states:

@@ -231,10 +231,12 @@ def device_entries(problem) -> list[tuple[str, dict]]:
 
 
 def _alike(problem, same_wave: bool) -> list[tuple[str, dict]]:
-    """The entries with a winner and `problem`'s device, capability, dtype, K, V, chunk size and
-    `h` mode; `same_wave`: also its wave bucket, and not `problem` itself."""
+    """The entries with a winner and `problem`'s device, capability, dtype, K, V, chunk size, `h`
+    mode and direction (the op's forward entries are never a backward's neighbours); `same_wave`:
+    also its wave bucket, and not `problem` itself."""
     mine = problem.problem_key().split("|")
     h_given = "h_given" in mine[8].split("+")
+    forward = "forward" in mine[8].split("+")
     out = []
     for d in (user_table_dir(), shipped_table_dir()):
         entries, _ = _load(table_path(d, problem.device.slug))
@@ -244,7 +246,8 @@ def _alike(problem, same_wave: bool) -> list[tuple[str, dict]]:
                 continue
             if same_wave and (parts[9] != mine[9] or parts[:12] == mine[:12]):
                 continue
-            if ("h_given" in parts[8].split("+")) == h_given and entry.get("winner"):
+            flags = parts[8].split("+")
+            if ("h_given" in flags) == h_given and ("forward" in flags) == forward and entry.get("winner"):
                 out.append((key, entry))
     return out
 

@@ -360,7 +360,7 @@ def test_without_a_provider_pass_1_is_the_torch_products(caplog):
 def _reference_chain(lens_per_seq, plan, M, starts, ends, S0, G_end):
     """The chains step by step in float64 (segment_scan's module docstring)."""
     starts = None if starts is None else starts.clone()
-    ends = ends.clone()
+    ends = None if ends is None else ends.clone()
     first = 0
     for n, count in enumerate(lens_per_seq):
         if count:
@@ -370,6 +370,9 @@ def _reference_chain(lens_per_seq, plan, M, starts, ends, S0, G_end):
                     for h in range(M.shape[1]):
                         if plan[j, h, 0] == 0:
                             starts[j + 1, h] = M[j, h] @ starts[j, h] + starts[j + 1, h]
+            if ends is None:
+                first += count
+                continue
             ends[first + count - 1] = 0 if G_end is None else G_end[n]
             for j in range(first + count - 1, first, -1):
                 for h in range(M.shape[1]):
@@ -381,8 +384,9 @@ def _reference_chain(lens_per_seq, plan, M, starts, ends, S0, G_end):
 
 @pytest.mark.parametrize("K, V, counts", [(16, 16, (1,)), (16, 32, (3, 0, 2)), (32, 64, (5, 4))])
 @pytest.mark.parametrize("given", [True, False], ids=["states", "no_states"])
-@pytest.mark.parametrize("starts_wanted", [True, False], ids=["h_none", "h_given"])
-def test_chain_kernel_equals_the_step_by_step_chain(K, V, counts, given, starts_wanted):
+@pytest.mark.parametrize("starts_wanted, ends_wanted", [(True, True), (False, True), (True, False)],
+                         ids=["h_none", "h_given", "forward"])
+def test_chain_kernel_equals_the_step_by_step_chain(K, V, counts, given, starts_wanted, ends_wanted):
     """The Triton chain (interpreted) and the torch chain against the chains step by step: exact
     links apply M, warm links keep pass 1's window, every sequence's first start and last end are
     its states; sequences of several, one and no segments."""
@@ -393,7 +397,7 @@ def test_chain_kernel_equals_the_step_by_step_chain(K, V, counts, given, starts_
     S, H, N = sum(counts), 3, len(counts)
     M = torch.randn(S, H, K, K, generator=gen, dtype=torch.float64) / K ** 0.5
     starts = torch.randn(S, H, K, V, generator=gen, dtype=torch.float64) if starts_wanted else None
-    ends = torch.randn(S, H, K, V, generator=gen, dtype=torch.float64)
+    ends = torch.randn(S, H, K, V, generator=gen, dtype=torch.float64) if ends_wanted else None
     plan = torch.randint(0, 2, (S, H, 1), generator=gen).repeat(1, 1, 2).int() * 3  # 0: exact, 3: warm
     S0 = torch.randn(N, H, K, V, generator=gen, dtype=torch.float64) if given else None
     G_end = torch.randn(N, H, K, V, generator=gen, dtype=torch.float64) if given else None
@@ -407,7 +411,7 @@ def test_chain_kernel_equals_the_step_by_step_chain(K, V, counts, given, starts_
     lens = tuple(64 * c for c in counts)  # segments of one chunk: the Segments of these counts
     segs = cp.segments_of(lens, 64, max(counts))
     assert segs.seg_offsets == offsets
-    tor_s, tor_e = (None if starts is None else starts.clone()), ends.clone()
+    tor_s, tor_e = (None if starts is None else starts.clone()), (None if ends is None else ends.clone())
     cp._chain_torch(segs, plan, M, tor_s, tor_e, S0, G_end)
     for got, tor, want in ((got_s, tor_s, want_s), (got_e, tor_e, want_e)):
         if want is None:
@@ -780,9 +784,10 @@ def test_decay_plan_kernel_follows_the_tensor_rule(spec, hostile):
         assert (want[..., 0] > 0).any() and (want[..., 0] == 0).any() if hostile else (want[..., 0] > 0).any()
 
 
-@pytest.mark.parametrize("need_starts", [True, False], ids=["h_none", "h_given"])
+@pytest.mark.parametrize("need_starts, need_ends", [(True, True), (False, True), (True, False)],
+                         ids=["h_none", "h_given", "forward"])
 @pytest.mark.parametrize("spec", PIECES_SHAPES, ids=lambda s: s.label())
-def test_pieces_kernels_equal_the_tensor_products(spec, need_starts):
+def test_pieces_kernels_equal_the_tensor_products(spec, need_starts, need_ends):
     """`segment_pieces` on a plan: every segment's warm-up window or exact map where the chains
     read them (starts[j] for j not first, ends[j] for j not last, M[j] where exact), to fp16
     rounding of the tensor products (the same windows: zero maps outside them)."""
@@ -792,8 +797,8 @@ def test_pieces_kernels_equal_the_tensor_products(spec, need_starts):
     call, segs, seg_call = _pieces_call(spec, 3)
     plan, M, starts, ends = cp._torch_pieces(call, segs, need_starts=need_starts)
     roles = torch.tensor(segs.roles, dtype=torch.int32)
-    gM, gstarts, gends = segment_maps.segment_pieces(seg_call, plan, roles, need_starts)
-    assert (gstarts is None) == (not need_starts)
+    gM, gstarts, gends = segment_maps.segment_pieces(seg_call, plan, roles, need_starts, need_ends)
+    assert (gstarts is None) == (not need_starts) and (gends is None) == (not need_ends)
     exact = plan[..., 0] == 0
     checked = 0
     for j, role in enumerate(segs.roles):
@@ -801,7 +806,7 @@ def test_pieces_kernels_equal_the_tensor_products(spec, need_starts):
             pairs = []
             if need_starts and not role & 1:
                 pairs.append((gstarts[j, h], starts[j, h]))
-            if not role & 2:
+            if need_ends and not role & 2:
                 pairs.append((gends[j, h], ends[j, h]))
             if exact[j, h] and role != 3:
                 pairs.append((gM[j, h], M[j, h]))

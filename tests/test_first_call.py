@@ -3,6 +3,7 @@ full grids are not measured, and the user waiting is told what happens (docs/des
 "Autotuning"). Tables are written here for a faked GPU."""
 
 import logging
+import time
 from dataclasses import replace
 
 import pytest
@@ -163,9 +164,50 @@ def test_the_ops_first_training_forward_starts_its_backwards_builds(monkeypatch,
     assert started == []
     q = x["q"].clone().requires_grad_(True)
     clear_caches()
+    order = []
+    real = training.forward_choice
+    monkeypatch.setattr(training, "forward_choice", lambda p, **kw: order.append(len(started)) or real(p, **kw))
     with caplog.at_level(logging.INFO, logger="gdr_dispatch"):
         chunk_gated_delta_rule(q, x["k"], x["v"], g, beta, output_final_state=True)
+    assert order == [2]  # the builds started before the forward was chosen (and measured)
     assert sorted(started) == [("m", "build", ("fast_a", 2, True, False)), ("m", "build", ("other", 2, True, False))]
     assert any("kernel builds started in the background" in r.getMessage() for r in caplog.records)
     chunk_gated_delta_rule(q, x["k"], x["v"], g, beta, output_final_state=True)
     assert len(started) == 2  # the plan is made: nothing more
+
+
+def test_an_early_job_stopped_at_exit_takes_its_compilers_with_it(tmp_path):
+    """`_stop_early` stops a job's whole process group: a compiler it started leaves nothing behind."""
+    marker = tmp_path / "orphan"
+    code = (f"import subprocess, time; subprocess.Popen(['sh', '-c', 'sleep 2; touch {marker}']); time.sleep(30)")
+    job = ("builtins", "exec", (code,))
+    assert at.start_compiles({job: ["a"]}) == 1
+    time.sleep(1.0)  # the job has started its child
+    at._stop_early()
+    time.sleep(2.5)
+    assert not marker.exists() and at._early == {}
+
+
+def test_a_table_hit_starts_no_early_builds(monkeypatch, with_backends):
+    """A tuned shape starts no processes at a model's launch: its winner builds in-process."""
+    from gdr_dispatch import dispatch as dsp
+    from gdr_dispatch.contract import validate
+    from gdr_dispatch.shapes import call_kwargs, make_inputs
+
+    started = []
+
+    class Building(Member):
+        def compile_jobs(self, call):
+            return [("m", "build", (self.name,))]
+
+    with_backends(Building("fast_a"), Building("other"))
+    monkeypatch.setattr(at, "start_compiles", lambda jobs: started.extend(jobs) or len(jobs))
+    monkeypatch.setattr(dsp, "autotune_block_reason", lambda p, have_tensors: None)
+    call = validate(**call_kwargs(make_inputs(ShapeSpec(B=1, T=100, H=2, K=16, V=16, dtype="float64", h="none"),
+                                              "cpu")))
+    assert dsp.start_backward_compiles(call) > 0
+    p = dsp.Problem.from_call(call)
+    tuning_table.record(p.device.slug, p.device.name, {p.table_key(): {"winner": "fast_a",
+                                                                        "candidates": {"fast_a": {"ms": 1.0}}}})
+    started.clear()
+    assert dsp.start_backward_compiles(call) == 0 and started == []

@@ -217,3 +217,57 @@ def test_a_provider_in_two_halves_computes_the_residuals_once_when_verified(monk
     assert Halves.handed == ["residuals", "rest"]
     for name, a, b in zip(("o", "final_state", "G", "a", "h"), split, whole):
         assert _rel(a, b) < 1e-10, name
+
+
+def test_forward_entries_are_never_a_backwards_neighbours(monkeypatch, with_backends):
+    """A forward entry at the backward's very shape does not prune the backward's candidates."""
+    x = _op_inputs(ShapeSpec(B=1, T=1024, H=2, K=16, V=16))
+    p = _starved_problem(x)
+    back = replace(p, forward=False, has_dht=True)
+    tuning_table.record(p.device.slug, p.device.name, {p.table_key(): {
+        "winner": "fake_forward@split8", "candidates": {"fake_forward": {"ms": 3.0}, "fake_forward@split8": {"ms": 1.0}}}})
+    assert tuning_table.neighbours(back) == [] and tuning_table.device_entries(back) == []
+    assert [k for k, _ in tuning_table.device_entries(p)] == [p.table_key()]
+
+
+def test_a_stored_forward_split_holds_at_other_sizes_of_its_key_and_gdr_cp_0_turns_it_off(monkeypatch,
+                                                                                         with_backends):
+    """A table's split winner is taken wherever it can run (its count need not be one this size
+    would measure); with GDR_CP=0 the entry's fastest unsplit provider runs instead."""
+    with_backends(_FakeForward())
+    x = _op_inputs(ShapeSpec(B=1, T=1024, H=2, K=16, V=16))
+    p = _starved_problem(x)
+    assert "fake_forward@split2" not in training.forward_candidates(p)[1]  # not a count it would measure
+    tuning_table.record(p.device.slug, p.device.name, {p.table_key(): {
+        "winner": "fake_forward@split2", "candidates": {"fake_forward": {"ms": 3.0}, "fake_forward@split2": {"ms": 1.0}}}})
+    backend, how = training.forward_choice(p, measure_on=lambda b: pytest.fail("measured"))
+    assert backend.name == "fake_forward@split2" and how.startswith("table")
+    monkeypatch.setenv("GDR_CP", "0")
+    backend, how = training.forward_choice(p, measure_on=lambda b: pytest.fail("measured"))
+    assert backend.name == "fake_forward" and how.startswith("table")
+
+
+def test_a_failed_whole_forward_stores_no_pick(monkeypatch, with_backends, caplog):
+    """With nothing to cross-check a split against, nothing is stored and the provider runs whole."""
+    from gdr_dispatch import autotune, dispatch
+
+    class Broken(_FakeForward):
+        def forward(self, *args, **kwargs):
+            if args[7] is None:  # no cu_seqlens: the whole call (the split passes its segments')
+                raise RuntimeError("broken whole")
+            return super().forward(*args, **kwargs)
+
+    with_backends(Broken())
+    monkeypatch.setattr(dispatch, "autotune_block_reason", lambda p, have_tensors: None)
+    monkeypatch.setattr(autotune, "measure_ms", lambda fn, device_type: fn() and 1.0)
+    x = _op_inputs(ShapeSpec(B=1, T=1024, H=2, K=16, V=16, initial_state=False))
+    p = _starved_problem(x, sms=16)
+    scale = x["q"].shape[-1] ** -0.5
+
+    def measure_on(backend):
+        return backend.forward(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, None, None, False, True, 64,
+                               need_states=False)[:2]
+
+    backend, how = training.forward_choice(p, measure_on=measure_on)
+    assert backend.name == "fake_forward" and "measurement failed" in how
+    assert list(tuning_table.lookup(p.device.slug, p.problem_key(), p.versions_key())) == []

@@ -500,11 +500,20 @@ def test_split_forward_equals_the_whole_on_gpu(provider, gate, monkeypatch):
             monkeypatch.setenv("GDR_FORWARD", name)
             clear_caches()
             raw = torch.ops.gdr_dispatch.chunk_gdr_fwd(q, k, v, g, beta, init, cu, K ** -0.5, True, v_first, True)
-            if "@split" in name:  # the second call captures a graph, the third replays it: the same outputs
+            if "@split" in name:  # the second call captures a graph, the third replays it on new values
+                from gdr_dispatch.backends.split import graphs
+
+                v2 = v * 0.5
+                want = None
                 for _ in range(2):
-                    again = torch.ops.gdr_dispatch.chunk_gdr_fwd(q, k, v, g, beta, init, cu, K ** -0.5, True,
+                    again = torch.ops.gdr_dispatch.chunk_gdr_fwd(q, k, v2, g, beta, init, cu, K ** -0.5, True,
                                                                  v_first, True)
+                    want = want or tuple(x.clone() for x in again)  # the second call: eager, then captured
+                assert graphs.held_graphs() >= 1, name
+                again = torch.ops.gdr_dispatch.chunk_gdr_fwd(q, k, v2 * 2, g, beta, init, cu, K ** -0.5, True,
+                                                             v_first, True)  # replayed on v's values again
                 assert all(relative_error(a, b) < 1e-6 for a, b in zip(again, raw)), name
+                assert relative_error(want[0], raw[0]) > 0.1, name  # (v2's output differs: the inputs were read)
             leaves = [x.clone().requires_grad_(True) for x in (q, k, v, g, beta)]
             o, ht = chunk_gated_delta_rule(*leaves, initial_state=init, output_final_state=True, cu_seqlens=cu,
                                            state_v_first=v_first)
