@@ -850,3 +850,31 @@ def test_a_reset_token_splits_exactly_in_float32(monkeypatch):
     call = _reset_call("float32", T=2048)
     kwargs = {n: getattr(call, n) for n in ("q", "k", "v", "a", "g", "b", "do", "dht", "h", "initial_state", "scale")}
     assert_split_equals_whole(kwargs, 2, 1e-5, monkeypatch)
+
+
+def test_a_graph_evicted_again_and_again_runs_eagerly(monkeypatch):
+    """More split shapes in turn than graphs kept: each key is captured at most MAX_CAPTURES times,
+    then runs eagerly (a capture per call costs more than the eager call)."""
+    from gdr_dispatch import clear_caches
+    from gdr_dispatch.backends.split import graphs
+
+    class Graph:
+        def replay(self):
+            pass
+
+    captures = []
+
+    def capture(name, key, tensors, fn, seq_lens):
+        captures.append(key)
+        hit = (Graph(), tensors, fn(tensors))
+        graphs._graphs[key] = hit
+        return hit
+
+    monkeypatch.setattr(graphs, "_capture", capture)
+    clear_caches()
+    x = (torch.ones(2),)
+    keys = [("k", i) for i in range(graphs.LIMIT + 1)]  # one more than kept: each evicts the next
+    for _ in range(10):
+        for key in keys:
+            graphs.run_tensors("test", key, x, lambda t: (t[0] * 2,), (2,))
+    assert all(captures.count(key) == graphs.MAX_CAPTURES for key in keys)

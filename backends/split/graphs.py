@@ -8,7 +8,8 @@ the device) the first call runs eagerly (it compiles, autotunes and builds the i
 capture then reads), the second captures the split into a graph over static input buffers and
 replays it, and later calls copy their inputs in, replay, and return fresh copies of the outputs.
 A key whose capture fails (a backend that reads the device on the host) runs eagerly from then on,
-said once. At most `LIMIT` graphs are kept, least recently used first out; each holds its static
+said once; so does one evicted and captured again `MAX_CAPTURES` times (more shapes in turn than
+graphs kept: a capture per call costs more than the eager call). At most `LIMIT` graphs are kept, least recently used first out; each holds its static
 inputs and its memory pool (about three times the call's inputs and outputs), said when captured.
 `GDR_SPLIT_GRAPHS=0` turns this off.
 """
@@ -29,6 +30,8 @@ log = logging.getLogger("gdr_dispatch")
 
 #: Graphs kept at once (each with its pool: a starved-grid autotune times several candidates).
 LIMIT = 4
+#: Captures of one key at most: a key evicted and captured again this often runs eagerly from then on.
+MAX_CAPTURES = 3
 TENSORS = ("q", "k", "v", "a", "g", "b", "do", "dht", "h", "initial_state", "cu_seqlens")
 
 _graphs = caches.memo("split graphs", limit=LIMIT)  # key -> (graph, static call, static outputs)
@@ -73,9 +76,17 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
             return fn(tensors)  # the warm-up: compiles, caches the index tensors the capture reads
         if state == "refused":
             return fn(tensors)
+        if isinstance(state, int) and state >= MAX_CAPTURES:
+            # evicted again and again (more keys in turn than LIMIT): a capture per call would cost
+            # more than running eagerly
+            if caches.first_time(("split graph thrash", name)):
+                log.info("gdr_dispatch: %s runs eagerly: its graph was evicted %d times (more shapes in turn than "
+                         "the %d graphs kept)", name, state, LIMIT)
+            return fn(tensors)
         hit = _capture(name, key, tensors, fn, seq_lens)
         if hit is None:
             return fn(tensors)
+        _seen[key] = (state if isinstance(state, int) else 0) + 1
     graph, static, out = hit
     _graphs[key] = hit  # most recently used
     for x, s in zip(tensors, static):
