@@ -161,3 +161,23 @@ def test_packed_sequences_give_each_sequences_chunks_and_first_chunk_in_h():
     assert again[1] is offsets and again[2] == counts
     cu, offsets, counts = packed_sequences(3, 100, (100,) * 3, 64, None, "cpu")
     assert cu.tolist() == [0, 100, 200, 300] and counts == (2, 2, 2) and offsets.tolist() == [0, 2, 4, 6]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile for sm_90a")
+def test_the_prototype_builds_compile_and_keep_the_barrier_protocol():
+    """`reconly` and `nowait` (docs/kernels.md, the prototype): they compile for sm_90a; `nowait`'s
+    consumers never wait at a phase barrier (only the producer does, on phases 1, 5 and 6), while
+    `reconly` keeps the kernel's waits and stores no gradient rows but dS's."""
+    from gdr_dispatch.backends.kernels.tilelang_ws_bwd import build_ws_bwd
+
+    full = build_ws_bwd(4, 2, 128 ** -0.5, "bfloat16", "bfloat16", timing=True).get_kernel_source()
+    nowait = build_ws_bwd(4, 2, 128 ** -0.5, "bfloat16", "bfloat16", timing=True, mode="nowait").get_kernel_source()
+    reconly = build_ws_bwd(4, 2, 128 ** -0.5, "bfloat16", "bfloat16", timing=True, mode="reconly").get_kernel_source()
+    waits = {name: sorted(re.findall(r"phase\[(\d)\]\.wait", src)) for name, src in
+             (("full", full), ("nowait", nowait), ("reconly", reconly))}
+    assert waits["nowait"] == ["0", "4", "5"]
+    assert set(waits["reconly"]) == set(waits["full"]) and len(waits["full"]) > 3
+    assert len(reconly) < len(full) and len(nowait) <= len(full)
+    with pytest.raises(ValueError, match="mode"):
+        build_ws_bwd(4, 2, 128 ** -0.5, "bfloat16", "bfloat16", mode="bogus")

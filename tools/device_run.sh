@@ -63,7 +63,7 @@ for arg in "$@"; do
         --out "$OUT/bench/wsbench.json" > "$OUT/wsbench.log" 2>&1 ;;
     timing)
       for shape in ${TIMING_SHAPES:-B4T4096H16 B8T4096H32}; do
-        timeout "$(left)" python3 tools/ws_probe.py --only "$shape" --timing 2>&1 | grep -v TileLang
+        timeout "$(left)" python3 tools/ws_probe.py --only "$shape" --timing ${TIMING_ARGS:-} 2>&1 | grep -v TileLang
       done > "$OUT/timing.log" 2>&1 ;;
     splitprof)
       timeout "$(left)" python3 tools/profile_split.py ${SPLIT_ARGS:-} > "$OUT/splitprof.log" 2>&1 ;;

@@ -5,6 +5,8 @@
     python tools/ws_probe.py --only B8T4096H32 --check --repeat 20   # errors against torch, reruns bit for bit
     compute-sanitizer --tool racecheck python3 tools/ws_probe.py --only tiny --once
     python tools/ws_probe.py --only B4T4096H16 --timing      # cycles per chunk step, per group and phase
+    python tools/ws_probe.py --only B1T8192H16 --timing --mode reconly   # a prototype build's cycles (wrong results)
+    python tools/ws_probe.py --only B1T8192H16 --mode reconly            # its wall time (plain build)
     python tools/ws_probe.py --warm-peer 8 --shapes B4T4096H16,B8T4096H32   # compile for --peer first
 
 Prints median ms (CUDA events, gdr_dispatch.autotune.measure_ms), us per chunk step (a CTA walks
@@ -87,14 +89,14 @@ def peer_runners(x) -> dict:
             "@tilelang_fused": lambda: get_backend("tilelang_fused").run(call)}
 
 
-def phase_table(name, x, spec) -> dict:
+def phase_table(name, x, spec, mode: str = "full") -> dict:
     """Run the timing build once (after a warm-up) and print the mean cycles per chunk step that
     each consumer group spends working before, and waiting at, each sync point."""
     from gdr_dispatch.backends.kernels.tilelang_ws_bwd import PHASES, TIMING_SLOTS
 
     n_seq = len(spec.seq_lens)
     clk = torch.zeros(n_seq * spec.H * 3 * TIMING_SLOTS, dtype=torch.int32, device="cuda")
-    fn = runner(x, clk=clk)
+    fn = runner(x, clk=clk, mode=mode)
     fn()
     clk.zero_()
     fn()
@@ -103,7 +105,8 @@ def phase_table(name, x, spec) -> dict:
     steps = c[:, :, TIMING_SLOTS - 1].clamp(min=1)
     per = (c / steps.unsqueeze(-1)).mean(0)  # [group, slot], cycles per chunk step, mean over CTAs
     groups = ("S", "KV", "A")
-    print(f"{name}: cycles per chunk step (mean over {c.shape[0]} CTAs), work | wait before each sync point")
+    print(f"{name}{'' if mode == 'full' else f' ({mode} build)'}: cycles per chunk step (mean over {c.shape[0]} "
+          f"CTAs), work | wait before each sync point")
     print("sync point " + "".join(f"{g:>16}" for g in groups))
     table = {}
     for slot in range(PHASES + 1):
@@ -113,7 +116,7 @@ def phase_table(name, x, spec) -> dict:
         print(f"{label:<11}" + "".join(f"{w:>8.0f} |{t:>6.0f}" for w, t in cells))
     loop = [per[g, TIMING_SLOTS - 2].item() for g in range(3)]
     print(f"{'loop':<11}" + "".join(f"{v:>16.0f}" for v in loop))
-    return {"shape": name, "cycles_per_step": table, "loop_cycles_per_step": [round(v) for v in loop]}
+    return {"shape": name, "mode": mode, "cycles_per_step": table, "loop_cycles_per_step": [round(v) for v in loop]}
 
 
 def check(name, x, repeat: int) -> None:
@@ -159,8 +162,13 @@ def main(argv=None) -> int:
                    help="only compile what --peer runs (FlashQLA's kernels, ours) for the shapes of --only/--shapes, "
                         "in N processes, and exit")
     p.add_argument("--shapes", default=None, help="--warm-peer: shape names, comma- or space-separated")
+    p.add_argument("--mode", default="full", choices=("full", "reconly", "nowait"),
+                   help="a prototype build of ours (tilelang_ws_bwd.MODES; wrong results: --timing's cycles and "
+                        "the wall time only, no --check, no --peer)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.mode != "full" and (args.check or args.peer or args.kernel != "ws"):
+        p.error("--mode: a prototype build's results are wrong; it runs alone (no --check, --peer, --kernel)")
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
@@ -180,19 +188,20 @@ def main(argv=None) -> int:
             continue
         x = make_inputs(spec, "cuda", seed=1)
         if args.once:
-            one = runner(x) if args.kernel == "ws" else peer_runners(x)["flashqla_kernel"]
+            one = runner(x, mode=args.mode) if args.kernel == "ws" else peer_runners(x)["flashqla_kernel"]
             one()
             torch.cuda.synchronize()
             one()
             torch.cuda.synchronize()
             return 0
         if args.timing:
-            rows.append(phase_table(name, x, spec))
+            rows.append(phase_table(name, x, spec, args.mode))
             continue
         if args.check:
             check(name, x, args.repeat)
         steps = max(spec.seq_lens) // 64
-        fns = {"ws": runner(x), **(peer_runners(x) if args.peer else {})}
+        fns = {"ws" if args.mode == "full" else f"ws {args.mode}": runner(x, mode=args.mode),
+               **(peer_runners(x) if args.peer else {})}
 
         def measure(fn):
             return measure_ms(fn, "cuda", warmup=3, reps=args.reps)
@@ -202,7 +211,7 @@ def main(argv=None) -> int:
         for label in fns:
             row = {"shape": name, "runner": label, "ms": timed[label]["ms"],
                    "us_per_step": round(timed[label]["ms"] * 1e3 / steps, 2)}
-            if label != "ws":
+            if label != "ws" and "ws" in timed:
                 row["ws_over_this"] = round(timed["ws"]["ms"] / timed[label]["ms"], 3)
             rows.append(row)
             print(row, flush=True)
