@@ -22,7 +22,7 @@ import importlib.util
 
 import torch
 
-from gdr_dispatch import caches
+from gdr_dispatch import caches, graph_safe
 from gdr_dispatch.contract import GDRCall, GDRGrads, packed
 from gdr_dispatch.problem import Problem
 from gdr_dispatch.registry import Backend, Limits, register
@@ -100,7 +100,7 @@ class FlashQLABackend(Backend):
         dht = call.dht
         if dht is None and call.initial_state is not None:
             # its sm120 kernel writes dh0 only when given a dht
-            dht = torch.zeros(call.initial_state.shape, dtype=torch.float32, device=call.q.device)
+            dht = graph_safe.zeros(tuple(call.initial_state.shape), torch.float32, call.q.device)  # read only
         if dht is not None:
             dht = packed(dht)
         if call.h is not None:

@@ -115,3 +115,24 @@ def device_constant(values: tuple, dtype: torch.dtype, device: torch.device,
     for old in [k for k in _constants if k not in _pinned][:max(0, len(_constants) - MAX_CONSTANTS)]:
         del _constants[old]
     return t
+
+
+def zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A read-only tensor of zeros, built once per shape, dtype and device: an absent input that a
+    kernel reads (a `dht` of none) without a fill launch per call. Nothing may write it. Built
+    fresh, not kept, when first asked for during a CUDA graph capture."""
+    device = device if isinstance(device, torch.device) else torch.device(device)
+    key = ("zeros", tuple(shape), dtype, device)
+    t = _constants.get(key)
+    if t is not None:
+        _constants.move_to_end(key)
+        if key not in _pinned and capturing(device):
+            _pinned.add(key)
+        return t
+    t = torch.zeros(shape, dtype=dtype, device=device)
+    if capturing(device):  # allocated in the graph's pool: that graph's own
+        return t
+    _constants[key] = t
+    for old in [k for k in _constants if k not in _pinned][:max(0, len(_constants) - MAX_CONSTANTS)]:
+        del _constants[old]
+    return t

@@ -339,3 +339,15 @@ def test_ten_thousand_random_packings_through_the_hot_path_keep_the_host_memory_
     grown, memos = host_growth(step)
     assert memos < 50, caches.sizes()
     assert grown < 512 * 1024, f"host memory grew by {grown} bytes over 10,000 packings"
+
+
+def test_an_absent_state_a_kernel_reads_is_one_cached_zeros_tensor():
+    """`graph_safe.zeros`: the launchers' dht of none, built once per shape (no fill per call),
+    zero, and forgotten with the other caches."""
+    from gdr_dispatch import clear_caches, graph_safe
+
+    a = graph_safe.zeros((2, 3, 4, 4), torch.float32, torch.device("cpu"))
+    assert a is graph_safe.zeros((2, 3, 4, 4), torch.float32, "cpu") and not a.any()
+    assert graph_safe.zeros((2, 3, 4, 5), torch.float32, "cpu") is not a
+    clear_caches()
+    assert graph_safe.zeros((2, 3, 4, 4), torch.float32, "cpu") is not a

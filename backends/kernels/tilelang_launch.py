@@ -14,6 +14,7 @@ import itertools
 import torch
 
 from gdr_dispatch.contract import packed
+from gdr_dispatch import graph_safe
 from gdr_dispatch.graph_safe import device_constant
 
 from .head_sum import sum_value_heads
@@ -58,8 +59,8 @@ def launch_packed(kern, q, k, v, do, a, g, b, h, dht, seq_lens, chunk_size: int,
     N = len(seq_lens)
     dev = q.device
     cu, offsets, _ = packed_sequences(B, T_, seq_lens, chunk_size, cu_seqlens, dev)
-    if dht is None:
-        dht_in = torch.zeros(N, H, K, V, dtype=torch.float32, device=dev)
+    if dht is None:  # read only: one cached zeros tensor per shape, no fill launch per call
+        dht_in = graph_safe.zeros((N, H, K, V), torch.float32, dev)
     else:
         dht_in = packed((dht.transpose(-1, -2) if state_v_first else dht).float())
     if state_v_first:  # the kernels read [K, V] states; a copy of h is the price of one variant
