@@ -193,10 +193,7 @@ def _table_winner(entry: dict, options: dict) -> Optional[str]:
     if winner in options:
         return winner
     if parse_wrapped(winner)[1] > 1 and env.cp_segments() == 0:
-        measured = {n: c["ms"] for n, c in entry.get("candidates", {}).items()
-                    if n in options and isinstance(c.get("ms"), (int, float)) and "failed" not in c}
-        if measured:
-            return min(measured, key=measured.get)
+        return tuning_table.fastest_measured(entry, options)
     return None
 
 

@@ -44,7 +44,7 @@ from .caches import Memo, first_time, memo
 from .contract import check_forward_structure, check_scale, packed, sequence_lengths
 from .graph_safe import offsets_of, remember, remembered
 from .problem import Problem, device_info, library_versions
-from .registry import forward_env, get_backend, registered_backends, wrappers
+from .registry import forward_env, get_backend, parse_wrapped, registered_backends, wrappers
 
 CHUNK = 64
 log = logging.getLogger("gdr_dispatch")
@@ -144,11 +144,9 @@ def _forward_winner(entry: dict, problem: Problem, offers: dict):
         backend = get_backend(name)
     except ValueError:
         return None
-    split = "@" in name
-    if split and env.cp_segments() == 0:
-        measured = {n: c["ms"] for n, c in entry.get("candidates", {}).items()
-                    if n in offers and isinstance(c, dict) and isinstance(c.get("ms"), (int, float)) and "failed" not in c}
-        return offers[min(measured, key=measured.get)] if measured else None
+    if parse_wrapped(name)[1] > 1 and env.cp_segments() == 0:
+        fastest = tuning_table.fastest_measured(entry, offers)
+        return None if fastest is None else offers[fastest]
     return backend if backend.forward_supported(problem)[0] else None
 
 
@@ -255,7 +253,7 @@ def chunk_gdr_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
         if q.is_cuda and not len(plan.backends) and any(
                 x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)):
             # a training forward at a new shape: the backward's builds start now, beside the forward's
-            _start_backward_compiles(q, k, v, beta, initial_state, cu_seqlens, scale, output_final_state,
+            _start_backward_compiles(q, k, v, beta, initial_state, cu_seqlens, seq_lens, scale, output_final_state,
                                      state_v_first, save_states)
         problem = forward_problem(q, v, beta, initial_state, cu_seqlens, state_v_first, seq_lens)
         backend, how = forward_choice(problem, measure_on=lambda b: b.forward(
@@ -275,30 +273,26 @@ def chunk_gdr_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
             packed(a.to(q.dtype)), packed(h) if save_states else _empty(q))
 
 
-def _start_backward_compiles(q, k, v, beta, initial_state, cu_seqlens, scale, output_final_state, state_v_first,
-                             save_states) -> None:
+def _start_backward_compiles(q, k, v, beta, initial_state, cu_seqlens, lens, scale, output_final_state,
+                             state_v_first, save_states) -> None:
     """A training forward at a new shape: the builds its backward will need start now, in
     background processes (dispatch.start_backward_compiles), so they overlap the forward's own
     compiles and measurement. The backward's call is built with uninitialised residuals (compile
-    jobs read shapes and flags only)."""
+    jobs read shapes and flags only); `lens` the sequence lengths the forward read."""
     from .contract import validate
     from .dispatch import start_backward_compiles
 
     B, T, H = v.shape[0], v.shape[1], v.shape[2]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    state = (H, v.shape[3], q.shape[3]) if state_v_first else (H, q.shape[3], v.shape[3])
     a = q.new_empty(B, T, H, CHUNK)
     G = q.new_empty(B, T, H, dtype=acc)
     dht = h = None
     if output_final_state:  # autograd hands the backward a gradient for every output it returns
-        dht = q.new_empty(initial_state.shape if initial_state is not None else
-                          ((len(sequence_lengths(cu_seqlens, B, T)),) + ((H, v.shape[3], q.shape[3]) if state_v_first
-                                                                          else (H, q.shape[3], v.shape[3]))),
-                          dtype=acc)
+        dht = q.new_empty((len(lens),) + state, dtype=acc)
     if save_states:
-        lens = sequence_lengths(cu_seqlens, B, T)
         nt = sum(-(-n // CHUNK) for n in lens)
-        lead = (1, nt) if cu_seqlens is not None else (B, nt // B)
-        h = q.new_empty(lead + ((H, v.shape[3], q.shape[3]) if state_v_first else (H, q.shape[3], v.shape[3])))
+        h = q.new_empty(((1, nt) if cu_seqlens is not None else (B, nt // B)) + state)
     try:
         n = start_backward_compiles(validate(q, k, v, a, G, beta, v, dht, h, scale=scale,
                                              initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_size=CHUNK,

@@ -252,6 +252,14 @@ def _alike(problem, same_wave: bool) -> list[tuple[str, dict]]:
     return out
 
 
+def fastest_measured(entry: dict, names) -> Optional[str]:
+    """The entry's fastest candidate among `names` that was timed and did not fail; None when none
+    was (what a split winner falls back to under `GDR_CP=0`)."""
+    measured = {n: c["ms"] for n, c in entry.get("candidates", {}).items()
+                if n in names and isinstance(c.get("ms"), (int, float)) and "failed" not in c}
+    return min(measured, key=measured.get) if measured else None
+
+
 def entry_programs(key: str, entry: dict) -> Optional[int]:
     """Sequences x value heads of the problem an entry was measured at (its `problem` line's `B<n>`
     or `N<n>`, its key's `H<n>`); None when either cannot be read."""

@@ -678,11 +678,9 @@ def ws_bwd_given_h(q, k, v, do, a, g, b, h, dht, scale: float, seq_lens, chunk_s
     if (Kd, Vd, chunk_size) != (K, V, BT):
         raise ValueError(f"ws_bwd_given_h: built for K = V = {K}, chunk {BT}; got K={Kd}, V={Vd}, chunk {chunk_size}")
     # the plain build by its positional arguments alone: the key `compile_jobs` warms (lru_cache)
-    if mode != "full":
-        kern = build_ws_bwd(*ws_config(q, v, b, scale), timing=clk is not None, mode=mode)
-    else:
-        kern = build_ws_bwd(*ws_config(q, v, b, scale)) if clk is None else \
-            build_ws_bwd(*ws_config(q, v, b, scale), timing=True)
+    cfg = ws_config(q, v, b, scale)
+    kern = build_ws_bwd(*cfg) if clk is None and mode == "full" else \
+        build_ws_bwd(*cfg, timing=clk is not None, mode=mode)
     if clk is None:  # the plain build never touches it: a cached constant, one launch less per call
         clk = device_constant((0,), torch.int32, q.device)
     # TMA copies bytes: h_s holds q's dtype

@@ -101,8 +101,7 @@ class SplitBackend(Backend):
             return fn(tensors)
         # eager it is host-bound at the starved shapes, as the backward: from the second call, a graph
         lens = lengths(cu_seqlens, q.shape[0], q.shape[1])
-        key = (f"{self.name} forward", tuple(None if x is None else (tuple(x.shape), x.dtype) for x in tensors),
-               lens, scale, state_v_first, need_final, need_states, chunk_size, str(q.device))
+        key = (f"{self.name} forward", graphs.signature(tensors), lens, scale, state_v_first, need_final, need_states, chunk_size, str(q.device))
         return graphs.run_tensors(f"{self.name} (the op's forward)", key, tensors, fn, lens)
 
     def run(self, call: GDRCall) -> GDRGrads:
@@ -136,15 +135,21 @@ class SplitBackend(Backend):
 class Split(Wrapper):
     mark = SPLIT_MARK
 
+    @staticmethod
+    def _counts(problem: Problem, thorough: bool) -> tuple[int, ...]:
+        """The segment counts worth timing on a starved GPU grid (fewer sequence x head programs
+        than SMs); none on a CPU or a full grid."""
+        if problem.device.type != "cuda" or problem.seq_head_ctas >= problem.device.sm_count:
+            return ()
+        return segment_counts(problem, thorough)
+
     def candidates(self, problem: Problem, supported: dict, thorough: bool = False) -> dict:
         """`<backend>@split<n>` for a starved grid (fewer sequence x head programs than SMs):
         nothing while `GDR_CP` decides, on a CPU, or when the grid is full."""
-        if env.cp_segments() is not None or problem.device.type != "cuda":
-            return {}
-        if problem.seq_head_ctas >= problem.device.sm_count:
+        if env.cp_segments() is not None:
             return {}
         out = {}
-        for segments in segment_counts(problem, thorough):
+        for segments in self._counts(problem, thorough):
             for backend in supported.values():
                 if backend.split_candidate:
                     split = SplitBackend(backend, segments)
@@ -155,12 +160,10 @@ class Split(Wrapper):
     def forward_candidates(self, problem: Problem, offers: dict) -> dict:
         """`<provider>@split<n>` for the op's forward on a starved grid, the counts a table miss
         of the backward times: nothing with `GDR_CP=0`, on a CPU, or when the grid is full."""
-        if env.cp_segments() == 0 or problem.device.type != "cuda":
-            return {}
-        if problem.seq_head_ctas >= problem.device.sm_count:
+        if env.cp_segments() == 0:
             return {}
         out = {}
-        for segments in segment_counts(problem, thorough=False):
+        for segments in self._counts(problem, thorough=False):
             for backend in offers.values():
                 if backend.split_candidate and not backend.reference:
                     split = SplitBackend(backend, segments)

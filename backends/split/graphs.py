@@ -38,11 +38,13 @@ _graphs = caches.memo("split graphs", limit=LIMIT)  # key -> (graph, static call
 _seen = caches.memo("split graph keys seen", limit=256)  # key -> "eager" once run, "refused" if capture failed
 
 
-def key_of(name: str, call: GDRCall) -> tuple:
-    def t(x):
-        return None if x is None else (tuple(x.shape), x.dtype)
+def signature(tensors) -> tuple:
+    """Each tensor's shape and dtype (None for an absent one): what a graph key holds of them."""
+    return tuple(None if x is None else (tuple(x.shape), x.dtype) for x in tensors)
 
-    return (name, tuple(t(getattr(call, n)) for n in TENSORS), call.seq_lens, call.scale, call.chunk_size,
+
+def key_of(name: str, call: GDRCall) -> tuple:
+    return (name, signature(getattr(call, n) for n in TENSORS), call.seq_lens, call.scale, call.chunk_size,
             call.state_v_first, str(call.q.device))
 
 
