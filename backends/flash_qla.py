@@ -141,7 +141,6 @@ class FlashQLABackend(Backend):
         return o, ht, G, a, h
 
     residual_forward = True
-    residual_forward_verified = False  # until tests/test_gpu.py's split-forward test passes with the halves
 
     def forward_residuals(self, q, k, v, g, beta, cu_seqlens, chunk_size):
         """Its own forward's first kernels: the chunk cumsum and the fused KK^T solve."""

@@ -17,7 +17,8 @@ state; loss = <o, do> + <final_state, dht>):
     of it);
   * `flashqla-op`: FlashQLA's `chunk_gated_delta_rule` as a user calls it (its intra-card split
     `auto_cp` on), when importable.
-Times are medians of CUDA-event timings of the whole step after warm-up; ratios are fla-op's
+Times are medians of CUDA-event timings of the whole step after warm-up, with the host's enqueue
+of one step beside them (near the step's time it is host-bound); ratios are fla-op's
 time over each runner's (> 1 is faster than fla's op). The error column is each runner's
 largest relative Frobenius error, over o, the final state and every gradient, against
 fla-op's. Writes bench/results/<device>-training.json and .md.
@@ -36,9 +37,10 @@ from pathlib import Path
 
 import torch
 
+from gdr_dispatch import clear_caches
 from gdr_dispatch.problem import device_info, library_versions
 from gdr_dispatch.shapes import PRESETS, ShapeSpec, load_grid, log_decay
-from timing import back_to_back_ms, measure_ms, relative_error
+from timing import back_to_back_ms, host_enqueue_ms, measure_ms, relative_error
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LEAVES = ("q", "k", "v", "g", "beta", "initial_state")
@@ -104,11 +106,13 @@ class ChoiceLog(logging.Handler):
 
     def __init__(self):
         super().__init__(logging.INFO)
-        self.backend = None
+        self.backend = self.forward = None
 
     def emit(self, record):
         if record.getMessage().startswith("gdr_dispatch: backend ") and record.args:
             self.backend = record.args[0]
+        elif record.getMessage().startswith("gdr_dispatch: forward ") and record.args:
+            self.forward = record.args[0]
         elif record.getMessage().startswith("gdr_dispatch: autotun"):  # a table miss: minutes, so say so
             print(f"      {record.getMessage()}", file=sys.stderr, flush=True)
 
@@ -177,14 +181,17 @@ def bench_shape(spec: ShapeSpec, ops: dict, warmup: int, reps: int) -> dict:
             continue
         t0 = time.perf_counter()
         try:
-            choices.backend = None
+            choices.backend = choices.forward = None
+            if name.startswith("ours"):  # decided (and logged) afresh at each shape and gate: the memo keys
+                clear_caches()           # on the shape alone, so a second gate would log nothing
             got = step(op, x)
             err = max(relative_error(got[n], ref[n]) for n in got) if ref is not None else None
             ms = measure_ms(lambda: step(op, x), "cuda", warmup=warmup, reps=reps)
             row["runs"][name] = {"ms": round(ms, 4), "b2b_ms": round(back_to_back_ms(lambda: step(op, x)), 4),
+                                 "host_ms": round(host_enqueue_ms(lambda: step(op, x)), 4),
                                  **({"max_rel_err_vs_fla_op": float(f"{err:.3e}")} if ref else {})}
             if name.startswith("ours"):
-                row["runs"][name]["backend"] = choices.backend
+                row["runs"][name].update(backend=choices.backend, forward=choices.forward)
         except Exception as e:  # noqa: BLE001 - a failing runner is reported, the sweep goes on
             row["runs"][name] = {"failed": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
         print(f"    {name}: {row['runs'][name]}  [{time.perf_counter() - t0:.1f} s]", file=sys.stderr, flush=True)
@@ -197,16 +204,18 @@ def bench_shape(spec: ShapeSpec, ops: dict, warmup: int, reps: int) -> dict:
 def to_markdown(rows, device) -> str:
     names = list(dict.fromkeys(n for r in rows for n in r["runs"]))
     lines = [f"Training step (forward + backward) on {device}, ms per step (a sync after each) / back to back (20 "
-             "enqueued, one sync); fla-op's per-step ms / this one's in brackets; ours: [the backend the dispatcher "
-             "ran]", "",
+             "enqueued, one sync) (host: the step's enqueue alone); fla-op's per-step ms / this one's in brackets; ours: [the forward and backward "
+             "backends the dispatcher ran]", "",
              "| shape | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for r in rows:
         base = r["runs"].get("fla-op", {}).get("ms")
         cells = []
         for n in names:
             run = r["runs"].get(n, {})
-            cells.append(f"{run['ms']:.3f} / {run.get('b2b_ms', float('nan')):.3f}" + (f" ({base / run['ms']:.2f}x)" if base else "")
-                         + (f" [{run['backend']}]" if n == "ours" and run.get("backend") else "") if "ms" in run
+            cells.append(f"{run['ms']:.3f} / {run.get('b2b_ms', float('nan')):.3f} (host {run.get('host_ms', float('nan')):.3f})"
+                         + (f" ({base / run['ms']:.2f}x)" if base else "")
+                         + (f" [fwd {run.get('forward') or '?'}, bwd {run.get('backend') or '?'}]" if n == "ours" else "")
+                         if "ms" in run
                          else ("failed" if "failed" in run else "-"))
         lines.append(f"| {r['shape']} | " + " | ".join(cells) + " |")
     errs = {n: max((r["runs"][n].get("max_rel_err_vs_fla_op", 0.0) for r in rows if n in r["runs"]), default=0.0)

@@ -7,6 +7,7 @@ import argparse
 import functools
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -101,6 +102,17 @@ def cmd_tune(args) -> int:
         shapes = PRESETS[preset]
         source = f"preset {preset}"
     variants = [v for s in shapes for v in s.variants()]
+    if args.match:
+        try:
+            pattern = re.compile(args.match)
+        except re.error as e:
+            print(f"error: --match: {e}", file=sys.stderr)
+            return 2
+        variants = [v for v in variants if pattern.search(v.label())]
+        if not variants:
+            print(f"error: --match {args.match!r}: no shape of {source} matches", file=sys.stderr)
+            return 2
+        source += f", the shapes matching {args.match!r}"
     dev = device_info(device)
     if device.type != "cuda":
         print("note: no CUDA device, so nothing the dispatcher autotunes can be measured here: this sweep times "
@@ -322,6 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--grid", metavar="FILE.yaml", help="shapes to tune (see gdr_dispatch/shapes.py)")
     t.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when available")
     t.add_argument("--out", metavar="DIR", help="table directory (default: $GDR_TUNING_CACHE or ~/.cache/gdr_dispatch)")
+    t.add_argument("--match", metavar="REGEX",
+                   help="tune only the grid's shapes whose label matches (e.g. 'T8192 H16|varlen'); the table keeps the rest")
     t.add_argument("--backends", metavar="A,B", help="tune only these backends (and their split candidates)")
     t.add_argument("--no-splits", action="store_true",
                    help="leave out the context-parallel candidates <backend>@split<n> that grids with fewer sequence x "

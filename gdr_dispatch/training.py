@@ -238,6 +238,13 @@ def chunk_gdr_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                   output_final_state: bool, state_v_first: bool, save_states: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(o, final_state or [], G, a, h or [])`: the output and the backward's residuals."""
+    return _forward_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, state_v_first,
+                         save_states)
+
+
+def _forward_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, state_v_first,
+                  save_states):
+    """The op's forward, behind the custom op (traced) and `_Eager` (eager) alike."""
     key = plans.forward_key(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, state_v_first,
                             save_states)
     plan = plans.forward.get(key) if key is not None else None
@@ -346,12 +353,16 @@ def chunk_gdr_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Te
                   state_v_first: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(dq, dk, dv, dg, dbeta, dh0 or [])` through `fused_gdr_bwd`, packed as the fake says."""
-    from .dispatch import fused_gdr_bwd
-
-    grads = fused_gdr_bwd(q, k, v, a, G, beta, do, dht, h, scale=scale, initial_state=initial_state,
-                          cu_seqlens=cu_seqlens, chunk_size=CHUNK, state_v_first=state_v_first)
+    grads = _backward_impl(q, k, v, a, G, beta, do, dht, h, initial_state, cu_seqlens, scale, state_v_first)
     dh0 = grads.dh0 if grads.dh0 is not None else _empty(q)
     return tuple(packed(x) for x in (grads.dq, grads.dk, grads.dv, grads.dg, grads.db, dh0))
+
+
+def _backward_impl(q, k, v, a, G, beta, do, dht, h, initial_state, cu_seqlens, scale, state_v_first):
+    from .dispatch import fused_gdr_bwd
+
+    return fused_gdr_bwd(q, k, v, a, G, beta, do, dht, h, scale=scale, initial_state=initial_state,
+                         cu_seqlens=cu_seqlens, chunk_size=CHUNK, state_v_first=state_v_first)
 
 
 @chunk_gdr_bwd.register_fake
@@ -385,14 +396,50 @@ def _backward(ctx, do, dht, dG, da, dh):
     if do is None:
         do = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
     dht = dht if dht is not None and dht.numel() > 0 else None
-    dq, dk, dv, dg, db, dh0 = torch.ops.gdr_dispatch.chunk_gdr_bwd(
-        q, k, v, a, G, beta, do.to(q.dtype), dht, h if ctx.save_states else None, initial_state, cu_seqlens,
-        ctx.scale, ctx.state_v_first)
+    args = (q, k, v, a, G, beta, do.to(q.dtype), dht, h if ctx.save_states else None, initial_state, cu_seqlens,
+            ctx.scale, ctx.state_v_first)
+    if ctx.eager:
+        dq, dk, dv, dg, db, dh0 = _backward_impl(*args)
+    else:  # traced: the backward's own custom op, so the compiled graph holds it
+        dq, dk, dv, dg, db, dh0 = torch.ops.gdr_dispatch.chunk_gdr_bwd(*args)
     return (dq, dk, dv, dg.to(ctx.g_dtype), db, dh0.to(initial_state.dtype) if initial_state is not None else None,
             None, None, None, None, None)
 
 
-torch.library.register_autograd("gdr_dispatch::chunk_gdr_fwd", _backward, setup_context=_setup_context)
+def _traced_backward(ctx, *grads):
+    ctx.eager = False
+    return _backward(ctx, *grads)
+
+
+torch.library.register_autograd("gdr_dispatch::chunk_gdr_fwd", _traced_backward, setup_context=_setup_context)
+
+
+class _Eager(torch.autograd.Function):
+    """The op in eager mode: the custom op's forward, context and backward without torch.library's
+    Python dispatch around each call (the same functions; about a third of the op's host time per
+    training step on a CPU, docs/design.md "The hot path"). Traced calls, functorch transforms,
+    tensor subclasses and fake tensors keep the custom op."""
+
+    @staticmethod
+    def forward(ctx, *inputs):  # (ctx first, no setup_context: apply then binds no signature per call)
+        output = _forward_impl(*inputs)
+        if any(ctx.needs_input_grad):  # (no backward will run otherwise)
+            _setup_context(ctx, inputs, output)
+            ctx.eager = True
+        return output
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _backward(ctx, *grads)
+
+
+def _eager_call(q, k, v, g, beta, initial_state, cu_seqlens) -> bool:
+    """Plain tensors outside a trace or a functorch transform: the op may skip the custom op's
+    dispatch (`_Eager`)."""
+    T = torch.Tensor
+    return (type(q) is T and type(k) is T and type(v) is T and type(g) is T and type(beta) is T
+            and (initial_state is None or type(initial_state) is T) and (cu_seqlens is None or type(cu_seqlens) is T)
+            and not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active())
 
 
 def _plain(q, k, v, g, beta, initial_state, cu_seqlens) -> bool:
@@ -441,7 +488,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         # forward checks the rest as this does (compiled: in the fake)
         check_forward_structure(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, CHUNK)
     scale = check_scale(scale, q.shape[-1])
-    o, ht, _, _, _ = torch.ops.gdr_dispatch.chunk_gdr_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scale,
-                                                         bool(output_final_state), bool(state_v_first),
-                                                         bool(save_states))
+    args = (q, k, v, g, beta, initial_state, cu_seqlens, scale, bool(output_final_state), bool(state_v_first),
+            bool(save_states))
+    if _eager_call(q, k, v, g, beta, initial_state, cu_seqlens):
+        o, ht, _, _, _ = _Eager.apply(*args)
+    else:
+        o, ht, _, _, _ = torch.ops.gdr_dispatch.chunk_gdr_fwd(*args)
     return o, (ht if output_final_state else None)

@@ -136,7 +136,7 @@ def test_training_bench_forces_a_backend_through_the_whole_step_and_names_it(mon
         bt.step(bt.Forced(chunk_gated_delta_rule, "torch"), x)
     finally:
         logging.getLogger("gdr_dispatch").removeHandler(handler)
-    assert seen == ["torch"] and handler.backend == "torch"
+    assert seen == ["torch"] and handler.backend == "torch" and handler.forward == "torch"
     assert bt.os.environ["GDR_BACKEND"] == "callers-own"
 
 

@@ -878,3 +878,50 @@ def test_a_graph_evicted_again_and_again_runs_eagerly(monkeypatch):
         for key in keys:
             graphs.run_tensors("test", key, x, lambda t: (t[0] * 2,), (2,))
     assert all(captures.count(key) == graphs.MAX_CAPTURES for key in keys)
+
+
+def test_a_replayed_graph_reads_new_inputs_and_returns_fresh_outputs(monkeypatch):
+    """The replay path (graphs.run_tensors) with a stand-in graph that recomputes into its static
+    outputs: each call's floating inputs are copied in (strided views too; an integer input and
+    None stay), the outputs equal fn on the new values, and they are fresh tensors, never the
+    graph's own (a later replay must not change what an earlier call returned)."""
+    from gdr_dispatch import clear_caches
+    from gdr_dispatch.backends.split import graphs
+
+    def fn(t):
+        x, y, idx, _ = t
+        return (x * 2 + y.sum(), None, (x[idx.long()] - 1).to(torch.float64))
+
+    class Graph:
+        def __init__(self, static, out):
+            self.static, self.out = static, out
+
+        def replay(self):
+            for o, new in zip(self.out, fn(self.static)):
+                if o is not None:
+                    o.copy_(new)
+
+    def capture(name, key, tensors, fn_, seq_lens):
+        static = tuple(None if x is None else x.clone(memory_format=torch.contiguous_format) for x in tensors)
+        out = fn(static)
+        hit = (Graph(static, out), static, out)
+        graphs._graphs[key] = hit
+        return hit
+
+    monkeypatch.setattr(graphs, "_capture", capture)
+    clear_caches()
+    idx = torch.tensor([0, 2], dtype=torch.int32)
+    results = []
+    for i in range(4):  # eager, capture, then two replays
+        base = torch.randn(3, 4, dtype=torch.float32)
+        x, y = base.t()[:, :3], torch.randn(2, dtype=torch.float16)  # x a strided view
+        got = graphs.run_tensors("test", ("k",), (x, y, idx, None), fn, (4,))
+        want = fn((x, y, idx, None))
+        assert got[1] is None
+        for a, b in ((got[0], want[0]), (got[2], want[2])):
+            assert a.dtype == b.dtype and torch.allclose(a, b), i
+        results.append((got, [None if t is None else t.clone() for t in got]))
+    _, static, out = graphs._graphs[("k",)]
+    for got, kept in results:
+        assert all(a is None or (a.data_ptr() != o.data_ptr() and torch.equal(a, k))
+                   for a, k, o in zip(got, kept, out) if o is not None)
