@@ -382,12 +382,14 @@ def test_split_chain_kernel_on_gpu(counts, starts_wanted):
 DECAY_GATES = ("logsigmoid", "logsigmoid16", "mixed")
 
 
+@pytest.mark.parametrize("walk", [1, 4], ids=["walks_whole", "walks_in_4_pieces"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("gate", DECAY_GATES)
-def test_split_decay_plan_and_pieces_on_gpu(gate, dtype):
+def test_split_decay_plan_and_pieces_on_gpu(gate, dtype, walk, monkeypatch):
     """The decay-aware pass 1 (backends/kernels/segment_maps.py: `decay_plan`, `segment_pieces`)
     at K = V = 128 against the tensor products in float64 on the same plan and segments: the
-    kernel's plan is the tensor rule's, every window and exact map within 16-bit rounding."""
+    kernel's plan is the tensor rule's, every window and exact map within 16-bit rounding; the
+    exact segments' walks whole and in 4 pieces composed after (`walk_pieces`)."""
     from dataclasses import replace
 
     from gdr_dispatch.backends.kernels import segment_maps
@@ -410,8 +412,9 @@ def test_split_decay_plan_and_pieces_on_gpu(gate, dtype):
     finally:
         cp.threshold = real
     assert (plan != want_plan).sum().item() <= 2, (plan[..., 0], want_plan[..., 0])  # a sum at the threshold may round
+    monkeypatch.setattr(segment_maps, "walk_pieces", lambda max_chunks: walk)
     gM, gstarts, gends = segment_maps.segment_pieces(seg_call, want_plan.cuda(), torch.tensor(
-        segs.roles, dtype=torch.int32, device="cuda"))
+        segs.roles, dtype=torch.int32, device="cuda"), max_chunks=segs.s)
     exact = want_plan[..., 0] == 0
     worst = 0.0
     for j, role in enumerate(segs.roles):
@@ -424,15 +427,20 @@ def test_split_decay_plan_and_pieces_on_gpu(gate, dtype):
     assert worst < 1e-2, worst
 
 
+@pytest.mark.parametrize("walk", ["whole", "pieces"])
 @pytest.mark.parametrize("backend", ["tilelang_fused", "flash_qla", "fla"])
 @pytest.mark.parametrize("gate", DECAY_GATES)
 @pytest.mark.parametrize("h_mode", ["given", "none"])
-def test_decay_aware_split_equals_unsplit_on_gpu(backend, gate, h_mode, monkeypatch):
+def test_decay_aware_split_equals_unsplit_on_gpu(backend, gate, h_mode, walk, monkeypatch):
     """`<backend>@split8` with the decay-aware pass 1 against the same backend unsplit, at strong,
     weak and mixed gates over 8192 tokens of one sequence and a pack: the same gradients to
     16-bit rounding (the split's states are fp32 walks with 16-bit operands, as the unsplit
-    backends' own)."""
+    backends' own); the exact segments' walks whole and in pieces (segment_maps.walk_pieces)."""
+    from gdr_dispatch.backends.kernels import segment_maps
+
     monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+    if walk == "whole":
+        monkeypatch.setattr(segment_maps, "walk_pieces", lambda max_chunks: 1)
     if backend not in registered_backends():
         pytest.skip(f"{backend} not registered here")
     inner = registered_backends()[backend]

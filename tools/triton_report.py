@@ -55,17 +55,38 @@ def main() -> int:
     states = dict(**tok, co_ptr=i32, init_ptr=f32, h_ptr=ptr, Hg="i32", H="i32")
     plan = dict(k_ptr=ptr, g_ptr=f32, b_ptr=ptr, cu_ptr=i32, plan_ptr=i32, threshold="fp32", Hg="i32", H="i32")
     chain = dict(M=f32, STARTS=f32, ENDS=f32, PLAN=i32, SEG_OFF=i32, S0=f32, G_END=f32, H="i32")
+    listed = dict(list_ptr=i32, count_ptr=i32)
+    fpieces = dict(**tok, **listed, pm_ptr=f32, pr_ptr=f32, Hg="i32", H="i32")
+    bpieces = dict(q_ptr=ptr, k_ptr=ptr, a_ptr=ptr, g_ptr=f32, b_ptr=ptr, do_ptr=ptr, cu_ptr=i32, **listed,
+                   pd_ptr=f32, scale="fp32", Hg="i32", H="i32")
+    fcompose = dict(**listed, role_ptr=i32, pm_ptr=f32, pr_ptr=f32, m_ptr=f32, r_ptr=f32, H="i32")
+    bcompose = dict(**listed, role_ptr=i32, pm_ptr=f32, pd_ptr=f32, out_ptr=f32, H="i32")
+    compact = dict(plan_ptr=i32, role_ptr=i32, list_ptr=i32, count_ptr=i32, n_pairs="i32", H="i32")
+    cb, P = sm.COMPOSE_CB, sm.PIECES
     maps = dict(K=a.K, V=a.V, BT=64)
     print(f"Triton {triton.__version__}, sm_90a, K={a.K} V={a.V} {a.dtype}")
     for cfg in a.configs.split("/"):
         bc, warps = (int(x) for x in cfg.split(","))
         kernels = {  # name: (kernel, signature, constexprs, warps, stages)
-            "_forward_maps": (sm._forward_maps, fwd, dict(**maps, BC=bc, PLAN=False), warps, 1),
-            "_forward_maps PLAN": (sm._forward_maps, fwd, dict(**maps, BC=bc, PLAN=True), warps, 1),
-            "_backward_maps": (sm._backward_maps, bwd, dict(**maps, BC=bc, PLAN=False), warps, 1),
-            "_backward_maps PLAN": (sm._backward_maps, bwd, dict(**maps, BC=bc, PLAN=True), warps, 1),
+            "_forward_maps": (sm._forward_maps, fwd, dict(**maps, BC=bc, PLAN=False, SKIP_EXACT=0), warps, 1),
+            "_forward_maps PLAN": (sm._forward_maps, fwd, dict(**maps, BC=bc, PLAN=True, SKIP_EXACT=0), warps, 1),
+            "_backward_maps": (sm._backward_maps, bwd, dict(**maps, BC=bc, PLAN=False, SKIP_EXACT=0), warps, 1),
+            "_backward_maps PLAN": (sm._backward_maps, bwd, dict(**maps, BC=bc, PLAN=True, SKIP_EXACT=0), warps, 1),
             "_forward_states": (sm._forward_states, states, dict(**maps, BC=bc, V_FIRST=False), warps, 1),
             "_decay_plan": (sm._decay_plan, plan, dict(K=a.K, BT=64, CMAX=64), 4, 1),
+            "_forward_maps PLAN SKIP_EXACT": (sm._forward_maps, fwd, dict(**maps, BC=bc, PLAN=True, SKIP_EXACT=1),
+                                              warps, 1),
+            "_backward_maps PLAN SKIP_EXACT": (sm._backward_maps, bwd, dict(**maps, BC=bc, PLAN=True, SKIP_EXACT=1),
+                                               warps, 1),
+            "_forward_pieces": (sm._forward_pieces, fpieces, dict(**maps, BC=bc, P=P, NCOL=(a.K + a.V) // bc),
+                                warps, 1),
+            "_backward_pieces": (sm._backward_pieces, bpieces, dict(**maps, BC=bc, P=P, NCOL=a.V // bc), warps, 1),
+            "_compose_forward": (sm._compose_forward, fcompose, dict(K=a.K, V=a.V, P=P, CB=cb,
+                                                                     NCOL=(a.K + a.V) // cb),
+                                 sm.COMPOSE_WARPS, sm.COMPOSE_STAGES),
+            "_compose_backward": (sm._compose_backward, bcompose, dict(K=a.K, V=a.V, P=P, CB=cb, NCOL=a.V // cb),
+                                  sm.COMPOSE_WARPS, sm.COMPOSE_STAGES),
+            "_compact": (sm._compact, compact, dict(BLOCK=1024), 4, 1),
             "segment_scan._chain": (ss._chain, chain, dict(K=a.K, V=a.V, BV=ss.BV, NSEG=64, HAS_S0=True,
                                                           HAS_G_END=True, FIRST_DIRECTION=0),
                                     ss.NUM_WARPS, ss.NUM_STAGES),

@@ -41,6 +41,16 @@ import triton.language as tl
 #: maps / states).
 BC = 64
 NUM_WARPS, NUM_STAGES = 4, 1
+#: An exact segment's walks in at most PIECES pieces of at least MIN_PIECE_CHUNKS chunks each,
+#: run by more programs and composed after (`_maps`); the composition's launch options are the
+#: chain's (segment_scan.py). A prediction, not yet measured: pass 1's exact walks at the mixed
+#: gate (0.2 ms at B1 T32768 H4 in 32 segments, docs/kernels.md) down by up to PIECES where few
+#: pairs are exact.
+PIECES, MIN_PIECE_CHUNKS = 4, 2
+COMPOSE_CB, COMPOSE_WARPS, COMPOSE_STAGES = 16, 8, 2
+#: Whether the pieces' GPU tests (tests/test_gpu.py: the decay-aware split against the unsplit
+#: call with them) have passed; while False they run only with GDR_ALLOW_UNVERIFIED=1.
+PIECES_WALK_GPU_VERIFIED = False
 #: Whether the kernels' GPU tests (tests/test_gpu.py: the maps against float64, the split
 #: oracle tests with them) have passed; while False, the split uses them only with
 #: GDR_ALLOW_UNVERIFIED=1 (fla's kernels or the torch products otherwise).
@@ -119,8 +129,51 @@ def _state_step(S, k, G, gL, b, ag, u0):
 
 
 @triton.jit
+def _walk_forward(S, k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, lo, hi, eos, hg, h, Hg, H, c0, K: tl.constexpr,
+                  V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """The state recurrence over the chunks from lo to hi (whole chunks of a segment ending at
+    eos) on columns [c0, c0 + BC) of `[M | R]`: M's columns take no values, R's the values U0."""
+    for t0 in range(lo, hi, BT):
+        k, G, gL, b, gam, ag = _chunk(k_ptr, a_ptr, g_ptr, b_ptr, t0, eos, hg, h, Hg, H, K, BT, False)
+        if c0 >= K:  # R's columns: the values U0
+            u0 = _values(v_ptr, t0, eos, h, H, c0 - K, ag, b, V, BT, BC)
+        else:  # M's: none
+            u0 = tl.zeros([BT, BC], dtype=tl.float32)
+        S = _state_step(S, k, G, gL, b, ag, u0)
+    return S
+
+
+@triton.jit
+def _walk_backward(dS, q_ptr, k_ptr, a_ptr, g_ptr, b_ptr, do_ptr, lo, n_chunks, eos, hg, h, Hg, H, c0, scale,
+                   K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """The dh recurrence over `n_chunks` chunks from lo, walked back from the last, on value
+    columns [c0, c0 + BC)."""
+    rt = tl.arange(0, BT)
+    rc = tl.arange(0, BC)
+    for i in range(n_chunks):
+        t0 = lo + (n_chunks - 1 - i) * BT
+        k, G, gL, b, gamt, agt = _chunk(k_ptr, a_ptr, g_ptr, b_ptr, t0, eos, hg, h, Hg, H, K, BT, True)
+        t = t0 + rt
+        valid = t < eos
+        # Q^T and K^T as tiles of their own (not `tl.trans` views of q and k): the form the GPU
+        # tests passed (the out-of-bounds reads at BC 32, `BC` above, came with either form)
+        qt = _rows_t(q_ptr, t, valid, hg, Hg, K)
+        kt = _rows_t(k_ptr, t, valid, hg, Hg, K)
+        do = tl.load(do_ptr + (t[:, None].to(tl.int64) * H + h) * V + (c0 + rc)[None, :],
+                     mask=valid[:, None], other=0.0)
+        pt = gamt * tl.dot(k, qt)  # (Gam * Q K^T)^T = Gam^T * K Q^T
+        # dU = dV_loc + diag(e^{G_L - G}) K dS
+        du = scale * tl.dot(pt.to(k.dtype), do) + tl.dot(k, dS.to(k.dtype)) * tl.exp(gL - G)[:, None]
+        y = tl.dot(agt, du.to(k.dtype)) * (b * tl.exp(G))[:, None]  # W^T dU = K^T y
+        dS = (tl.exp(gL) * dS + tl.dot(qt, (do.to(tl.float32) * (scale * tl.exp(G))[:, None]).to(k.dtype))
+              - tl.dot(kt, y.to(k.dtype)))
+    return dS
+
+
+@triton.jit
 def _forward_maps(k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, m_ptr, r_ptr, plan_ptr, role_ptr, Hg, H,
-                  K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PLAN: tl.constexpr):
+                  K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PLAN: tl.constexpr,
+                  SKIP_EXACT: tl.constexpr = 0):
     """Columns [c0, c0 + BC) of segment n's `[M | R]` (`m` `[S, H, K, K]`, `r` `[S, H, K, V]`;
     the grid's column blocks cover M, or M then R): the state recurrence from `[I | 0]` on the
     values `[0 | U0]`.
@@ -130,7 +183,7 @@ def _forward_maps(k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, m_ptr, r_ptr, plan_
     set (the next segment's start up to a term below rounding) and go to row n + 1 of `r` (the
     next segment's start, which `segment_scan.chain` completes in place), none for a sequence's
     last segment; M's columns run only where the plan says exact (0) and the sequence has more
-    than one segment."""
+    than one segment. With SKIP_EXACT (1) the exact segments are left to `_forward_pieces`."""
     nh, h, hg, c0, bos, eos = _program(cu_ptr, Hg, H, BC)
     rk = tl.arange(0, K)
     rc = tl.arange(0, BC)
@@ -145,18 +198,14 @@ def _forward_maps(k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, m_ptr, r_ptr, plan_
         role = tl.load(role_ptr + nh // H)
         if c0 >= K:
             work = ((role & 2) == 0).to(tl.int32)
+            if SKIP_EXACT:  # an exact segment's walk is `_forward_pieces`' (composed after)
+                work = work * (n_f > 0).to(tl.int32)
             row = nh + H
             lo = tl.where(n_f > 0, bos + (tl.cdiv(eos - bos, BT) - n_f) * BT, bos)
         else:
-            work = (n_f == 0).to(tl.int32) * (role != 3).to(tl.int32)
+            work = (n_f == 0).to(tl.int32) * (role != 3).to(tl.int32) * (1 - SKIP_EXACT)
         hi = tl.where(work != 0, eos, lo)
-    for t0 in range(lo, hi, BT):
-        k, G, gL, b, gam, ag = _chunk(k_ptr, a_ptr, g_ptr, b_ptr, t0, eos, hg, h, Hg, H, K, BT, False)
-        if c0 >= K:  # R's columns: the values U0
-            u0 = _values(v_ptr, t0, eos, h, H, c0 - K, ag, b, V, BT, BC)
-        else:  # M's: none
-            u0 = tl.zeros([BT, BC], dtype=tl.float32)
-        S = _state_step(S, k, G, gL, b, ag, u0)
+    S = _walk_forward(S, k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, lo, hi, eos, hg, h, Hg, H, c0, K, V, BT, BC)
     row64 = row.to(tl.int64)
     if c0 >= K:  # M and R apart: the scans read each whole (a slice of one [M | R] cost two copies)
         tl.store(r_ptr + (row64 * K + rk[:, None]) * V + c0 - K + rc[None, :], S, mask=rk[:, None] < work * K)
@@ -188,16 +237,16 @@ def _forward_states(k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, co_ptr, init_ptr,
 
 @triton.jit
 def _backward_maps(q_ptr, k_ptr, a_ptr, g_ptr, b_ptr, do_ptr, cu_ptr, out_ptr, plan_ptr, role_ptr, scale, Hg, H,
-                   K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PLAN: tl.constexpr):
+                   K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PLAN: tl.constexpr,
+                   SKIP_EXACT: tl.constexpr = 0):
     """Columns [c0, c0 + BC) of segment n's `D` (`out` `[S, H, K, V]`): the dh recurrence
     from a zero gradient at the segment's end, walked back to its start. With PLAN (as
     `_forward_maps`): only the segment's first `plan[n, h, 1]` chunks where that is set (the
     previous segment's end gradient up to a term below rounding), into row n - 1 of `out` (the
     previous segment's end, completed in place by `segment_scan.chain`); none for a sequence's
-    first segment."""
+    first segment. With SKIP_EXACT (1) the exact segments are left to `_backward_pieces`."""
     nh, h, hg, c0, bos, eos = _program(cu_ptr, Hg, H, BC)
     rk = tl.arange(0, K)
-    rt = tl.arange(0, BT)
     rc = tl.arange(0, BC)
     dS = tl.zeros([K, BC], dtype=tl.float32)
     n_chunks = tl.cdiv(eos - bos, BT)
@@ -207,27 +256,148 @@ def _backward_maps(q_ptr, k_ptr, a_ptr, g_ptr, b_ptr, do_ptr, cu_ptr, out_ptr, p
         n_b = tl.load(plan_ptr + nh * 2 + 1)
         first = tl.load(role_ptr + nh // H) & 1
         work = 1 - first
+        if SKIP_EXACT:  # an exact segment's walk is `_backward_pieces`' (composed after)
+            work = work * (n_b > 0).to(tl.int32)
         row = nh - H
-        n_chunks = tl.where(first != 0, 0, tl.where(n_b > 0, n_b, n_chunks))
-    for i in range(n_chunks):
-        t0 = bos + (n_chunks - 1 - i) * BT
-        k, G, gL, b, gamt, agt = _chunk(k_ptr, a_ptr, g_ptr, b_ptr, t0, eos, hg, h, Hg, H, K, BT, True)
-        t = t0 + rt
-        valid = t < eos
-        # Q^T and K^T as tiles of their own (not `tl.trans` views of q and k): the form the GPU
-        # tests passed (the out-of-bounds reads at BC 32, `BC` above, came with either form)
-        qt = _rows_t(q_ptr, t, valid, hg, Hg, K)
-        kt = _rows_t(k_ptr, t, valid, hg, Hg, K)
-        do = tl.load(do_ptr + (t[:, None].to(tl.int64) * H + h) * V + (c0 + rc)[None, :],
-                     mask=valid[:, None], other=0.0)
-        pt = gamt * tl.dot(k, qt)  # (Gam * Q K^T)^T = Gam^T * K Q^T
-        # dU = dV_loc + diag(e^{G_L - G}) K dS
-        du = scale * tl.dot(pt.to(k.dtype), do) + tl.dot(k, dS.to(k.dtype)) * tl.exp(gL - G)[:, None]
-        y = tl.dot(agt, du.to(k.dtype)) * (b * tl.exp(G))[:, None]  # W^T dU = K^T y
-        dS = (tl.exp(gL) * dS + tl.dot(qt, (do.to(tl.float32) * (scale * tl.exp(G))[:, None]).to(k.dtype))
-              - tl.dot(kt, y.to(k.dtype)))
+        n_chunks = tl.where(work == 0, 0, tl.where(n_b > 0, n_b, n_chunks))
+    dS = _walk_backward(dS, q_ptr, k_ptr, a_ptr, g_ptr, b_ptr, do_ptr, bos, n_chunks, eos, hg, h, Hg, H, c0, scale,
+                        K, V, BT, BC)
     row64 = row.to(tl.int64)
     tl.store(out_ptr + (row64 * K + rk[:, None]) * V + c0 + rc[None, :], dS, mask=rk[:, None] < work * K)
+
+
+@triton.jit
+def _compact(plan_ptr, role_ptr, list_ptr, count_ptr, n_pairs, H, BLOCK: tl.constexpr):
+    """The (segment x head) pairs the pieces walk, in order: exact (the plan's window 0) in a
+    sequence of more than one segment; their count in `count_ptr`. One program."""
+    base = tl.full([], 0, tl.int32)
+    for start in range(0, n_pairs, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        valid = i < n_pairs
+        n_f = tl.load(plan_ptr + i * 2, mask=valid, other=1)
+        role = tl.load(role_ptr + i // H, mask=valid, other=3)
+        flag = ((n_f == 0) & (role != 3) & valid).to(tl.int32)
+        pos = base + tl.cumsum(flag, axis=0) - 1
+        tl.store(list_ptr + pos, i, mask=flag != 0)
+        base += tl.sum(flag, axis=0)
+    tl.store(count_ptr, base)
+
+
+@triton.jit
+def _piece(list_ptr, cu_ptr, w, H, Hg, P: tl.constexpr, NCOL: tl.constexpr, BT: tl.constexpr,
+           BC: tl.constexpr):
+    """Work item w of a pieces kernel: its slot in the list, the pair's (segment x head) index,
+    head, q/k head, first column, the segment's end and the piece's chunk range [lo, hi): piece p
+    of P takes `ceil(chunks / P)` chunks (the last ones none where the segment is short)."""
+    slot = w // (P * NCOL)
+    rem = w % (P * NCOL)
+    p = rem // NCOL
+    c0 = (rem % NCOL) * BC
+    nh = tl.load(list_ptr + slot)
+    h = nh % H
+    bos = tl.load(cu_ptr + nh // H)
+    eos = tl.load(cu_ptr + nh // H + 1)
+    span = tl.cdiv(tl.cdiv(eos - bos, BT), P) * BT
+    lo = tl.minimum(bos + p * span, eos)
+    hi = tl.minimum(lo + span, eos)
+    return slot, p, nh, h, h // (H // Hg), c0, eos, lo, hi
+
+
+@triton.jit
+def _forward_pieces(k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, list_ptr, count_ptr, pm_ptr, pr_ptr, Hg, H,
+                    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, P: tl.constexpr,
+                    NCOL: tl.constexpr):
+    """The listed exact segments' forward walks cut into P pieces of whole chunks, each from
+    `[I | 0]`: piece p's `[M_p | R_p]` into `pm` `[L, P, K, K]` / `pr` `[L, P, K, V]` at the
+    pair's slot. Persistent: the programs stride over (slot, piece, column block) items, as many
+    as the list holds (read on the device)."""
+    rk = tl.arange(0, K)
+    rc = tl.arange(0, BC)
+    total = tl.load(count_ptr) * (P * NCOL)
+    for w in range(tl.program_id(0), total, tl.num_programs(0)):
+        slot, p, nh, h, hg, c0, eos, lo, hi = _piece(list_ptr, cu_ptr, w, H, Hg, P, NCOL, BT, BC)
+        S = tl.where(rk[:, None] == c0 + rc[None, :], 1.0, 0.0)
+        S = _walk_forward(S, k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, lo, hi, eos, hg, h, Hg, H, c0, K, V, BT, BC)
+        at = slot.to(tl.int64) * P + p
+        if c0 >= K:
+            tl.store(pr_ptr + (at * K + rk[:, None]) * V + c0 - K + rc[None, :], S)
+        else:
+            tl.store(pm_ptr + (at * K + rk[:, None]) * K + c0 + rc[None, :], S)
+
+
+@triton.jit
+def _backward_pieces(q_ptr, k_ptr, a_ptr, g_ptr, b_ptr, do_ptr, cu_ptr, list_ptr, count_ptr, pd_ptr, scale, Hg, H,
+                     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, P: tl.constexpr,
+                     NCOL: tl.constexpr):
+    """The listed exact segments' backward walks in the same pieces, each from a zero end
+    gradient: piece p's `D_p` into `pd` `[L, P, K, V]` (persistent, as `_forward_pieces`)."""
+    rk = tl.arange(0, K)
+    rc = tl.arange(0, BC)
+    total = tl.load(count_ptr) * (P * NCOL)
+    for w in range(tl.program_id(0), total, tl.num_programs(0)):
+        slot, p, nh, h, hg, c0, eos, lo, hi = _piece(list_ptr, cu_ptr, w, H, Hg, P, NCOL, BT, BC)
+        dS = tl.zeros([K, BC], dtype=tl.float32)
+        dS = _walk_backward(dS, q_ptr, k_ptr, a_ptr, g_ptr, b_ptr, do_ptr, lo, tl.cdiv(hi - lo, BT), eos, hg, h, Hg,
+                            H, c0, scale, K, V, BT, BC)
+        at = slot.to(tl.int64) * P + p
+        tl.store(pd_ptr + (at * K + rk[:, None]) * V + c0 + rc[None, :], dS)
+
+
+@triton.jit
+def _compose_forward(list_ptr, count_ptr, role_ptr, pm_ptr, pr_ptr, m_ptr, r_ptr, H, K: tl.constexpr,
+                     V: tl.constexpr, P: tl.constexpr, CB: tl.constexpr, NCOL: tl.constexpr):
+    """Each listed segment's `[M | R]` from its pieces' (`_forward_pieces`): `X = [M_0 | R_0]`,
+    then `X = M_p X + [0 | R_p]` for p = 1..P-1 (3xTF32), into `m` row n and `r` row n + 1 (the
+    next segment's start slot; none for a sequence's last segment), as `_forward_maps` stores."""
+    rk = tl.arange(0, K)
+    rc = tl.arange(0, CB)
+    total = tl.load(count_ptr) * NCOL
+    for w in range(tl.program_id(0), total, tl.num_programs(0)):
+        slot = w // NCOL
+        c0 = (w % NCOL) * CB
+        nh = tl.load(list_ptr + slot)
+        base = slot.to(tl.int64) * P
+        if c0 >= K:
+            X = tl.load(pr_ptr + (base * K + rk[:, None]) * V + c0 - K + rc[None, :])
+        else:
+            X = tl.load(pm_ptr + (base * K + rk[:, None]) * K + c0 + rc[None, :])
+        for p in range(1, P):
+            m = tl.load(pm_ptr + ((base + p) * K + rk[:, None]) * K + rk[None, :])
+            X = tl.dot(m, X, input_precision="tf32x3")
+            if c0 >= K:
+                X += tl.load(pr_ptr + ((base + p) * K + rk[:, None]) * V + c0 - K + rc[None, :])
+        role = tl.load(role_ptr + nh // H)
+        row = nh.to(tl.int64)
+        if c0 >= K:
+            work = ((role & 2) == 0).to(tl.int32)
+            tl.store(r_ptr + ((row + H) * K + rk[:, None]) * V + c0 - K + rc[None, :], X, mask=rk[:, None] < work * K)
+        else:
+            tl.store(m_ptr + (row * K + rk[:, None]) * K + c0 + rc[None, :], X)
+
+
+@triton.jit
+def _compose_backward(list_ptr, count_ptr, role_ptr, pm_ptr, pd_ptr, out_ptr, H, K: tl.constexpr, V: tl.constexpr,
+                      P: tl.constexpr, CB: tl.constexpr, NCOL: tl.constexpr):
+    """Each listed segment's `D` from its pieces': `Y = D_{P-1}`, then `Y = M_p^T Y + D_p` for
+    p = P-2..0 (the forward pieces' maps, transposed; 3xTF32), into row n - 1 of `out` (none for a
+    sequence's first segment), as `_backward_maps` stores."""
+    rk = tl.arange(0, K)
+    rc = tl.arange(0, CB)
+    total = tl.load(count_ptr) * NCOL
+    for w in range(tl.program_id(0), total, tl.num_programs(0)):
+        slot = w // NCOL
+        c0 = (w % NCOL) * CB
+        nh = tl.load(list_ptr + slot)
+        base = slot.to(tl.int64) * P
+        Y = tl.load(pd_ptr + ((base + P - 1) * K + rk[:, None]) * V + c0 + rc[None, :])
+        for i in range(1, P):
+            p = P - 1 - i
+            mt = tl.load(pm_ptr + ((base + p) * K + rk[None, :]) * K + rk[:, None])  # mt[a, b] = M_p[b, a]
+            Y = tl.dot(mt, Y, input_precision="tf32x3") + tl.load(pd_ptr + ((base + p) * K + rk[:, None]) * V + c0
+                                                                  + rc[None, :])
+        work = 1 - (tl.load(role_ptr + nh // H) & 1)
+        row = nh.to(tl.int64) - H
+        tl.store(out_ptr + (row * K + rk[:, None]) * V + c0 + rc[None, :], Y, mask=rk[:, None] < work * K)
 
 
 @triton.jit
@@ -329,7 +499,7 @@ def decay_plan(seg_call, threshold: float, max_chunks: int) -> torch.Tensor:
 
 
 def segment_pieces(seg_call, plan: torch.Tensor, roles: torch.Tensor, need_starts: bool = True,
-                   need_ends: bool = True):
+                   need_ends: bool = True, max_chunks: int = 0):
     """Pass 1 of the decay-aware split (docs/kernels.md, "The split") on the kernels, for the
     segments of `seg_call` with `plan` (`decay_plan`) and `roles` (int32 `[S]`: bit 0 a sequence's
     first segment, bit 1 its last): `(M, starts, ends)` fp32. `starts[n]` holds segment n - 1's end
@@ -337,15 +507,36 @@ def segment_pieces(seg_call, plan: torch.Tensor, roles: torch.Tensor, need_start
     without `need_starts`, then None), `ends[n]` segment n + 1's start gradient from a zero end
     gradient over its window (none for a sequence's last; not computed without `need_ends`: the
     op's forward, whose `do` does not exist yet, then None), `M[n]` segment n's map where the plan
-    says exact. `segment_scan.chain` then completes both in place."""
+    says exact. `segment_scan.chain` then completes both in place. `max_chunks` (the longest
+    segment's chunks) lets the exact segments' walks run in pieces (`walk_pieces`)."""
     _check_segments_call(seg_call, "segment_pieces")
-    return _maps(seg_call, plan, roles, need_starts, need_ends)
+    return _maps(seg_call, plan, roles, need_starts, need_ends, walk_pieces(max_chunks))
 
 
-def _maps(seg_call, plan, roles, need_r: bool, need_d: bool = True):
+def walk_pieces(max_chunks: int) -> int:
+    """How many pieces an exact segment's walk runs in (1: whole): `PIECES`, fewer where a piece
+    would hold under `MIN_PIECE_CHUNKS` chunks; 1 until the pieces' GPU tests pass
+    (`PIECES_WALK_GPU_VERIFIED`) unless GDR_ALLOW_UNVERIFIED=1."""
+    from gdr_dispatch.registry import unverified_allowed
+
+    if not (PIECES_WALK_GPU_VERIFIED or unverified_allowed()):
+        return 1
+    return max(1, min(PIECES, max_chunks // MIN_PIECE_CHUNKS))
+
+
+def _persistent_programs(dev: torch.device, items: int) -> int:
+    """A persistent kernel's grid: two programs per SM (255 registers each), no more than items."""
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+    return max(1, min(items, 2 * sms))
+
+
+def _maps(seg_call, plan, roles, need_r: bool, need_d: bool = True, pieces: int = 1):
     """Both walks over every segment (the backward one only with `need_d`): `(M, R or None, D or
     None)`, exact without a `plan`, else as `segment_pieces` says (R then holds the next segments'
-    starts, D the previous ends)."""
+    starts, D the previous ends). With a plan and `pieces` > 1 the exact segments' walks run in
+    that many pieces each (`_forward_pieces`, `_backward_pieces`), composed after
+    (`_compose_forward`, `_compose_backward`): more programs for the serial walk where few
+    (segment, head) pairs are exact (docs/kernels.md, "The split")."""
     K, V, H, Hg, BT = seg_call.K, seg_call.V, seg_call.H, seg_call.Hg, seg_call.chunk_size
     n_seg = seg_call.N
     dev = seg_call.q.device
@@ -360,14 +551,38 @@ def _maps(seg_call, plan, roles, need_r: bool, need_d: bool = True):
     with_plan = plan is not None
     plan, roles = (plan, roles) if with_plan else (M, M)
     ncol = K + V if need_r else K
+    P = pieces if with_plan else 1
+    skip = int(P > 1)
     _forward_maps[(n_seg * H, ncol // bc)](k, v, a, g, b, cu, M, M if R is None else R, plan, roles, Hg, H,
-                                           K=K, V=V, BT=BT, BC=bc, PLAN=with_plan, num_warps=NUM_WARPS,
-                                           num_stages=NUM_STAGES)
+                                           K=K, V=V, BT=BT, BC=bc, PLAN=with_plan, SKIP_EXACT=skip,
+                                           num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    if P > 1:
+        pairs = n_seg * H
+        listed = torch.empty(pairs, dtype=torch.int32, device=dev)
+        count = torch.empty(1, dtype=torch.int32, device=dev)
+        _compact[(1,)](plan, roles, listed, count, pairs, H, BLOCK=min(1024, triton.next_power_of_2(pairs)))
+        pm = torch.empty(pairs, P, K, K, dtype=torch.float32, device=dev)  # sized for every pair exact
+        pr = torch.empty(pairs, P, K, V, dtype=torch.float32, device=dev) if need_r else pm
+        _forward_pieces[(_persistent_programs(dev, pairs * P * (ncol // bc)),)](
+            k, v, a, g, b, cu, listed, count, pm, pr, Hg, H, K=K, V=V, BT=BT, BC=bc, P=P, NCOL=ncol // bc,
+            num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        cb = min(COMPOSE_CB, K, V)
+        _compose_forward[(_persistent_programs(dev, pairs * (ncol // cb)),)](
+            listed, count, roles, pm, pr, M, M if R is None else R, H, K=K, V=V, P=P, CB=cb, NCOL=ncol // cb,
+            num_warps=COMPOSE_WARPS, num_stages=COMPOSE_STAGES)
     if need_d:
         q, do = seg_call.q.contiguous(), seg_call.do.contiguous()
         _backward_maps[(n_seg * H, V // bc)](q, k, a, g, b, do, cu, D, plan, roles, float(seg_call.scale), Hg, H,
-                                             K=K, V=V, BT=BT, BC=bc, PLAN=with_plan, num_warps=NUM_WARPS,
-                                             num_stages=NUM_STAGES)
+                                             K=K, V=V, BT=BT, BC=bc, PLAN=with_plan, SKIP_EXACT=skip,
+                                             num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        if P > 1:
+            pd = torch.empty(pairs, P, K, V, dtype=torch.float32, device=dev)
+            _backward_pieces[(_persistent_programs(dev, pairs * P * (V // bc)),)](
+                q, k, a, g, b, do, cu, listed, count, pd, float(seg_call.scale), Hg, H, K=K, V=V, BT=BT, BC=bc, P=P,
+                NCOL=V // bc, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+            _compose_backward[(_persistent_programs(dev, pairs * (V // cb)),)](
+                listed, count, roles, pm, pd, D, H, K=K, V=V, P=P, CB=cb, NCOL=V // cb,
+                num_warps=COMPOSE_WARPS, num_stages=COMPOSE_STAGES)
     return M, R, D
 
 

@@ -283,7 +283,7 @@ def pass_1(call: GDRCall, segs: Segments, seg_call: GDRCall, need_starts: bool, 
 
         roles = device_constant(segs.roles, torch.int32, dev)
         plan = segment_maps.decay_plan(seg_call, threshold(torch.float32), segs.s)
-        M, starts, ends = segment_maps.segment_pieces(seg_call, plan, roles, need_starts, need_ends)
+        M, starts, ends = segment_maps.segment_pieces(seg_call, plan, roles, need_starts, need_ends, segs.s)
     elif maps is not None:  # exact maps on the provider's kernels: every segment joined through M
         m, r, d = maps(seg_call, need_r=need_starts)
         plan = torch.zeros(len(segs.lens), call.H, 2, dtype=torch.int32, device=dev)
