@@ -201,6 +201,42 @@ def bench_shape(spec: ShapeSpec, ops: dict, warmup: int, reps: int) -> dict:
     return row
 
 
+def profile_shape(spec: ShapeSpec, ops: dict, n: int) -> str:
+    """Where a step's host time goes (the step is host-bound where its enqueue is near its time):
+    per runner, torch.profiler's ops of `n` steps by their own host time, and a cProfile of `n`
+    more by own time (the Python around the launches)."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    x = step_inputs(spec, "cuda", seed=1)
+    out = [f"== {spec.label()}"]
+    for name, op in ops.items():
+        for _ in range(3):
+            step(op, x)  # warm: decided, graphs captured
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(n):
+                step(op, x)
+            torch.cuda.synchronize()
+        out += [f"-- {name}: torch.profiler, {n} steps", prof.key_averages().table(sort_by="self_cpu_time_total",
+                                                                                   row_limit=25)]
+        prof_py = cProfile.Profile()
+        torch.cuda.synchronize()
+        prof_py.enable()
+        for _ in range(n):
+            step(op, x)
+        prof_py.disable()
+        torch.cuda.synchronize()
+        buf = io.StringIO()
+        pstats.Stats(prof_py, stream=buf).sort_stats("tottime").print_stats(30)
+        out += [f"-- {name}: cProfile, {n} steps, by own time", buf.getvalue()]
+    del x
+    return "\n".join(out) + "\n"
+
+
 def to_markdown(rows, device) -> str:
     names = list(dict.fromkeys(n for r in rows for n in r["runs"]))
     lines = [f"Training step (forward + backward) on {device}, ms per step (a sync after each) / back to back (20 "
@@ -249,6 +285,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also profile N steps of each `ours` runner per shape: torch.profiler's ops by their own "
+                        "host time and a cProfile of the Python, in <out>/<device>-training-profile.txt")
     args = p.parse_args(argv)
     from gdr_dispatch.registry import registered_backends
 
@@ -285,6 +324,10 @@ def main(argv=None) -> int:
     for i, spec in enumerate(shapes, 1):
         print(f"[{i}/{len(shapes)}] {spec.label()}", file=sys.stderr, flush=True)
         doc["rows"].append(bench_shape(spec, ops, args.warmup, args.reps))
+        if args.profile:
+            ours = {n: op for n, op in ops.items() if n.startswith("ours") and not isinstance(op, str)}
+            with open(out / f"{dev.slug}-training-profile.txt", "a") as f:
+                f.write(profile_shape(spec, ours, args.profile))
         doc["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         # written after every shape, so a run cut short keeps what it measured
         (out / f"{dev.slug}-training.json").write_text(json.dumps(doc, indent=1) + "\n")
