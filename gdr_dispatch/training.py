@@ -418,7 +418,7 @@ class _Eager(torch.autograd.Function):
     """The op in eager mode: the custom op's forward, context and backward without torch.library's
     Python dispatch around each call (the same functions; about a third of the op's host time per
     training step on a CPU, docs/design.md "The hot path"). Traced calls, functorch transforms,
-    tensor subclasses and fake tensors keep the custom op."""
+    dispatch modes, tensor subclasses and fake tensors keep the custom op."""
 
     @staticmethod
     def forward(ctx, *inputs):  # (ctx first, no setup_context: apply then binds no signature per call)
@@ -429,17 +429,20 @@ class _Eager(torch.autograd.Function):
         return output
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # as the custom op: no double backward (an error, not a dropped term)
     def backward(ctx, *grads):
         return _backward(ctx, *grads)
 
 
 def _eager_call(q, k, v, g, beta, initial_state, cu_seqlens) -> bool:
-    """Plain tensors outside a trace or a functorch transform: the op may skip the custom op's
-    dispatch (`_Eager`)."""
+    """Plain tensors outside a trace, a functorch transform or a dispatch mode (make_fx, a flop
+    counter, selective checkpointing: each must see the op as one node): the op may skip the
+    custom op's dispatch (`_Eager`)."""
     T = torch.Tensor
     return (type(q) is T and type(k) is T and type(v) is T and type(g) is T and type(beta) is T
             and (initial_state is None or type(initial_state) is T) and (cu_seqlens is None or type(cu_seqlens) is T)
-            and not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active())
+            and not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active()
+            and not torch._C._len_torch_dispatch_stack())
 
 
 def _plain(q, k, v, g, beta, initial_state, cu_seqlens) -> bool:
@@ -491,7 +494,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     args = (q, k, v, g, beta, initial_state, cu_seqlens, scale, bool(output_final_state), bool(state_v_first),
             bool(save_states))
     if _eager_call(q, k, v, g, beta, initial_state, cu_seqlens):
-        o, ht, _, _, _ = _Eager.apply(*args)
+        # without grad mode no graph is recorded: the forward alone, nothing saved
+        o, ht, _, _, _ = _Eager.apply(*args) if torch.is_grad_enabled() else _forward_impl(*args)
     else:
         o, ht, _, _, _ = torch.ops.gdr_dispatch.chunk_gdr_fwd(*args)
     return o, (ht if output_final_state else None)

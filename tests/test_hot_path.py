@@ -427,3 +427,57 @@ def test_the_op_eager_step_costs_less_host_time_than_the_custom_op(with_backends
             times[mode].append(best_us(step, n=100, reps=3))
     eager, custom = min(times["eager"]), min(times["custom"])
     assert eager < 0.85 * custom, f"eager step {eager:.1f} us, through the custom op {custom:.1f} us"
+
+
+def _small_op_inputs():
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 70, 2, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    k = torch.nn.functional.normalize(k, dim=-1)
+    g, beta = -torch.rand(1, 70, 2, generator=gen, dtype=torch.float64), torch.rand(1, 70, 2, generator=gen,
+                                                                                      dtype=torch.float64)
+    return q, k, v, g, beta
+
+
+def test_the_op_keeps_the_custom_op_under_a_dispatch_mode_and_skips_autograd_without_grad(monkeypatch):
+    """A dispatch mode (make_fx, a flop counter, selective checkpointing) must see the op as one
+    node: the custom op runs there, not training._Eager. Without grad mode neither records a graph:
+    the forward alone runs, with the same outputs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from gdr_dispatch import training
+
+    seen = []
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    applied = []
+    real_apply = training._Eager.apply
+    monkeypatch.setattr(training._Eager, "apply", lambda *a: applied.append(1) or real_apply(*a))
+    leaves = [x.requires_grad_(True) for x in _small_op_inputs()]
+    with Seen():
+        o_mode, _ = chunk_gated_delta_rule(*leaves)
+    assert applied == [] and any("chunk_gdr_fwd" in f for f in seen), seen[:5]
+    with torch.no_grad():
+        o_plain, _ = chunk_gated_delta_rule(*leaves)
+    assert applied == [] and o_plain.grad_fn is None
+    o_grad, _ = chunk_gated_delta_rule(*leaves)
+    assert applied == [1] and o_grad.grad_fn is not None
+    assert torch.equal(o_plain, o_grad) and torch.equal(o_mode, o_grad)
+
+
+@pytest.mark.parametrize("path", ["eager", "custom_op"])
+def test_a_double_backward_through_the_op_raises(path, monkeypatch):
+    """The op's backward has no derivative of its own: differentiating it again is an error on
+    both paths, never a silently dropped term."""
+    from gdr_dispatch import training
+
+    if path == "custom_op":
+        monkeypatch.setattr(training, "_eager_call", lambda *a: False)
+    leaves = [x.requires_grad_(True) for x in _small_op_inputs()]
+    with pytest.raises(RuntimeError):
+        o, _ = chunk_gated_delta_rule(*leaves)
+        (gq,) = torch.autograd.grad((o * o).sum(), leaves[0], create_graph=True)
+        torch.autograd.grad(gq.sum(), leaves[0])

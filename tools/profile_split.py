@@ -81,8 +81,9 @@ def parts(call, segments: int, backend: str, reps: int) -> None:
     warm = plan[..., 0] > 0
     print(f"{len(segs.lens)} segments of {segs.s} chunks x {call.H} heads: {warm.float().mean().item():.0%} warm, "
           f"mean window {plan[..., 0][warm].float().mean().item() if warm.any() else 0:.1f} chunks; warm per head "
-          f"{[round(x, 2) for x in warm.float().mean(0).tolist()]}", flush=True)
-    M, starts, ends = sm.segment_pieces(seg_call, plan, roles, need)
+          f"{[round(x, 2) for x in warm.float().mean(0).tolist()]}; exact segments walked in "
+          f"{sm.walk_pieces(segs.s)} piece(s)", flush=True)
+    M, starts, ends = sm.segment_pieces(seg_call, plan, roles, need, max_chunks=segs.s)
     S0 = None if call.initial_state is None else cm.states_in(call.initial_state, call.state_v_first).float()
     G_end = None if call.dht is None else cm.states_in(call.dht, call.state_v_first).float()
     ss.chain(M, starts, ends, plan, seg_off, segs.max_per_sequence, S0, G_end)
@@ -93,7 +94,7 @@ def parts(call, segments: int, backend: str, reps: int) -> None:
     split = SplitBackend(inner, segments)
     steps = {
         "decay plan": lambda: sm.decay_plan(seg_call, thr, segs.s),
-        "pass 1 (windows, exact maps)": lambda: sm.segment_pieces(seg_call, plan, roles, need),
+        "pass 1 (windows, exact maps)": lambda: sm.segment_pieces(seg_call, plan, roles, need, max_chunks=segs.s),
         "pass 2 (chains, in place)": lambda: ss.chain(M, starts, ends, plan, seg_off, segs.max_per_sequence, S0, G_end),
         "pass 3 states (our Triton walk)": lambda: sm.segment_states(seg_call, init),
         f"pass 3 {backend}, h given": lambda: inner.run(with_h),
@@ -166,12 +167,12 @@ def forward_parts(spec: ShapeSpec, segments: str, providers: str, reps: int) -> 
     seg_off = device_constant(segs.seg_offsets, torch.int32, q.device)
     thr = cp.threshold(torch.float32)
     plan = sm.decay_plan(seg_call, thr, segs.s)
-    M, starts, _ = sm.segment_pieces(seg_call, plan, roles, True, False)
+    M, starts, _ = sm.segment_pieces(seg_call, plan, roles, True, False, segs.s)
     init = starts.clone()
     steps = {
         "residuals (fla: cumsum, KK^T, solve)": lambda: fw.residuals(fq, fk, fv, fg, fb, offsets, 64),
         "decay plan": lambda: sm.decay_plan(seg_call, thr, segs.s),
-        "pass 1 forwards": lambda: sm.segment_pieces(seg_call, plan, roles, True, False),
+        "pass 1 forwards": lambda: sm.segment_pieces(seg_call, plan, roles, True, False, segs.s),
         "chain forwards": lambda: ss.chain(M, starts, None, plan, seg_off, segs.max_per_sequence, h0.float(), None),
         f"{provider.name} over the segments": lambda: provider.forward(fq, fk, fv, fg, fb, K ** -0.5, init, offsets,
                                                                        False, True, 64, need_states=False),
