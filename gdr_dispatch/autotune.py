@@ -309,6 +309,18 @@ def start_compiles(jobs) -> int:
     return started
 
 
+def wait_early(job) -> Optional[float]:
+    """Wait for `job` when `start_compiles` started it and nobody waited yet: its wall time (None
+    when it was not started early). A failed build is logged; the caller builds it again."""
+    if job not in _early:
+        return None
+    try:
+        return _wait_early(job)
+    except RuntimeError as e:
+        log.info("gdr_dispatch: an early build failed (the call that needs it builds it again): %s: %s", job[1], e)
+        return None
+
+
 def _wait_early(job) -> float:
     try:
         return _finish(_early[job])
@@ -556,6 +568,48 @@ def warm_job(backend: str, call: GDRCall) -> tuple[str, str, tuple]:
                 dht=call.dht is not None, state_v_first=call.state_v_first, chunk_size=call.chunk_size,
                 seqlens=tuple(call.seq_lens) if call.cu_seqlens is not None else None)
     return (__name__, warm_backend.__name__, (backend, tuple(sorted(spec.items())), str(call.q.device)))
+
+
+def forward_job(backend: str, q, v, g, beta, initial_state, cu_seqlens, seq_lens, scale: float, state_v_first: bool,
+                need_final: bool, need_states: bool) -> tuple[str, str, tuple]:
+    """A compile job that runs `backend`'s forward once on random inputs with the call's shapes,
+    dtypes, flags and scale (what its kernels compile on: FlashQLA's TileLang kernels key on the
+    scale too): the op's first forward at a shape builds the candidates it is about to measure
+    in parallel processes (training.start_forward_compiles)."""
+    dt = lambda x: None if x is None else str(x.dtype)[6:]  # noqa: E731
+    spec = dict(B=q.shape[0], T=q.shape[1], Hg=q.shape[2], K=q.shape[3], H=v.shape[2], V=v.shape[3], dtype=dt(q),
+                g_dtype=dt(g), beta_dtype=dt(beta), h0_dtype=dt(initial_state),
+                seqlens=tuple(seq_lens) if cu_seqlens is not None else None, state_v_first=bool(state_v_first),
+                need_final=bool(need_final), need_states=bool(need_states), scale=float(scale))
+    return (__name__, warm_forward.__name__, (backend, tuple(sorted(spec.items())), str(q.device)))
+
+
+def warm_forward(backend: str, spec: tuple, device: str = "cuda") -> None:
+    """`forward_job`'s work, in its own process."""
+    from .registry import get_backend
+
+    f = dict(spec)
+    gen = torch.Generator().manual_seed(0)
+    B, T, Hg, K, H, V = f["B"], f["T"], f["Hg"], f["K"], f["H"], f["V"]
+
+    def rnd(*shape, dtype):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=getattr(torch, dtype))
+
+    q = rnd(B, T, Hg, K, dtype=f["dtype"])
+    k = torch.nn.functional.normalize(rnd(B, T, Hg, K, dtype="float32"), dim=-1).to(q.dtype)
+    v = rnd(B, T, H, V, dtype=f["dtype"])
+    g = torch.nn.functional.logsigmoid(rnd(B, T, H, dtype="float32")).to(getattr(torch, f["g_dtype"]))
+    beta = torch.sigmoid(rnd(B, T, H, dtype="float32")).to(getattr(torch, f["beta_dtype"]))
+    cu = None
+    if f["seqlens"] is not None:
+        cu = torch.tensor([0, *torch.tensor(f["seqlens"]).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    N = len(f["seqlens"]) if f["seqlens"] is not None else B
+    state = (N, H, V, K) if f["state_v_first"] else (N, H, K, V)
+    h0 = None if f["h0_dtype"] is None else rnd(*state, dtype=f["h0_dtype"])
+    get_backend(backend).forward(q, k, v, g, beta, f["scale"], h0, cu, f["state_v_first"], f["need_final"], 64,
+                                 need_states=f["need_states"])
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def warm_backend(backend: str, spec: tuple, device: str = "cuda") -> None:

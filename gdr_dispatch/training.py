@@ -77,7 +77,26 @@ def forward_problem(q, v, beta, initial_state, cu_seqlens, state_v_first, seq_le
 _forward_decided = memo("forward decisions")  # table key -> (backend, how), from a table or a measurement
 
 
-def forward_choice(problem: Problem, measure_on: Optional[Callable] = None):
+def forward_to_measure(problem: Problem) -> dict:
+    """The candidates `forward_choice` would measure at `problem` now ({} where it would not: a
+    forced or decided forward, a table entry, a full grid, autotuning off)."""
+    if env.forced_forward_name():
+        return {}
+    decided = _forward_decided.get((problem.table_key(), env.snapshot(forward_env())))
+    if decided is not None and decided[0].forward_supported(problem)[0]:
+        return {}
+    offers, candidates, _ = forward_candidates(problem)
+    if all(n in offers for n in candidates):
+        return {}
+    for hit in tuning_table.lookup(problem.device.slug, problem.problem_key(), problem.versions_key()):
+        if _forward_winner(hit.entry, problem, offers) is not None:
+            return {}
+    from .dispatch import autotune_block_reason
+
+    return candidates if autotune_block_reason(problem, True) is None else {}
+
+
+def forward_choice(problem: Problem, measure_on: Optional[Callable] = None, jobs: Optional[dict] = None):
     """`(backend, how)`: the backend whose `forward` runs and how it was chosen.
 
     In order: the one `GDR_FORWARD` names (an error, with its reasons, if it cannot take the
@@ -86,7 +105,8 @@ def forward_choice(problem: Problem, measure_on: Optional[Callable] = None):
     of the first provider whole and split on the call's inputs (`forward_candidates`;
     `measure_on(backend)` runs one; autotuning allowed), stored in the user's table; else the lowest `forward_rank` that takes the call (on a full grid
     the ranks are the measured order: docs/design.md, "The training op"). `how` names the
-    ones passed over and why."""
+    ones passed over and why. `jobs`: candidate -> its early build (`_start_forward_compiles`),
+    waited for before it is timed."""
     forced = env.forced_forward_name()
     if forced:
         backend = get_backend(forced, what=f"{env.FORWARD}={forced}")
@@ -114,7 +134,7 @@ def forward_choice(problem: Problem, measure_on: Optional[Callable] = None):
 
         if autotune_block_reason(problem, True) is None:
             try:
-                entry = measure_forwards(problem, candidates, first.name, measure_on)
+                entry = measure_forwards(problem, candidates, first.name, measure_on, jobs=jobs)
             except RuntimeError as e:  # nothing agreed with the provider whole: it runs, as ranked
                 log.warning("gdr_dispatch: the op's forward at %s was not measured (%s); %s runs", problem.describe(),
                             e, first.name)
@@ -177,12 +197,14 @@ def forward_candidates(problem: Problem) -> tuple[dict, dict, list]:
 
 
 def measure_forwards(problem: Problem, candidates: dict, reference: str, measure_on: Callable,
-                     measure: Optional[Callable] = None, say: Optional[Callable[[str], None]] = None) -> dict:
+                     measure: Optional[Callable] = None, say: Optional[Callable[[str], None]] = None,
+                     jobs: Optional[dict] = None) -> dict:
     """Time every candidate forward on the call's inputs (`measure(fn, device_type) -> ms`,
     default `autotune.measure_ms`) and cross-check each output and final state against
     `reference`'s (the lowest-ranked provider, unsplit): the table entry. `say` gets a line per
-    candidate (default: a first call's progress lines)."""
-    from .autotune import AGREEMENT_TOL, measure_ms, relative_error, waiting
+    candidate (default: a first call's progress lines). `jobs`: candidate -> a build started early
+    (autotune.forward_job), waited for before the candidate runs here."""
+    from .autotune import AGREEMENT_TOL, measure_ms, relative_error, wait_early, waiting
     from .tuning_table import now_iso
 
     measure = measure or measure_ms
@@ -190,6 +212,9 @@ def measure_forwards(problem: Problem, candidates: dict, reference: str, measure
                          f"{len(candidates)} candidates (providers and their splits) are measured on it")
     results, outputs = {}, {}
     for i, (name, backend) in enumerate(candidates.items(), 1):
+        built = wait_early(jobs[name]) if jobs and name in jobs else None
+        if built is not None:
+            say(f"forward [{i}/{len(candidates)}] {name}: built in the background in {built:.1f} s")
         try:
             outputs[name] = measure_on(backend)
             results[name] = {"ms": round(measure(lambda: measure_on(backend), problem.device.type), 4)}
@@ -257,15 +282,19 @@ def _forward_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_fin
     variant = (sum(-(-n // CHUNK) for n in seq_lens), max(seq_lens)) if plan.fixed is None else None
     backend = plan.backends.get(variant)
     if backend is None:
-        if q.is_cuda and not len(plan.backends) and any(
-                x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)):
-            # a training forward at a new shape: the backward's builds start now, beside the forward's
-            _start_backward_compiles(q, k, v, beta, initial_state, cu_seqlens, seq_lens, scale, output_final_state,
-                                     state_v_first, save_states)
         problem = forward_problem(q, v, beta, initial_state, cu_seqlens, state_v_first, seq_lens)
+        jobs = {}
+        if q.is_cuda and not len(plan.backends):
+            # a new shape: the builds of the forwards it is about to measure start now, in parallel
+            # processes, and (training) the backward's beside them (docs/design.md, "The first step")
+            jobs = _start_forward_compiles(problem, q, v, g, beta, initial_state, cu_seqlens, seq_lens, scale,
+                                           output_final_state, state_v_first, save_states)
+            if any(x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)):
+                _start_backward_compiles(q, k, v, beta, initial_state, cu_seqlens, seq_lens, scale,
+                                         output_final_state, state_v_first, save_states)
         backend, how = forward_choice(problem, measure_on=lambda b: b.forward(
             q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, output_final_state, CHUNK,
-            need_states=save_states)[:2])
+            need_states=save_states)[:2], jobs=jobs)
         if first_time(("forward", problem.table_key(), backend.name)):
             log.info("gdr_dispatch: forward %s for %s (%s)", backend.name, problem.describe(), how)
         if key is not None:
@@ -278,6 +307,27 @@ def _forward_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_fin
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     return (packed(o.to(q.dtype)), packed(ht.to(acc)) if output_final_state else _empty(q), packed(G.to(acc)),
             packed(a.to(q.dtype)), packed(h) if save_states else _empty(q))
+
+
+def _start_forward_compiles(problem, q, v, g, beta, initial_state, cu_seqlens, lens, scale, output_final_state,
+                            state_v_first, save_states) -> dict:
+    """The forwards a first call at `problem` will measure (`forward_to_measure`), each built in a
+    background process now (autotune.forward_job): `{candidate: job}` for `measure_forwards` to
+    wait on before timing it, so their compiles overlap each other's and the backward's instead
+    of running one after another in this process."""
+    from .autotune import forward_job, start_compiles
+
+    try:
+        candidates = forward_to_measure(problem)
+        jobs = {name: forward_job(name, q, v, g, beta, initial_state, cu_seqlens, lens, scale, state_v_first,
+                                  output_final_state, save_states) for name in candidates}
+        started = start_compiles(list(jobs.values()))
+    except Exception as e:  # noqa: BLE001 - an early start is an optimisation: the measurement builds them itself
+        log.info("gdr_dispatch: could not start the forward's compiles early (%s: %s)", type(e).__name__, e)
+        return {}
+    if started:
+        log.info("gdr_dispatch: the op's forward: %d candidates' builds started in the background", started)
+    return jobs
 
 
 def _start_backward_compiles(q, k, v, beta, initial_state, cu_seqlens, lens, scale, output_final_state,

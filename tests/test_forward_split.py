@@ -271,3 +271,63 @@ def test_a_failed_whole_forward_stores_no_pick(monkeypatch, with_backends, caplo
     backend, how = training.forward_choice(p, measure_on=measure_on)
     assert backend.name == "fake_forward" and "measurement failed" in how
     assert list(tuning_table.lookup(p.device.slug, p.problem_key(), p.versions_key())) == []
+
+
+def test_the_forwards_a_first_call_measures_are_built_early_and_waited_for(monkeypatch, with_backends):
+    """A first forward at a starved shape starts its candidates' builds in background processes
+    (one autotune.forward_job each, with the call's shapes, dtypes, flags and scale) and the
+    measurement waits for each build before timing it; where nothing is measured (a table entry,
+    GDR_FORWARD, a full grid) nothing is started."""
+    from gdr_dispatch import autotune, dispatch
+
+    with_backends(_FakeForward())
+    monkeypatch.setattr(dispatch, "autotune_block_reason", lambda p, have_tensors: None)
+    monkeypatch.setattr(autotune, "measure_ms", lambda fn, device_type: (fn(), 1.0)[1])
+    x = _op_inputs(ShapeSpec(B=1, T=1024, H=2, K=16, V=16, gate="mixed"))
+    p = _starved_problem(x, sms=16)
+    scale = x["q"].shape[-1] ** -0.5
+    started, events = [], []
+    monkeypatch.setattr(autotune, "start_compiles", lambda jobs: started.extend(jobs) or len(jobs))
+    monkeypatch.setattr(autotune, "wait_early", lambda job: events.append(("waited", job[2][0])) or 2.0)
+    args = (x["q"], x["v"], x["g"], x["beta"], x["initial_state"], None, (1024,), scale, True, False, False)
+    jobs = training._start_forward_compiles(p, *args)
+    assert list(jobs) == ["fake_forward", "fake_forward@split4", "fake_forward@split8"] and started == list(jobs.values())
+    spec = dict(jobs["fake_forward@split4"][2][1])
+    assert jobs["fake_forward@split4"][:2] == ("gdr_dispatch.autotune", "warm_forward")
+    assert spec["T"] == 1024 and spec["H"] == 2 and spec["scale"] == scale and spec["need_final"] is True
+    assert spec["g_dtype"] == str(x["g"].dtype)[6:] and spec["h0_dtype"] == "float64" and spec["seqlens"] is None
+
+    def measure_on(backend):
+        events.append(("ran", backend.name))
+        return backend.forward(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, x["initial_state"], None, False,
+                               True, 64, need_states=False)[:2]
+
+    training.forward_choice(p, measure_on=measure_on, jobs=jobs)
+    firsts = [e for i, e in enumerate(events) if e not in events[:i]]
+    assert firsts == [("waited", "fake_forward"), ("ran", "fake_forward"), ("waited", "fake_forward@split4"),
+                      ("ran", "fake_forward@split4"), ("waited", "fake_forward@split8"),
+                      ("ran", "fake_forward@split8")]
+    # now a table entry: nothing to measure, nothing started
+    started.clear()
+    clear_caches()
+    assert training._start_forward_compiles(p, *args) == {} and started == []
+    monkeypatch.setenv("GDR_FORWARD", "fake_forward")
+    assert training.forward_to_measure(_starved_problem(x, sms=64)) == {}
+
+
+def test_a_forward_build_job_runs_the_provider_on_inputs_like_the_call(monkeypatch):
+    """What a background build runs (autotune.warm_forward, in its own process on the GPU): the
+    provider's forward, here the torch reference split in two on a CPU, at the job's shapes."""
+    from gdr_dispatch import autotune
+    from gdr_dispatch.registry import get_backend
+
+    x = _op_inputs(ShapeSpec(seqlens=(70, 1, 130), H=4, Hg=2, K=16, V=16))
+    seen = []
+    split = get_backend("torch@split2")
+    real = type(split).forward
+    monkeypatch.setattr(type(split), "forward", lambda self, *a, **k: seen.append((a[0].shape, a[6] is not None,
+                                                                                    a[7].tolist())) or real(self, *a, **k))
+    job = autotune.forward_job("torch@split2", x["q"], x["v"], x["g"], x["beta"], x["initial_state"], x["cu_seqlens"],
+                               (70, 1, 130), 0.25, False, True, False)
+    assert autotune.run_compile_job(job) >= 0
+    assert seen == [((1, 201, 2, 16), True, [0, 70, 71, 201])]
