@@ -4,6 +4,12 @@ imports): losses over the steps and the median step time, in one process.
 
     python bench/bench_hf_qwen3_next.py                     # 3 linear-attention layers, 16 heads, B2 T4096 bf16
     python bench/bench_hf_qwen3_next.py --steps 8 --out bench/results/nvidia-h200-sm90-hf.json
+    python bench/bench_hf_qwen3_next.py --first-step --out bench/results/nvidia-h200-sm90-hf-first-step.json
+
+`--first-step`: the first training step as a user meets it, each model in processes of its own:
+with every disk cache empty (TileLang's, Triton's with fla's autotune results, our tables: fresh
+directories), then again in a second process on the caches the first one left (warm); ours and
+HF's default alike, the same way.
 
 Both runs start from the same weights and data and train with AdamW; the hook is
 `gdr_dispatch.integrations.transformers.enable(model)`. HF hands the layers' q, k, v over as
@@ -72,6 +78,50 @@ def compare(B: int = 2, T: int = 4096, steps: int = 8, **model_kw) -> dict:
             "ours_first_step_s": round(ours_ms[0] / 1e3, 1)}
 
 
+def one_model(which: str, B: int, T: int, steps: int, **model_kw) -> dict:
+    """One model alone (`ours`: hooked; `default`: HF's fast path): its step times and losses."""
+    from gdr_dispatch.integrations import transformers as gdr_hf
+
+    model = build_model(**model_kw)
+    ids = torch.randint(0, model.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(1)).cuda()
+    if which == "ours":
+        with gdr_hf.use_gdr_dispatch(model):
+            losses, ms = train(model, ids, steps)
+    else:
+        losses, ms = train(model, ids, steps)
+    return {"which": which, "losses": losses, "first_step_s": round(ms[0] / 1e3, 2),
+            "step_ms": round(statistics.median(ms[1:]), 2) if len(ms) > 1 else None}
+
+
+def first_steps(a) -> dict:
+    """`--first-step`: per model, a process on empty cache directories, then a second on the
+    same (now warm) ones; the first step's wall time of each."""
+    import os
+    import subprocess
+    import tempfile
+
+    root = Path(a.cache_root or tempfile.mkdtemp(prefix="gdr-first-step-"))
+    rows = {}
+    for which in ("default", "ours"):
+        caches = {"TRITON_CACHE_DIR": root / which / "triton", "TILELANG_CACHE_DIR": root / which / "tilelang",
+                  "GDR_TUNING_CACHE": root / which / "tables"}
+        env = {**os.environ, **{k: str(v) for k, v in caches.items()}}
+        for when in ("fresh", "warm"):
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--only", which, "--steps", str(a.steps), "--B",
+                   str(a.B), "--T", str(a.T), "--heads", str(a.heads), "--layers", str(a.layers)]
+            t0 = time.perf_counter()
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            wall = time.perf_counter() - t0
+            if done.returncode != 0:
+                rows[f"{which} {when}"] = {"failed": (done.stderr.strip().splitlines() or ["?"])[-1][:300]}
+            else:
+                rows[f"{which} {when}"] = {**json.loads(done.stdout.strip().splitlines()[-1]),
+                                           "process_s": round(wall, 1)}
+            print(f"{which} {when}: {rows[f'{which} {when}']}", file=sys.stderr, flush=True)
+    return {"B": a.B, "T": a.T, "heads": a.heads, "layers": a.layers, "steps": a.steps, "caches": str(root),
+            "runs": rows}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--B", type=int, default=2)
@@ -80,10 +130,33 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--out", default="")
+    p.add_argument("--first-step", action="store_true",
+                   help="the first step with empty disk caches and again warm, each model in its own processes")
+    p.add_argument("--cache-root", default="", help="with --first-step: where the fresh cache directories go")
+    p.add_argument("--only", choices=["ours", "default"], help="one model alone; prints one JSON line")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_hf_qwen3_next: needs a CUDA device", file=sys.stderr)
         return 2
+    if a.only:
+        print(json.dumps(one_model(a.only, a.B, a.T, a.steps, heads=a.heads, layers=a.layers)), flush=True)
+        return 0
+    if a.first_step:
+        doc = first_steps(a)
+        print(json.dumps(doc, indent=1), flush=True)
+        if a.out:
+            out = Path(a.out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps({"device": torch.cuda.get_device_name(), **doc}, indent=1))
+            r = doc["runs"]
+            cell = lambda k: (f"{r[k]['first_step_s']} s" if "first_step_s" in r.get(k, {})  # noqa: E731
+                              else r.get(k, {}).get("failed", "-"))
+            out.with_suffix(".md").write_text(
+                "First training step (s), each in its own process: empty disk caches / the caches the first left\n\n"
+                "| model | HF default (fla's op) | gdr_dispatch hook |\n|---|---|---|\n"
+                f"| Qwen3-Next {a.layers} GDN layers, H{a.heads}, B{a.B} T{a.T} bf16 | {cell('default fresh')} / "
+                f"{cell('default warm')} | {cell('ours fresh')} / {cell('ours warm')} |\n")
+        return 0
     row = compare(a.B, a.T, a.steps, heads=a.heads, layers=a.layers)
     print(json.dumps(row, indent=1), flush=True)
     if a.out:

@@ -328,3 +328,29 @@ def test_hot_path_bench_times_every_runner_and_profiles_on_a_cpu(tmp_path, monke
     assert "| B1 T64 H2 Hg1 K16 V16 float16 | given | flash_qla |" in md and "own flash_qla" in md
     assert "GDR_BACKEND" not in bh.os.environ
     assert "cProfile, 200 calls of dispatched" in Path(doc["rows"][0]["profile"][1]).read_text()
+
+
+def test_hf_first_step_runs_each_model_fresh_then_warm_on_its_own_caches(monkeypatch, tmp_path):
+    """`bench_hf_qwen3_next.py --first-step`: per model a process on fresh cache directories
+    (TileLang's, Triton's, our tables) and a second on the same ones; the models never share them."""
+    import argparse
+    import subprocess
+
+    import bench_hf_qwen3_next as hf
+
+    calls = []
+
+    def fake_run(cmd, env, capture_output, text):
+        calls.append((cmd[cmd.index("--only") + 1], {k: env[k] for k in ("TRITON_CACHE_DIR", "TILELANG_CACHE_DIR",
+                                                                          "GDR_TUNING_CACHE")}))
+        out = json.dumps({"which": calls[-1][0], "losses": [1.0], "first_step_s": 1.5 * len(calls), "step_ms": 9.0})
+        return subprocess.CompletedProcess(cmd, 0, stdout="noise\n" + out + "\n", stderr="")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    a = argparse.Namespace(cache_root=str(tmp_path), steps=2, B=1, T=128, heads=2, layers=1)
+    doc = hf.first_steps(a)
+    assert [c[0] for c in calls] == ["default", "default", "ours", "ours"]
+    assert calls[0][1] == calls[1][1] and calls[2][1] == calls[3][1]
+    assert not set(calls[0][1].values()) & set(calls[2][1].values())
+    assert all(str(tmp_path) in d for _, dirs in calls for d in dirs.values())
+    assert doc["runs"]["ours warm"]["first_step_s"] == 6.0 and doc["runs"]["default fresh"]["first_step_s"] == 1.5
