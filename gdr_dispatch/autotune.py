@@ -442,6 +442,48 @@ def losing_families(problem: Problem) -> dict[str, str]:
             if f not in won and len(r) >= NEVER_WINS_ENTRIES and min(r) >= NEVER_WINS_MARGIN}
 
 
+#: A table miss takes the winner its neighbouring entries agree on, unmeasured, where at least
+#: PREDICT_ENTRIES of them (the same device, library versions, dtype, K, V, chunk size, `h` mode
+#: and wave bucket) all name it, it beat every other candidate timed there by PREDICT_MARGIN or
+#: more, and every backend that could run now was considered there (docs/design.md, "Autotuning").
+PREDICT_ENTRIES, PREDICT_MARGIN = 2, 1.15
+
+
+def predict(problem: Problem, candidates: dict[str, Backend]) -> Optional[tuple[str, str]]:
+    """`(winner, why)` when the device's neighbouring table entries agree on a winner among
+    `candidates` clearly enough to skip measuring (`PREDICT_ENTRIES`, `PREDICT_MARGIN`), else
+    None. Never on a CPU or with `GDR_AUTOTUNE_ALL=1`."""
+    from . import env, tuning_table
+    from .registry import base_name
+
+    if env.autotune_all() or problem.device.type != "cuda":
+        return None
+    versions = problem.versions_key()
+    near = [(k, e) for k, e in tuning_table.neighbours(problem) if k.rsplit("|", 1)[-1] == versions]
+    if len(near) < PREDICT_ENTRIES or len({e["winner"] for _, e in near}) != 1:
+        return None
+    name = near[0][1]["winner"]
+    if name not in candidates:
+        return None
+    # every backend that could run now was there, timed or skipped as losing (not "not installed")
+    bases = {base_name(n) for n, b in candidates.items() if not getattr(b, "reference", False)}
+    margins = []
+    for _, entry in near:
+        cands = entry.get("candidates", {})
+        seen = {base_name(n) for n, c in cands.items()
+                if isinstance(c, dict) and ("ms" in c or "skipped" in c) and "unsupported" not in c}
+        best = cands.get(name, {}).get("ms")
+        others = [c["ms"] for n, c in cands.items() if n != name and isinstance(c, dict)
+                  and isinstance(c.get("ms"), (int, float)) and not {"failed", "skipped", "unsupported"} & set(c)]
+        if not bases <= seen or not isinstance(best, (int, float)) or best <= 0 or not others:
+            return None
+        margins.append(min(others) / best)
+    if min(margins) < PREDICT_MARGIN:
+        return None
+    return name, (f"predicted, not measured: the winner at all {len(near)} neighbouring table entries, "
+                  f"{min(margins):.2f}x ahead or more (GDR_AUTOTUNE_ALL=1 measures)")
+
+
 def prune(problem: Problem, candidates: dict[str, Backend]) -> tuple[dict[str, Backend], dict[str, str]]:
     """`(kept, skipped)`: on a GPU a reference backend (`Backend.reference`, the exact torch math)
     is skipped; on a full grid, so is every member of a family the device's tables show never

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from . import caches, env, plans, tuning_table
-from .autotune import check_outputs, first_call
+from .autotune import check_outputs, first_call, predict
 from .contract import GDRCall, GDRGrads, check_backward_structure, check_backward_values, check_scale, make_call
 from .problem import Problem
 from .registry import Backend, NoBackendError, get_backend, parse_wrapped, registered_backends, wrappers
@@ -32,7 +32,7 @@ __all__ = ["fused_gdr_bwd", "select_backend", "Choice", "NoBackendError", "clear
 log = logging.getLogger("gdr_dispatch")
 
 #: How a backend was chosen (`Choice.source`).
-FORCED, TABLE, AUTOTUNED, STATIC = "GDR_BACKEND", "table", "autotuned", "static order"
+FORCED, TABLE, AUTOTUNED, PREDICTED, STATIC = "GDR_BACKEND", "table", "autotuned", "neighbours", "static order"
 
 #: Why a call is not autotuned when `select_backend` has no tensors to measure on.
 NO_TENSORS = "no tensors to measure on"
@@ -43,7 +43,7 @@ CAPTURING = "CUDA graph capture in progress (nothing may compile or benchmark)"
 @dataclass
 class Choice:
     backend: Backend
-    source: str  # FORCED, TABLE, AUTOTUNED or STATIC
+    source: str  # FORCED, TABLE, AUTOTUNED, PREDICTED or STATIC
     detail: str = ""  # the table's path, where the autotuned result went, or why the static order
     verdicts: dict[str, tuple[bool, str]] = field(default_factory=dict)
     entry: Optional[dict] = None  # the table entry behind the choice, when there is one
@@ -137,6 +137,12 @@ def select_backend(problem: Problem, call: Optional[GDRCall] = None) -> Choice:
                         hit.path, name, problem.describe(),
                         verdicts.get(name, (False, "not registered, or a split that GDR_CP=0 turns off"))[1])
 
+    if blocked in (None, NO_TENSORS) and len(options) > 1:
+        predicted = predict(problem, options)
+        if predicted is not None:  # the neighbouring entries agree: nothing to measure (`explain` says so too)
+            at = key if blocked is None else (key, blocked)
+            _decided[at] = Choice(options[predicted[0]], PREDICTED, predicted[1], verdicts)
+            return _decided[at]
     if blocked is None and len(options) > 1:
         entry, grads = first_call(call, problem, options)
         for name, (ok, reason) in verdicts.items():
@@ -182,7 +188,8 @@ def start_backward_compiles(call: GDRCall) -> int:
             return 0
     if len(options) < 2:
         return 0
-    kept, _ = prune(problem, options)
+    predicted = predict(problem, options)
+    kept = {predicted[0]: options[predicted[0]]} if predicted is not None else prune(problem, options)[0]
     return start_compiles(compile_jobs_of(call, kept))
 
 
@@ -220,6 +227,8 @@ def _log_choice(problem: Problem, choice: Choice) -> None:
             others.append(f"{other}: slower ({c['ms']:.3f} ms vs {cands.get(name, {}).get('ms', float('nan')):.3f} ms)")
         elif choice.source == TABLE:
             others.append(f"{other}: not measured in the table entry")
+        elif choice.source == PREDICTED:
+            others.append(f"{other}: slower at the neighbouring entries")
         else:
             others.append(f"{other}: lower in the static order")
     log.info("gdr_dispatch: backend %r for %s (%s)%s", name, problem.describe(), choice.how,

@@ -8,7 +8,7 @@ calls; a value that cannot be used is an error naming the variable and what it t
 | `GDR_BACKEND` | force one backend, or `<backend>@split<n>`, for every backward call | unset: tables, autotune, static order |
 | `GDR_FORWARD` | force the training op's forward provider (or `<provider>@split<n>`) | unset: a table entry, a measurement on a starved grid, else the lowest `forward_rank` that takes the call |
 | `GDR_AUTOTUNE` | `0` turns autotuning on a table miss off (the static order runs) | on |
-| `GDR_AUTOTUNE_ALL` | `1` makes a table miss measure every candidate (no pruning by the device's tables) | off |
+| `GDR_AUTOTUNE_ALL` | `1` makes a table miss measure every candidate (no pruning by the device's tables, no prediction from them) | off |
 | `GDR_CP` | `<n>` cuts every sequence into at most n segments (the exact split); `0` turns the split off | unset: the tables and autotuner decide |
 | `GDR_SPLIT_GRAPHS` | `0` runs the split eagerly on every call (no CUDA graphs of its own) | on |
 | `GDR_SAVE_STATES` | the training op keeps the chunk states for its backward | off |

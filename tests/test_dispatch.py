@@ -429,6 +429,60 @@ def test_a_table_miss_skips_what_neighbouring_entries_show_losing(kwargs, fakes,
     assert set(kept) == {"fake_slow", "torch"} and skipped == {}
 
 
+def _neighbours(problem, entries):
+    """Record table entries for `problem` at other sizes (its neighbours): one per (T, entry)."""
+    for T, entry in entries:
+        other = replace(problem, T=T, max_seqlen=T)
+        tuning_table.record(problem.device.slug, problem.device.name, {other.table_key(): entry})
+
+
+@pytest.mark.parametrize("case", ["agree", "close", "disagree", "one_neighbour", "new_backend", "autotune_all"])
+def test_a_table_miss_takes_the_winner_its_neighbours_agree_on_unmeasured(kwargs, fakes, monkeypatch, caplog, case):
+    """Where at least PREDICT_ENTRIES neighbouring entries (same library versions) all name one
+    winner, PREDICT_MARGIN or more ahead of every other candidate timed there, and every backend
+    that could run now was considered there, a table miss takes it without measuring (said in
+    the log); otherwise it measures as ever."""
+    fakes("fake_slow")
+    fakes("fake_good")
+    if case == "new_backend":
+        fakes("fake_new")  # could run now, never considered at the neighbours
+    call = validate(**kwargs)
+    problem = replace(Problem.from_call(call), device=DeviceInfo("cuda", "Fake GPU", (9, 0), 2))
+    monkeypatch.setattr(dsp, "autotune_block_reason", lambda p, have_tensors: None)
+    slow = 1.1 if case == "close" else 2.0
+    entries = [(256, {"winner": "fake_good", "candidates": {"fake_good": {"ms": 1.0}, "fake_slow": {"ms": slow}}}),
+               (1024, {"winner": "fake_slow" if case == "disagree" else "fake_good",
+                       "candidates": {"fake_good": {"ms": 1.0}, "fake_slow": {"ms": 2.0 if case != "disagree" else 0.5}}})]
+    _neighbours(problem, entries[:1] if case == "one_neighbour" else entries)
+    if case == "autotune_all":
+        monkeypatch.setenv("GDR_AUTOTUNE_ALL", "1")
+    ran = []
+    monkeypatch.setattr(at, "measure_ms", lambda fn, device_type: ran.append(1) or 1.0)
+    with caplog.at_level(logging.INFO, "gdr_dispatch"):
+        choice = dsp.select_backend(problem, call)
+    if case == "agree":
+        assert choice.source == dsp.PREDICTED and choice.backend.name == "fake_good" and ran == []
+        assert "predicted, not measured" in caplog.text or "predicted, not measured" in choice.how
+        assert "2.00x ahead" in choice.how
+    else:
+        assert choice.source == dsp.AUTOTUNED and ran, case
+
+
+def test_the_early_builds_of_a_predicted_backward_build_the_prediction_only(kwargs, fakes, monkeypatch):
+    fakes("fake_slow")
+    fakes("fake_good")
+    call = validate(**kwargs)
+    problem = fake_cuda(Problem.from_call(call))
+    monkeypatch.setattr(dsp, "autotune_block_reason", lambda p, have_tensors: None)
+    monkeypatch.setattr(dsp.Problem, "from_call", staticmethod(lambda c: problem))
+    _neighbours(problem, [(T, {"winner": "fake_good", "candidates": {"fake_good": {"ms": 1.0}, "fake_slow": {"ms": 3.0}}})
+                          for T in (256, 1024)])
+    seen = []
+    monkeypatch.setattr(at, "compile_jobs_of", lambda c, cands: seen.append(sorted(cands)) or {("m", "f", ()): ["x"]})
+    monkeypatch.setattr(at, "start_compiles", lambda jobs: len(jobs))
+    assert dsp.start_backward_compiles(call) == 1 and seen == [["fake_good"]]
+
+
 def test_warm_runs_are_compiled_once_per_compile_key_not_per_length():
     """The split's candidates at several segment counts share one warm run per backend and mode."""
     from gdr_dispatch.backends.split import SplitBackend
