@@ -168,6 +168,11 @@ def first_call(spec, full: bool) -> dict:
                 seconds = time.perf_counter() - t0
                 tables = list(Path(d).glob("*.yaml"))
                 entry = next(iter(yaml.safe_load(tables[0].read_text())["entries"].values())) if tables else {}
+                if not entry:  # nothing stored: a prediction from the neighbouring entries (or the static order)
+                    from gdr_dispatch.dispatch import select_backend
+
+                    choice = select_backend(Problem.from_call(validate(**kwargs)), None)
+                    entry = {"winner": choice.backend.name, "how": choice.how, "candidates": {}}
             finally:
                 for n, v in saved.items():
                     os.environ.pop(n, None) if v is None else os.environ.__setitem__(n, v)
@@ -176,7 +181,7 @@ def first_call(spec, full: bool) -> dict:
 
     seconds, entry = one(False)
     cands = entry.get("candidates", {})
-    row.update(first_call_s=round(seconds, 1), pick=entry.get("winner"),
+    row.update(first_call_s=round(seconds, 1), pick=entry.get("winner"), **({"how": entry["how"]} if "how" in entry else {}),
                measured=sorted(n for n, c in cands.items() if "ms" in c and "failed" not in c),
                skipped={n: c["skipped"] for n, c in cands.items() if "skipped" in c},
                candidates={n: c.get("ms") for n, c in cands.items() if "ms" in c})
@@ -248,7 +253,7 @@ def bench_shape(spec, warmup, reps, skip, splits=(), split_backends=(), rounds=1
             row["runs"][name] = {"failed": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
         print(f"    {name}: {row['runs'][name]}  [{time.perf_counter() - t0:.1f} s]", file=sys.stderr, flush=True)
     more_rounds(runners, row["runs"], rounds, lambda fn: measure_ms(fn, "cuda", warmup=warmup, reps=reps))
-    if "ms" in row["runs"].get("dispatched", {}):  # after it ran: the decision it made (a table miss autotunes)
+    if "ms" in row["runs"].get("dispatched", {}):  # after it ran: the decision it made (a table miss autotunes or predicts)
         from gdr_dispatch.dispatch import select_backend
 
         row["dispatched_pick"] = select_backend(Problem.from_call(validate(**kwargs))).backend.name

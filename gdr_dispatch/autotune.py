@@ -442,45 +442,53 @@ def losing_families(problem: Problem) -> dict[str, str]:
             if f not in won and len(r) >= NEVER_WINS_ENTRIES and min(r) >= NEVER_WINS_MARGIN}
 
 
-#: A table miss takes the winner its neighbouring entries agree on, unmeasured, where at least
-#: PREDICT_ENTRIES of them (the same device, library versions, dtype, K, V, chunk size, `h` mode
-#: and wave bucket) all name it, it beat every other candidate timed there by PREDICT_MARGIN or
-#: more, and every backend that could run now was considered there (docs/design.md, "Autotuning").
+#: A table miss on a full grid takes the winner its neighbouring entries agree on, unmeasured,
+#: where at least PREDICT_ENTRIES of them (the same device, library versions, dtype, K, V, chunk
+#: size, flags and wave bucket; other sizes) all name it, it beat every other candidate timed
+#: there by PREDICT_MARGIN or more, and every candidate that could run now was considered there
+#: by name (docs/design.md, "Autotuning").
 PREDICT_ENTRIES, PREDICT_MARGIN = 2, 1.15
 
 
 def predict(problem: Problem, candidates: dict[str, Backend]) -> Optional[tuple[str, str]]:
     """`(winner, why)` when the device's neighbouring table entries agree on a winner among
     `candidates` clearly enough to skip measuring (`PREDICT_ENTRIES`, `PREDICT_MARGIN`), else
-    None. Never on a CPU or with `GDR_AUTOTUNE_ALL=1`."""
+    None. Never on a CPU, with `GDR_AUTOTUNE_ALL=1`, or on a starved grid (its split counts, and
+    whether to split at all, move with the grid inside one wave bucket)."""
     from . import env, tuning_table
-    from .registry import base_name
 
-    if env.autotune_all() or problem.device.type != "cuda":
+    if env.autotune_all() or problem.device.type != "cuda" or problem.seq_head_ctas < problem.device.sm_count:
         return None
-    versions = problem.versions_key()
-    near = [(k, e) for k, e in tuning_table.neighbours(problem) if k.rsplit("|", 1)[-1] == versions]
-    if len(near) < PREDICT_ENTRIES or len({e["winner"] for _, e in near}) != 1:
+    mine = problem.problem_key().split("|")
+    near = {}  # one per problem (a key in the user's and the shipped table counts once)
+    for key, entry in tuning_table.neighbours(problem):
+        parts = key.split("|")
+        # the same library versions and every flag (varlen, states, layout), not just the h mode
+        if key.rsplit("|", 1)[-1] == problem.versions_key() and parts[8] == mine[8]:
+            near.setdefault(tuple(parts[:12]), entry)
+    entries = list(near.values())
+    if len(entries) < PREDICT_ENTRIES or len({e["winner"] for e in entries}) != 1:
         return None
-    name = near[0][1]["winner"]
+    name = entries[0]["winner"]
     if name not in candidates:
         return None
-    # every backend that could run now was there, timed or skipped as losing (not "not installed")
-    bases = {base_name(n) for n, b in candidates.items() if not getattr(b, "reference", False)}
+    # every candidate that could run now was there by name, timed or skipped as losing (not "not
+    # installed", not absent)
+    names = {n for n, b in candidates.items() if not getattr(b, "reference", False)}
     margins = []
-    for _, entry in near:
+    for entry in entries:
         cands = entry.get("candidates", {})
-        seen = {base_name(n) for n, c in cands.items()
+        seen = {n for n, c in cands.items()
                 if isinstance(c, dict) and ("ms" in c or "skipped" in c) and "unsupported" not in c}
         best = cands.get(name, {}).get("ms")
         others = [c["ms"] for n, c in cands.items() if n != name and isinstance(c, dict)
                   and isinstance(c.get("ms"), (int, float)) and not {"failed", "skipped", "unsupported"} & set(c)]
-        if not bases <= seen or not isinstance(best, (int, float)) or best <= 0 or not others:
+        if not names <= seen or not isinstance(best, (int, float)) or best <= 0 or not others:
             return None
         margins.append(min(others) / best)
     if min(margins) < PREDICT_MARGIN:
         return None
-    return name, (f"predicted, not measured: the winner at all {len(near)} neighbouring table entries, "
+    return name, (f"predicted, not measured: the winner at all {len(entries)} neighbouring table entries, "
                   f"{min(margins):.2f}x ahead or more (GDR_AUTOTUNE_ALL=1 measures)")
 
 
@@ -621,7 +629,8 @@ def forward_job(backend: str, q, v, g, beta, initial_state, cu_seqlens, seq_lens
     dt = lambda x: None if x is None else str(x.dtype)[6:]  # noqa: E731
     spec = dict(B=q.shape[0], T=q.shape[1], Hg=q.shape[2], K=q.shape[3], H=v.shape[2], V=v.shape[3], dtype=dt(q),
                 g_dtype=dt(g), beta_dtype=dt(beta), h0_dtype=dt(initial_state),
-                seqlens=tuple(seq_lens) if cu_seqlens is not None else None, state_v_first=bool(state_v_first),
+                seqlens=tuple(seq_lens) if cu_seqlens is not None else None, cu_dtype=dt(cu_seqlens),
+                state_v_first=bool(state_v_first),
                 need_final=bool(need_final), need_states=bool(need_states), scale=float(scale))
     return (__name__, warm_forward.__name__, (backend, tuple(sorted(spec.items())), str(q.device)))
 
@@ -644,7 +653,8 @@ def warm_forward(backend: str, spec: tuple, device: str = "cuda") -> None:
     beta = torch.sigmoid(rnd(B, T, H, dtype="float32")).to(getattr(torch, f["beta_dtype"]))
     cu = None
     if f["seqlens"] is not None:
-        cu = torch.tensor([0, *torch.tensor(f["seqlens"]).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        cu = torch.tensor([0, *torch.tensor(f["seqlens"]).cumsum(0).tolist()], dtype=getattr(torch, f["cu_dtype"]),
+                          device=device)
     N = len(f["seqlens"]) if f["seqlens"] is not None else B
     state = (N, H, V, K) if f["state_v_first"] else (N, H, K, V)
     h0 = None if f["h0_dtype"] is None else rnd(*state, dtype=f["h0_dtype"])

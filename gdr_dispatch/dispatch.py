@@ -142,6 +142,11 @@ def select_backend(problem: Problem, call: Optional[GDRCall] = None) -> Choice:
         if predicted is not None:  # the neighbouring entries agree: nothing to measure (`explain` says so too)
             at = key if blocked is None else (key, blocked)
             _decided[at] = Choice(options[predicted[0]], PREDICTED, predicted[1], verdicts)
+            if call is not None:  # its builds the op's first forward started: waited for, not built twice
+                from .autotune import compile_jobs_of, wait_early
+
+                for job in compile_jobs_of(call, {predicted[0]: options[predicted[0]]}):
+                    wait_early(job)
             return _decided[at]
     if blocked is None and len(options) > 1:
         entry, grads = first_call(call, problem, options)
@@ -228,7 +233,7 @@ def _log_choice(problem: Problem, choice: Choice) -> None:
         elif choice.source == TABLE:
             others.append(f"{other}: not measured in the table entry")
         elif choice.source == PREDICTED:
-            others.append(f"{other}: slower at the neighbouring entries")
+            others.append(f"{other}: not measured (the neighbouring entries' winner was taken)")
         else:
             others.append(f"{other}: lower in the static order")
     log.info("gdr_dispatch: backend %r for %s (%s)%s", name, problem.describe(), choice.how,

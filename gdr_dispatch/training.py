@@ -211,10 +211,12 @@ def measure_forwards(problem: Problem, candidates: dict, reference: str, measure
     say = say or waiting(f"first call of the op's forward at {problem.describe()}: no tuning-table entry, so its "
                          f"{len(candidates)} candidates (providers and their splits) are measured on it")
     results, outputs = {}, {}
-    for i, (name, backend) in enumerate(candidates.items(), 1):
-        built = wait_early(jobs[name]) if jobs and name in jobs else None
+    # every early build done before anything is timed (a build runs its forward on this GPU)
+    for job in dict.fromkeys((jobs or {}).values()):
+        built = wait_early(job)
         if built is not None:
-            say(f"forward [{i}/{len(candidates)}] {name}: built in the background in {built:.1f} s")
+            say(f"forward: {job[2][0]} built in the background in {built:.1f} s")
+    for i, (name, backend) in enumerate(candidates.items(), 1):
         try:
             outputs[name] = measure_on(backend)
             results[name] = {"ms": round(measure(lambda: measure_on(backend), problem.device.type), 4)}
@@ -309,6 +311,10 @@ def _forward_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_fin
             packed(a.to(q.dtype)), packed(h) if save_states else _empty(q))
 
 
+#: The longest compile job (its repr, one command-line argument) started in the background.
+MAX_JOB_CHARS = 100_000
+
+
 def _start_forward_compiles(problem, q, v, g, beta, initial_state, cu_seqlens, lens, scale, output_final_state,
                             state_v_first, save_states) -> dict:
     """The forwards a first call at `problem` will measure (`forward_to_measure`), each built in a
@@ -316,12 +322,23 @@ def _start_forward_compiles(problem, q, v, g, beta, initial_state, cu_seqlens, l
     wait on before timing it, so their compiles overlap each other's and the backward's instead
     of running one after another in this process."""
     from .autotune import forward_job, start_compiles
+    from .registry import base_name
 
     try:
         candidates = forward_to_measure(problem)
-        jobs = {name: forward_job(name, q, v, g, beta, initial_state, cu_seqlens, lens, scale, state_v_first,
-                                  output_final_state, save_states) for name in candidates}
-        started = start_compiles(list(jobs.values()))
+        jobs, first_split = {}, {}
+        for name in candidates:
+            # a provider's splits build its same kernels at every count (the segments' varlen call;
+            # our small Triton passes differ by count and build at the measurement): one build for all
+            split = parse_wrapped(name)[1] > 1
+            same = first_split.get(base_name(name)) if split else None
+            jobs[name] = same or forward_job(name, q, v, g, beta, initial_state, cu_seqlens, lens, scale,
+                                             state_v_first, output_final_state, save_states)
+            if split:
+                first_split.setdefault(base_name(name), jobs[name])
+        # a job travels as one argument: a pack of tens of thousands of lengths builds in-process
+        jobs = {n: j for n, j in jobs.items() if len(repr(j)) < MAX_JOB_CHARS}
+        started = start_compiles(list(dict.fromkeys(jobs.values())))
     except Exception as e:  # noqa: BLE001 - an early start is an optimisation: the measurement builds them itself
         log.info("gdr_dispatch: could not start the forward's compiles early (%s: %s)", type(e).__name__, e)
         return {}

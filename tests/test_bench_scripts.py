@@ -340,17 +340,24 @@ def test_hf_first_step_runs_each_model_fresh_then_warm_on_its_own_caches(monkeyp
 
     calls = []
 
-    def fake_run(cmd, env, capture_output, text):
+    def fake_run(cmd, env, capture_output, text, timeout):
         calls.append((cmd[cmd.index("--only") + 1], {k: env[k] for k in ("TRITON_CACHE_DIR", "TILELANG_CACHE_DIR",
                                                                           "GDR_TUNING_CACHE")}))
         out = json.dumps({"which": calls[-1][0], "losses": [1.0], "first_step_s": 1.5 * len(calls), "step_ms": 9.0})
-        return subprocess.CompletedProcess(cmd, 0, stdout="noise\n" + out + "\n", stderr="")
+        if len(calls) == 2:  # a process that printed no JSON: its row says so, the others go on
+            return subprocess.CompletedProcess(cmd, 0, stdout="noise\n", stderr="oops\n")
+        return subprocess.CompletedProcess(cmd, 0, stdout="noise\n" + out + "\nafter\n", stderr="")
 
     monkeypatch.setattr(subprocess, "run", fake_run)
-    a = argparse.Namespace(cache_root=str(tmp_path), steps=2, B=1, T=128, heads=2, layers=1)
+    a = argparse.Namespace(cache_root=str(tmp_path / "caches"), steps=2, B=1, T=128, heads=2, layers=1,
+                           child_timeout=10.0)
     doc = hf.first_steps(a)
     assert [c[0] for c in calls] == ["default", "default", "ours", "ours"]
     assert calls[0][1] == calls[1][1] and calls[2][1] == calls[3][1]
     assert not set(calls[0][1].values()) & set(calls[2][1].values())
     assert all(str(tmp_path) in d for _, dirs in calls for d in dirs.values())
     assert doc["runs"]["ours warm"]["first_step_s"] == 6.0 and doc["runs"]["default fresh"]["first_step_s"] == 1.5
+    assert doc["runs"]["default warm"] == {"failed": "oops"}
+    (tmp_path / "caches" / "x").mkdir(parents=True, exist_ok=True)  # not empty: its caches would read as fresh
+    with pytest.raises(SystemExit, match="not empty"):
+        hf.first_steps(a)

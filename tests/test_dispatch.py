@@ -436,7 +436,8 @@ def _neighbours(problem, entries):
         tuning_table.record(problem.device.slug, problem.device.name, {other.table_key(): entry})
 
 
-@pytest.mark.parametrize("case", ["agree", "close", "disagree", "one_neighbour", "new_backend", "autotune_all"])
+@pytest.mark.parametrize("case", ["agree", "close", "disagree", "one_neighbour", "new_backend", "autotune_all",
+                                  "same_key_twice", "other_flags", "starved"])
 def test_a_table_miss_takes_the_winner_its_neighbours_agree_on_unmeasured(kwargs, fakes, monkeypatch, caplog, case):
     """Where at least PREDICT_ENTRIES neighbouring entries (same library versions) all name one
     winner, PREDICT_MARGIN or more ahead of every other candidate timed there, and every backend
@@ -447,13 +448,22 @@ def test_a_table_miss_takes_the_winner_its_neighbours_agree_on_unmeasured(kwargs
     if case == "new_backend":
         fakes("fake_new")  # could run now, never considered at the neighbours
     call = validate(**kwargs)
-    problem = replace(Problem.from_call(call), device=DeviceInfo("cuda", "Fake GPU", (9, 0), 2))
+    sms = 132 if case == "starved" else 2  # a full grid but where starved: the split's counts move with the grid
+    problem = replace(Problem.from_call(call), device=DeviceInfo("cuda", "Fake GPU", (9, 0), sms))
     monkeypatch.setattr(dsp, "autotune_block_reason", lambda p, have_tensors: None)
     slow = 1.1 if case == "close" else 2.0
     entries = [(256, {"winner": "fake_good", "candidates": {"fake_good": {"ms": 1.0}, "fake_slow": {"ms": slow}}}),
                (1024, {"winner": "fake_slow" if case == "disagree" else "fake_good",
                        "candidates": {"fake_good": {"ms": 1.0}, "fake_slow": {"ms": 2.0 if case != "disagree" else 0.5}}})]
-    _neighbours(problem, entries[:1] if case == "one_neighbour" else entries)
+    if case == "same_key_twice":  # one problem in the user's table and the shipped one counts once
+        from gdr_dispatch import tuning_table as tt
+
+        other = replace(problem, T=256, max_seqlen=256)
+        monkeypatch.setattr(tt, "neighbours", lambda p: [(other.table_key(), entries[0][1])] * 2)
+    elif case == "other_flags":  # entries without an initial state do not predict a call with one
+        _neighbours(replace(problem, has_initial_state=False), entries)
+    else:
+        _neighbours(problem, entries[:1] if case == "one_neighbour" else entries)
     if case == "autotune_all":
         monkeypatch.setenv("GDR_AUTOTUNE_ALL", "1")
     ran = []
@@ -468,11 +478,12 @@ def test_a_table_miss_takes_the_winner_its_neighbours_agree_on_unmeasured(kwargs
         assert choice.source == dsp.AUTOTUNED and ran, case
 
 
-def test_the_early_builds_of_a_predicted_backward_build_the_prediction_only(kwargs, fakes, monkeypatch):
+def test_the_early_builds_of_a_predicted_backward_build_the_prediction_only_and_are_waited_for(kwargs, fakes,
+                                                                                              monkeypatch):
     fakes("fake_slow")
     fakes("fake_good")
     call = validate(**kwargs)
-    problem = fake_cuda(Problem.from_call(call))
+    problem = replace(Problem.from_call(call), device=DeviceInfo("cuda", "Fake GPU", (9, 0), 2))  # a full grid
     monkeypatch.setattr(dsp, "autotune_block_reason", lambda p, have_tensors: None)
     monkeypatch.setattr(dsp.Problem, "from_call", staticmethod(lambda c: problem))
     _neighbours(problem, [(T, {"winner": "fake_good", "candidates": {"fake_good": {"ms": 1.0}, "fake_slow": {"ms": 3.0}}})
@@ -481,6 +492,10 @@ def test_the_early_builds_of_a_predicted_backward_build_the_prediction_only(kwar
     monkeypatch.setattr(at, "compile_jobs_of", lambda c, cands: seen.append(sorted(cands)) or {("m", "f", ()): ["x"]})
     monkeypatch.setattr(at, "start_compiles", lambda jobs: len(jobs))
     assert dsp.start_backward_compiles(call) == 1 and seen == [["fake_good"]]
+    waited = []  # the backward's first call then waits for them instead of building them again
+    monkeypatch.setattr(at, "wait_early", lambda job: waited.append(job))
+    choice = dsp.select_backend(problem, call)
+    assert choice.source == dsp.PREDICTED and waited == [("m", "f", ())]
 
 
 def test_warm_runs_are_compiled_once_per_compile_key_not_per_length():

@@ -291,11 +291,14 @@ def test_the_forwards_a_first_call_measures_are_built_early_and_waited_for(monke
     monkeypatch.setattr(autotune, "wait_early", lambda job: events.append(("waited", job[2][0])) or 2.0)
     args = (x["q"], x["v"], x["g"], x["beta"], x["initial_state"], None, (1024,), scale, True, False, False)
     jobs = training._start_forward_compiles(p, *args)
-    assert list(jobs) == ["fake_forward", "fake_forward@split4", "fake_forward@split8"] and started == list(jobs.values())
+    assert list(jobs) == ["fake_forward", "fake_forward@split4", "fake_forward@split8"]
+    assert jobs["fake_forward@split8"] == jobs["fake_forward@split4"] != jobs["fake_forward"]  # one build per kind
+    assert started == [jobs["fake_forward"], jobs["fake_forward@split4"]]
     spec = dict(jobs["fake_forward@split4"][2][1])
     assert jobs["fake_forward@split4"][:2] == ("gdr_dispatch.autotune", "warm_forward")
     assert spec["T"] == 1024 and spec["H"] == 2 and spec["scale"] == scale and spec["need_final"] is True
     assert spec["g_dtype"] == str(x["g"].dtype)[6:] and spec["h0_dtype"] == "float64" and spec["seqlens"] is None
+    assert spec["cu_dtype"] is None
 
     def measure_on(backend):
         events.append(("ran", backend.name))
@@ -304,9 +307,9 @@ def test_the_forwards_a_first_call_measures_are_built_early_and_waited_for(monke
 
     training.forward_choice(p, measure_on=measure_on, jobs=jobs)
     firsts = [e for i, e in enumerate(events) if e not in events[:i]]
-    assert firsts == [("waited", "fake_forward"), ("ran", "fake_forward"), ("waited", "fake_forward@split4"),
-                      ("ran", "fake_forward@split4"), ("waited", "fake_forward@split8"),
-                      ("ran", "fake_forward@split8")]
+    # every build waited for before anything is timed (a build runs its forward on the same GPU)
+    assert firsts == [("waited", "fake_forward"), ("waited", "fake_forward@split4"), ("ran", "fake_forward"),
+                      ("ran", "fake_forward@split4"), ("ran", "fake_forward@split8")]
     # now a table entry: nothing to measure, nothing started
     started.clear()
     clear_caches()
