@@ -26,6 +26,7 @@ their sequence (backends/split/passes.segment_plan), so `g`'s chunk-local cumsum
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -526,8 +527,13 @@ def walk_pieces(max_chunks: int) -> int:
 
 def _persistent_programs(dev: torch.device, items: int) -> int:
     """A persistent kernel's grid: two programs per SM (255 registers each), no more than items."""
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
-    return max(1, min(items, 2 * sms))
+    return max(1, min(items, 2 * _sm_count(dev.type, dev.index)))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(kind: str, index) -> int:
+    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()
+                                            ).multi_processor_count if kind == "cuda" else 4
 
 
 def _maps(seg_call, plan, roles, need_r: bool, need_d: bool = True, pieces: int = 1):
