@@ -291,11 +291,7 @@ def start_compiles(jobs) -> int:
     `precompile` then waits for them instead of starting them again, and a table hit's in-process
     build finds them in the disk caches. The number started."""
     for done in [j for j, p in _early.items() if p[0].poll() is not None]:  # finished, nobody waited: said here
-        try:
-            _wait_early(done)
-        except RuntimeError as e:
-            log.info("gdr_dispatch: an early build failed (the call that needs it builds it again): %s: %s",
-                     done[1], e)
+        wait_early(done)
     running = sum(p[0].poll() is None for p in _early.values())
     started = 0
     for job in jobs:

@@ -117,14 +117,11 @@ def select_backend(problem: Problem, call: Optional[GDRCall] = None) -> Choice:
     if memo is not None and memo.backend.supported(problem)[0]:
         return memo
 
-    known = registered_backends()
-    verdicts = {name: b.supported(problem) for name, b in known.items()}
+    verdicts, options = _options(problem)
     supported = [n for n, (ok, _) in verdicts.items() if ok]
     if not supported:
         lines = "\n".join(f"  {n}: {r}" for n, (_, r) in verdicts.items())
         raise NoBackendError(f"no gdr_dispatch backend can take this call ({problem.describe()}):\n{lines}")
-    options = {n: known[n] for n in supported}
-    options.update(wrapped_candidates(problem, options, thorough=env.autotune_all()))
 
     for hit in tuning_table.lookup(problem.device.slug, problem.problem_key(), problem.versions_key()):
         winner = _table_winner(hit.entry, options)
@@ -165,7 +162,7 @@ def select_backend(problem: Problem, call: Optional[GDRCall] = None) -> Choice:
     # static choices are remembered per reason: a call outside graph capture, or with
     # GDR_AUTOTUNE changed, decides afresh
     why = blocked if blocked is not None else "the only supported backend"
-    _decided[(key, blocked)] = Choice(known[supported[0]], STATIC, why, verdicts)
+    _decided[(key, blocked)] = Choice(options[supported[0]], STATIC, why, verdicts)
     return _decided[(key, blocked)]
 
 
@@ -185,9 +182,7 @@ def start_backward_compiles(call: GDRCall) -> int:
     key = problem.table_key()
     if _decided.get(key) is not None:
         return 0
-    known = registered_backends()
-    options = {n: b for n, b in known.items() if b.supported(problem)[0]}
-    options.update(wrapped_candidates(problem, options, thorough=env.autotune_all()))
+    _, options = _options(problem)
     for hit in tuning_table.lookup(problem.device.slug, problem.problem_key(), problem.versions_key()):
         if _table_winner(hit.entry, options) is not None:
             return 0
@@ -196,6 +191,16 @@ def start_backward_compiles(call: GDRCall) -> int:
     predicted = predict(problem, options)
     kept = {predicted[0]: options[predicted[0]]} if predicted is not None else prune(problem, options)[0]
     return start_compiles(compile_jobs_of(call, kept))
+
+
+def _options(problem: Problem) -> tuple[dict, dict]:
+    """`(verdicts, options)`: every registered backend's verdict on `problem`, and the candidates
+    a decision weighs (the supported backends and, on a starved grid, their splits)."""
+    known = registered_backends()
+    verdicts = {name: b.supported(problem) for name, b in known.items()}
+    options = {n: known[n] for n, (ok, _) in verdicts.items() if ok}
+    options.update(wrapped_candidates(problem, options, thorough=env.autotune_all()))
+    return verdicts, options
 
 
 def _table_winner(entry: dict, options: dict) -> Optional[str]:

@@ -82,15 +82,11 @@ def forward_to_measure(problem: Problem) -> dict:
     forced or decided forward, a table entry, a full grid, autotuning off)."""
     if env.forced_forward_name():
         return {}
-    decided = _forward_decided.get((problem.table_key(), env.snapshot(forward_env())))
-    if decided is not None and decided[0].forward_supported(problem)[0]:
+    if _decided_forward(problem) is not None:
         return {}
     offers, candidates, _ = forward_candidates(problem)
-    if all(n in offers for n in candidates):
+    if all(n in offers for n in candidates) or _table_forward(problem, offers, warn=False) is not None:
         return {}
-    for hit in tuning_table.lookup(problem.device.slug, problem.problem_key(), problem.versions_key()):
-        if _forward_winner(hit.entry, problem, offers) is not None:
-            return {}
     from .dispatch import autotune_block_reason
 
     return candidates if autotune_block_reason(problem, True) is None else {}
@@ -114,21 +110,16 @@ def forward_choice(problem: Problem, measure_on: Optional[Callable] = None, jobs
         if not ok:
             raise ValueError(f"{env.FORWARD}={forced}: its forward cannot take {problem.describe()}: {why}")
         return backend, env.FORWARD
-    # the decision stands per table key and the environment it read (GDR_CP, the table directory, ...)
-    key = (problem.table_key(), env.snapshot(forward_env()))
-    decided = _forward_decided.get(key)
-    if decided is not None and decided[0].forward_supported(problem)[0]:
+    decided = _decided_forward(problem)
+    if decided is not None:
         return decided
+    key = _forward_key(problem)
     offers, candidates, refusals = forward_candidates(problem)
     first = next(iter(offers.values()))
-    for hit in tuning_table.lookup(problem.device.slug, problem.problem_key(), problem.versions_key()):
-        winner = _forward_winner(hit.entry, problem, offers)
-        if winner is not None:
-            _forward_decided[key] = (winner, f"table {hit.path}")
-            return _forward_decided[key]
-        if hit.exact:
-            log.warning("gdr_dispatch: table %s names %r for %s, which cannot take it now; ignoring the entry",
-                        hit.path, hit.entry.get("winner"), problem.describe())
+    from_table = _table_forward(problem, offers, warn=True)
+    if from_table is not None:
+        _forward_decided[key] = from_table
+        return from_table
     if any(n not in offers for n in candidates) and measure_on is not None:
         from .dispatch import autotune_block_reason
 
@@ -151,6 +142,31 @@ def forward_choice(problem: Problem, measure_on: Optional[Callable] = None, jobs
             _forward_decided[key] = (candidates[entry["winner"]], f"measured, {where}")
             return _forward_decided[key]
     return first, "lowest forward_rank that takes it" + (f"; passed over {'; '.join(refusals)}" if refusals else "")
+
+
+def _forward_key(problem: Problem) -> tuple:
+    """A forward decision stands per table key and the environment it read (GDR_CP, the table
+    directory, ...)."""
+    return problem.table_key(), env.snapshot(forward_env())
+
+
+def _decided_forward(problem: Problem):
+    """The `(backend, how)` decided earlier for `problem`, while its backend still takes it."""
+    decided = _forward_decided.get(_forward_key(problem))
+    return decided if decided is not None and decided[0].forward_supported(problem)[0] else None
+
+
+def _table_forward(problem: Problem, offers: dict, warn: bool):
+    """`(backend, how)` from the first table entry for `problem` whose winner can take it now,
+    else None; `warn`: an exact entry that cannot is said."""
+    for hit in tuning_table.lookup(problem.device.slug, problem.problem_key(), problem.versions_key()):
+        winner = _forward_winner(hit.entry, problem, offers)
+        if winner is not None:
+            return winner, f"table {hit.path}"
+        if warn and hit.exact:
+            log.warning("gdr_dispatch: table %s names %r for %s, which cannot take it now; ignoring the entry",
+                        hit.path, hit.entry.get("winner"), problem.describe())
+    return None
 
 
 def _forward_winner(entry: dict, problem: Problem, offers: dict):

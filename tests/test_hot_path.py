@@ -51,6 +51,26 @@ class Named(Backend):
         return registry.get_backend("torch").run(call)
 
 
+class CannedOp(Backend):
+    """The op's forward and backward with uninitialised outputs: only our plumbing is left to count
+    and time."""
+
+    name, static_rank, forward_rank = "fake_canned_op", 0, 0
+
+    def not_supported_reasons(self, problem):
+        return []
+
+    def forward(self, q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, need_final, chunk_size,
+                need_states=True):
+        B, T, H, V = v.shape
+        final = initial_state.clone() if need_final else None
+        return torch.empty_like(v), final, g.new_zeros(B, T, H), q.new_zeros(B, T, H, 64), None
+
+    def run(self, call):
+        return GDRGrads(*(None if x is None else torch.empty_like(x)
+                          for x in (call.q, call.k, call.v, call.g, call.b, call.initial_state)))
+
+
 def canned(kwargs) -> Canned:
     call = validate(**kwargs)
     out = GDRGrads(*(None if x is None else torch.empty_like(x)
@@ -107,18 +127,7 @@ def test_the_op_forward_makes_a_bounded_number_of_our_python_calls(with_backends
     """The op's own work per memoised forward, its eager autograd.Function's `forward` included
     (training._Eager: eager calls skip the custom op's Python dispatch)."""
 
-    class Fwd(Backend):
-        name, static_rank, forward_rank = "fake_fwd", 0, 0
-
-        def not_supported_reasons(self, problem):
-            return []
-
-        def forward(self, q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, need_final, chunk_size,
-                    need_states=True):
-            B, T, H, V = v.shape
-            return v.new_empty(B, T, H, V), None, g.new_empty(B, T, H), q.new_empty(B, T, H, 64), None
-
-    with_backends(Fwd())
+    with_backends(CannedOp())
     q, k, v = (torch.randn(2, 64, 2, 8) for _ in range(3))
     g, beta = -torch.rand(2, 64, 2), torch.rand(2, 64, 2)
     ours = []
@@ -394,23 +403,8 @@ def test_the_op_eager_step_costs_less_host_time_than_the_custom_op(with_backends
     dispatch around both directions is what it skips)."""
     from gdr_dispatch import training
 
-    class Canned2(Backend):
-        name, static_rank, forward_rank = "fake_canned2", 0, 0
-
-        def not_supported_reasons(self, problem):
-            return []
-
-        def forward(self, q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, need_final, chunk_size,
-                    need_states=True):
-            B, T, H, V = v.shape
-            return (torch.empty_like(v), initial_state.clone(), g.new_zeros(B, T, H), q.new_zeros(B, T, H, 64), None)
-
-        def run(self, call):
-            return GDRGrads(*(None if x is None else torch.empty_like(x)
-                              for x in (call.q, call.k, call.v, call.g, call.b, call.initial_state)))
-
-    with_backends(Canned2())
-    monkeypatch.setenv("GDR_BACKEND", "fake_canned2")
+    with_backends(CannedOp())
+    monkeypatch.setenv("GDR_BACKEND", CannedOp.name)
     leaves = [x.requires_grad_(True) for x in (torch.randn(1, 64, 2, 16) for _ in range(3))]
     leaves += [(-torch.rand(1, 64, 2)).requires_grad_(True), torch.rand(1, 64, 2).requires_grad_(True)]
     h0 = torch.randn(1, 2, 16, 16)

@@ -345,6 +345,14 @@ def _backward_pieces(q_ptr, k_ptr, a_ptr, g_ptr, b_ptr, do_ptr, cu_ptr, list_ptr
 
 
 @triton.jit
+def _composed(list_ptr, w, P: tl.constexpr, NCOL: tl.constexpr, CB: tl.constexpr):
+    """Work item w of a composition kernel: the listed pair's (segment x head) index, its first
+    column and its pieces' first row in the pieces' buffers."""
+    slot = w // NCOL
+    return tl.load(list_ptr + slot), (w % NCOL) * CB, slot.to(tl.int64) * P
+
+
+@triton.jit
 def _compose_forward(list_ptr, count_ptr, role_ptr, pm_ptr, pr_ptr, m_ptr, r_ptr, H, K: tl.constexpr,
                      V: tl.constexpr, P: tl.constexpr, CB: tl.constexpr, NCOL: tl.constexpr):
     """Each listed segment's `[M | R]` from its pieces' (`_forward_pieces`): `X = [M_0 | R_0]`,
@@ -354,10 +362,7 @@ def _compose_forward(list_ptr, count_ptr, role_ptr, pm_ptr, pr_ptr, m_ptr, r_ptr
     rc = tl.arange(0, CB)
     total = tl.load(count_ptr) * NCOL
     for w in range(tl.program_id(0), total, tl.num_programs(0)):
-        slot = w // NCOL
-        c0 = (w % NCOL) * CB
-        nh = tl.load(list_ptr + slot)
-        base = slot.to(tl.int64) * P
+        nh, c0, base = _composed(list_ptr, w, P, NCOL, CB)
         if c0 >= K:
             X = tl.load(pr_ptr + (base * K + rk[:, None]) * V + c0 - K + rc[None, :])
         else:
@@ -386,10 +391,7 @@ def _compose_backward(list_ptr, count_ptr, role_ptr, pm_ptr, pd_ptr, out_ptr, H,
     rc = tl.arange(0, CB)
     total = tl.load(count_ptr) * NCOL
     for w in range(tl.program_id(0), total, tl.num_programs(0)):
-        slot = w // NCOL
-        c0 = (w % NCOL) * CB
-        nh = tl.load(list_ptr + slot)
-        base = slot.to(tl.int64) * P
+        nh, c0, base = _composed(list_ptr, w, P, NCOL, CB)
         Y = tl.load(pd_ptr + ((base + P - 1) * K + rk[:, None]) * V + c0 + rc[None, :])
         for i in range(1, P):
             p = P - 1 - i
