@@ -10,7 +10,8 @@ imports): losses over the steps and the median step time, in one process.
 with every disk cache empty (TileLang's, Triton's with fla's autotune results, our user tables:
 fresh directories; the tables shipped in the package are read, as a user's install reads them),
 then again in a second process on the caches the first one left (warm); ours and HF's default
-alike, the same way.
+alike, the same way. Each process's stderr (our log lines, timed from its start) goes beside
+`--out` in `<out>-logs/`.
 
 Both runs start from the same weights and data and train with AdamW; the hook is
 `gdr_dispatch.integrations.transformers.enable(model)`. HF hands the layers' q, k, v over as
@@ -83,8 +84,11 @@ def one_model(which: str, B: int, T: int, steps: int, **model_kw) -> dict:
     """One model alone (`ours`: hooked; `default`: HF's fast path): its step times and losses."""
     from gdr_dispatch.integrations import transformers as gdr_hf
 
+    import logging
+
     model = build_model(**model_kw)
     ids = torch.randint(0, model.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(1)).cuda()
+    logging.getLogger("gdr_dispatch.bench").info("bench: %s model built, its first step starts", which)
     if which == "ours":
         with gdr_hf.use_gdr_dispatch(model):
             losses, ms = train(model, ids, steps)
@@ -104,6 +108,9 @@ def first_steps(a) -> dict:
     root = Path(a.cache_root or tempfile.mkdtemp(prefix="gdr-first-step-"))
     if root.exists() and any(root.iterdir()):  # a second run there would read warm caches as fresh
         raise SystemExit(f"--cache-root {root}: not empty (its caches would be warm); give an empty or new folder")
+    out = getattr(a, "out", "")
+    logs = Path(out).parent / f"{Path(out).stem}-logs" if out else root
+    logs.mkdir(parents=True, exist_ok=True)
     rows = {}
     for which in ("default", "ours"):
         caches = {"TRITON_CACHE_DIR": root / which / "triton", "TILELANG_CACHE_DIR": root / which / "tilelang",
@@ -120,6 +127,8 @@ def first_steps(a) -> dict:
                 print(f"{which} {when}: {rows[f'{which} {when}']}", file=sys.stderr, flush=True)
                 continue
             wall = time.perf_counter() - t0
+            log = logs / f"{which}-{when}.log"  # the child's stderr: our progress lines, timed
+            log.write_text(done.stderr)
             result = None
             for line in reversed(done.stdout.strip().splitlines()):  # its JSON line, whatever else printed
                 try:
@@ -130,7 +139,7 @@ def first_steps(a) -> dict:
             if done.returncode != 0 or not isinstance(result, dict):
                 rows[f"{which} {when}"] = {"failed": (done.stderr.strip().splitlines() or ["no JSON line"])[-1][:300]}
             else:
-                rows[f"{which} {when}"] = {**result, "process_s": round(wall, 1)}
+                rows[f"{which} {when}"] = {**result, "process_s": round(wall, 1), "log": str(log)}
             print(f"{which} {when}: {rows[f'{which} {when}']}", file=sys.stderr, flush=True)
     return {"B": a.B, "T": a.T, "heads": a.heads, "layers": a.layers, "steps": a.steps, "caches": str(root),
             "runs": rows}
@@ -153,7 +162,13 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_hf_qwen3_next: needs a CUDA device", file=sys.stderr)
         return 2
-    if a.only:
+    if a.only:  # our progress lines on stderr with the ms since the process started (--first-step keeps them)
+        import logging
+
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(relativeCreated)9.0f ms  %(message)s"))
+        logging.getLogger("gdr_dispatch").addHandler(handler)
+        logging.getLogger("gdr_dispatch").setLevel(logging.INFO)
         print(json.dumps(one_model(a.only, a.B, a.T, a.steps, heads=a.heads, layers=a.layers)), flush=True)
         return 0
     if a.first_step:

@@ -4,6 +4,7 @@ costs device time."""
 import importlib.util
 import inspect
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -346,7 +347,7 @@ def test_hf_first_step_runs_each_model_fresh_then_warm_on_its_own_caches(monkeyp
         out = json.dumps({"which": calls[-1][0], "losses": [1.0], "first_step_s": 1.5 * len(calls), "step_ms": 9.0})
         if len(calls) == 2:  # a process that printed no JSON: its row says so, the others go on
             return subprocess.CompletedProcess(cmd, 0, stdout="noise\n", stderr="oops\n")
-        return subprocess.CompletedProcess(cmd, 0, stdout="noise\n" + out + "\nafter\n", stderr="")
+        return subprocess.CompletedProcess(cmd, 0, stdout="noise\n" + out + "\nafter\n", stderr=f"log {len(calls)}\n")
 
     monkeypatch.setattr(subprocess, "run", fake_run)
     a = argparse.Namespace(cache_root=str(tmp_path / "caches"), steps=2, B=1, T=128, heads=2, layers=1,
@@ -358,6 +359,14 @@ def test_hf_first_step_runs_each_model_fresh_then_warm_on_its_own_caches(monkeyp
     assert all(str(tmp_path) in d for _, dirs in calls for d in dirs.values())
     assert doc["runs"]["ours warm"]["first_step_s"] == 6.0 and doc["runs"]["default fresh"]["first_step_s"] == 1.5
     assert doc["runs"]["default warm"] == {"failed": "oops"}
+    # each process's stderr kept beside --out (here without one: in the cache root)
+    assert Path(doc["runs"]["ours warm"]["log"]).read_text() == "log 4\n"
+    assert (tmp_path / "caches" / "default-warm.log").read_text() == "oops\n"
+    a.out = str(tmp_path / "res" / "hf.json")
+    shutil.rmtree(tmp_path / "caches")
+    calls.clear()
+    doc = hf.first_steps(a)
+    assert (tmp_path / "res" / "hf-logs" / "ours-fresh.log").read_text() == "log 3\n"
     (tmp_path / "caches" / "x").mkdir(parents=True, exist_ok=True)  # not empty: its caches would read as fresh
     with pytest.raises(SystemExit, match="not empty"):
         hf.first_steps(a)

@@ -937,3 +937,25 @@ def test_a_replayed_graph_reads_new_inputs_and_returns_fresh_outputs(monkeypatch
     for got, kept in results:
         assert all(a is None or (a.data_ptr() != o.data_ptr() and torch.equal(a, k))
                    for a, k, o in zip(got, kept, out) if o is not None)
+
+
+def test_the_replay_copies_one_foreach_call_per_dtype_and_layout(monkeypatch):
+    """graphs.copy_all: every pair copied (a strided source too), in one `_foreach_copy_` per
+    (dtype, layout) group, each group of one dtype with matching strides where it can be (torch's
+    multi-tensor copy takes only those; anything else is a copy per tensor)."""
+    from gdr_dispatch.backends.split import graphs
+
+    calls = []
+    real = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda d, s: (calls.append((d, s)), real(d, s))[1])
+    base = torch.randn(6, 5)
+    srcs = [torch.randn(3, 4, dtype=torch.bfloat16), torch.randn(2, dtype=torch.float32),
+            torch.randn(5, dtype=torch.bfloat16), base.t()[:, :3], torch.randn(4, dtype=torch.float32)]
+    dsts = [torch.empty(x.shape, dtype=x.dtype) for x in srcs]
+    graphs.copy_all(list(zip(dsts, srcs)))
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+    assert len(calls) == 3  # bf16; fp32 with matching strides; the strided fp32 view
+    for d, s in calls:
+        assert len({x.dtype for x in d + s}) == 1
+        assert len({a.stride() == b.stride() for a, b in zip(d, s)}) == 1
+    assert sorted(len(d) for d, _ in calls) == [1, 2, 2]

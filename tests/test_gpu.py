@@ -441,6 +441,8 @@ def test_decay_aware_split_equals_unsplit_on_gpu(backend, gate, h_mode, walk, mo
     monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
     if walk == "whole":
         monkeypatch.setattr(segment_maps, "walk_pieces", lambda max_chunks: 1)
+    else:  # in pieces whatever the default (segment_maps.PIECES)
+        monkeypatch.setattr(segment_maps, "PIECES", 4)
     if backend not in registered_backends():
         pytest.skip(f"{backend} not registered here")
     inner = registered_backends()[backend]

@@ -62,8 +62,14 @@ for arg in "$@"; do
       timeout "$(left)" python3 tools/ws_probe.py --peer --rounds 3 ${WS_SHAPES:+--only "$WS_SHAPES"} \
         --out "$OUT/bench/wsbench.json" > "$OUT/wsbench.log" 2>&1 ;;
     timing)
-      for shape in ${TIMING_SHAPES:-B4T4096H16 B8T4096H32}; do
-        timeout "$(left)" python3 tools/ws_probe.py --only "$shape" --timing ${TIMING_ARGS:-} 2>&1 | grep -v TileLang
+      # each mode's cycle counters per shape (TIMING_MODES='reconly nowait full'), and with TIMING_PLAIN=1
+      # the plain build's wall time too
+      for mode in ${TIMING_MODES:-full}; do
+        for shape in ${TIMING_SHAPES:-B4T4096H16 B8T4096H32}; do
+          timeout "$(left)" python3 tools/ws_probe.py --only "$shape" --timing --mode "$mode" ${TIMING_ARGS:-} 2>&1 | grep -v TileLang
+          [ -n "${TIMING_PLAIN:-}" ] && timeout "$(left)" python3 tools/ws_probe.py --only "$shape" --mode "$mode" \
+            ${TIMING_ARGS:-} 2>&1 | grep -v TileLang
+        done
       done > "$OUT/timing.log" 2>&1 ;;
     splitprof)
       timeout "$(left)" python3 tools/profile_split.py ${SPLIT_ARGS:-} > "$OUT/splitprof.log" 2>&1 ;;

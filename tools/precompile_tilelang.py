@@ -47,15 +47,16 @@ def compile_one(H: int, Hg: int, dtype: str, schedule: str = "ws", K: int = 128)
             build_states(H, Hg, dtype, "vfirst" in words, timing=True)
         else:
             build_states(H, Hg, dtype, "vfirst" in words)  # positional: the launcher's cache key
-    elif words[0] == "ws":  # the fused backward: ws[-timing]
-        from gdr_dispatch.backends.kernels.tilelang_ws_bwd import build_ws_bwd
+    elif words[0] == "ws":  # the fused backward: ws[-timing][-reconly|-nowait] (the prototype builds)
+        from gdr_dispatch.backends.kernels.tilelang_ws_bwd import MODES, build_ws_bwd
 
-        if "timing" in words:
-            build_ws_bwd(H, Hg, float(K ** -0.5), dtype, dtype, timing=True)
+        mode = next((w for w in words[1:] if w in MODES), "full")
+        if "timing" in words or mode != "full":  # keywords as tools/ws_probe.py passes them
+            build_ws_bwd(H, Hg, float(K ** -0.5), dtype, dtype, timing="timing" in words, mode=mode)
         else:
             build_ws_bwd(H, Hg, float(K ** -0.5), dtype, dtype)
     else:
-        raise ValueError(f"unknown schedule {schedule!r}: ws[-timing] or states[-vfirst][-timing]")
+        raise ValueError(f"unknown schedule {schedule!r}: ws[-timing][-reconly|-nowait] or states[-vfirst][-timing]")
     how = "kernel cache" if not seen else ("cubin cache" if all(seen) else "nvcc")
     return time.perf_counter() - t0, how
 
@@ -63,8 +64,9 @@ def compile_one(H: int, Hg: int, dtype: str, schedule: str = "ws", K: int = 128)
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", action="append", required=True,
-                   help="H,Hg,dtype[,ws[-timing] | ,states[-vfirst][-timing]] (K = V = 128, chunk 64; ws, the "
-                        "default: the fused backward; -timing: with cycle counters; states: the h=None state kernel)")
+                   help="H,Hg,dtype[,ws[-timing][-reconly|-nowait] | ,states[-vfirst][-timing]] (K = V = 128, chunk 64; ws, "
+                        "the default: the fused backward; -timing: with cycle counters; -reconly/-nowait: the "
+                        "prototype builds; states: the h=None state kernel)")
     p.add_argument("--jobs", type=int, default=8)
     args = p.parse_args()
     configs = []

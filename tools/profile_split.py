@@ -9,7 +9,8 @@ CUDA kernels' total time and the ops that take the most host and device time (ea
 is host-bound at the starved shapes: docs/kernels.md, "The split"). `--graph` also captures each call in a CUDA graph and times its replays
 (the time in a training step captured whole, where no launch costs host time) and checks the
 replay's gradients against the eager call's. `--parts` times each part of the split alone (replayed),
-with the decay plan's share of warm segments. `--pass1` times pass 1's exact maps alone, fla's kernels
+with the decay plan's share of warm segments (`--pieces 4`: pass 1 with the exact walks in
+pieces against whole, per kernel). `--pass1` times pass 1's exact maps alone, fla's kernels
 against ours (backends/kernels/segment_maps.py); with GDR_ALLOW_UNVERIFIED=1 in the environment
 the splits above run pass 1 on ours (until their GPU tests pass). `--pyprof N` adds a cProfile
 of N enqueues of each split call (which Python spends the host time). `--forward 8,16` times the
@@ -52,6 +53,21 @@ def graph_ms(fn, reps: int):
     diff = max((relative_error(o, e) for o, e in zip(out, eager) if e is not None and torch.is_tensor(e)),
                default=0.0) if isinstance(eager, tuple) else 0.0
     return measure_ms(graph.replay, "cuda", warmup=3, reps=reps), diff
+
+
+def kernel_table(fn, reps: int) -> str:
+    """Each CUDA kernel's mean time per call of `fn` over `reps` eager calls (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / reps, e.count / reps) for e in prof.key_averages()
+            if e.device_time_total > 0]
+    return "\n".join(f"    {t:8.1f}  x{n:.0f}  {key[:90]}" for key, t, n in sorted(rows, key=lambda r: -r[1]))
 
 
 def parts(call, segments: int, backend: str, reps: int) -> None:
@@ -101,6 +117,18 @@ def parts(call, segments: int, backend: str, reps: int) -> None:
         f"pass 3 {backend}, h=None": lambda: inner.run(no_h),
         f"{split.name} whole": lambda: split._run(call),
     }
+    if sm.walk_pieces(segs.s) > 1:  # the same pass 1 with the exact walks whole, and both per kernel
+        def whole_walks():
+            real = sm.walk_pieces
+            sm.walk_pieces = lambda max_chunks: 1
+            try:
+                return sm.segment_pieces(seg_call, plan, roles, need, max_chunks=segs.s)
+            finally:
+                sm.walk_pieces = real
+
+        steps["pass 1, exact walks whole"] = whole_walks
+        for name in ("pass 1 (windows, exact maps)", "pass 1, exact walks whole"):
+            print(f"  {name}, per kernel (us per call):\n" + kernel_table(steps[name], reps), flush=True)
     for name, fn in steps.items():
         try:
             replay, _ = graph_ms(fn, reps)
@@ -258,6 +286,9 @@ def main() -> int:
     p.add_argument("--gate", default="uniform", help="the shape's gate (shapes.GATES)")
     p.add_argument("--parts", action="store_true",
                    help="time each part of the split around the first of --backends (graph replays), then stop")
+    p.add_argument("--pieces", type=int, default=0, metavar="N",
+                   help="--parts: walk the exact segments in N pieces (segment_maps.PIECES), and time pass 1 "
+                        "both ways, per kernel")
     p.add_argument("--pyprof", type=int, default=0, metavar="N",
                    help="also profile N enqueues of each split call in Python (cProfile: where its host time goes)")
     p.add_argument("--pass1", nargs="?", const="", default=None,
@@ -271,6 +302,10 @@ def main() -> int:
         forward_parts(ShapeSpec(B=a.B, T=a.T, H=a.H, gate=a.gate), a.forward, a.backends, a.reps)
         return 0
     call = validate(**call_kwargs(make_inputs(ShapeSpec(B=a.B, T=a.T, H=a.H, h=a.h, gate=a.gate), "cuda", seed=1)))
+    if a.pieces:
+        from gdr_dispatch.backends.kernels import segment_maps
+
+        segment_maps.PIECES = a.pieces
     if a.parts:
         parts(call, a.segments, a.backends.split(",")[0], a.reps)
         return 0

@@ -44,14 +44,14 @@ BC = 64
 NUM_WARPS, NUM_STAGES = 4, 1
 #: An exact segment's walks in at most PIECES pieces of at least MIN_PIECE_CHUNKS chunks each,
 #: run by more programs and composed after (`_maps`); the composition's launch options are the
-#: chain's (segment_scan.py). A prediction, not yet measured: pass 1's exact walks at the mixed
-#: gate (0.2 ms at B1 T32768 H4 in 32 segments, docs/kernels.md) down by up to PIECES where few
-#: pairs are exact.
-PIECES, MIN_PIECE_CHUNKS = 4, 2
+#: chain's (segment_scan.py). Off (1): at the mixed gate on the H200 pass 1 went 0.213 -> 0.191 ms
+#: with 4 at B1 T32768 H4 /32 and 0.204 -> 0.280 ms at B1 T8192 H16 /8, where the warm heads'
+#: windows, not the exact walks, set its time (docs/kernels.md, "Exact walks in pieces").
+PIECES, MIN_PIECE_CHUNKS = 1, 2
 COMPOSE_CB, COMPOSE_WARPS, COMPOSE_STAGES = 16, 8, 2
 #: Whether the pieces' GPU tests (tests/test_gpu.py: the decay-aware split against the unsplit
 #: call with them) have passed; while False they run only with GDR_ALLOW_UNVERIFIED=1.
-PIECES_WALK_GPU_VERIFIED = False
+PIECES_WALK_GPU_VERIFIED = True
 #: Whether the kernels' GPU tests (tests/test_gpu.py: the maps against float64, the split
 #: oracle tests with them) have passed; while False, the split uses them only with
 #: GDR_ALLOW_UNVERIFIED=1 (fla's kernels or the torch products otherwise).
