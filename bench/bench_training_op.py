@@ -79,12 +79,19 @@ class Forced:
         self.env = {**(env or {}), **({"GDR_BACKEND": backend} if backend else {})}
 
 
+#: `--fresh-inputs`: every step clones its inputs first (every runner alike), as a model's layers
+#: hand the op new activations each step, instead of the same tensors again
+FRESH = False
+
+
 def step(op, x: dict, **extra) -> dict:
     """One forward + backward of `op`; returns o, the final state and every gradient."""
     env = op.env if isinstance(op, Forced) else {}
     op = op.op if isinstance(op, Forced) else op
     before = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
+    if FRESH:
+        x = {n: t if t is None or not t.is_floating_point() else t.clone() for n, t in x.items()}
     try:
         leaves = {n: x[n].detach().requires_grad_(True) for n in LEAVES}
         o, ht = op(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
@@ -168,6 +175,15 @@ def precompile_flashqla(shapes, workers: int) -> None:
                 print(f"  {futures[fut]}: failed: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr, flush=True)
 
 
+def replays() -> dict:
+    """The split graphs' replay counts so far (backends/split/graphs.py), {} where none ran."""
+    try:
+        from gdr_dispatch.backends.split import graphs
+    except ImportError:
+        return {}
+    return dict(graphs.replays)
+
+
 def bench_shape(spec: ShapeSpec, ops: dict, warmup: int, reps: int) -> dict:
     x = step_inputs(spec, "cuda", seed=1)
     row = {"shape": spec.label().rsplit(" h=", 1)[0], "runs": {}}
@@ -182,6 +198,7 @@ def bench_shape(spec: ShapeSpec, ops: dict, warmup: int, reps: int) -> dict:
         t0 = time.perf_counter()
         try:
             choices.backend = choices.forward = None
+            seen = dict(replays())
             if name.startswith("ours"):  # decided (and logged) afresh at each shape and gate: the memo keys
                 clear_caches()           # on the shape alone, so a second gate would log nothing
             got = step(op, x)
@@ -192,6 +209,8 @@ def bench_shape(spec: ShapeSpec, ops: dict, warmup: int, reps: int) -> dict:
                                  **({"max_rel_err_vs_fla_op": float(f"{err:.3e}")} if ref else {})}
             if name.startswith("ours"):
                 row["runs"][name].update(backend=choices.backend, forward=choices.forward)
+                if replays():  # the split graphs' replays in this row: in place or with copies in
+                    row["runs"][name]["graph_replays"] = {k: v - seen.get(k, 0) for k, v in replays().items()}
         except Exception as e:  # noqa: BLE001 - a failing runner is reported, the sweep goes on
             row["runs"][name] = {"failed": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
         print(f"    {name}: {row['runs'][name]}  [{time.perf_counter() - t0:.1f} s]", file=sys.stderr, flush=True)
@@ -285,10 +304,16 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--fresh-inputs", action="store_true",
+                   help="every step clones its inputs first (every runner alike), as a model hands the op new "
+                        "activations each step: the split graphs then read them in place only where the caching "
+                        "allocator hands the same blocks back")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also profile N steps of each `ours` runner per shape: torch.profiler's ops by their own "
                         "host time and a cProfile of the Python, in <out>/<device>-training-profile.txt")
     args = p.parse_args(argv)
+    global FRESH
+    FRESH = args.fresh_inputs
     from gdr_dispatch.registry import registered_backends
 
     only = {n for n in args.compile_backends.split(",") if n} or None

@@ -178,6 +178,29 @@ def test_training_bench_forces_a_forward_provider_for_the_step(monkeypatch):
     assert seen == ["torch"] and "GDR_FORWARD" not in bt.os.environ
 
 
+def test_training_bench_fresh_inputs_hand_each_step_new_tensors_of_the_same_values(monkeypatch):
+    """`--fresh-inputs`: every step's floating inputs are clones (new tensors, as a model's layers
+    hand over new activations each step), the integer ones as they are; the results unchanged."""
+    import bench_training_op as bt
+
+    from gdr_dispatch import chunk_gated_delta_rule
+    from gdr_dispatch.shapes import ShapeSpec
+
+    x = bt.step_inputs(ShapeSpec(seqlens=(5, 40), H=2, K=16, V=16, dtype="float64"), "cpu")
+    seen = []
+
+    def op(q, k, v, g, beta, **kw):
+        seen.append((q.data_ptr(), kw["cu_seqlens"].data_ptr()))
+        return chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+
+    want = bt.step(op, x)
+    monkeypatch.setattr(bt, "FRESH", True)
+    got = bt.step(op, x)
+    assert seen[0][0] == x["q"].data_ptr() and seen[1][0] != x["q"].data_ptr()
+    assert seen[1][1] == x["cu_seqlens"].data_ptr()
+    assert all(torch.equal(got[n], want[n]) for n in want)
+
+
 def test_ncu_groups_sums_samples_per_role_group(tmp_path, capsys):
     """tools/ncu_groups.py on a made-up source page: rows split at the four USETMAXREG lines
     (nvcc's order: producer, A, KV, S; caps from tilelang_ws_bwd.NREG), samples summed per group."""

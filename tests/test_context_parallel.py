@@ -876,20 +876,87 @@ def test_a_graph_evicted_again_and_again_runs_eagerly(monkeypatch):
 
     captures = []
 
-    def capture(name, key, tensors, fn, seq_lens):
+    def capture(name, key, tensors, fn, seq_lens, in_place=False):
         captures.append(key)
-        hit = (Graph(), tensors, fn(tensors))
+        hit = (Graph(), None if in_place else tensors, fn(tensors), graphs.addresses(tensors) if in_place else None)
         graphs._graphs[key] = hit
         return hit
 
     monkeypatch.setattr(graphs, "_capture", capture)
     clear_caches()
-    x = (torch.ones(2),)
     keys = [("k", i) for i in range(graphs.LIMIT + 1)]  # one more than kept: each evicts the next
     for _ in range(10):
         for key in keys:
+            x = (torch.ones(2),)  # a new tensor each call: copies, no capture in place
             graphs.run_tensors("test", key, x, lambda t: (t[0] * 2,), (2,))
     assert all(captures.count(key) == graphs.MAX_CAPTURES for key in keys)
+
+
+def _stand_in_capture(fn):
+    """A stand-in for graphs._capture on the CPU: a "graph" whose replay recomputes `fn` on what it
+    was captured on (static copies, or with `in_place` the caller's tensors: what a CUDA graph
+    reads at their addresses) into its static outputs."""
+    from gdr_dispatch.backends.split import graphs
+
+    class Graph:
+        def __init__(self, reads, out):
+            self.reads, self.out = reads, out
+
+        def replay(self):
+            for o, new in zip(self.out, fn(self.reads)):
+                if o is not None:
+                    o.copy_(new)
+
+    def capture(name, key, tensors, fn_, seq_lens, in_place=False):
+        static = tensors if in_place else tuple(
+            None if x is None else x.clone(memory_format=torch.contiguous_format) for x in tensors)
+        out = fn(static)
+        hit = (Graph(static, out), None if in_place else static, out, graphs.addresses(tensors) if in_place else None)
+        graphs._graphs[key] = hit
+        return hit
+
+    return capture
+
+
+def test_a_graph_reads_inputs_in_place_while_their_addresses_repeat(monkeypatch):
+    """The same tensors called again (new values written into them): the graph is captured on them
+    in place and replays with no copy in, holding their addresses, never their static copies; the
+    outputs follow the new values and stay fresh. Tensors at other addresses: back to the copies
+    for good, with the right results (a replay at the old addresses would return stale ones)."""
+    from gdr_dispatch import clear_caches
+    from gdr_dispatch.backends.split import graphs
+
+    def fn(t):
+        x, y = t
+        return (x * 2 + y.sum(), (x - 1).to(torch.float64))
+
+    monkeypatch.setattr(graphs, "IN_PLACE_GPU_VERIFIED", True)
+    copied = []
+    real = graphs.copy_all
+    monkeypatch.setattr(graphs, "copy_all", lambda pairs: (copied.append(len(pairs)), real(pairs))[1])
+    monkeypatch.setattr(graphs, "_capture", _stand_in_capture(fn))
+    clear_caches()
+    x, y = torch.randn(3), torch.randn(2)
+    outs = []
+    for i in range(4):  # eager, captured in place (same addresses as the eager call), replays
+        x.copy_(torch.randn(3))
+        y.copy_(torch.randn(2))
+        copied.clear()
+        got = graphs.run_tensors("test", ("k",), (x, y), fn, (3,))
+        want = fn((x, y))
+        assert all(torch.allclose(a, b) for a, b in zip(got, want)), i
+        if i >= 1:
+            assert copied == [2], (i, copied)  # only the outputs' copy: nothing copied in
+        outs.append(got)
+    hit = graphs._graphs[("k",)]
+    assert hit[1] is None and hit[3] == graphs.addresses((x, y))
+    assert outs[2][0].data_ptr() != outs[3][0].data_ptr() != hit[2][0].data_ptr()
+    for i in range(3):  # elsewhere: copies, and they stay copies even back at the first addresses
+        x2, y2 = (torch.randn(3), torch.randn(2)) if i < 2 else (x, y)
+        got = graphs.run_tensors("test", ("k",), (x2, y2), fn, (3,))
+        assert all(torch.allclose(a, b) for a, b in zip(got, fn((x2, y2)))), i
+        assert graphs._graphs[("k",)][3] is None
+    assert graphs._callers[("k",)] == "copies"
 
 
 def test_a_replayed_graph_reads_new_inputs_and_returns_fresh_outputs(monkeypatch):
@@ -904,28 +971,14 @@ def test_a_replayed_graph_reads_new_inputs_and_returns_fresh_outputs(monkeypatch
         x, y, idx, _ = t
         return (x * 2 + y.sum(), None, (x[idx.long()] - 1).to(torch.float64))
 
-    class Graph:
-        def __init__(self, static, out):
-            self.static, self.out = static, out
-
-        def replay(self):
-            for o, new in zip(self.out, fn(self.static)):
-                if o is not None:
-                    o.copy_(new)
-
-    def capture(name, key, tensors, fn_, seq_lens):
-        static = tuple(None if x is None else x.clone(memory_format=torch.contiguous_format) for x in tensors)
-        out = fn(static)
-        hit = (Graph(static, out), static, out)
-        graphs._graphs[key] = hit
-        return hit
-
-    monkeypatch.setattr(graphs, "_capture", capture)
+    monkeypatch.setattr(graphs, "_capture", _stand_in_capture(fn))
     clear_caches()
     idx = torch.tensor([0, 2], dtype=torch.int32)
     results = []
+    keep = []
     for i in range(4):  # eager, capture, then two replays
         base = torch.randn(3, 4, dtype=torch.float32)
+        keep.append(base)  # (alive: no address comes back, so no capture in place)
         x, y = base.t()[:, :3], torch.randn(2, dtype=torch.float16)  # x a strided view
         got = graphs.run_tensors("test", ("k",), (x, y, idx, None), fn, (4,))
         want = fn((x, y, idx, None))
@@ -933,7 +986,8 @@ def test_a_replayed_graph_reads_new_inputs_and_returns_fresh_outputs(monkeypatch
         for a, b in ((got[0], want[0]), (got[2], want[2])):
             assert a.dtype == b.dtype and torch.allclose(a, b), i
         results.append((got, [None if t is None else t.clone() for t in got]))
-    _, static, out = graphs._graphs[("k",)]
+    _, static, out, reads = graphs._graphs[("k",)]
+    assert reads is None
     for got, kept in results:
         assert all(a is None or (a.data_ptr() != o.data_ptr() and torch.equal(a, k))
                    for a, k, o in zip(got, kept, out) if o is not None)

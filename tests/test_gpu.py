@@ -269,9 +269,10 @@ def test_split_captures_in_a_cuda_graph_on_gpu(name, backend, monkeypatch):
 @pytest.mark.parametrize("backend", ["tilelang_fused", "fla", "flash_qla"])
 @pytest.mark.parametrize("name", ["T100_grouped_all_optional", "varlen_1_63_64_65_vfirst"])
 def test_split_candidates_replay_their_own_graphs_on_gpu(name, backend, monkeypatch):
-    """`<backend>@split<n>` from its third call on replays a graph it captured itself
-    (backends/split/graphs.py): the same gradients as eager, and new inputs of the same shapes
-    copied in (not the captured call's values replayed), fresh outputs each call."""
+    """`<backend>@split<n>` from its second call on replays a graph it captured itself
+    (backends/split/graphs.py): the same gradients as eager; the same tensors again, read in
+    place (new values written into them are what it reads), other tensors of the same shapes
+    copied in (not the captured call's values replayed); fresh outputs each call."""
     from gdr_dispatch.backends.split import graphs
 
     if backend not in registered_backends():
@@ -290,10 +291,22 @@ def test_split_candidates_replay_their_own_graphs_on_gpu(name, backend, monkeypa
         if getattr(first, n) is not None:
             assert relative_error(getattr(third, n), getattr(first, n)) < 1e-3, n
     assert third.dq.data_ptr() != second.dq.data_ptr()
-    # the same shapes, other values: with do and dht negated every gradient flips sign
+    hit = graphs._graphs.get(graphs.key_of(split.name, call))
+    assert hit is not None and hit[1] is None and hit[3] == graphs.addresses(getattr(call, n) for n in graphs.TENSORS)
+    # new values in the same tensors, read in place: with do and dht negated every gradient flips sign
+    for t in (call.do, call.dht):
+        if t is not None:
+            t.neg_()
+    in_place = split.run(call)
+    assert relative_error(in_place.dq, -first.dq) < 1e-3 and relative_error(in_place.dv, -first.dv) < 1e-3
+    for t in (call.do, call.dht):
+        if t is not None:
+            t.neg_()
+    # other tensors of the same shapes, copied in
     other = {**kwargs, "do": -kwargs["do"], "dht": None if kwargs["dht"] is None else -kwargs["dht"]}
     flipped = split.run(validate(**other))
     assert relative_error(flipped.dq, -first.dq) < 1e-3 and relative_error(flipped.dv, -first.dv) < 1e-3
+    assert graphs._graphs.get(graphs.key_of(split.name, call))[3] is None  # copies from now on
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

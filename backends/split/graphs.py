@@ -7,7 +7,14 @@ Per key (the backend, every tensor's shape and dtype, the sequence lengths, the 
 the device) the first call runs eagerly (it compiles, autotunes and builds the index tensors the
 capture then reads), the second captures the split into a graph over static input buffers and
 replays it, and later calls copy their inputs in, replay, and return fresh copies of the outputs
-(a multi-tensor copy per dtype each way: `copy_all`).
+(a multi-tensor copy per dtype each way: `copy_all`). Where a call's tensors sit at the same
+addresses, with the same strides, as the key's previous call's (the same tensors called again, or
+a training step handed the same blocks by the caching allocator), the key is captured once more
+on the caller's own tensors, and from then on a call at those addresses replays with no copy in;
+one at other addresses goes back to the copies for good (one graph per key: a model whose layers
+share a shape calls it from as many addresses as layers). The graph keeps addresses, never the
+caller's tensors. Outputs are always fresh copies (autograd may keep a gradient it is handed).
+In-place replays run once their GPU test passed (`IN_PLACE_GPU_VERIFIED`), or with GDR_ALLOW_UNVERIFIED=1.
 A key whose capture fails (a backend that reads the device on the host) runs eagerly from then on,
 said once; so does one evicted and captured again `MAX_CAPTURES` times (more shapes in turn than
 graphs kept: a capture per call costs more than the eager call). At most `LIMIT` graphs are kept, least recently used first out; each holds its static
@@ -17,6 +24,7 @@ inputs and its memory pool (about three times the call's inputs and outputs), sa
 
 from __future__ import annotations
 
+import collections
 import logging
 from dataclasses import replace
 from typing import Callable
@@ -35,8 +43,16 @@ LIMIT = 4
 MAX_CAPTURES = 3
 TENSORS = ("q", "k", "v", "a", "g", "b", "do", "dht", "h", "initial_state", "cu_seqlens")
 
-_graphs = caches.memo("split graphs", limit=LIMIT)  # key -> (graph, static call, static outputs)
+# key -> (graph, static inputs or None, static outputs, the caller's addresses it reads or None)
+_graphs = caches.memo("split graphs", limit=LIMIT)
 _seen = caches.memo("split graph keys seen", limit=256)  # key -> "eager" once run, "refused" if capture failed
+# key -> the addresses of its previous call (`addresses`), or "copies" once they stopped repeating
+_callers = caches.memo("split graph callers", limit=256)
+#: Whether the in-place replays' GPU tests (tests/test_gpu.py: the split candidates' own graphs,
+#: new values read in place) have passed; while False only GDR_ALLOW_UNVERIFIED=1 turns them on.
+IN_PLACE_GPU_VERIFIED = False
+#: Replays so far, "in place" and "copied" (what a bench reports beside its times).
+replays: collections.Counter = collections.Counter()
 
 
 def signature(tensors) -> tuple:
@@ -70,30 +86,42 @@ def run(name: str, call: GDRCall, fn: Callable[[GDRCall], GDRGrads]) -> GDRGrads
 def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tuple], seq_lens: tuple) -> tuple:
     """`fn(tensors)` (a tuple of tensors or None in, the same out), replayed from a graph from the
     second call with the same `key` on: the eager split's backward (`run`) and the op's split
-    forward (forward.py). Inputs are copied into the graph's own; outputs come back as fresh copies."""
+    forward (forward.py). Inputs are copied into the graph's own, or read in place while they come
+    at the addresses it was captured on; outputs come back as fresh copies (module docstring)."""
+    where = addresses(tensors)
+    before = _callers.get(key)
+    _callers[key] = "copies" if before == "copies" else where
     hit = _graphs.get(key)
-    if hit is None:
+    moved = hit is not None and hit[3] is not None and hit[3] != where  # captured on another caller's tensors
+    if moved:
+        _callers[key] = "copies"  # copies from now on (one graph per key)
+    # or in place from now on
+    recapture = moved or (hit is not None and hit[3] is None and before == where and in_place_allowed())
+    if hit is None or recapture:
         state = _seen.get(key)
         if state is None:
             _seen[key] = "eager"
             return fn(tensors)  # the warm-up: compiles, caches the index tensors the capture reads
         if state == "refused":
             return fn(tensors)
-        if isinstance(state, int) and state >= MAX_CAPTURES:
+        if not recapture and isinstance(state, int) and state >= MAX_CAPTURES:
             # evicted again and again (more keys in turn than LIMIT): a capture per call would cost
             # more than running eagerly
             if caches.first_time(("split graph thrash", name)):
                 log.info("gdr_dispatch: %s runs eagerly: its graph was evicted %d times (more shapes in turn than "
                          "the %d graphs kept)", name, state, LIMIT)
             return fn(tensors)
-        hit = _capture(name, key, tensors, fn, seq_lens)
+        hit = _capture(name, key, tensors, fn, seq_lens, in_place=_callers.get(key) != "copies" and before == where
+                       and in_place_allowed())
         if hit is None:
             return fn(tensors)
-        _seen[key] = (state if isinstance(state, int) else 0) + 1
-    graph, static, out = hit
+        if not recapture:  # (what MAX_CAPTURES counts: captures after evictions)
+            _seen[key] = (state if isinstance(state, int) else 0) + 1
+    graph, static, out, reads = hit
     _graphs[key] = hit  # most recently used
-    # the copies in (the lengths are the key's: cu_seqlens stays) and out, a foreach call per group
-    copy_all([(s, x) for x, s in zip(tensors, static) if x is not None and x.is_floating_point()])
+    if reads is None:  # the copies in (the lengths are the key's: cu_seqlens stays), a foreach call per group
+        copy_all([(s, x) for x, s in zip(tensors, static) if x is not None and x.is_floating_point()])
+    replays["copied" if reads is None else "in place"] += 1
     graph.replay()
     live = [x for x in out if x is not None]
     fresh = [torch.empty_like(x) for x in live]
@@ -114,12 +142,30 @@ def copy_all(pairs: list) -> None:
         torch._foreach_copy_([d for d, _ in group], [x for _, x in group])
 
 
-def _capture(name: str, key: tuple, tensors: tuple, fn, seq_lens: tuple):
+def in_place_allowed() -> bool:
+    from gdr_dispatch.registry import unverified_allowed
+
+    return IN_PLACE_GPU_VERIFIED or unverified_allowed()
+
+
+def addresses(tensors) -> tuple:
+    """Each tensor's address and strides (None for an absent one): what a graph captured on the
+    caller's own tensors reads; its shapes and dtypes are the key's."""
+    return tuple(None if x is None else (x.data_ptr(), x.stride()) for x in tensors)
+
+
+def _capture(name: str, key: tuple, tensors: tuple, fn, seq_lens: tuple, in_place: bool = False):
+    """The key's graph over static copies of `tensors`, or with `in_place` over `tensors` themselves
+    (read at their addresses; the hit then holds those addresses, not the tensors): `(graph, static
+    inputs or None, static outputs, addresses read or None)`, or None where the capture fails."""
     dev = next(x for x in tensors if x is not None).device
-    static = tuple(None if x is None else x.clone(memory_format=torch.contiguous_format) for x in tensors)
-    for x, s in zip(tensors, static):  # a cu_seqlens copy holds the lengths read from the caller's
-        if x is not None and not x.is_floating_point() and remembered(x) is not None:
-            remember(s, remembered(x))
+    if in_place:
+        static = tensors
+    else:
+        static = tuple(None if x is None else x.clone(memory_format=torch.contiguous_format) for x in tensors)
+        for x, s in zip(tensors, static):  # a cu_seqlens copy holds the lengths read from the caller's
+            if x is not None and not x.is_floating_point() and remembered(x) is not None:
+                remember(s, remembered(x))
     before = torch.cuda.memory_allocated(dev)
     graph = torch.cuda.CUDAGraph()
     try:
@@ -138,11 +184,15 @@ def _capture(name: str, key: tuple, tensors: tuple, fn, seq_lens: tuple):
                      type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
         return None
     held = torch.cuda.memory_allocated(dev) - before
-    if caches.first_time(("split graph", name, seq_lens[:4], len(seq_lens))):
+    if in_place:
+        if caches.first_time(("split graph in place", name, seq_lens[:4], len(seq_lens))):
+            log.info("gdr_dispatch: %s for %s tokens replays on its inputs in place while they come at the same "
+                     "addresses (no copies in)", name, sum(seq_lens))
+    elif caches.first_time(("split graph", name, seq_lens[:4], len(seq_lens))):
         log.info("gdr_dispatch: %s for %s tokens replays from a CUDA graph from now on; it holds %.0f MiB "
                  "(at most %d such graphs are kept; GDR_SPLIT_GRAPHS=0 turns them off)", name, sum(seq_lens),
                  held / 2 ** 20, LIMIT)
-    hit = (graph, static, tuple(out))
+    hit = (graph, None if in_place else static, tuple(out), addresses(tensors) if in_place else None)
     _graphs[key] = hit
     return hit
 
