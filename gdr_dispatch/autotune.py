@@ -118,6 +118,8 @@ def autotune(call: GDRCall, problem: Problem, candidates: dict[str, Backend],
     the INFO log); `skipped` (name -> why) is recorded in the entry beside the measured ones;
     `untimed` candidates run once, as the cross-check's reference only (never the winner).
     """
+    from .graph_safe import copied_graph_inputs
+
     measure = measure or measure_ms
     say = progress or (lambda line: log.info("gdr_dispatch: %s", line))
     say(f"autotuning {len(candidates)} candidates for {problem.describe()}"
@@ -137,7 +139,8 @@ def autotune(call: GDRCall, problem: Problem, candidates: dict[str, Backend],
             if name in untimed:
                 results[name] = {"untimed": "the cross-check's reference"}
             else:
-                results[name] = {"ms": round(measure(lambda: backend.run(call), problem.device.type), 4)}
+                with copied_graph_inputs():  # as a model whose layers share the shape calls it
+                    results[name] = {"ms": round(measure(lambda: backend.run(call), problem.device.type), 4)}
         except Exception as e:  # a candidate that breaks is recorded, never chosen
             outputs.pop(name, None)
             if isinstance(e, torch.cuda.OutOfMemoryError):

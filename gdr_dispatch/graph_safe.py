@@ -18,6 +18,8 @@ evicted, since a graph reads it at replay).
 
 from __future__ import annotations
 
+import contextlib
+
 import weakref
 from collections import OrderedDict
 from typing import Optional
@@ -89,6 +91,26 @@ def remember(cu_seqlens: torch.Tensor, offsets: tuple[int, ...]) -> None:
 
         hit = (weakref.ref(cu_seqlens, gone),)
     _offsets[key] = (hit[0], tuple(offsets))
+
+
+_measuring = 0
+
+
+@contextlib.contextmanager
+def copied_graph_inputs():
+    """Inside: the split's graphs copy their inputs in even where they could read them in place
+    (backends/split/graphs.py). The autotuner times its candidates so: it calls each on the same
+    tensors again and again, while a model whose layers share a shape hands them new addresses."""
+    global _measuring
+    _measuring += 1
+    try:
+        yield
+    finally:
+        _measuring -= 1
+
+
+def graph_inputs_copied() -> bool:
+    return _measuring > 0
 
 
 def device_constant(values: tuple, dtype: torch.dtype, device: torch.device,

@@ -221,6 +221,7 @@ def measure_forwards(problem: Problem, candidates: dict, reference: str, measure
     candidate (default: a first call's progress lines). `jobs`: candidate -> a build started early
     (autotune.forward_job), waited for before the candidate runs here."""
     from .autotune import AGREEMENT_TOL, measure_ms, relative_error, wait_early, waiting
+    from .graph_safe import copied_graph_inputs
     from .tuning_table import now_iso
 
     measure = measure or measure_ms
@@ -235,7 +236,8 @@ def measure_forwards(problem: Problem, candidates: dict, reference: str, measure
     for i, (name, backend) in enumerate(candidates.items(), 1):
         try:
             outputs[name] = measure_on(backend)
-            results[name] = {"ms": round(measure(lambda: measure_on(backend), problem.device.type), 4)}
+            with copied_graph_inputs():  # as a model whose layers share the shape calls it
+                results[name] = {"ms": round(measure(lambda: measure_on(backend), problem.device.type), 4)}
         except Exception as e:  # a candidate that breaks is recorded, never chosen
             outputs.pop(name, None)
             results[name] = {"failed": f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}

@@ -956,7 +956,133 @@ def test_a_graph_reads_inputs_in_place_while_their_addresses_repeat(monkeypatch)
         got = graphs.run_tensors("test", ("k",), (x2, y2), fn, (3,))
         assert all(torch.allclose(a, b) for a, b in zip(got, fn((x2, y2)))), i
         assert graphs._graphs[("k",)][3] is None
-    assert graphs._callers[("k",)] == "copies"
+    assert graphs._seen[("k",)][1] is True  # copies for good
+
+
+def _in_place_setup(monkeypatch, fn, fail_in_place=False):
+    """The stand-in capture with in-place replays allowed; returns the list of captures made
+    (True for in place, False for copies)."""
+    from gdr_dispatch import clear_caches
+    from gdr_dispatch.backends.split import graphs
+
+    made = []
+    stand_in = _stand_in_capture(fn)
+
+    def capture(name, key, tensors, fn_, seq_lens, in_place=False):
+        made.append(in_place)
+        return None if in_place and fail_in_place else stand_in(name, key, tensors, fn_, seq_lens, in_place)
+
+    monkeypatch.setattr(graphs, "IN_PLACE_GPU_VERIFIED", True)
+    monkeypatch.setattr(graphs, "_capture", capture)
+    clear_caches()
+    return made
+
+
+def _twice(t):
+    return (t[0] * 2,)
+
+
+def test_in_place_replays_tell_views_of_one_buffer_apart(monkeypatch):
+    """Slices of one buffer (micro-batches cut from one tensor) sit in one storage at different
+    offsets: a graph captured on the first slice must not replay on the second."""
+    from gdr_dispatch.backends.split import graphs
+
+    _in_place_setup(monkeypatch, _twice)
+    buf = torch.randn(6)
+    for i, x in enumerate((buf[0:3], buf[0:3], buf[0:3], buf[3:6], buf[0:3])):
+        got = graphs.run_tensors("test", ("k",), (x,), _twice, (3,))
+        assert torch.equal(got[0], x * 2), i
+
+
+def test_in_place_needs_the_gate_and_never_recaptures_per_call_without_it(monkeypatch):
+    """With in-place replays not verified (and no GDR_ALLOW_UNVERIFIED) the same tensors called
+    again and again are captured once, with copies; with the gate opened later they go in place
+    once; closed again, back to copies (never an in-place replay past the gate)."""
+    from gdr_dispatch.backends.split import graphs
+
+    made = _in_place_setup(monkeypatch, _twice)
+    monkeypatch.setattr(graphs, "IN_PLACE_GPU_VERIFIED", False)
+    monkeypatch.delenv("GDR_ALLOW_UNVERIFIED", raising=False)
+    x = torch.randn(3)
+    for _ in range(10):
+        assert torch.equal(graphs.run_tensors("test", ("k",), (x,), _twice, (3,))[0], x * 2)
+    assert made == [False]
+    monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+    for _ in range(3):
+        assert torch.equal(graphs.run_tensors("test", ("k",), (x,), _twice, (3,))[0], x * 2)
+    assert made == [False, True]
+    monkeypatch.delenv("GDR_ALLOW_UNVERIFIED")
+    before = graphs.replays["in place"]
+    for _ in range(3):
+        assert torch.equal(graphs.run_tensors("test", ("k",), (x,), _twice, (3,))[0], x * 2)
+    assert made == [False, True, False] and graphs.replays["in place"] == before
+
+
+def test_the_autotuners_timing_copies_graph_inputs_in(monkeypatch):
+    """Inside `graph_safe.copied_graph_inputs` (the autotuner's timing: the same tensors called again
+    and again, where a model's layers would bring new addresses) the graphs copy their inputs in;
+    after it, the same tensors go in place."""
+    from gdr_dispatch.backends.split import graphs
+    from gdr_dispatch.graph_safe import copied_graph_inputs
+
+    made = _in_place_setup(monkeypatch, _twice)
+    x = torch.randn(3)
+    with copied_graph_inputs():
+        for _ in range(5):
+            assert torch.equal(graphs.run_tensors("test", ("k",), (x,), _twice, (3,))[0], x * 2)
+    assert made == [False]
+    for _ in range(2):
+        assert torch.equal(graphs.run_tensors("test", ("k",), (x,), _twice, (3,))[0], x * 2)
+    assert made == [False, True]
+
+
+def test_copies_turn_in_place_once_the_addresses_repeat_and_captures_stay_bounded(monkeypatch):
+    """Calls at new addresses, then the same ones twice in a row: copies first, then captured
+    again in place (no copy in after); addresses that keep changing never capture per call."""
+    from gdr_dispatch.backends.split import graphs
+
+    made = _in_place_setup(monkeypatch, _twice)
+    keep = [torch.randn(3) for _ in range(3)]  # alive: distinct addresses
+    for i, x in enumerate((keep[0], keep[1], keep[1], keep[1])):
+        assert torch.equal(graphs.run_tensors("test", ("k",), (x,), _twice, (3,))[0], x * 2), i
+    assert made == [False, True] and graphs._graphs[("k",)][3] is not None
+    for x in keep * 5:  # the addresses come and go: back to copies once, then no more captures
+        assert torch.equal(graphs.run_tensors("test", ("k",), (x,), _twice, (3,))[0], x * 2)
+    assert made == [False, True, False] and len(made) <= graphs.MAX_CAPTURES
+
+
+def test_a_failed_in_place_capture_keeps_the_copies(monkeypatch):
+    """A capture on the caller's tensors that fails leaves the key on its copies graph (not eager,
+    not refused), and it is not tried again."""
+    from gdr_dispatch.backends.split import graphs
+
+    made = _in_place_setup(monkeypatch, _twice, fail_in_place=True)
+    a, b = torch.randn(3), torch.randn(3)
+    for i, x in enumerate((a, b, b, b, b)):
+        assert torch.equal(graphs.run_tensors("test", ("k",), (x,), _twice, (3,))[0], x * 2), i
+    assert made == [False, True] and graphs._seen[("k",)] != "refused"
+    assert graphs._graphs[("k",)][3] is None and graphs.replays["copied"] >= 3
+
+
+def test_known_lengths_read_from_one_constant_so_fresh_copies_keep_their_address(monkeypatch):
+    """cu_seqlens whose values are known (the op's backward gets a fresh copy of them each step)
+    is swapped for the device constant of those values: the same address each call, so the call
+    still replays in place; the graph reads the right lengths."""
+    from gdr_dispatch.backends.split import graphs
+    from gdr_dispatch.graph_safe import remember
+
+    def fn(t):
+        x, cu = t
+        return (x * cu[-1],)
+
+    made = _in_place_setup(monkeypatch, fn)
+    x = torch.randn(3)
+    for i in range(4):
+        cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+        remember(cu, (0, 2, 5))
+        got = graphs.run_tensors("test", ("k",), (x, cu), fn, (2, 3))
+        assert torch.equal(got[0], x * 5), i
+    assert made == [True]
 
 
 def test_a_replayed_graph_reads_new_inputs_and_returns_fresh_outputs(monkeypatch):

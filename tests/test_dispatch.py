@@ -395,6 +395,27 @@ def test_the_cross_check_reference_is_the_most_trusted_candidate_that_ran(kwargs
     assert entry["cross_check"]["reference"] == "torch"
 
 
+def test_the_autotuner_times_with_graph_inputs_copied(kwargs, fakes):
+    """Every timing runs inside `graph_safe.copied_graph_inputs` (the split's graphs then copy
+    their inputs in, as a model whose layers share the shape meets them), and only the timing."""
+    from gdr_dispatch import graph_safe
+
+    call = validate(**kwargs)
+    fakes("fake_other")
+    seen = []
+    at.autotune(call, Problem.from_call(call), {n: registry.get_backend(n) for n in ("fake_other", "torch")},
+                measure=lambda fn, dev: seen.append(graph_safe.graph_inputs_copied()) or 1.0)
+    assert seen == [True, True] and not graph_safe.graph_inputs_copied()
+    from gdr_dispatch import training
+
+    seen.clear()
+    out = (torch.ones(2), torch.ones(2))
+    training.measure_forwards(Problem.from_call(call), {"p": None, "p@split2": None}, "p", lambda b: out,
+                              measure=lambda fn, dev: seen.append(graph_safe.graph_inputs_copied()) or 1.0,
+                              say=lambda line: None)
+    assert seen == [True, True] and not graph_safe.graph_inputs_copied()
+
+
 # -- a table miss measures only what can win ---------------------------------------------------
 def test_a_table_miss_skips_what_neighbouring_entries_show_losing(kwargs, fakes, monkeypatch, caplog):
     """On a (faked) GPU, a candidate that the device's tables show more than PRUNE_MARGIN slower

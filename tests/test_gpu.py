@@ -292,7 +292,8 @@ def test_split_candidates_replay_their_own_graphs_on_gpu(name, backend, monkeypa
             assert relative_error(getattr(third, n), getattr(first, n)) < 1e-3, n
     assert third.dq.data_ptr() != second.dq.data_ptr()
     hit = graphs._graphs.get(graphs.key_of(split.name, call))
-    assert hit is not None and hit[1] is None and hit[3] == graphs.addresses(getattr(call, n) for n in graphs.TENSORS)
+    assert hit is not None and hit[1] is None and hit[3] == graphs.addresses(
+        graphs._lengths_constant(getattr(call, n)) for n in graphs.TENSORS)
     # new values in the same tensors, read in place: with do and dht negated every gradient flips sign
     for t in (call.do, call.dht):
         if t is not None:
@@ -307,6 +308,23 @@ def test_split_candidates_replay_their_own_graphs_on_gpu(name, backend, monkeypa
     flipped = split.run(validate(**other))
     assert relative_error(flipped.dq, -first.dq) < 1e-3 and relative_error(flipped.dv, -first.dv) < 1e-3
     assert graphs._graphs.get(graphs.key_of(split.name, call))[3] is None  # copies from now on
+    # a graph read in place keeps the addresses, not the caller's tensors
+    import dataclasses
+    import gc
+    import weakref
+
+    from gdr_dispatch import clear_caches
+
+    clear_caches()
+    q2 = call.q.clone()
+    c2 = dataclasses.replace(call, q=q2)
+    for _ in range(2):
+        split.run(c2)
+    assert graphs._graphs.get(graphs.key_of(split.name, c2))[3] is not None
+    alive = weakref.ref(q2)
+    del q2, c2
+    gc.collect()
+    assert alive() is None
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -14,7 +14,10 @@ on the caller's own tensors, and from then on a call at those addresses replays 
 one at other addresses goes back to the copies for good (one graph per key: a model whose layers
 share a shape calls it from as many addresses as layers). The graph keeps addresses, never the
 caller's tensors. Outputs are always fresh copies (autograd may keep a gradient it is handed).
-In-place replays run once their GPU test passed (`IN_PLACE_GPU_VERIFIED`), or with GDR_ALLOW_UNVERIFIED=1.
+Known lengths are read from one device constant of their values (the op's backward gets a fresh
+copy of cu_seqlens each step). In-place replays run once their GPU test passed
+(`IN_PLACE_GPU_VERIFIED`, or GDR_ALLOW_UNVERIFIED=1), never inside the autotuner's timing
+(`graph_safe.copied_graph_inputs`: it calls the same tensors again and again).
 A key whose capture fails (a backend that reads the device on the host) runs eagerly from then on,
 said once; so does one evicted and captured again `MAX_CAPTURES` times (more shapes in turn than
 graphs kept: a capture per call costs more than the eager call). At most `LIMIT` graphs are kept, least recently used first out; each holds its static
@@ -33,21 +36,22 @@ import torch
 
 from gdr_dispatch import caches, env
 from gdr_dispatch.contract import GDRCall, GDRGrads
-from gdr_dispatch.graph_safe import remember, remembered
+from gdr_dispatch.graph_safe import device_constant, graph_inputs_copied, remember, remembered
 
 log = logging.getLogger("gdr_dispatch")
 
 #: Graphs kept at once (each with its pool: a starved-grid autotune times several candidates).
 LIMIT = 4
-#: Captures of one key at most: a key evicted and captured again this often runs eagerly from then on.
-MAX_CAPTURES = 3
+#: Captures of one key at most (every capture: after an eviction, in place, back to copies): a key
+#: captured this often runs eagerly from then on.
+MAX_CAPTURES = 4
 TENSORS = ("q", "k", "v", "a", "g", "b", "do", "dht", "h", "initial_state", "cu_seqlens")
 
 # key -> (graph, static inputs or None, static outputs, the caller's addresses it reads or None)
 _graphs = caches.memo("split graphs", limit=LIMIT)
-_seen = caches.memo("split graph keys seen", limit=256)  # key -> "eager" once run, "refused" if capture failed
-# key -> the addresses of its previous call (`addresses`), or "copies" once they stopped repeating
-_callers = caches.memo("split graph callers", limit=256)
+# key -> "eager" once run, "refused" if its capture failed, then (captures so far, copies for good)
+_seen = caches.memo("split graph keys seen", limit=256)
+_callers = caches.memo("split graph callers", limit=256)  # key -> the addresses of its previous call
 #: Whether the in-place replays' GPU tests (tests/test_gpu.py: the split candidates' own graphs,
 #: new values read in place) have passed; while False only GDR_ALLOW_UNVERIFIED=1 turns them on.
 IN_PLACE_GPU_VERIFIED = False
@@ -88,35 +92,41 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
     second call with the same `key` on: the eager split's backward (`run`) and the op's split
     forward (forward.py). Inputs are copied into the graph's own, or read in place while they come
     at the addresses it was captured on; outputs come back as fresh copies (module docstring)."""
+    tensors = tuple(_lengths_constant(x) for x in tensors)
     where = addresses(tensors)
-    before = _callers.get(key)
-    _callers[key] = "copies" if before == "copies" else where
+    before, _callers[key] = _callers.get(key), where
+    state = _seen.get(key)
+    if state is None:
+        _seen[key] = "eager"
+        return fn(tensors)  # the warm-up: compiles, caches the index tensors the capture reads
+    if state == "refused":
+        return fn(tensors)
+    captures, copies_only = state if isinstance(state, tuple) else (0, False)
     hit = _graphs.get(key)
-    moved = hit is not None and hit[3] is not None and hit[3] != where  # captured on another caller's tensors
-    if moved:
-        _callers[key] = "copies"  # copies from now on (one graph per key)
-    # or in place from now on
-    recapture = moved or (hit is not None and hit[3] is None and before == where and in_place_allowed())
-    if hit is None or recapture:
-        state = _seen.get(key)
-        if state is None:
-            _seen[key] = "eager"
-            return fn(tensors)  # the warm-up: compiles, caches the index tensors the capture reads
-        if state == "refused":
-            return fn(tensors)
-        if not recapture and isinstance(state, int) and state >= MAX_CAPTURES:
-            # evicted again and again (more keys in turn than LIMIT): a capture per call would cost
-            # more than running eagerly
+    if hit is not None and hit[3] is not None and (hit[3] != where or not in_place_allowed()):
+        copies_only, hit = True, None  # captured on another caller's tensors: copies for good
+    in_place = not copies_only and before == where and in_place_allowed()  # the same addresses twice in a row
+    if hit is None or (in_place and hit[3] is None):
+        if captures >= MAX_CAPTURES:
+            # captured again and again (evicted by more keys in turn than LIMIT, or addresses that
+            # came and went): a capture per call would cost more than running eagerly
+            _graphs.pop(key, None)
             if caches.first_time(("split graph thrash", name)):
-                log.info("gdr_dispatch: %s runs eagerly: its graph was evicted %d times (more shapes in turn than "
-                         "the %d graphs kept)", name, state, LIMIT)
+                log.info("gdr_dispatch: %s runs eagerly: it was captured %d times (more shapes in turn than the "
+                         "%d graphs kept)", name, captures, LIMIT)
             return fn(tensors)
-        hit = _capture(name, key, tensors, fn, seq_lens, in_place=_callers.get(key) != "copies" and before == where
-                       and in_place_allowed())
-        if hit is None:
+        new = _capture(name, key, tensors, fn, seq_lens, in_place=in_place)
+        captures += 1
+        if new is None and in_place:  # no capture on the caller's tensors: copies for good
+            copies_only = True
+            new = hit or _capture(name, key, tensors, fn, seq_lens)
+            captures += hit is None
+        if new is None:
+            _seen[key] = "refused"
+            _graphs.pop(key, None)
             return fn(tensors)
-        if not recapture:  # (what MAX_CAPTURES counts: captures after evictions)
-            _seen[key] = (state if isinstance(state, int) else 0) + 1
+        hit = new
+    _seen[key] = (captures, copies_only)
     graph, static, out, reads = hit
     _graphs[key] = hit  # most recently used
     if reads is None:  # the copies in (the lengths are the key's: cu_seqlens stays), a foreach call per group
@@ -128,6 +138,21 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
     copy_all(list(zip(fresh, live)))
     it = iter(fresh)
     return tuple(None if x is None else next(it) for x in out)
+
+
+def _lengths_constant(x):
+    """An integer input (cu_seqlens, whose lengths the key holds) as the read-only device constant
+    of its values where they are known without a read: the same tensor at the same address each
+    call, wherever the caller's copy lives (the op's backward gets a fresh copy per step)."""
+    if x is None or x.is_floating_point():
+        return x
+    values = remembered(x)
+    if values is None:
+        return x
+    const = device_constant(tuple(values), x.dtype, x.device)
+    if remembered(const) is None:
+        remember(const, values)
+    return const
 
 
 def copy_all(pairs: list) -> None:
@@ -143,9 +168,11 @@ def copy_all(pairs: list) -> None:
 
 
 def in_place_allowed() -> bool:
+    """Whether a graph may read its inputs in place now: verified (or GDR_ALLOW_UNVERIFIED=1), and
+    not inside the autotuner's timing (`graph_safe.copied_graph_inputs`)."""
     from gdr_dispatch.registry import unverified_allowed
 
-    return IN_PLACE_GPU_VERIFIED or unverified_allowed()
+    return not graph_inputs_copied() and (IN_PLACE_GPU_VERIFIED or unverified_allowed())
 
 
 def addresses(tensors) -> tuple:
@@ -169,19 +196,20 @@ def _capture(name: str, key: tuple, tensors: tuple, fn, seq_lens: tuple, in_plac
     before = torch.cuda.memory_allocated(dev)
     graph = torch.cuda.CUDAGraph()
     try:
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            fn(static)  # a warm-up on the capture's stream, as torch's capture notes ask
-        torch.cuda.current_stream(dev).wait_stream(side)
-        with torch.cuda.graph(graph):
-            out = fn(static)
-    except Exception as e:  # noqa: BLE001 - any failure to capture leaves the call eager, said once
+        with torch.cuda.device(dev):  # the inputs' device, whichever is current (and its own capture stream)
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                fn(static)  # a warm-up on the capture's stream, as torch's capture notes ask
+            torch.cuda.current_stream(dev).wait_stream(side)
+            with torch.cuda.graph(graph, stream=side):
+                out = fn(static)
+    except Exception as e:  # noqa: BLE001 - any failure to capture leaves the call eager (or copied), said once
         torch.cuda.synchronize(dev)
-        _seen[key] = "refused"
-        if caches.first_time(("split graph refused", name)):
-            log.info("gdr_dispatch: %s runs eagerly: its capture into a CUDA graph failed (%s: %s)", name,
-                     type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+        if caches.first_time(("split graph refused", name, in_place)):
+            log.info("gdr_dispatch: %s %s: its capture into a CUDA graph%s failed (%s: %s)", name,
+                     "copies its inputs in" if in_place else "runs eagerly", " on its inputs in place" if in_place
+                     else "", type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
         return None
     held = torch.cuda.memory_allocated(dev) - before
     if in_place:
