@@ -83,4 +83,7 @@ done
 # fla's autotune results for the next call (unpack into .devcache/tcache here)
 (cd /tmp && find tcache -name '*.autotune.json' 2>/dev/null | tar -czf "$OUT/autotune.tgz" -T -)
 [ -d /tmp/tlcache ] && tar -cJf "$OUT/tlcache.tar.xz" -C /tmp tlcache
+# the folders under $OUT (bench results, per-process logs) as one archive: only 8 files come back
+dirs=$(cd "$OUT" && find . -mindepth 1 -maxdepth 1 -type d -printf '%P\n')
+[ -n "$dirs" ] && (cd "$OUT" && tar -czf results.tgz $dirs && rm -rf $dirs)
 tail -n 3 "$OUT"/*.log 2>/dev/null | grep -v TileLang
