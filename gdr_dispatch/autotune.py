@@ -392,10 +392,10 @@ def warm_key(job: tuple) -> tuple:
 #: A candidate measured this much slower than the winner at every neighbouring table entry is
 #: not measured on a table miss (docs/design.md, "Autotuning").
 PRUNE_MARGIN = 1.25
-#: A backend family (`Backend.family`) is not measured on a full grid's table miss when the
-#: device's tables hold at least `NEVER_WINS_ENTRIES` full-grid entries (same dtype, K, V, chunk
-#: size, `h` mode) where it ran, it won none of them, and it was `NEVER_WINS_MARGIN` or more
-#: slower than the winner at every one.
+#: A backend family (`Backend.family`, its splits included) is not measured on a table miss when
+#: the device's tables hold at least `NEVER_WINS_ENTRIES` entries of the call's regime (full
+#: grids, or starved ones) with its dtype, K, V, chunk size and `h` mode where it ran, it won none
+#: of them, and it was `NEVER_WINS_MARGIN` or more slower than the winner at every one.
 NEVER_WINS_ENTRIES = 3
 NEVER_WINS_MARGIN = 1.1
 
@@ -411,20 +411,21 @@ def family_of(name: str) -> str:
 
 
 def losing_families(problem: Problem) -> dict[str, str]:
-    """family -> why it is not measured at `problem` (empty unless it is a full grid: as many
-    sequence x head programs as SMs or more): the families the device's tables show never
-    winning at full grids (`NEVER_WINS_ENTRIES`, `NEVER_WINS_MARGIN`)."""
+    """family -> why it is not measured at `problem`: the families the device's tables show never
+    winning in the problem's regime (`NEVER_WINS_ENTRIES`, `NEVER_WINS_MARGIN`): full grids (as
+    many sequence x head programs as SMs or more) by the full-grid entries, starved grids (where
+    the splits compete) by the starved ones."""
     from . import tuning_table
 
     sms = problem.device.sm_count
-    if problem.seq_head_ctas < sms:
-        return {}
+    starved = problem.seq_head_ctas < sms
+    regime = "starved-grid" if starved else "full-grid"
     won, ratios = set(), {}
     for key, entry in tuning_table.device_entries(problem):
         programs = tuning_table.entry_programs(key, entry)
         cands = entry.get("candidates", {})
         best = cands.get(entry.get("winner"), {}).get("ms") if isinstance(cands, dict) else None
-        if programs is None or programs < sms or not isinstance(best, (int, float)) or best <= 0:
+        if programs is None or (programs < sms) != starved or not isinstance(best, (int, float)) or best <= 0:
             continue
         won.add(family_of(entry["winner"]))
         mine: dict[str, float] = {}
@@ -435,7 +436,7 @@ def losing_families(problem: Problem) -> dict[str, str]:
                 mine[f] = min(mine.get(f, float("inf")), c["ms"] / best)
         for f, r in mine.items():
             ratios.setdefault(f, []).append(r)
-    return {f: f"the {f} family never won at the {len(r)} full-grid entries of this device's tables where it ran "
+    return {f: f"the {f} family never won at the {len(r)} {regime} entries of this device's tables where it ran "
                f"(at best {min(r):.2f}x the winner)"
             for f, r in ratios.items()
             if f not in won and len(r) >= NEVER_WINS_ENTRIES and min(r) >= NEVER_WINS_MARGIN}
@@ -493,8 +494,8 @@ def predict(problem: Problem, candidates: dict[str, Backend]) -> Optional[tuple[
 
 def prune(problem: Problem, candidates: dict[str, Backend]) -> tuple[dict[str, Backend], dict[str, str]]:
     """`(kept, skipped)`: on a GPU a reference backend (`Backend.reference`, the exact torch math)
-    is skipped; on a full grid, so is every member of a family the device's tables show never
-    winning at full grids (`losing_families`); and so is a candidate that the device's tables
+    is skipped; so is every member of a family the device's tables show never winning in the
+    call's regime, full or starved grids (`losing_families`); and so is a candidate that the device's tables
     show losing by more than `PRUNE_MARGIN` (or failing) at every neighbouring entry where it was
     measured (same device, dtype, K, V, chunk size, `h` given or not, wave bucket; any library
     versions). A candidate no neighbour measured is kept; everything is never skipped (the

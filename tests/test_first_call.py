@@ -1,5 +1,5 @@
 """A first call's levers that need no GPU: the families the device's tables show never winning at
-full grids are not measured, and the user waiting is told what happens (docs/design.md,
+full grids (or at starved ones, for a starved call) are not measured, and the user waiting is told what happens (docs/design.md,
 "Autotuning"). Tables are written here for a faked GPU."""
 
 import logging
@@ -82,11 +82,27 @@ def test_the_family_rule_is_conservative(fakes, monkeypatch, case):
     assert case == "all" or at.losing_families(target) == {}, case
 
 
-def test_starved_entries_are_no_evidence(fakes):
-    """Entries at starved grids (fewer programs than SMs) neither count against a family nor for it."""
+def test_starved_entries_are_no_evidence_at_full_grids(fakes):
+    """Entries at starved grids (fewer programs than SMs) neither count against a family nor for it
+    at a full grid."""
     for T in (2048, 4096, 8192):
         record(problem(B=1, T=T), "fast_a", {"fast_a": 1.0, "slow_x": 3.0})
     assert at.losing_families(problem()) == {}
+
+
+def test_a_family_that_never_won_at_starved_grids_is_not_measured_there(fakes):
+    """The starved regime by its own entries: a family (its splits included) that never won at 3
+    starved entries is skipped at a starved call, not at a full one; one win there keeps it."""
+    for T in (2048, 4096, 8192):
+        record(problem(B=1, T=T), "fast_a@split4", {"fast_a@split4": 1.0, "slow_x": 3.0, "slow_y@split4": 1.2})
+    cands = {n: registry.get_backend(n) for n in ("fast_a", "slow_x", "slow_y", "other")}
+    kept, skipped = at.prune(problem(B=1), cands)
+    assert set(skipped) == {"slow_x", "slow_y"} and set(kept) == {"fast_a", "other"}
+    assert "the slow family never won at the 3 starved-grid entries" in skipped["slow_x"]
+    assert "at best 1.20x the winner" in skipped["slow_x"]
+    assert at.losing_families(problem()) == {}
+    record(problem(B=1, T=64), "slow_y@split2", {"fast_a": 1.1, "slow_y@split2": 1.0})
+    assert at.losing_families(problem(B=1)) == {}
 
 
 def test_a_first_call_says_what_it_waits_for_at_warning(fakes, monkeypatch, caplog):
