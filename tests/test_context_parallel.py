@@ -386,12 +386,17 @@ def _reference_chain(lens_per_seq, plan, M, starts, ends, S0, G_end):
 @pytest.mark.parametrize("given", [True, False], ids=["states", "no_states"])
 @pytest.mark.parametrize("starts_wanted, ends_wanted", [(True, True), (False, True), (True, False)],
                          ids=["h_none", "h_given", "forward"])
-def test_chain_kernel_equals_the_step_by_step_chain(K, V, counts, given, starts_wanted, ends_wanted):
-    """The Triton chain (interpreted) and the torch chain against the chains step by step: exact
-    links apply M, warm links keep pass 1's window, every sequence's first start and last end are
-    its states; sequences of several, one and no segments."""
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
+def test_chain_kernel_equals_the_step_by_step_chain(K, V, counts, given, starts_wanted, ends_wanted, prefetch,
+                                                    monkeypatch):
+    """The Triton chain (interpreted; with each link's map loaded a step ahead too) and the torch
+    chain against the chains step by step: exact links apply M, warm links keep pass 1's window,
+    every sequence's first start and last end are its states; sequences of several, one and no
+    segments."""
     from gdr_dispatch.backends.kernels import segment_scan
     from gdr_dispatch.backends.split import passes as cp
+
+    monkeypatch.setattr(segment_scan, "PREFETCH", prefetch)
 
     gen = torch.Generator().manual_seed(K + V + len(counts))
     S, H, N = sum(counts), 3, len(counts)

@@ -384,14 +384,17 @@ def test_tilelang_states_kernel_on_gpu(name, dtype):
 
 @pytest.mark.parametrize("counts", [(1,), (7, 0, 3), (64, 64)])
 @pytest.mark.parametrize("starts_wanted", [True, False], ids=["h_none", "h_given"])
-def test_split_chain_kernel_on_gpu(counts, starts_wanted):
-    """Pass 2's Triton chain (3xTF32 products, backends/kernels/segment_scan.py) at K = V = 128
-    against the chains step by step in float64, exact and warm links mixed, on contracting maps
-    like the split's."""
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
+def test_split_chain_kernel_on_gpu(counts, starts_wanted, prefetch, monkeypatch):
+    """Pass 2's Triton chain (3xTF32 products, backends/kernels/segment_scan.py; with each link's
+    map loaded a step ahead too) at K = V = 128 against the chains step by step in float64, exact
+    and warm links mixed, on contracting maps like the split's."""
     import itertools
 
     from gdr_dispatch.backends.kernels import segment_scan
     from test_context_parallel import _reference_chain
+
+    monkeypatch.setattr(segment_scan, "PREFETCH", prefetch)
 
     gen = torch.Generator().manual_seed(sum(counts))
     S, H, K, V, N = sum(counts), 3, 128, 128, len(counts)

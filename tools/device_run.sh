@@ -45,7 +45,7 @@ for arg in "$@"; do
         IFS=, read -r B T H n gate <<< "$shape"
         echo "== B$B T$T H$H split$n gate=$gate"
         timeout "$(left)" python3 tools/profile_split.py --parts --B "$B" --T "$T" --H "$H" --segments "$n" \
-          --gate "$gate" --h none --backends "${PARTS_BACKEND:-tilelang_fused}" 2>&1 | grep -v TileLang
+          --gate "$gate" --h none --backends "${PARTS_BACKEND:-tilelang_fused}" ${PARTS_ARGS:-} 2>&1 | grep -v TileLang
       done > "$OUT/parts.log" 2>&1 ;;
     firstcall)
       timeout "$(left)" python3 bench/bench_gdr_bwd.py --first-call ${FIRSTCALL_FULL:+--first-call-full} --out "$OUT/bench" \

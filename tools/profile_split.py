@@ -10,7 +10,8 @@ is host-bound at the starved shapes: docs/kernels.md, "The split"). `--graph` al
 (the time in a training step captured whole, where no launch costs host time) and checks the
 replay's gradients against the eager call's. `--parts` times each part of the split alone (replayed),
 with the decay plan's share of warm segments (`--pieces 4`: pass 1 with the exact walks in
-pieces against whole, per kernel). `--pass1` times pass 1's exact maps alone, fla's kernels
+pieces against whole, per kernel; `--chain-prefetch`: pass 2 with each link's map loaded a step
+ahead, beside the plain chain). `--pass1` times pass 1's exact maps alone, fla's kernels
 against ours (backends/kernels/segment_maps.py); with GDR_ALLOW_UNVERIFIED=1 in the environment
 the splits above run pass 1 on ours (until their GPU tests pass). `--pyprof N` adds a cProfile
 of N enqueues of each split call (which Python spends the host time). `--forward 8,16` times the
@@ -117,6 +118,15 @@ def parts(call, segments: int, backend: str, reps: int) -> None:
         f"pass 3 {backend}, h=None": lambda: inner.run(no_h),
         f"{split.name} whole": lambda: split._run(call),
     }
+    if ss.PREFETCH:  # the same pass 2 with each link's map loaded when it is used
+        def chain_plain():
+            ss.PREFETCH = False
+            try:
+                ss.chain(M, starts, ends, plan, seg_off, segs.max_per_sequence, S0, G_end)
+            finally:
+                ss.PREFETCH = True
+
+        steps["pass 2, maps loaded in the step"] = chain_plain
     if sm.walk_pieces(segs.s) > 1:  # the same pass 1 with the exact walks whole, and both per kernel
         def whole_walks():
             real = sm.walk_pieces
@@ -289,6 +299,9 @@ def main() -> int:
     p.add_argument("--pieces", type=int, default=0, metavar="N",
                    help="--parts: walk the exact segments in N pieces (segment_maps.PIECES), and time pass 1 "
                         "both ways, per kernel")
+    p.add_argument("--chain-prefetch", action="store_true",
+                   help="--parts: pass 2 with each exact link's map loaded a step ahead (segment_scan.PREFETCH), "
+                        "timed beside the plain chain")
     p.add_argument("--pyprof", type=int, default=0, metavar="N",
                    help="also profile N enqueues of each split call in Python (cProfile: where its host time goes)")
     p.add_argument("--pass1", nargs="?", const="", default=None,
@@ -302,6 +315,10 @@ def main() -> int:
         forward_parts(ShapeSpec(B=a.B, T=a.T, H=a.H, gate=a.gate), a.forward, a.backends, a.reps)
         return 0
     call = validate(**call_kwargs(make_inputs(ShapeSpec(B=a.B, T=a.T, H=a.H, h=a.h, gate=a.gate), "cuda", seed=1)))
+    if a.chain_prefetch:
+        from gdr_dispatch.backends.kernels import segment_scan
+
+        segment_scan.PREFETCH = True
     if a.pieces:
         from gdr_dispatch.backends.kernels import segment_maps
 

@@ -88,8 +88,11 @@ def main() -> int:
                                   sm.COMPOSE_WARPS, sm.COMPOSE_STAGES),
             "_compact": (sm._compact, compact, dict(BLOCK=1024), 4, 1),
             "segment_scan._chain": (ss._chain, chain, dict(K=a.K, V=a.V, BV=ss.BV, NSEG=64, HAS_S0=True,
-                                                          HAS_G_END=True, FIRST_DIRECTION=0),
+                                                          HAS_G_END=True, FIRST_DIRECTION=0, PREFETCH=0),
                                     ss.NUM_WARPS, ss.NUM_STAGES),
+            "segment_scan._chain PREFETCH": (ss._chain, chain, dict(K=a.K, V=a.V, BV=ss.BV, NSEG=64, HAS_S0=True,
+                                                                   HAS_G_END=True, FIRST_DIRECTION=0, PREFETCH=1),
+                                             ss.NUM_WARPS, ss.NUM_STAGES),
         }
         for name, (fn, sig, consts, nw, ns) in kernels.items():
             sig = {**sig, **{c: "constexpr" for c in consts}}

@@ -25,6 +25,11 @@ import triton.language as tl
 BV = 16
 #: launch options, see the module docstring
 NUM_WARPS, NUM_STAGES = 8, 2
+#: Load the next exact link's map while the current one's product runs (a chain step waits on
+#: its 64 KB map load, then on the product: ~3.4 us a step at B1 T32768 H4 /32). A prediction,
+#: not yet measured: the exact chain -30 to -50 % (docs/kernels.md, "The split"). Off until the
+#: GPU tests and a measurement (`tools/profile_split.py --parts --chain-prefetch`) say so.
+PREFETCH = False
 #: Whether the kernel's GPU tests (tests/test_gpu.py: the chain against float64, the split
 #: oracle tests) have passed; while False, the split runs it only with GDR_ALLOW_UNVERIFIED=1.
 GPU_VERIFIED = True
@@ -32,7 +37,8 @@ GPU_VERIFIED = True
 
 @triton.jit
 def _chain(M, STARTS, ENDS, PLAN, SEG_OFF, S0, G_END, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-           NSEG: tl.constexpr, HAS_S0: tl.constexpr, HAS_G_END: tl.constexpr, FIRST_DIRECTION: tl.constexpr):
+           NSEG: tl.constexpr, HAS_S0: tl.constexpr, HAS_G_END: tl.constexpr, FIRST_DIRECTION: tl.constexpr,
+           PREFETCH: tl.constexpr = 0):
     """Sequence n's segments [SEG_OFF[n], SEG_OFF[n + 1]) (module docstring); grid axis 2 picks the
     direction (0: the start states, from S0[n] or 0; 1: the end gradients, from G_END[n] or 0),
     offset by FIRST_DIRECTION (1: the end gradients alone, where `h` is given)."""
@@ -54,18 +60,30 @@ def _chain(M, STARTS, ENDS, PLAN, SEG_OFF, S0, G_END, H, K: tl.constexpr, V: tl.
             S = tl.zeros([K, BV], dtype=tl.float32)
         tl.store(STARTS + ((first * H + h).to(tl.int64) * K + rk[:, None]) * V + rv[None, :], S, mask=some)
         held = 1  # S holds segment i's start
+        # with PREFETCH, `m` holds link i's map, loaded a step ahead (zeros where not exact: no traffic)
+        if PREFETCH:
+            ex0 = tl.sum(tl.where(ri == 0, exact, 0), axis=0)
+            m = tl.load(M + ((first * H + h).to(tl.int64) * K + rk[:, None]) * K + rk[None, :],
+                        mask=rk[:, None] < ex0 * K, other=0.0)
         for i in range(0, count - 1):
+            if PREFETCH:
+                ex1 = tl.sum(tl.where(ri == i + 1, exact, 0), axis=0) * (i + 1 < count - 1).to(tl.int32)
+                m_next = tl.load(M + (((first + i + 1) * H + h).to(tl.int64) * K + rk[:, None]) * K + rk[None, :],
+                                 mask=rk[:, None] < ex1 * K, other=0.0)
             if tl.sum(tl.where(ri == i, exact, 0), axis=0) != 0:
                 row = ((first + i) * H + h).to(tl.int64)
                 if held == 0:
                     S = tl.load(STARTS + (row * K + rk[:, None]) * V + rv[None, :])
-                m = tl.load(M + (row * K + rk[:, None]) * K + rk[None, :])
+                if not PREFETCH:
+                    m = tl.load(M + (row * K + rk[:, None]) * K + rk[None, :])
                 nxt = STARTS + ((row + H) * K + rk[:, None]) * V + rv[None, :]
                 S = tl.dot(m, S, input_precision="tf32x3") + tl.load(nxt)
                 tl.store(nxt, S)
                 held = 1
             else:
                 held = 0
+            if PREFETCH:
+                m = m_next
     else:
         if HAS_G_END:
             S = tl.load(G_END + ((n * H + h).to(tl.int64) * K + rk[:, None]) * V + rv[None, :])
@@ -74,19 +92,31 @@ def _chain(M, STARTS, ENDS, PLAN, SEG_OFF, S0, G_END, H, K: tl.constexpr, V: tl.
         tl.store(ENDS + (((first + count - 1) * H + h).to(tl.int64) * K + rk[:, None]) * V + rv[None, :], S,
                  mask=some)
         held = 1  # S holds segment i's end gradient
+        if PREFETCH:
+            last = count - 1
+            ex0 = tl.sum(tl.where(ri == last, exact, 0), axis=0) * (last > 0).to(tl.int32)
+            mt = tl.load(M + (((first + last) * H + h).to(tl.int64) * K + rk[None, :]) * K + rk[:, None],
+                         mask=rk[:, None] < ex0 * K, other=0.0)  # mt[a, b] = M[b, a]
         for step in range(0, count - 1):
             i = count - 1 - step
+            if PREFETCH:
+                ex1 = tl.sum(tl.where(ri == i - 1, exact, 0), axis=0) * (i - 1 > 0).to(tl.int32)
+                mt_next = tl.load(M + (((first + i - 1) * H + h).to(tl.int64) * K + rk[None, :]) * K + rk[:, None],
+                                  mask=rk[:, None] < ex1 * K, other=0.0)
             if tl.sum(tl.where(ri == i, exact, 0), axis=0) != 0:
                 row = ((first + i) * H + h).to(tl.int64)
                 if held == 0:
                     S = tl.load(ENDS + (row * K + rk[:, None]) * V + rv[None, :])
-                mt = tl.load(M + (row * K + rk[None, :]) * K + rk[:, None])  # mt[a, b] = M[b, a]
+                if not PREFETCH:
+                    mt = tl.load(M + (row * K + rk[None, :]) * K + rk[:, None])  # mt[a, b] = M[b, a]
                 prv = ENDS + ((row - H) * K + rk[:, None]) * V + rv[None, :]
                 S = tl.dot(mt, S, input_precision="tf32x3") + tl.load(prv)
                 tl.store(prv, S)
                 held = 1
             else:
                 held = 0
+            if PREFETCH:
+                mt = mt_next
 
 
 def not_supported_reason(K: int, V: int, dtype: torch.dtype, device: torch.device) -> str:
@@ -124,4 +154,5 @@ def chain(M: torch.Tensor, starts, ends, plan: torch.Tensor, seg_offsets: torch.
         M, some if starts is None else starts, some if ends is None else ends, plan, seg_offsets,
         some if S0 is None else S0.contiguous(), some if G_end is None else G_end.contiguous(), H, K=K, V=V, BV=bv,
         NSEG=triton.next_power_of_2(max(1, max_segments)), HAS_S0=S0 is not None, HAS_G_END=G_end is not None,
-        FIRST_DIRECTION=1 if starts is None else 0, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        FIRST_DIRECTION=1 if starts is None else 0, PREFETCH=int(PREFETCH), num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES)
