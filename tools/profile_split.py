@@ -299,6 +299,8 @@ def main() -> int:
     p.add_argument("--pieces", type=int, default=0, metavar="N",
                    help="--parts: walk the exact segments in N pieces (segment_maps.PIECES), and time pass 1 "
                         "both ways, per kernel")
+    p.add_argument("--compose-cb", type=int, default=0, metavar="N",
+                   help="--parts --pieces: the compositions over N columns per work item (segment_maps.COMPOSE_CB)")
     p.add_argument("--chain-prefetch", action="store_true",
                    help="--parts: pass 2 with each exact link's map loaded a step ahead (segment_scan.PREFETCH), "
                         "timed beside the plain chain")
@@ -319,10 +321,11 @@ def main() -> int:
         from gdr_dispatch.backends.kernels import segment_scan
 
         segment_scan.PREFETCH = True
-    if a.pieces:
+    if a.pieces or a.compose_cb:
         from gdr_dispatch.backends.kernels import segment_maps
 
-        segment_maps.PIECES = a.pieces
+        segment_maps.PIECES = a.pieces or segment_maps.PIECES
+        segment_maps.COMPOSE_CB = a.compose_cb or segment_maps.COMPOSE_CB
     if a.parts:
         parts(call, a.segments, a.backends.split(",")[0], a.reps)
         return 0
