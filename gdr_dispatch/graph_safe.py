@@ -19,7 +19,6 @@ evicted, since a graph reads it at replay).
 from __future__ import annotations
 
 import contextlib
-
 import weakref
 from collections import OrderedDict
 from typing import Optional
@@ -118,11 +117,8 @@ def device_constant(values: tuple, dtype: torch.dtype, device: torch.device,
     """A read-only device tensor holding `values` (viewed as `shape`), built once per content."""
     device = device if isinstance(device, torch.device) else torch.device(device)
     key = (values, dtype, device, shape)
-    t = _constants.get(key)
-    if t is not None:  # the hot path: one capture check, to keep what a graph will read
-        _constants.move_to_end(key)
-        if key not in _pinned and capturing(device):
-            _pinned.add(key)
+    t = _kept(key, device)
+    if t is not None:
         return t
     if capturing(device):
         raise RuntimeError(
@@ -130,13 +126,10 @@ def device_constant(values: tuple, dtype: torch.dtype, device: torch.device,
             "CUDA graph capture; run one eager step with the same lengths before capturing")
     t = torch.tensor(values, dtype=dtype)
     t = (t.view(shape) if shape is not None else t).to(device)
-    _constants[key] = t
     if shape is None and not dtype.is_floating_point:  # an offsets-like vector: its values, unread
         remember(t, values)
         _immutable.add(id(t))
-    for old in [k for k in _constants if k not in _pinned][:max(0, len(_constants) - MAX_CONSTANTS)]:
-        del _constants[old]
-    return t
+    return _keep(key, t)
 
 
 def zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -145,15 +138,28 @@ def zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tenso
     fresh, not kept, when first asked for during a CUDA graph capture."""
     device = device if isinstance(device, torch.device) else torch.device(device)
     key = ("zeros", tuple(shape), dtype, device)
+    t = _kept(key, device)
+    if t is not None:
+        return t
+    t = torch.zeros(shape, dtype=dtype, device=device)
+    if capturing(device):  # allocated in the graph's pool: that graph's own
+        return t
+    return _keep(key, t)
+
+
+def _kept(key: tuple, device: torch.device) -> Optional[torch.Tensor]:
+    """The kept tensor of `key`, most recently used now, or None; one a capture reads is pinned
+    (a graph reads it at every replay, so it is never evicted). The hot path: one capture check."""
     t = _constants.get(key)
     if t is not None:
         _constants.move_to_end(key)
         if key not in _pinned and capturing(device):
             _pinned.add(key)
-        return t
-    t = torch.zeros(shape, dtype=dtype, device=device)
-    if capturing(device):  # allocated in the graph's pool: that graph's own
-        return t
+    return t
+
+
+def _keep(key: tuple, t: torch.Tensor) -> torch.Tensor:
+    """Keep `t` under `key`, dropping the least recently used unpinned tensors past MAX_CONSTANTS."""
     _constants[key] = t
     for old in [k for k in _constants if k not in _pinned][:max(0, len(_constants) - MAX_CONSTANTS)]:
         del _constants[old]

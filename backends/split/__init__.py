@@ -101,7 +101,8 @@ class SplitBackend(Backend):
             return fn(tensors)
         # eager it is host-bound at the starved shapes, as the backward: from the second call, a graph
         lens = lengths(cu_seqlens, q.shape[0], q.shape[1])
-        key = (f"{self.name} forward", graphs.signature(tensors), lens, scale, state_v_first, need_final, need_states, chunk_size, str(q.device))
+        key = (f"{self.name} forward", graphs.signature(tensors), lens, scale, state_v_first, need_final, need_states,
+               chunk_size, str(q.device))
         return graphs.run_tensors(f"{self.name} (the op's forward)", key, tensors, fn, lens)
 
     def run(self, call: GDRCall) -> GDRGrads:

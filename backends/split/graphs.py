@@ -119,8 +119,11 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
         captures += 1
         if new is None and in_place:  # no capture on the caller's tensors: copies for good
             copies_only = True
-            new = hit or _capture(name, key, tensors, fn, seq_lens)
-            captures += hit is None
+            if hit is None:
+                new = _capture(name, key, tensors, fn, seq_lens)
+                captures += 1
+            else:
+                new = hit
         if new is None:
             _seen[key] = "refused"
             _graphs.pop(key, None)
@@ -149,10 +152,7 @@ def _lengths_constant(x):
     values = remembered(x)
     if values is None:
         return x
-    const = device_constant(tuple(values), x.dtype, x.device)
-    if remembered(const) is None:
-        remember(const, values)
-    return const
+    return device_constant(tuple(values), x.dtype, x.device)  # (which remembers its values)
 
 
 def copy_all(pairs: list) -> None:
