@@ -14,8 +14,8 @@ on the caller's own tensors, and from then on a call at those addresses replays 
 one at other addresses goes back to the copies for good (one graph per key: a model whose layers
 share a shape calls it from as many addresses as layers). The graph keeps addresses, never the
 caller's tensors. Outputs are always fresh copies (autograd may keep a gradient it is handed).
-Known lengths are read from one device constant of their values (the op's backward gets a fresh
-copy of cu_seqlens each step). In-place replays run once their GPU test passed
+Where in-place replays are on, known lengths are read from one device constant of their values
+(the op's backward gets a fresh copy of cu_seqlens each step). In-place replays run once their GPU test passed
 (`IN_PLACE_GPU_VERIFIED`, or GDR_ALLOW_UNVERIFIED=1), never inside the autotuner's timing
 (`graph_safe.copied_graph_inputs`: it calls the same tensors again and again).
 A key whose capture fails (a backend that reads the device on the host) runs eagerly from then on,
@@ -92,7 +92,8 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
     second call with the same `key` on: the eager split's backward (`run`) and the op's split
     forward (forward.py). Inputs are copied into the graph's own, or read in place while they come
     at the addresses it was captured on; outputs come back as fresh copies (module docstring)."""
-    tensors = tuple(_lengths_constant(x) for x in tensors)
+    if in_place_allowed():  # stable lengths' addresses: what lets the op's backward replay in place
+        tensors = tuple(_lengths_constant(x) for x in tensors)
     where = addresses(tensors)
     before, _callers[key] = _callers.get(key), where
     state = _seen.get(key)
