@@ -54,7 +54,7 @@ _seen = caches.memo("split graph keys seen", limit=256)
 _callers = caches.memo("split graph callers", limit=256)  # key -> the addresses of its previous call
 #: Whether the in-place replays' GPU tests (tests/test_gpu.py: the split candidates' own graphs,
 #: new values read in place) have passed; while False only GDR_ALLOW_UNVERIFIED=1 turns them on.
-IN_PLACE_GPU_VERIFIED = False
+IN_PLACE_GPU_VERIFIED = True
 #: Replays so far, "in place" and "copied" (what a bench reports beside its times).
 replays: collections.Counter = collections.Counter()
 
