@@ -80,9 +80,13 @@ for arg in "$@"; do
   esac
   echo "$step: exit $? after $(( $(date +%s) - start )) s"
 done
+# compiles a step left behind (its background builds run in their own process groups, out of
+# `timeout`'s reach) stop before the caches are packed: a cache written while packed comes back torn
+pkill -f 'gdr_dispatch.autotune|precompile_tilelang' 2>/dev/null; pkill -x nvcc 2>/dev/null; pkill -x cicc 2>/dev/null
+pkill -x ptxas 2>/dev/null; sleep 1
 # fla's autotune results for the next call (unpack into .devcache/tcache here)
 (cd /tmp && find tcache -name '*.autotune.json' 2>/dev/null | tar -czf "$OUT/autotune.tgz" -T -)
-[ -d /tmp/tlcache ] && tar -cJf "$OUT/tlcache.tar.xz" -C /tmp tlcache
+[ -d /tmp/tlcache ] && tar -I "xz -T0 -3" -cf "$OUT/tlcache.tar.xz" -C /tmp tlcache
 # the folders under $OUT (bench results, per-process logs) as one archive: only 8 files come back
 dirs=$(cd "$OUT" && find . -mindepth 1 -maxdepth 1 -type d -printf '%P\n')
 [ -n "$dirs" ] && (cd "$OUT" && tar -czf results.tgz $dirs && rm -rf $dirs)
