@@ -271,8 +271,8 @@ def test_split_captures_in_a_cuda_graph_on_gpu(name, backend, monkeypatch):
 def test_split_candidates_replay_their_own_graphs_on_gpu(name, backend, monkeypatch):
     """`<backend>@split<n>` from its second call on replays a graph it captured itself
     (backends/split/graphs.py): the same gradients as eager; the same tensors again, read in
-    place (new values written into them are what it reads), other tensors of the same shapes
-    copied in (not the captured call's values replayed); fresh outputs each call."""
+    place (new values written into them are what it reads; none written by it), other tensors of
+    the same shapes copied in (not the captured call's values replayed); fresh outputs each call."""
     from gdr_dispatch.backends.split import graphs
 
     if backend not in registered_backends():
@@ -284,7 +284,10 @@ def test_split_candidates_replay_their_own_graphs_on_gpu(name, backend, monkeypa
         pytest.skip(f"{split.name} does not take {spec.label()}")
     kwargs, ref = _case(spec)
     call = validate(**kwargs)
+    before = {n: getattr(call, n).clone() for n in graphs.TENSORS if getattr(call, n) is not None}
     first, second, third = (split.run(call) for _ in range(3))
+    for n, x in before.items():  # a graph reading the caller's tensors in place never writes them
+        assert torch.equal(getattr(call, n), x), n
     if graphs.held_graphs() == 0:
         pytest.skip(f"{split.name}: its capture was refused (logged); it runs eagerly")
     for n in first._fields:

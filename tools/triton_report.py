@@ -25,7 +25,8 @@ from pathlib import Path
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default="64,4", help="'BC,WARPS' pairs of the maps' kernels, '/'-separated")
+    p.add_argument("--configs", default="64,4",
+                   help="'BC,WARPS[,STAGES]' of the maps' kernels (stages default 1), '/'-separated")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--K", type=int, default=128)
     p.add_argument("--V", type=int, default=128)
@@ -66,21 +67,21 @@ def main() -> int:
     maps = dict(K=a.K, V=a.V, BT=64)
     print(f"Triton {triton.__version__}, sm_90a, K={a.K} V={a.V} {a.dtype}")
     for cfg in a.configs.split("/"):
-        bc, warps = (int(x) for x in cfg.split(","))
+        bc, warps, stages = ([int(x) for x in cfg.split(",")] + [1])[:3]
         kernels = {  # name: (kernel, signature, constexprs, warps, stages)
-            "_forward_maps": (sm._forward_maps, fwd, dict(**maps, BC=bc, PLAN=False, SKIP_EXACT=0), warps, 1),
-            "_forward_maps PLAN": (sm._forward_maps, fwd, dict(**maps, BC=bc, PLAN=True, SKIP_EXACT=0), warps, 1),
-            "_backward_maps": (sm._backward_maps, bwd, dict(**maps, BC=bc, PLAN=False, SKIP_EXACT=0), warps, 1),
-            "_backward_maps PLAN": (sm._backward_maps, bwd, dict(**maps, BC=bc, PLAN=True, SKIP_EXACT=0), warps, 1),
-            "_forward_states": (sm._forward_states, states, dict(**maps, BC=bc, V_FIRST=False), warps, 1),
+            "_forward_maps": (sm._forward_maps, fwd, dict(**maps, BC=bc, PLAN=False, SKIP_EXACT=0), warps, stages),
+            "_forward_maps PLAN": (sm._forward_maps, fwd, dict(**maps, BC=bc, PLAN=True, SKIP_EXACT=0), warps, stages),
+            "_backward_maps": (sm._backward_maps, bwd, dict(**maps, BC=bc, PLAN=False, SKIP_EXACT=0), warps, stages),
+            "_backward_maps PLAN": (sm._backward_maps, bwd, dict(**maps, BC=bc, PLAN=True, SKIP_EXACT=0), warps, stages),
+            "_forward_states": (sm._forward_states, states, dict(**maps, BC=bc, V_FIRST=False), warps, stages),
             "_decay_plan": (sm._decay_plan, plan, dict(K=a.K, BT=64, CMAX=64), 4, 1),
             "_forward_maps PLAN SKIP_EXACT": (sm._forward_maps, fwd, dict(**maps, BC=bc, PLAN=True, SKIP_EXACT=1),
-                                              warps, 1),
+                                              warps, stages),
             "_backward_maps PLAN SKIP_EXACT": (sm._backward_maps, bwd, dict(**maps, BC=bc, PLAN=True, SKIP_EXACT=1),
-                                               warps, 1),
+                                               warps, stages),
             "_forward_pieces": (sm._forward_pieces, fpieces, dict(**maps, BC=bc, P=P, NCOL=(a.K + a.V) // bc),
-                                warps, 1),
-            "_backward_pieces": (sm._backward_pieces, bpieces, dict(**maps, BC=bc, P=P, NCOL=a.V // bc), warps, 1),
+                                warps, stages),
+            "_backward_pieces": (sm._backward_pieces, bpieces, dict(**maps, BC=bc, P=P, NCOL=a.V // bc), warps, stages),
             "_compose_forward": (sm._compose_forward, fcompose, dict(K=a.K, V=a.V, P=P, CB=cb,
                                                                      NCOL=(a.K + a.V) // cb),
                                  sm.COMPOSE_WARPS, sm.COMPOSE_STAGES),
