@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from . import env, tuning_table
-from .autotune import autotune, compile_jobs_of, measure_ms, one_warm_run_per_key
+from .autotune import autotune, compile_jobs_of, measure_ms, one_warm_run_per_key, warm_backend, warm_key
 from .autotune import precompile as run_precompile
 from .contract import validate
 from .dispatch import NO_TENSORS, STATIC, TABLE, autotune_block_reason, select_backend, wrapped_candidates
@@ -70,10 +70,12 @@ def summarize(results: list[tuple[ShapeSpec, dict, str]], names: list[str]) -> s
     return out
 
 
-def precompile(variants, device, only, workers: int, splits: bool = True) -> None:
+def precompile(variants, device, only, workers: int, splits: bool = True, done: set | None = None) -> None:
     """Compile every kernel the sweep's backends would build on first use, in parallel processes
     (autotune.precompile), and say how long each took: a user's first-call cost. With `splits`,
-    the split candidates' builds too (their segments are a varlen call with both states)."""
+    the split candidates' builds too (their segments are a varlen call with both states). `done`:
+    the builds an earlier group of the sweep ran, skipped here (and this group's added to it)."""
+    done = set() if done is None else done
     jobs: dict[tuple, list[str]] = {}
     print(f"collecting the kernel builds of {len(variants)} shapes", file=sys.stderr, flush=True)
     for i, spec in enumerate(variants, 1):
@@ -87,7 +89,11 @@ def precompile(variants, device, only, workers: int, splits: bool = True) -> Non
         for job, names in compile_jobs_of(call, chosen).items():
             jobs.setdefault(job, []).extend(names)
         del inputs, call
-    run_precompile(one_warm_run_per_key(jobs), workers, lambda line: print(line, file=sys.stderr, flush=True))
+    fresh = {job: names for job, names in one_warm_run_per_key(jobs).items()
+             if (warm_key(job) if job[1] == warm_backend.__name__ else job) not in done}
+    done.update(warm_key(job) if job[1] == warm_backend.__name__ else job for job in fresh)
+    if fresh:
+        run_precompile(fresh, workers, lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def cmd_tune(args) -> int:
@@ -128,8 +134,14 @@ def cmd_tune(args) -> int:
     measure = functools.partial(measure_ms, warmup=args.warmup, reps=args.reps)
     print(f"tuning {len(variants)} shapes ({source}) on {dev.name}; table: "
           f"{tuning_table.table_path(out_dir, dev.slug)}", file=sys.stderr)
-    if args.compile_jobs:
-        precompile(variants, device, only, args.compile_jobs, splits=not args.no_splits)
+    # shapes grouped by head counts and dtype (the kernels' compile keys), each group compiled then
+    # measured before the next: a sweep stopped part way keeps the groups it finished
+    groups: dict[tuple, list] = {}
+    for spec in variants:
+        groups.setdefault((spec.H, spec.Hg, spec.dtype), []).append(spec)
+    variants = [spec for group in groups.values() for spec in group]
+    starts = {id(group[0]): group for group in groups.values()}
+    compiled: set = set()  # the builds run so far (a build several groups share runs once)
 
     results = []
     written = written_forward = 0
@@ -139,6 +151,8 @@ def cmd_tune(args) -> int:
         if b.optional_lib:
             needs.setdefault(b.optional_lib, set()).add(n)
     for i, spec in enumerate(variants, 1):
+        if args.compile_jobs and id(spec) in starts:
+            precompile(starts[id(spec)], device, only, args.compile_jobs, splits=not args.no_splits, done=compiled)
         t0 = time.perf_counter()
         print(f"[{i}/{len(variants)}] {spec.label()} ...", file=sys.stderr, flush=True)
         inputs = make_inputs(spec, device, seed=i)
@@ -343,8 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--warmup", type=_count(0), default=2, help="untimed runs per backend after the first (default 2)")
     t.add_argument("--reps", type=_count(1), default=10, help="timed runs per backend, median reported (default 10)")
     t.add_argument("--compile-jobs", type=_count(0), default=max(1, (os.cpu_count() or 2) // 2),
-                   help="processes that compile the sweep's kernels in parallel before timing (default: half the "
-                        "CPU cores; 0: each compiles on first use)")
+                   help="processes that compile the sweep's kernels in parallel before timing them, one group "
+                        "of head counts and dtype at a time (default: half the CPU cores; 0: each compiles on "
+                        "first use)")
     t.set_defaults(func=cmd_tune)
 
     e = sub.add_parser("explain", parents=[verbose],

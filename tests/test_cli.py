@@ -159,6 +159,34 @@ def test_tune_compiles_each_kernel_once_in_parallel_processes_first(tmp_path, ca
     assert "kernels in" not in capsys.readouterr().err
 
 
+def test_tune_compiles_and_measures_one_head_group_at_a_time(tmp_path, capsys, with_backends):
+    """A sweep's shapes go in groups of head counts and dtype, each compiled then measured before
+    the next (a sweep stopped part way keeps its finished groups' entries); a build two groups
+    share runs once."""
+    from gdr_dispatch.backends.exact_torch import TorchBackend
+
+    class Compiling(TorchBackend):
+        name = "torch_compiling"
+        reference_rank = None
+
+        def compile_jobs(self, call):
+            return [("math", "sqrt", (float(call.H),)), ("math", "floor", (float(call.K),))]
+
+    with_backends(Compiling())
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("shapes:\n  - {B: 1, T: 64, H: 2, K: 32, V: 32, dtype: float32, h: given}\n"
+                    "  - {B: 1, T: 64, H: 4, K: 32, V: 32, dtype: float32, h: given}\n"
+                    "  - {B: 2, T: 64, H: 2, K: 32, V: 32, dtype: float32, h: given}\n")
+    assert cli.main(["tune", "--grid", str(grid), "--device", "cpu", "--out", str(tmp_path), "--backends",
+                     "torch,torch_compiling", "--reps", "1", "--warmup", "0", "--compile-jobs", "2"]) == 0
+    err = capsys.readouterr().err
+    h2, h4 = err.index("compiled torch_compiling: sqrt(2.0,)"), err.index("compiled torch_compiling: sqrt(4.0,)")
+    assert err.count("compiled torch_compiling: floor(32.0,)") == 1  # shared by both groups: once
+    assert err.count("compiled torch_compiling: sqrt(2.0,)") == 1
+    # H2's two shapes (B1, then B2) are measured before H4's build, H4's shape after it
+    assert h2 < err.index("[1/3] B1 T64 H2") < err.index("[2/3] B2 T64 H2") < h4 < err.index("[3/3] B1 T64 H4")
+
+
 @pytest.mark.parametrize("no_splits", [False, True])
 def test_tune_measures_split_candidates_on_starved_grids(tmp_path, capsys, monkeypatch, no_splits, with_backends):
     """As the dispatcher's own autotuner does, the sweep cuts each candidate into 2/4/8 segments

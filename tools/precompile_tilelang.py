@@ -55,18 +55,72 @@ def compile_one(H: int, Hg: int, dtype: str, schedule: str = "ws", K: int = 128)
             build_ws_bwd(H, Hg, float(K ** -0.5), dtype, dtype, timing="timing" in words, mode=mode)
         else:
             build_ws_bwd(H, Hg, float(K ** -0.5), dtype, dtype)
+    elif words[0] == "flashqla":  # FlashQLA's backward kernels as our backend calls them: flashqla[-varlen][-hnone]
+        _flashqla_backward(H, Hg, dtype, varlen="varlen" in words, h_none="hnone" in words, K=K)
     else:
-        raise ValueError(f"unknown schedule {schedule!r}: ws[-timing][-reconly|-nowait] or states[-vfirst][-timing]")
+        raise ValueError(f"unknown schedule {schedule!r}: ws[-timing][-reconly|-nowait], states[-vfirst][-timing] "
+                         "or flashqla[-varlen][-hnone]")
     how = "kernel cache" if not seen else ("cubin cache" if all(seen) else "nvcc")
     return time.perf_counter() - t0, how
+
+
+def _flashqla_module(name: str):
+    """FlashQLA's sm90 kernel module `name` (fused_bwd, prepare_h). On a machine without a GPU its
+    package's own import fails (its forward reads the device's SM count at import), so the two
+    modules load from their files under a stand-in package (FLASHQLA_PATH, default the device
+    bundle's /tmp/site/flash_qla)."""
+    import importlib
+    import importlib.util
+    import os
+    import sys
+    import types
+
+    try:
+        return importlib.import_module(f"flash_qla.ops.gated_delta_rule.chunk.hopper.{name}")
+    except Exception:  # noqa: BLE001 - no GPU here: load the file alone
+        for m in [m for m in sys.modules if m == "flash_qla" or m.startswith("flash_qla.")]:
+            del sys.modules[m]
+    root = os.environ.get("FLASHQLA_PATH", "/tmp/site/flash_qla")
+    pkg = types.ModuleType("flash_qla")
+    pkg.__path__ = [root]
+    sys.modules["flash_qla"] = pkg
+    spec = importlib.util.spec_from_file_location(f"_flashqla_{name}",
+                                                  os.path.join(root, "ops/gated_delta_rule/chunk/hopper", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _flashqla_backward(H: int, Hg: int, dtype: str, varlen: bool, h_none: bool, K: int = 128) -> None:
+    """Build FlashQLA's fused backward (and with `h_none` its state kernel) with the arguments
+    backends/flash_qla.py's run gives them (h0 and dht present, G in fp32, a and h in q's dtype,
+    int32 lengths): TileLang's cubin cache keys on the CUDA source these arguments generate. The
+    target is the one TileLang detects on an sm_90 device, set here for a machine without one."""
+    import torch
+    from tilelang.cuda.target import Target
+
+    dt = getattr(torch, dtype)
+    with Target({"kind": "cuda", "arch": "sm_90a"}):
+        bwd = _flashqla_module("fused_bwd")
+        bwd.tilelang_fused_chunk_gdr_bwd(H, Hg, K, K, 64, float(K ** -0.5), qkva_dtype=dt, g_dtype=torch.float32,
+                                         b_dtype=dt, h_dtype=dt, o_dtype=dt, seqlen_dtype=torch.int32,
+                                         accum_dtype="float32", is_varlen=varlen, use_dht=True, state_v_first=False)
+        if h_none:
+            prep = _flashqla_module("prepare_h")
+            prep.tilelang_prepare_h(H, Hg, K, K, 64, qkva_dtype=dt, g_dtype=torch.float32, b_dtype=dt,
+                                    h0_dtype=torch.float32, ht_dtype=torch.float32, h_dtype=dt,
+                                    seqlen_dtype=torch.int32, accum_dtype="float32", use_initial_state=True,
+                                    store_final_state=False, store_h=True, is_varlen=varlen, is_cp=False,
+                                    state_v_first=False)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", action="append", required=True,
-                   help="H,Hg,dtype[,ws[-timing][-reconly|-nowait] | ,states[-vfirst][-timing]] (K = V = 128, chunk 64; ws, "
-                        "the default: the fused backward; -timing: with cycle counters; -reconly/-nowait: the "
-                        "prototype builds; states: the h=None state kernel)")
+                   help="H,Hg,dtype[,ws[-timing][-reconly|-nowait] | ,states[-vfirst][-timing] | "
+                        ",flashqla[-varlen][-hnone]] (K = V = 128, chunk 64; ws, the default: the fused backward; "
+                        "-timing: with cycle counters; -reconly/-nowait: the prototype builds; states: the h=None "
+                        "state kernel; flashqla: FlashQLA's backward as our backend calls it)")
     p.add_argument("--jobs", type=int, default=8)
     args = p.parse_args()
     configs = []
