@@ -206,6 +206,7 @@ def bench_shape(spec: ShapeSpec, ops: dict, warmup: int, reps: int) -> dict:
             ms = measure_ms(lambda: step(op, x), "cuda", warmup=warmup, reps=reps)
             row["runs"][name] = {"ms": round(ms, 4), "b2b_ms": round(back_to_back_ms(lambda: step(op, x)), 4),
                                  "host_ms": round(host_enqueue_ms(lambda: step(op, x)), 4),
+                                 "syncs": synchronizing_calls(lambda: step(op, x)),
                                  **({"max_rel_err_vs_fla_op": float(f"{err:.3e}")} if ref else {})}
             if name.startswith("ours"):
                 row["runs"][name].update(backend=choices.backend, forward=choices.forward)
@@ -218,6 +219,24 @@ def bench_shape(spec: ShapeSpec, ops: dict, warmup: int, reps: int) -> dict:
     del x
     torch.cuda.empty_cache()
     return row
+
+
+def synchronizing_calls(fn) -> dict:
+    """The calls in one warm step that wait on the GPU (torch's sync debug mode: a host read, a
+    blocking copy): {"count": n, "first": its message}. A step with one is host-bound however few
+    launches it makes, and cannot be captured whole."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    hits = [str(w.message).splitlines()[0][:200] for w in seen if "synchroniz" in str(w.message)]
+    return {"count": len(hits), **({"first": hits[0]} if hits else {})}
 
 
 def profile_shape(spec: ShapeSpec, ops: dict, n: int) -> str:
@@ -267,7 +286,9 @@ def to_markdown(rows, device) -> str:
         cells = []
         for n in names:
             run = r["runs"].get(n, {})
-            cells.append(f"{run['ms']:.3f} / {run.get('b2b_ms', float('nan')):.3f} (host {run.get('host_ms', float('nan')):.3f})"
+            syncs = (run.get("syncs") or {}).get("count")
+            cells.append(f"{run['ms']:.3f} / {run.get('b2b_ms', float('nan')):.3f} (host {run.get('host_ms', float('nan')):.3f}"
+                         + (f", {syncs} host waits" if syncs else "") + ")"
                          + (f" ({base / run['ms']:.2f}x)" if base else "")
                          + (f" [fwd {run.get('forward') or '?'}, bwd {run.get('backend') or '?'}]" if n == "ours" else "")
                          if "ms" in run
