@@ -410,20 +410,12 @@ def family_of(name: str) -> str:
     return backend.family if backend is not None else base
 
 
-#: The key `losing_families` gives the unsplit candidates (every family's) on a starved grid.
-UNSPLIT = "(unsplit)"
-
-
 def losing_families(problem: Problem) -> dict[str, str]:
     """family -> why it is not measured at `problem`: the families the device's tables show never
     winning in the problem's regime (`NEVER_WINS_ENTRIES`, `NEVER_WINS_MARGIN`): full grids (as
     many sequence x head programs as SMs or more) by the full-grid entries, starved grids (where
-    the splits compete) by the starved ones. On a starved grid also `UNSPLIT`, where no unsplit
-    candidate won at the starved entries with as few programs as the problem's or fewer (the fewer
-    the programs, the more a split gains: on the H200 the whole backward wins at 64 programs and
-    loses by 1.5x or more at 32 and fewer)."""
+    the splits compete) by the starved ones."""
     from . import tuning_table
-    from .registry import parse_wrapped
 
     sms = problem.device.sm_count
     starved = problem.seq_head_ctas < sms
@@ -435,26 +427,17 @@ def losing_families(problem: Problem) -> dict[str, str]:
         best = cands.get(entry.get("winner"), {}).get("ms") if isinstance(cands, dict) else None
         if programs is None or (programs < sms) != starved or not isinstance(best, (int, float)) or best <= 0:
             continue
-        fewer = starved and programs <= problem.seq_head_ctas
         won.add(family_of(entry["winner"]))
-        if fewer and parse_wrapped(entry["winner"])[2] is None:
-            won.add(UNSPLIT)
         mine: dict[str, float] = {}
         for name, c in cands.items():
             if isinstance(c, dict) and isinstance(c.get("ms"), (int, float)) and not {"failed", "skipped",
                                                                                     "unsupported"} & set(c):
-                groups = [family_of(name)]
-                if fewer and parse_wrapped(name)[2] is None:
-                    groups.append(UNSPLIT)
-                for f in groups:
-                    mine[f] = min(mine.get(f, float("inf")), c["ms"] / best)
+                f = family_of(name)
+                mine[f] = min(mine.get(f, float("inf")), c["ms"] / best)
         for f, r in mine.items():
             ratios.setdefault(f, []).append(r)
-    return {f: (f"no unsplit candidate won at the {len(r)} starved-grid entries of this device's tables with "
-                f"{problem.seq_head_ctas} sequence x head programs or fewer (at best {min(r):.2f}x the winner)"
-                if f == UNSPLIT else
-                f"the {f} family never won at the {len(r)} {regime} entries of this device's tables where it ran "
-                f"(at best {min(r):.2f}x the winner)")
+    return {f: f"the {f} family never won at the {len(r)} {regime} entries of this device's tables where it ran "
+               f"(at best {min(r):.2f}x the winner)"
             for f, r in ratios.items()
             if f not in won and len(r) >= NEVER_WINS_ENTRIES and min(r) >= NEVER_WINS_MARGIN}
 
@@ -512,14 +495,12 @@ def predict(problem: Problem, candidates: dict[str, Backend]) -> Optional[tuple[
 def prune(problem: Problem, candidates: dict[str, Backend]) -> tuple[dict[str, Backend], dict[str, str]]:
     """`(kept, skipped)`: on a GPU a reference backend (`Backend.reference`, the exact torch math)
     is skipped; so is every member of a family the device's tables show never winning in the
-    call's regime, full or starved grids (`losing_families`), and on a starved grid every unsplit
-    candidate where the tables show none winning with as few programs (split candidates there); and so is a candidate that the device's tables
+    call's regime, full or starved grids (`losing_families`); and so is a candidate that the device's tables
     show losing by more than `PRUNE_MARGIN` (or failing) at every neighbouring entry where it was
     measured (same device, dtype, K, V, chunk size, `h` given or not, wave bucket; any library
     versions). A candidate no neighbour measured is kept; everything is never skipped (the
     non-reference candidates then run). `GDR_AUTOTUNE_ALL=1` keeps everything."""
     from . import env, tuning_table
-    from .registry import parse_wrapped
 
     if env.autotune_all() or problem.device.type != "cuda":
         return dict(candidates), {}
@@ -532,10 +513,6 @@ def prune(problem: Problem, candidates: dict[str, Backend]) -> tuple[dict[str, B
             continue
         if family_of(name) in losing:
             skipped[name] = losing[family_of(name)]
-            continue
-        if UNSPLIT in losing and parse_wrapped(name)[2] is None and any(
-                parse_wrapped(n)[2] is not None for n in candidates):
-            skipped[name] = losing[UNSPLIT]
             continue
         ratios = []
         for key, entry in neighbours:

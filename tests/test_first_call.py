@@ -102,31 +102,7 @@ def test_a_family_that_never_won_at_starved_grids_is_not_measured_there(fakes):
     assert "at best 1.20x the winner" in skipped["slow_x"]
     assert at.losing_families(problem()) == {}
     record(problem(B=1, T=64), "slow_y@split2", {"fast_a": 1.1, "slow_y@split2": 1.0})
-    assert set(at.losing_families(problem(B=1))) == {at.UNSPLIT}  # no family; no unsplit win either
-
-
-def test_unsplit_candidates_are_not_measured_where_fewer_programs_never_kept_one(fakes):
-    """On a starved grid the unsplit candidates (every family's) are skipped when no unsplit one won
-    at 3 starved entries with as few sequence x head programs or fewer; entries with more programs
-    (where the whole call can win) are no evidence, one unsplit win among the fewer keeps them, and
-    without split candidates nothing is skipped for it."""
-    for T in (2048, 4096):  # 1 x 8 programs on 16 SMs
-        record(problem(B=1, T=T), "fast_a@split4", {"fast_a@split4": 1.0, "fast_a": 1.6, "other@split4": 1.3})
-    record(problem(B=1, T=8192), "other@split4", {"other@split4": 1.0, "fast_a@split4": 1.1, "fast_a": 1.7,
-                                                  "other": 2.0})
-    record(problem(B=1, H=12, T=1024), "fast_a", {"fast_a": 1.0, "fast_a@split2": 1.2})  # 12 programs: more
-    names = ("fast_a", "other", "fast_a@split4", "other@split4")
-    cands = {n: registry.get_backend(registry.base_name(n)) for n in names}
-    kept, skipped = at.prune(problem(B=1), cands)
-    assert set(skipped) == {"fast_a", "other"} and set(kept) == {"fast_a@split4", "other@split4"}
-    assert "no unsplit candidate won at the 3 starved-grid entries of this device's tables with 8 sequence x head " \
-           "programs or fewer (at best 1.60x the winner)" in skipped["fast_a"]
-    whole = {n: cands[n] for n in ("fast_a", "other")}
-    kept, skipped = at.prune(problem(B=1), whole)  # no split candidate: the whole ones run
-    assert "fast_a" in kept and not any("unsplit" in why for why in skipped.values())
-    assert at.UNSPLIT not in at.losing_families(problem(B=1, H=12))  # at 12 programs the whole call won once
-    record(problem(B=1, T=64), "other", {"other": 1.0, "other@split4": 1.5})
-    assert at.UNSPLIT not in at.losing_families(problem(B=1))
+    assert at.losing_families(problem(B=1)) == {}
 
 
 def test_a_first_call_says_what_it_waits_for_at_warning(fakes, monkeypatch, caplog):
