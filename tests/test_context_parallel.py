@@ -318,6 +318,29 @@ def test_fla_pass_1_without_r_runs_k_columns_and_keeps_m_and_d(fla_pass_1, monke
     assert torch.equal(m1, m2) and torch.equal(d1, d2)
 
 
+def test_fla_state_kernels_get_chunk_offsets_that_outlive_fla_cache(fla_pass_1, monkeypatch):
+    """fla's state kernels get their varlen chunk offsets from us, as a device constant of the
+    lengths (the same object call after call), never from fla's 4-entry tensor cache: a CUDA graph
+    captured on a cached tensor reads freed memory once that cache moves on."""
+    from fla.ops.common import chunk_delta_h  # fake_fla's stand-ins (the fixture installs them)
+
+    from gdr_dispatch.backends.common import fla_pipeline
+
+    spec = replace(FLA_PASS_SHAPES[2], dtype="float16", h="none")  # varlen 1/63/64/65/300
+    call = validate(**call_kwargs(make_inputs(spec, "cpu", seed=4)))
+    seen = []
+    for name in ("chunk_gated_delta_rule_fwd_h", "chunk_gated_delta_rule_bwd_dhu"):
+        inner = getattr(chunk_delta_h, name)
+        monkeypatch.setattr(chunk_delta_h, name, lambda inner=inner, **kw: seen.append(kw.get("chunk_offsets"))
+                            or inner(**kw))
+    fla_pipeline.segment_maps(call)
+    fla_pipeline.state_stages(call)
+    fla_pipeline.segment_maps(call)
+    want = [0, 1, 2, 3, 5, 10]  # chunks of 64 before each sequence of 1, 63, 64, 65, 300 tokens
+    assert len(seen) == 6 and all(o is seen[0] for o in seen)
+    assert seen[0].dtype == torch.int64 and seen[0].tolist() == want
+
+
 @pytest.mark.parametrize("provider", ["fla", "gdr_dispatch"])
 @pytest.mark.parametrize("h_mode", ["given", "none"])
 @pytest.mark.parametrize("spec", FLA_PASS_SHAPES, ids=lambda s: s.label())
@@ -895,6 +918,27 @@ def test_a_graph_evicted_again_and_again_runs_eagerly(monkeypatch):
             x = (torch.ones(2),)  # a new tensor each call: copies, no capture in place
             graphs.run_tensors("test", key, x, lambda t: (t[0] * 2,), (2,))
     assert all(captures.count(key) == graphs.MAX_CAPTURES for key in keys)
+
+
+def test_a_key_out_of_captures_keeps_its_graph_with_copies(monkeypatch):
+    """A key whose captures are spent (evicted and captured again MAX_CAPTURES times) and that holds
+    a working graph with copies keeps replaying it when its calls start repeating addresses (no
+    capture in place left), instead of dropping it and running eagerly."""
+    from gdr_dispatch import clear_caches
+    from gdr_dispatch.backends.split import graphs
+
+    monkeypatch.setattr(graphs, "IN_PLACE_GPU_VERIFIED", True)
+    monkeypatch.setattr(graphs, "_capture", _stand_in_capture(lambda t: (t[0] * 2,)))
+    clear_caches()
+    key = ("A",)
+    graphs._seen[key] = (graphs.MAX_CAPTURES - 1, False)  # one capture left
+    graphs.run_tensors("test", key, (torch.ones(3),), lambda t: (t[0] * 2,), (3,))  # the last: with copies
+    assert graphs._graphs.get(key) is not None and graphs._graphs[key][3] is None
+    x = torch.full((3,), 5.0)
+    before = graphs.replays["copied"]
+    outs = [graphs.run_tensors("test", key, (x,), lambda t: (t[0] * 2,), (3,))[0] for _ in range(3)]
+    assert all(torch.equal(o, x * 2) for o in outs)
+    assert graphs.replays["copied"] - before == 3 and graphs._graphs.get(key) is not None
 
 
 def _stand_in_capture(fn):

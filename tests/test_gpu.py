@@ -266,6 +266,35 @@ def test_split_captures_in_a_cuda_graph_on_gpu(name, backend, monkeypatch):
             assert relative_error(getattr(captured, n), getattr(eager, n)) < 1e-3, n
 
 
+def test_a_split_graph_called_from_two_streams_keeps_each_calls_result_on_gpu():
+    """One key's graph replayed on two streams one after the other: the second waits for the
+    first's copies out before it writes the graph's buffers (without that wait the first call's
+    result is the second's: its copy out runs after its slow replay)."""
+    from gdr_dispatch import clear_caches
+    from gdr_dispatch.backends.split import graphs
+
+    def slow_double(t):
+        y = t[0] * 2
+        torch.cuda._sleep(50_000_000)  # ~25 ms on the H200: the first call is still running
+        return (y,)
+
+    a = torch.full((256,), 1.0, device="cuda")
+    b = torch.full((256,), 5.0, device="cuda")
+    clear_caches()
+    key = ("two streams",)
+    for x in (a, b):  # eager, then the capture with copies (other addresses)
+        graphs.run_tensors("test", key, (x,), slow_double, (1,))
+    torch.cuda.synchronize()
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(s1):
+        ra = graphs.run_tensors("test", key, (a,), slow_double, (1,))[0]
+    with torch.cuda.stream(s2):
+        rb = graphs.run_tensors("test", key, (b,), slow_double, (1,))[0]
+    torch.cuda.synchronize()
+    assert graphs.held_graphs() > 0
+    assert torch.equal(ra, a * 2) and torch.equal(rb, b * 2)
+
+
 @pytest.mark.parametrize("backend", ["tilelang_fused", "fla", "flash_qla"])
 @pytest.mark.parametrize("name", ["T100_grouped_all_optional", "varlen_1_63_64_65_vfirst"])
 def test_split_candidates_replay_their_own_graphs_on_gpu(name, backend, monkeypatch):
@@ -551,20 +580,24 @@ def test_split_forward_equals_the_whole_on_gpu(provider, gate, monkeypatch):
             monkeypatch.setenv("GDR_FORWARD", name)
             clear_caches()
             raw = torch.ops.gdr_dispatch.chunk_gdr_fwd(q, k, v, g, beta, init, cu, K ** -0.5, True, v_first, True)
-            if "@split" in name:  # the second call captures a graph, the third replays it on new values
-                from gdr_dispatch.backends.split import graphs
+            if "@split" in name:  # the second call captures a graph with copies, the third on its inputs in
+                from gdr_dispatch.backends.split import graphs  # place; then new values read in place
+
+                def fwd(values):
+                    return torch.ops.gdr_dispatch.chunk_gdr_fwd(q, k, values, g, beta, init, cu, K ** -0.5, True,
+                                                                v_first, True)
 
                 v2 = v * 0.5
-                want = None
-                for _ in range(2):
-                    again = torch.ops.gdr_dispatch.chunk_gdr_fwd(q, k, v2, g, beta, init, cu, K ** -0.5, True,
-                                                                 v_first, True)
-                    want = want or tuple(x.clone() for x in again)  # the second call: eager, then captured
+                copied = tuple(x.clone() for x in fwd(v2))
+                in_place = fwd(v2)
                 assert graphs.held_graphs() >= 1, name
-                again = torch.ops.gdr_dispatch.chunk_gdr_fwd(q, k, v2 * 2, g, beta, init, cu, K ** -0.5, True,
-                                                             v_first, True)  # replayed on v's values again
-                assert all(relative_error(a, b) < 1e-6 for a, b in zip(again, raw)), name
-                assert relative_error(want[0], raw[0]) > 0.1, name  # (v2's output differs: the inputs were read)
+                assert all(relative_error(a, b) < 1e-6 for a, b in zip(in_place, copied)), name
+                assert relative_error(copied[0], raw[0]) > 0.1, name  # (v2's output differs: the inputs were read)
+                kept = [x.clone() for x in (q, k, g, beta, cu)]
+                v2.mul_(2)  # v's values at v2's address: read in place
+                assert all(relative_error(a, b) < 1e-6 for a, b in zip(fwd(v2), raw)), name
+                assert all(torch.equal(x, y) for x, y in zip((q, k, g, beta, cu), kept)), name  # none written
+                assert all(relative_error(a, b) < 1e-6 for a, b in zip(fwd(v), raw)), name  # another address: copied
             leaves = [x.clone().requires_grad_(True) for x in (q, k, v, g, beta)]
             o, ht = chunk_gated_delta_rule(*leaves, initial_state=init, output_final_state=True, cu_seqlens=cu,
                                            state_v_first=v_first)

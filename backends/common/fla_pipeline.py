@@ -20,7 +20,7 @@ from gdr_dispatch.problem import Problem
 from gdr_dispatch.registry import Limits
 from gdr_dispatch.toolchain import version_tuple
 
-from ..kernels.chunk_grid import varlen_chunk_indices
+from ..kernels.chunk_grid import varlen_chunk_indices, varlen_chunk_offsets
 from ..kernels.corrected_values import corrected_values
 from ..kernels.gate_wy_inverse import gate_wy_inverse
 
@@ -77,6 +77,20 @@ class _Stage1(NamedTuple):
     common: dict  # cu_seqlens, chunk_indices
 
 
+def _with_offsets(common: dict, chunk_size: int) -> dict:
+    """`common` plus fla's `chunk_offsets` for its state kernels (`chunk_gated_delta_rule_fwd_h`,
+    `_bwd_dhu`), from the lengths the call's validation read: left to fla they come from its
+    tensor cache, which a captured graph must not read (chunk_grid.varlen_chunk_offsets)."""
+    from gdr_dispatch.graph_safe import offsets_of, remembered
+
+    cu = common["cu_seqlens"]
+    if cu is None:
+        return common
+    off = remembered(cu) or offsets_of(cu)
+    lens = [e - s for s, e in zip(off[:-1], off[1:])]
+    return {**common, "chunk_offsets": varlen_chunk_offsets(lens, chunk_size, cu.device)}
+
+
 def _wy(k, v, beta, a, G, common: dict):
     """Stage 1 from the contract's `a` and `G`: fla's gated inverse `A`, its log2 gate, `w`, `u`."""
     from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
@@ -104,7 +118,8 @@ def recompute_states(call: GDRCall) -> torch.Tensor:
 
     s1 = _stage_1(call)
     h, _, _ = chunk_gated_delta_rule_fwd_h(k=s1.k, w=s1.w, u=s1.u, g=s1.g2, initial_state=s1.h0,
-                                           output_final_state=False, save_new_value=False, **s1.common,
+                                           output_final_state=False, save_new_value=False,
+                                           **_with_offsets(s1.common, call.chunk_size),
                                            state_v_first=call.state_v_first, chunk_size=call.chunk_size)
     return h
 
@@ -132,14 +147,15 @@ def segment_maps(seg_call: GDRCall, need_r: bool = True):
         u_aug[..., K:] = s1.u
     start = torch.zeros(N, H, K, cols, dtype=torch.float32, device=dev)
     start[..., :K] = torch.eye(K, dtype=torch.float32, device=dev)
+    with_offsets = _with_offsets(s1.common, BT)
     _, _, end = chunk_gated_delta_rule_fwd_h(k=s1.k, w=s1.w, u=u_aug, g=s1.g2, initial_state=start,
-                                             output_final_state=True, save_new_value=False, **s1.common,
+                                             output_final_state=True, save_new_value=False, **with_offsets,
                                              state_v_first=False, chunk_size=BT)
     q, do = packed(seg_call.q), packed(seg_call.do)
     dv = chunk_bwd_dv_local(q=q, k=s1.k, g=s1.g2, do=do, scale=seg_call.scale, **s1.common, chunk_size=BT)
     _, D, _ = chunk_gated_delta_rule_bwd_dhu(q=q, k=s1.k, w=s1.w, g=s1.g2, do=do, dv=dv, scale=seg_call.scale,
                                              h0=torch.zeros(N, H, K, V, dtype=torch.float32, device=dev), dht=None,
-                                             **s1.common, state_v_first=False, chunk_size=BT)
+                                             **with_offsets, state_v_first=False, chunk_size=BT)
     return end[..., :K], (end[..., K:] if need_r else None), D
 
 
@@ -155,16 +171,17 @@ def state_stages(call: GDRCall) -> FlaStages:
     dht = None if call.dht is None else packed(call.dht.float())
     state = dict(state_v_first=call.state_v_first, chunk_size=BT)
 
+    with_offsets = _with_offsets(common, BT)
     if call.h is None:
         h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=k, w=s1.w, u=s1.u, g=s1.g2, initial_state=s1.h0,
-                                                   output_final_state=False, **common, **state)
+                                                   output_final_state=False, **with_offsets, **state)
     else:
         h = packed(call.h)
         v_new = corrected_values(s1.u, s1.w, h, BT, common["cu_seqlens"], common["chunk_indices"],
                                  call.state_v_first)
     dv = chunk_bwd_dv_local(q=q, k=k, g=s1.g2, do=do, scale=call.scale, **common, chunk_size=BT)
     dh, dh0, du = chunk_gated_delta_rule_bwd_dhu(q=q, k=k, w=s1.w, g=s1.g2, h0=s1.h0, dht=dht, do=do, dv=dv,
-                                                 scale=call.scale, **common, **state)
+                                                 scale=call.scale, **with_offsets, **state)
     return FlaStages(q, k, s1.v, do, s1.beta, s1.A, s1.g2, s1.w, h, v_new, dh,
                      dh0 if call.initial_state is not None else None, du, common, state)
 
@@ -213,7 +230,8 @@ def forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, n
     _, g2, w, u = _wy(k, v, beta, a, G, common)
     h0 = None if initial_state is None else packed(initial_state.float())
     h, v_new, ht = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g2, initial_state=h0, output_final_state=need_final,
-                                                state_v_first=state_v_first, chunk_size=chunk_size, **common)
+                                                state_v_first=state_v_first, chunk_size=chunk_size,
+                                                **_with_offsets(common, chunk_size))
     o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g2, scale=scale, state_v_first=state_v_first, chunk_size=chunk_size,
                     **common)
     return o, ht, G, a, h

@@ -24,6 +24,18 @@ def varlen_chunk_indices(seq_lens: Sequence[int], chunk_size: int, device, dtype
     return device_constant(rows, dtype, device, shape=(-1, 2))
 
 
+def varlen_chunk_offsets(seq_lens: Sequence[int], chunk_size: int, device) -> torch.Tensor:
+    """Each sequence's first chunk as a row of `h` (`[N + 1]`, int64, fla's `chunk_offsets`), a
+    device constant like the indices: fla's own (`prepare_chunk_offsets`) lives only in its
+    4-entry tensor cache, so a CUDA graph captured on it reads freed memory once that cache
+    moves on."""
+    rows, total = [0], 0
+    for length in seq_lens:
+        total += -(-length // chunk_size)
+        rows.append(total)
+    return device_constant(tuple(rows), torch.int64, device)
+
+
 @triton.jit
 def chunk_bounds(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN: tl.constexpr):
     """For grid row `i_t` of batch row `i_b`: (chunk index within its sequence, the

@@ -52,6 +52,9 @@ _graphs = caches.memo("split graphs", limit=LIMIT)
 # key -> "eager" once run, "refused" if its capture failed, then (captures so far, copies for good)
 _seen = caches.memo("split graph keys seen", limit=256)
 _callers = caches.memo("split graph callers", limit=256)  # key -> the addresses of its previous call
+# key -> (the stream its graph's buffers were last used on, an event recorded there after the copies
+# out): a call on another stream waits for it before it writes them
+_last_use = caches.memo("split graph streams", limit=256)
 #: Whether the in-place replays' GPU tests (tests/test_gpu.py: the split candidates' own graphs,
 #: new values read in place) have passed; while False only GDR_ALLOW_UNVERIFIED=1 turns them on.
 IN_PLACE_GPU_VERIFIED = True
@@ -107,11 +110,14 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
     if hit is not None and hit[3] is not None and (hit[3] != where or not in_place_allowed()):
         copies_only, hit = True, None  # captured on another caller's tensors: copies for good
     in_place = not copies_only and before == where and in_place_allowed()  # the same addresses twice in a row
+    if hit is not None and in_place and hit[3] is None and captures >= MAX_CAPTURES:
+        copies_only, in_place = True, False  # no captures left: the working graph with copies stays
     if hit is None or (in_place and hit[3] is None):
         if captures >= MAX_CAPTURES:
             # captured again and again (evicted by more keys in turn than LIMIT, or addresses that
             # came and went): a capture per call would cost more than running eagerly
             _graphs.pop(key, None)
+            _seen[key] = "refused"
             if caches.first_time(("split graph thrash", name)):
                 log.info("gdr_dispatch: %s runs eagerly: it was captured %d times (more shapes in turn than the "
                          "%d graphs kept)", name, captures, LIMIT)
@@ -133,6 +139,11 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
     _seen[key] = (captures, copies_only)
     graph, static, out, reads = hit
     _graphs[key] = hit  # most recently used
+    dev = next(x for x in out if x is not None).device
+    stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None  # (a CPU test's stand-in graph)
+    last = _last_use.get(key)
+    if last is not None and last[0] != stream:  # the graph's buffers were last used on another stream
+        stream.wait_event(last[1])
     if reads is None:  # the copies in (the lengths are the key's: cu_seqlens stays), a foreach call per group
         copy_all([(s, x) for x, s in zip(tensors, static) if x is not None and x.is_floating_point()])
     replays["copied" if reads is None else "in place"] += 1
@@ -140,6 +151,10 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
     live = [x for x in out if x is not None]
     fresh = [torch.empty_like(x) for x in live]
     copy_all(list(zip(fresh, live)))
+    if stream is not None:
+        event = last[1] if last is not None else torch.cuda.Event()
+        event.record(stream)
+        _last_use[key] = (stream, event)
     it = iter(fresh)
     return tuple(None if x is None else next(it) for x in out)
 
@@ -203,7 +218,9 @@ def _capture(name: str, key: tuple, tensors: tuple, fn, seq_lens: tuple, in_plac
             with torch.cuda.stream(side):
                 fn(static)  # a warm-up on the capture's stream, as torch's capture notes ask
             torch.cuda.current_stream(dev).wait_stream(side)
-            with torch.cuda.graph(graph, stream=side):
+            # thread_local: another thread's allocation or sync during the capture neither fails there
+            # nor spoils this capture
+            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
                 out = fn(static)
     except Exception as e:  # noqa: BLE001 - any failure to capture leaves the call eager (or copied), said once
         torch.cuda.synchronize(dev)
