@@ -137,6 +137,7 @@ def cmd_tune(args) -> int:
     # shapes grouped by head counts and dtype (the kernels' compile keys), each group compiled then
     # measured before the next: a sweep stopped part way keeps the groups it finished
     groups: dict[tuple, list] = {}
+    grid_order = {id(spec): i for i, spec in enumerate(variants)}  # the summary keeps the grid's order
     for spec in variants:
         groups.setdefault((spec.H, spec.Hg, spec.dtype), []).append(spec)
     variants = [spec for group in groups.values() for spec in group]
@@ -191,6 +192,7 @@ def cmd_tune(args) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
+    results.sort(key=lambda r: grid_order[id(r[0])])
     known = list(registered_backends())
     splits = sorted({n for _, e, _ in results for n in e.get("candidates", {}) if n not in known})
     print(summarize(results, known + splits))

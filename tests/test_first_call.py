@@ -82,6 +82,20 @@ def test_the_family_rule_is_conservative(fakes, monkeypatch, case):
     assert case == "all" or at.losing_families(target) == {}, case
 
 
+def test_a_problem_counts_once_whatever_copies_of_its_entry_the_tables_hold(fakes):
+    """An entry and its copy for users without an optional peer (the same problem, other library
+    versions in the key) are one measurement: two problems so recorded twice are still too few."""
+    for T in (2048, 4096):
+        p = problem(T=T)
+        entry = {"problem": p.describe(), "winner": "fast_a",
+                 "candidates": {"fast_a": {"ms": 1.0}, "slow_x": {"ms": 1.5}, "slow_y": {"ms": 1.7}}}
+        copy = {**entry, "candidates": {"fast_a": {"ms": 1.0}, "slow_x": {"ms": 1.5}}}
+        tuning_table.record(GPU.slug, GPU.name, {p.table_key(): entry, p.table_key() + ",peer=0.1": copy})
+    assert at.losing_families(problem()) == {}
+    full_grid_history(times=1, T0=8192)  # a third problem
+    assert "slow" in at.losing_families(problem())
+
+
 def test_starved_entries_are_no_evidence_at_full_grids(fakes):
     """Entries at starved grids (fewer programs than SMs) neither count against a family nor for it
     at a full grid."""

@@ -55,8 +55,12 @@ def compile_one(H: int, Hg: int, dtype: str, schedule: str = "ws", K: int = 128)
             build_ws_bwd(H, Hg, float(K ** -0.5), dtype, dtype, timing="timing" in words, mode=mode)
         else:
             build_ws_bwd(H, Hg, float(K ** -0.5), dtype, dtype)
-    elif words[0] == "flashqla":  # FlashQLA's backward kernels as our backend calls them: flashqla[-varlen][-hnone]
-        _flashqla_backward(H, Hg, dtype, varlen="varlen" in words, h_none="hnone" in words, K=K)
+    elif words[0] == "flashqla":  # FlashQLA's backward as our backend calls it: flashqla[-varlen][-hnone]...
+        unknown = set(words[1:]) - {"varlen", "hnone", "noh0", "nodht"}
+        if unknown:
+            raise ValueError(f"flashqla: unknown words {sorted(unknown)} (varlen, hnone, noh0, nodht)")
+        _flashqla_backward(H, Hg, dtype, varlen="varlen" in words, h_none="hnone" in words, K=K,
+                           h0="noh0" not in words, dht="nodht" not in words)
     else:
         raise ValueError(f"unknown schedule {schedule!r}: ws[-timing][-reconly|-nowait], states[-vfirst][-timing] "
                          "or flashqla[-varlen][-hnone]")
@@ -91,11 +95,14 @@ def _flashqla_module(name: str):
     return module
 
 
-def _flashqla_backward(H: int, Hg: int, dtype: str, varlen: bool, h_none: bool, K: int = 128) -> None:
+def _flashqla_backward(H: int, Hg: int, dtype: str, varlen: bool, h_none: bool, K: int = 128, h0: bool = True,
+                       dht: bool = True) -> None:
     """Build FlashQLA's fused backward (and with `h_none` its state kernel) with the arguments
-    backends/flash_qla.py's run gives them (h0 and dht present, G in fp32, a and h in q's dtype,
-    int32 lengths): TileLang's cubin cache keys on the CUDA source these arguments generate. The
-    target is the one TileLang detects on an sm_90 device, set here for a machine without one."""
+    backends/flash_qla.py's run gives them (G in fp32, a and h in q's dtype, int32 lengths, the
+    state in [K, V], scale K^-0.5; the backward takes a dht, zeros, wherever the call has h0 or
+    dht): TileLang's cubin cache keys on the CUDA source these arguments generate. Other calls
+    (int64 lengths, fp32 beta, `state_v_first`, another scale) build other kernels. The target is
+    the one TileLang detects on an sm_90 device, set here for a machine without one."""
     import torch
     from tilelang.cuda.target import Target
 
@@ -104,12 +111,13 @@ def _flashqla_backward(H: int, Hg: int, dtype: str, varlen: bool, h_none: bool, 
         bwd = _flashqla_module("fused_bwd")
         bwd.tilelang_fused_chunk_gdr_bwd(H, Hg, K, K, 64, float(K ** -0.5), qkva_dtype=dt, g_dtype=torch.float32,
                                          b_dtype=dt, h_dtype=dt, o_dtype=dt, seqlen_dtype=torch.int32,
-                                         accum_dtype="float32", is_varlen=varlen, use_dht=True, state_v_first=False)
+                                         accum_dtype="float32", is_varlen=varlen, use_dht=h0 or dht,
+                                         state_v_first=False)
         if h_none:
             prep = _flashqla_module("prepare_h")
             prep.tilelang_prepare_h(H, Hg, K, K, 64, qkva_dtype=dt, g_dtype=torch.float32, b_dtype=dt,
                                     h0_dtype=torch.float32, ht_dtype=torch.float32, h_dtype=dt,
-                                    seqlen_dtype=torch.int32, accum_dtype="float32", use_initial_state=True,
+                                    seqlen_dtype=torch.int32, accum_dtype="float32", use_initial_state=h0,
                                     store_final_state=False, store_h=True, is_varlen=varlen, is_cp=False,
                                     state_v_first=False)
 
@@ -118,9 +126,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", action="append", required=True,
                    help="H,Hg,dtype[,ws[-timing][-reconly|-nowait] | ,states[-vfirst][-timing] | "
-                        ",flashqla[-varlen][-hnone]] (K = V = 128, chunk 64; ws, the default: the fused backward; "
-                        "-timing: with cycle counters; -reconly/-nowait: the prototype builds; states: the h=None "
-                        "state kernel; flashqla: FlashQLA's backward as our backend calls it)")
+                        ",flashqla[-varlen][-hnone][-noh0][-nodht]] (K = V = 128, chunk 64; ws, the default: the "
+                        "fused backward; -timing: with cycle counters; -reconly/-nowait: the prototype builds; "
+                        "states: the h=None state kernel; flashqla: FlashQLA's backward as our backend calls it)")
     p.add_argument("--jobs", type=int, default=8)
     args = p.parse_args()
     configs = []
