@@ -776,6 +776,39 @@ def test_keys_that_break_the_contraction_are_joined_exactly(monkeypatch):
     assert_split_equals_whole(kwargs, 2, 1e-10, monkeypatch)
 
 
+def _rising_gate(spec, seed: int = 3):
+    """`spec`'s inputs with one chunk of positive log decays (g = +0.5 a token: the state grows by
+    e^32) between decaying ones, residuals recomputed: chunk 2 alone sums to -19, below fp32's
+    rounding, though the state it starts from is e^32 larger than usual."""
+    from gdr_dispatch.reference import prepare_residuals
+
+    x = make_inputs(spec, "cpu", seed=seed)
+    g = torch.full_like(x["g_raw"], -0.1)
+    g[:, 0:64], g[:, 64:128], g[:, 128:192] = -0.5, 0.5, -0.3
+    res = prepare_residuals(x["q"], x["k"], x["v"], g, x["b"], initial_state=x["initial_state"],
+                            cu_seqlens=x["cu_seqlens"], chunk_size=spec.chunk_size, state_v_first=spec.state_v_first)
+    return {**call_kwargs(x), "a": res.a.to(x["a"].dtype), "g": res.g.to(x["g"].dtype)}
+
+
+def test_a_rising_log_decay_joins_its_head_exactly(monkeypatch):
+    """A positive log decay (g > 0, which the contract's math allows) grows the state, so a window's
+    summed decay no longer bounds the dropped term: every segment of that (sequence, head) is joined
+    exactly, and the split equals the unsplit call chunk by chunk (a warm-up there was 100 % off in
+    the chunk after the window)."""
+    spec = ShapeSpec(B=1, T=384, H=2, K=16, V=16, dtype="float32", h="none")
+    kwargs = _rising_gate(spec)
+    segs, plan = _plan_of(validate(**kwargs), 2)
+    assert (plan == 0).all(), plan
+    whole = fused_gdr_bwd(**kwargs)
+    monkeypatch.setenv("GDR_CP", "2")
+    split = fused_gdr_bwd(**kwargs)
+    for name in ("dq", "dk", "dv", "dg", "db"):
+        a, b = getattr(split, name), getattr(whole, name)
+        for t0 in range(0, 384, 64):
+            part = (slice(None), slice(t0, t0 + 64))
+            assert ((a[part] - b[part]).norm() / b[part].norm()).item() < 1e-4, (name, t0)
+
+
 # -- the decay-aware pass 1 as Triton kernels (Triton's interpreter on the CPU) ------------------
 PIECES_SHAPES = [
     ShapeSpec(B=1, T=640, H=4, Hg=2, K=16, V=32, gate="logsigmoid"),
@@ -795,6 +828,25 @@ def _pieces_call(spec, segments: int, **kw):
     return call, segs, validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
 
 
+def test_decay_plan_kernel_joins_a_rising_head_exactly():
+    """The plan kernel, as the tensor rule: a (sequence, head) whose log decay rises anywhere has
+    every segment exact, the other sequence's heads keep their windows."""
+    from gdr_dispatch.backends.kernels import segment_maps
+    from gdr_dispatch.backends.split import passes as cp
+
+    spec = ShapeSpec(seqlens=(384, 640), H=2, K=16, V=16, dtype="float16", h="none")
+    kwargs = _rising_gate(spec)  # tokens 64-127: inside the first sequence only
+    call = validate(**kwargs)
+    segs = cp.segments_of(tuple(call.seq_lens), 64, 4)
+    flat, offsets = cp._segments_inputs(call, segs.token_offsets)
+    seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
+    got = segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs.s, segs.seq)
+    want = cp._torch_pieces(call, segs, need_starts=True)[0]
+    assert torch.equal(got, want), (got[..., 0], want[..., 0])
+    first = torch.tensor([n == 0 for n in segs.seq])
+    assert (got[first] == 0).all() and (got[~first][..., 0] > 0).any(), got
+
+
 @pytest.mark.parametrize("hostile", [False, True], ids=["normalised_keys", "growing_keys"])
 @pytest.mark.parametrize("spec", PIECES_SHAPES, ids=lambda s: s.label())
 def test_decay_plan_kernel_follows_the_tensor_rule(spec, hostile):
@@ -806,7 +858,7 @@ def test_decay_plan_kernel_follows_the_tensor_rule(spec, hostile):
     kw = dict(tokens=(250, 251, 252, 253), factor=8.0) if hostile else {}
     call, segs, seg_call = _pieces_call(spec, 3, **kw)
     want = cp._torch_pieces(call, segs, need_starts=True)[0]
-    got = segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs.s)
+    got = segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs.s, segs.seq)
     assert torch.equal(got, want), (got[..., 0], want[..., 0])
     if spec.gate != "mixed":
         assert (want[..., 0] > 0).any() and (want[..., 0] == 0).any() if hostile else (want[..., 0] > 0).any()
@@ -883,7 +935,7 @@ def test_a_reset_token_does_not_shorten_the_windows():
     assert (plan[0, :, 0] == 9).all() and (plan[0, :, 1] == 1).all(), plan
     flat, offsets = cp._segments_inputs(call, segs.token_offsets)
     seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
-    assert torch.equal(segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs.s), plan)
+    assert torch.equal(segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs.s, segs.seq), plan)
 
 
 def test_a_reset_token_splits_exactly_in_float32(monkeypatch):

@@ -468,7 +468,7 @@ def test_split_decay_plan_and_pieces_on_gpu(gate, dtype, walk, monkeypatch):
     flat, offsets = cp._segments_inputs(call, segs.token_offsets)
     seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
     thr = cp.threshold(torch.float32)
-    plan = segment_maps.decay_plan(seg_call, thr, segs.s)
+    plan = segment_maps.decay_plan(seg_call, thr, segs.s, segs.seq)
     call64 = validate(**{n: (x.double() if torch.is_tensor(x) and x.is_floating_point() else x)
                          for n, x in kwargs.items()})
     real = cp.threshold

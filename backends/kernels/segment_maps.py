@@ -417,12 +417,14 @@ def _breaks_contraction(k_ptr, b_ptr, t0, eos, hg, h, Hg, H, K: tl.constexpr, BT
 
 
 @triton.jit
-def _decay_plan(k_ptr, g_ptr, b_ptr, cu_ptr, plan_ptr, threshold, Hg, H, K: tl.constexpr, BT: tl.constexpr,
-                CMAX: tl.constexpr):
+def _decay_plan(k_ptr, g_ptr, b_ptr, cu_ptr, plan_ptr, grows_ptr, threshold, Hg, H, K: tl.constexpr,
+                BT: tl.constexpr, CMAX: tl.constexpr):
     """Per (segment, head): `plan[n, h] = (n_f, n_b)`, the fewest last / first chunks of the
     segment whose summed log decay is below `threshold`, or (0, 0) (exact) where the whole
     segment's is not, or where a token of those chunks breaks the contraction
-    (`_breaks_contraction`). docs/kernels.md, "The split"."""
+    (`_breaks_contraction`); `grows[n, h]` 1 where a token's log decay is positive or NaN (the
+    state grows there, so no window bounds what it drops: `decay_plan` makes the sequence's
+    segments of that head exact). docs/kernels.md, "The split"."""
     nh = tl.program_id(0)
     h = nh % H
     hg = h // (H // Hg)
@@ -451,6 +453,16 @@ def _decay_plan(k_ptr, g_ptr, b_ptr, cu_ptr, plan_ptr, threshold, Hg, H, K: tl.c
         bad = tl.maximum(bad, _breaks_contraction(k_ptr, b_ptr, bos + c * BT, eos, hg, h, Hg, H, K, BT))
     tl.store(plan_ptr + nh * 2, tl.where(bad != 0, 0, n_f))
     tl.store(plan_ptr + nh * 2 + 1, tl.where(bad != 0, 0, n_b))
+    # each token's log decay: G minus the previous token's in its chunk (G itself at a chunk start)
+    rt = tl.arange(0, BT)
+    up = 0
+    for c in range(0, nc):
+        t = bos + c * BT + rt
+        ok = t < eos
+        G = tl.load(g_ptr + t.to(tl.int64) * H + h, mask=ok, other=0.0)
+        before = tl.load(g_ptr + (t - 1).to(tl.int64) * H + h, mask=ok & (rt > 0), other=0.0)
+        up = tl.maximum(up, tl.max((ok & ((G > before) | (G != G))).to(tl.int32), axis=0))
+    tl.store(grows_ptr + nh, up)
 
 
 def _call_reason(K: int, V: int, dtype: torch.dtype, chunk_size: int) -> str:
@@ -488,17 +500,25 @@ def segment_maps(seg_call, need_r: bool = True):
     return _maps(seg_call, None, None, need_r)
 
 
-def decay_plan(seg_call, threshold: float, max_chunks: int) -> torch.Tensor:
+def decay_plan(seg_call, threshold: float, max_chunks: int, sequence_of) -> torch.Tensor:
     """`_decay_plan` for every (segment, head) of `seg_call`: int32 `[S, H, 2]`, each segment's
-    warm-up window in chunks, forwards and backwards, or 0 where it is joined exactly.
-    `max_chunks`: the longest segment's chunks."""
+    warm-up window in chunks, forwards and backwards, or 0 where it is joined exactly; every
+    segment of a (sequence, head) whose log decay rises anywhere (g > 0, or NaN) exact: there the
+    state can grow, so a window's summed decay bounds nothing. `sequence_of`: each segment's
+    sequence (`Segments.seq`). `max_chunks`: the longest segment's chunks."""
     _check_segments_call(seg_call, "decay_plan")
     H, Hg, K, BT = seg_call.H, seg_call.Hg, seg_call.K, seg_call.chunk_size
-    plan = torch.empty(seg_call.N, H, 2, dtype=torch.int32, device=seg_call.q.device)
+    dev = seg_call.q.device
+    plan = torch.empty(seg_call.N, H, 2, dtype=torch.int32, device=dev)
+    grows = torch.empty(seg_call.N, H, dtype=torch.int32, device=dev)
     _decay_plan[(seg_call.N * H,)](seg_call.k.contiguous(), seg_call.g.float().contiguous(), seg_call.b.contiguous(),
-                                   seg_call.cu_seqlens.to(torch.int32).contiguous(), plan, float(threshold), Hg, H,
-                                   K=K, BT=BT, CMAX=triton.next_power_of_2(max(1, max_chunks)), num_warps=4)
-    return plan
+                                   seg_call.cu_seqlens.to(torch.int32).contiguous(), plan, grows, float(threshold), Hg,
+                                   H, K=K, BT=BT, CMAX=triton.next_power_of_2(max(1, max_chunks)), num_warps=4)
+    from gdr_dispatch.graph_safe import device_constant
+
+    seq = device_constant(tuple(sequence_of), torch.int64, dev)
+    per_sequence = torch.zeros(max(sequence_of, default=-1) + 1, H, device=dev).index_add_(0, seq, grows.float())
+    return plan.masked_fill_(per_sequence[seq][..., None] > 0, 0)
 
 
 def segment_pieces(seg_call, plan: torch.Tensor, roles: torch.Tensor, need_starts: bool = True,

@@ -282,7 +282,7 @@ def pass_1(call: GDRCall, segs: Segments, seg_call: GDRCall, need_starts: bool, 
         from ..kernels import segment_maps
 
         roles = device_constant(segs.roles, torch.int32, dev)
-        plan = segment_maps.decay_plan(seg_call, threshold(torch.float32), segs.s)
+        plan = segment_maps.decay_plan(seg_call, threshold(torch.float32), segs.s, segs.seq)
         M, starts, ends = segment_maps.segment_pieces(seg_call, plan, roles, need_starts, need_ends, segs.s)
     elif maps is not None:  # exact maps on the provider's kernels: every segment joined through M
         m, r, d = maps(seg_call, need_r=need_starts)
@@ -385,11 +385,17 @@ def _torch_pieces(call: GDRCall, segs: Segments, need_starts: bool):
 
     M, R, D = grid(M, eye), grid(R, zero), grid(D, zero)
     # each chunk's summed log decay and whether a token of it breaks the contraction (b |k|^2 outside [0, 2])
-    gend = grid(lay.gather_gate(call.g, acc)[..., -1], zero)  # [N, n_seg, s, H]
+    gates = lay.gather_gate(call.g, acc)  # [N, C, H, BT], padded rows repeat the last value
+    gend = grid(gates[..., -1], zero)  # [N, n_seg, s, H]
+    # a (sequence, head) whose log decay rises anywhere (g > 0, or NaN) is joined exactly throughout:
+    # its state can grow, so no window's summed decay bounds what it drops (as the kernels' plan)
+    inc = torch.diff(gates, dim=-1, prepend=torch.zeros_like(gates[..., :1]))
+    grows = ((inc > 0) | inc.isnan()).any(-1).any(1)  # [N, H]
     k = cm.expand_heads(lay.gather(call.k, acc), H)
     x = lay.gather(call.b, acc) * (k * k).sum(-1)
     bad = grid(((x < 0) | (x > 2)).any(-1), torch.zeros((), dtype=torch.bool, device=dev))
     n_f, n_b = _windows(gend, real.view(N, n_seg, s), bad, threshold(acc))  # [N, n_seg, H]
+    n_f, n_b = (torch.where(grows[:, None, :], 0, n) for n in (n_f, n_b))
     c = torch.arange(s, device=dev)[:, None, None, None]
     nc = real.view(N, n_seg, s).sum(-1)[:, :, None, None, None, None]
     before = (n_f[:, :, None, :, None, None] > 0) & (c < nc - n_f[:, :, None, :, None, None])
