@@ -54,7 +54,8 @@ def main() -> int:
     bwd = dict(q_ptr=ptr, k_ptr=ptr, a_ptr=ptr, g_ptr=f32, b_ptr=ptr, do_ptr=ptr, cu_ptr=i32, out_ptr=f32,
                plan_ptr=i32, role_ptr=i32, scale="fp32", Hg="i32", H="i32")
     states = dict(**tok, co_ptr=i32, init_ptr=f32, h_ptr=ptr, Hg="i32", H="i32")
-    plan = dict(k_ptr=ptr, g_ptr=f32, b_ptr=ptr, cu_ptr=i32, plan_ptr=i32, threshold="fp32", Hg="i32", H="i32")
+    plan = dict(k_ptr=ptr, g_ptr=f32, b_ptr=ptr, cu_ptr=i32, plan_ptr=i32, grows_ptr=i32, threshold="fp32", Hg="i32",
+                H="i32")
     chain = dict(M=f32, STARTS=f32, ENDS=f32, PLAN=i32, SEG_OFF=i32, S0=f32, G_END=f32, H="i32")
     listed = dict(list_ptr=i32, count_ptr=i32)
     fpieces = dict(**tok, **listed, pm_ptr=f32, pr_ptr=f32, Hg="i32", H="i32")
