@@ -265,6 +265,13 @@ def fused_gdr_bwd(q, k, v, a, g, b, do, dht=None, h=None, *, scale=None, initial
     this rank's share (their sum is the full gradient). Exact: docs/design.md, "Context
     parallelism across ranks".
     """
+    if isinstance(q, torch.Tensor) and torch.is_autocast_enabled(q.device.type):
+        # the contract's math in the inputs' own dtypes (fp32 accumulation): a torch product inside
+        # would otherwise drop to autocast's 16 bits, silently
+        with torch.autocast(q.device.type, enabled=False):
+            return fused_gdr_bwd(q, k, v, a, g, b, do, dht, h, scale=scale, initial_state=initial_state,
+                                 cu_seqlens=cu_seqlens, chunk_size=chunk_size, state_v_first=state_v_first,
+                                 max_seqlen=max_seqlen, cp_group=cp_group)
     if cp_group is not None:
         from .registry import context_parallel
 

@@ -289,7 +289,12 @@ def chunk_gdr_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
 
 def _forward_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, state_v_first,
                   save_states):
-    """The op's forward, behind the custom op (traced) and `_Eager` (eager) alike."""
+    """The op's forward, behind the custom op (traced) and `_Eager` (eager) alike; under
+    `torch.autocast` with autocast off (the math in the inputs' own dtypes, as fused_gdr_bwd)."""
+    if torch.is_autocast_enabled(q.device.type):
+        with torch.autocast(q.device.type, enabled=False):
+            return _forward_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state,
+                                 state_v_first, save_states)
     key = plans.forward_key(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, state_v_first,
                             save_states)
     plan = plans.forward.get(key) if key is not None else None
@@ -523,9 +528,9 @@ def _eager_call(q, k, v, g, beta, initial_state, cu_seqlens) -> bool:
     """Plain tensors outside a trace, a functorch transform or a dispatch mode (make_fx, a flop
     counter, selective checkpointing: each must see the op as one node): the op may skip the
     custom op's dispatch (`_Eager`)."""
-    T = torch.Tensor
-    return (type(q) is T and type(k) is T and type(v) is T and type(g) is T and type(beta) is T
-            and (initial_state is None or type(initial_state) is T) and (cu_seqlens is None or type(cu_seqlens) is T)
+    T = (torch.Tensor, torch.nn.Parameter)  # a Parameter (a learnt initial state) dispatches as a tensor
+    return (type(q) in T and type(k) in T and type(v) in T and type(g) in T and type(beta) in T
+            and (initial_state is None or type(initial_state) in T) and (cu_seqlens is None or type(cu_seqlens) in T)
             and not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active()
             and not torch._C._len_torch_dispatch_stack())
 
@@ -565,6 +570,13 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     """
     if save_states is None:
         save_states = env.save_states()
+    for name, flag in (("output_final_state", output_final_state), ("state_v_first", state_v_first),
+                       ("save_states", save_states)):
+        if not isinstance(flag, bool):  # (bool("False") is True: coercing would hide the mistake)
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
+    # the states are kept only for a backward that can run
+    save_states = save_states and torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v, g, beta, initial_state))
     if cp_group is not None:
         from .registry import context_parallel
 

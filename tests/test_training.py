@@ -124,6 +124,70 @@ def test_a_bad_gdr_save_states_is_an_error(monkeypatch):
         chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"])
 
 
+@pytest.mark.parametrize("flag", ["output_final_state", "state_v_first", "save_states"])
+@pytest.mark.parametrize("value", ["False", None, 1])
+def test_a_flag_that_is_not_a_bool_is_an_error_naming_it(flag, value):
+    """bool("False") is True: a flag is taken only as a bool, never coerced (save_states=None:
+    GDR_SAVE_STATES decides)."""
+    if flag == "save_states" and value is None:
+        pytest.skip("None is save_states' default")
+    x = inputs()
+    with pytest.raises(TypeError, match=f"{flag} must be a bool"):
+        chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], **{flag: value})
+
+
+def test_the_states_are_kept_only_for_a_backward_that_can_run(monkeypatch):
+    """save_states keeps the chunk states for the backward: none under no_grad, none when no input
+    requires grad, kept when one does."""
+    from gdr_dispatch import training
+
+    seen = []
+    real = training._forward_impl
+    monkeypatch.setattr(training, "_forward_impl", lambda *a: seen.append(a[-1]) or real(*a))
+    x = inputs()
+    with torch.no_grad():
+        chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], save_states=True)
+    chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], save_states=True)
+    y = leaves(x)
+    chunk_gated_delta_rule(y["q"], x["k"], x["v"], x["g"], x["beta"], save_states=True)
+    assert seen == [False, False, True]
+
+
+def test_under_autocast_the_op_and_the_backward_compute_as_without():
+    """torch.autocast (HF Trainer's bf16) would run the math's torch products in 16 bits: the op
+    and fused_gdr_bwd run with it off, so fp32 inputs give what they give without it."""
+    from gdr_dispatch import fused_gdr_bwd
+    from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs
+
+    x = inputs(dtype=torch.float32)
+
+    def step():
+        y = leaves(x)
+        o, ht = chunk_gated_delta_rule(y["q"], y["k"], y["v"], y["g"], y["beta"], initial_state=y["initial_state"],
+                                       output_final_state=True)
+        (o.sum() + ht.sum()).backward()
+        return [o, ht] + [y[n].grad for n in ("q", "k", "v", "g", "beta", "initial_state")]
+
+    plain = step()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = step()
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(cast, plain))
+    kw = call_kwargs(make_inputs(ShapeSpec(B=1, T=100, H=2, K=16, V=16, dtype="float32", h="none"), "cpu", seed=2))
+    want = fused_gdr_bwd(**kw)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = fused_gdr_bwd(**kw)
+    assert all(a is None or torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(got, want))
+
+
+def test_a_parameter_takes_the_eager_path():
+    """A learnt initial state (an nn.Parameter) is a plain tensor to the op's eager path."""
+    from gdr_dispatch import training
+
+    x = inputs()
+    h0 = torch.nn.Parameter(x["initial_state"])
+    assert training._eager_call(x["q"], x["k"], x["v"], x["g"], x["beta"], h0, None)
+
+
 @pytest.mark.parametrize("change,exc,words", [
     (dict(g=torch.zeros(2, 100, 3)), ValueError, ["g:", "[2, 100, 4]"]),
     (dict(beta=torch.zeros(2, 100, 4, 1)), ValueError, ["beta:", "[2, 100, 4]"]),
