@@ -366,6 +366,30 @@ def test_a_layer_that_repeats_q_and_k_hands_the_op_the_key_heads(hg, h, monkeypa
         torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-10, msg=name)
 
 
+def test_a_layer_that_tiles_q_and_k_is_never_sliced():
+    """A layer whose forward mentions HF's repeat_interleave only in a comment, and tiles the heads
+    (`repeat`), is not read as repeating; an adapter handed tiled heads anyway (a factor read
+    wrongly) finds out on its first call, says so, and gives every head to the op: the result is
+    HF's reference on the tiled heads, not on every r-th one."""
+
+    class Tiling(LegacyGatedDeltaNet):
+        def forward(self, query, key, value, g, beta, initial_state=None):
+            # query = query.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)
+            # key = key.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)
+            r = self.num_v_heads // self.num_k_heads
+            query, key = query.repeat(1, 1, r, 1), key.repeat(1, 1, r, 1)
+            return self.chunk_gated_delta_rule(query, key, value, g=g, beta=beta)
+
+    assert gdr_hf.layer_repeats(Tiling(None, 2, 4)) == 1
+    q, k, v, g, beta, _ = _gdr_inputs(H=2)
+    q4, k4 = q.repeat(1, 1, 2, 1), k.repeat(1, 1, 2, 1)  # heads 0 1 0 1: every 2nd is not an original
+    v4, g4, b4 = torch.cat([v, v], dim=2), torch.cat([g, g], dim=2), torch.cat([beta, beta], dim=2)
+    with pytest.warns(UserWarning, match="not as repeat_interleave"):
+        out = gdr_hf._adapter(2)(q4, k4, v4, g4, b4)[0]
+    ref = gdr_hf.hf_chunk_gated_delta_rule(q4, k4, v4, g4, b4)[0]
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
 def test_repeats_are_read_from_the_layer_and_never_guessed():
     """This transformers' layers do not repeat (1); a module shared by layers that repeat
     differently slices nothing; q and k that come at the key heads are left as they are."""

@@ -38,11 +38,13 @@ hub kernel replaced (`model.kernelize()`) does not call the name at all.
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib
 import inspect
 import re
 import sys
+import textwrap
 import threading
 import types
 import warnings
@@ -52,6 +54,7 @@ from contextlib import contextmanager
 import torch
 
 import gdr_dispatch as _gdr
+from gdr_dispatch import caches
 
 # The modeling modules whose Gated DeltaNet layer calls `torch_chunk_gated_delta_rule` by its
 # module-level name (transformers 5.x); `enable(model)` also finds any other module with that
@@ -118,7 +121,8 @@ def hf_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial
     `enable` for layers that repeat q and k before the call): the repeat factor r, undone by
     taking every r-th head when q and k come with the value heads' count.
     """
-    if _repeats > 1 and query.shape[2] == value.shape[2] == key.shape[2] and query.shape[2] % _repeats == 0:
+    if (_repeats > 1 and query.shape[2] == value.shape[2] == key.shape[2] and query.shape[2] % _repeats == 0
+            and _interleaved(query, key, _repeats)):
         query, key = query[:, :, ::_repeats], key[:, :, ::_repeats]
     scale = kwargs.pop("scale", None)
     cu_seqlens = kwargs.pop("cu_seqlens", None)
@@ -159,6 +163,34 @@ def hf_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial
 hf_chunk_gated_delta_rule._gdr_dispatch_hook = True
 
 
+#: repeat factor -> whether q and k came interleaved (head i of the key heads at i*r .. i*r + r - 1),
+#: checked on the first eager call with that factor
+_LAYOUT_CHECKED: dict = {}
+
+
+@caches.on_clear
+def _forget_layouts() -> None:
+    _LAYOUT_CHECKED.clear()
+
+
+def _interleaved(query, key, r: int) -> bool:
+    """Whether q and k repeated `r` times along the heads are `repeat_interleave`'s layout (every
+    r-th head an original, the slice's premise), checked on the values of the first eager call per
+    `r` and remembered; a traced call trusts the layer's source (`layer_repeats`). A layer that
+    tiles instead (`repeat`) is said once and runs unsliced: the op then takes all the heads."""
+    ok = _LAYOUT_CHECKED.get(r)
+    if ok is None:
+        if torch.compiler.is_compiling():
+            return True
+        ok = all(torch.equal(x, x[:, :, ::r].repeat_interleave(r, dim=2)) for x in (query, key))
+        _LAYOUT_CHECKED[r] = ok
+        if not ok:
+            warnings.warn(f"gdr_dispatch.integrations.transformers: this model's layers hand q and k repeated {r} "
+                          f"times, but not as repeat_interleave lays them out: the op takes every head as given "
+                          f"(no saving from reading q and k at the key heads)", stacklevel=3)
+    return ok
+
+
 def _adapter(repeats: int):
     """The adapter for layers that repeat q and k `repeats` times before the call (1: none)."""
     if repeats <= 1:
@@ -175,15 +207,17 @@ _REPEAT = re.compile(r"(query|key)\s*=\s*\1\.repeat_interleave\(\s*self\.num_v_h
 
 def layer_repeats(layer) -> int:
     """How many times `layer` repeats q and k along the heads before its chunk call: its
-    `num_v_heads // num_k_heads` when its forward holds HF's `repeat_interleave` of both, else 1."""
+    `num_v_heads // num_k_heads` when its forward's code (not a comment or a string in it) holds
+    HF's `repeat_interleave` of both, else 1. The first call checks the values too (`_interleaved`)."""
     r = getattr(layer, "num_v_heads", 0) // max(getattr(layer, "num_k_heads", 0) or 1, 1)
     if r <= 1:
         return 1
     try:
-        src = inspect.getsource(type(layer).forward)
-    except (OSError, TypeError):
+        src = textwrap.dedent(inspect.getsource(type(layer).forward))
+        statements = [ast.unparse(node) for node in ast.walk(ast.parse(src)) if isinstance(node, ast.Assign)]
+    except (OSError, TypeError, SyntaxError):
         return 1
-    return r if {m.group(1) for m in _REPEAT.finditer(src)} == {"query", "key"} else 1
+    return r if {m.group(1) for x in statements for m in _REPEAT.finditer(x)} == {"query", "key"} else 1
 
 
 def _brief(x) -> str:
