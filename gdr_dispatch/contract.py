@@ -114,8 +114,17 @@ def packed(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return x.clone(memory_format=torch.contiguous_format)
 
 
+def _n(x):
+    """A size as a number: a traced call's symbolic size (torch.compile with dynamic shapes) by the
+    value it has in the call being traced, so an error reads `[2, 100, 3]`, not `[s85, s34, s58]`."""
+    if isinstance(x, torch.SymInt):
+        hint = getattr(x.node, "hint", None)  # (None without one: the symbol is then its name)
+        return hint if isinstance(hint, int) else x
+    return x
+
+
 def _fmt_shape(t: torch.Tensor) -> str:
-    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+    return "[" + ", ".join(str(_n(s)) for s in t.shape) + "]"
 
 
 def _expect_tensor(name: str, x) -> torch.Tensor:
@@ -126,7 +135,7 @@ def _expect_tensor(name: str, x) -> torch.Tensor:
 
 def _expect_shape(name: str, x: torch.Tensor, expected: Sequence[int], meaning: str) -> None:
     if tuple(x.shape) != tuple(expected):
-        want = "[" + ", ".join(str(s) for s in expected) + "]"
+        want = "[" + ", ".join(str(_n(s)) for s in expected) + "]"
         raise ValueError(f"{name}: expected shape {want} ({meaning}), got {_fmt_shape(x)}")
 
 
@@ -162,14 +171,14 @@ def check_cu_seqlens_form(cu_seqlens: torch.Tensor, B: int) -> None:
         raise ValueError(f"cu_seqlens: expected a 1-D tensor [N + 1] with N >= 1, got {_fmt_shape(cu_seqlens)}")
     _expect_dtype("cu_seqlens", cu_seqlens, (torch.int32, torch.int64))
     if B != 1:
-        raise ValueError(f"cu_seqlens: varlen calls pack sequences along T and need B == 1, got B={B}")
+        raise ValueError(f"cu_seqlens: varlen calls pack sequences along T and need B == 1, got B={_n(B)}")
 
 
 def check_state(name: str, x: torch.Tensor, N: int, H: int, K: int, V: int, state_v_first: bool) -> None:
     """An `initial_state`/`dht`-like tensor: `[N, H, K, V]` (`[N, H, V, K]` with `state_v_first`), a float dtype."""
     state = (N, H, V, K) if state_v_first else (N, H, K, V)
     layout = "[N, H, V, K] (state_v_first=True)" if state_v_first else "[N, H, K, V] (state_v_first=False)"
-    _expect_shape(name, x, state, f"{layout}, N={N} sequences")
+    _expect_shape(name, x, state, f"{layout}, N={_n(N)} sequences")
     _expect_dtype(name, x, (torch.float32, torch.float64, torch.bfloat16, torch.float16))
 
 
@@ -183,16 +192,16 @@ def check_sizes(B: int, T: int, H: int, Hg: int, K: int, V: int, chunk_size: int
     if chunk_size <= 0:
         raise ValueError(f"chunk_size: expected a positive int, got {chunk_size}")
     if B < 1:
-        raise ValueError(f"q: expected at least one sequence (B >= 1), got B={B}")
+        raise ValueError(f"q: expected at least one sequence (B >= 1), got B={_n(B)}")
     if T < 1:
-        raise ValueError(f"q: expected at least one token (T >= 1), got T={T}")
+        raise ValueError(f"q: expected at least one token (T >= 1), got T={_n(T)}")
     if Hg < 1 or K < 1:
-        raise ValueError(f"q: the q/k head count and head dim must be >= 1, got Hg={Hg}, K={K}")
+        raise ValueError(f"q: the q/k head count and head dim must be >= 1, got Hg={_n(Hg)}, K={_n(K)}")
     if H < 1 or V < 1:
-        raise ValueError(f"v: the value head count and head dim must be >= 1, got H={H}, V={V}")
+        raise ValueError(f"v: the value head count and head dim must be >= 1, got H={_n(H)}, V={_n(V)}")
     if H % Hg != 0:
         raise ValueError(
-            f"v: its head count H={H} must be a multiple of q/k's head count Hg={Hg} "
+            f"v: its head count H={_n(H)} must be a multiple of q/k's head count Hg={_n(Hg)} "
             f"(value head i uses q/k head i // (H // Hg))"
         )
 
@@ -254,7 +263,7 @@ def sequence_lengths(cu_seqlens: Optional[torch.Tensor], B: int, T: int) -> tupl
         i = next(i for i, s in enumerate(steps) if s < 0)
         raise ValueError(f"cu_seqlens: expected non-decreasing offsets, got {offsets[i]} then {offsets[i + 1]} at index {i}")
     if offsets[-1] != T:
-        raise ValueError(f"cu_seqlens: expected to end at T={T} (the token count of q), got {offsets[-1]}")
+        raise ValueError(f"cu_seqlens: expected to end at T={_n(T)} (the token count of q), got {offsets[-1]}")
     return tuple(steps)
 
 
@@ -333,7 +342,7 @@ def check_backward_values(B: int, T: int, H: int, K: int, V: int, h, cu_seqlens,
         longest = max(seq_lens)
         if not longest <= max_seqlen <= T:
             raise ValueError(f"max_seqlen: expected the longest sequence's length ({longest} tokens here) or a bound "
-                             f"on it no larger than T={T}, got {max_seqlen}")
+                             f"on it no larger than T={_n(T)}, got {max_seqlen}")
     if h is not None:
         lead = (1, num_chunks) if cu_seqlens is not None else (B, num_chunks // B)
         hshape = lead + ((H, V, K) if state_v_first else (H, K, V))

@@ -179,6 +179,19 @@ def test_under_autocast_the_op_and_the_backward_compute_as_without():
     assert all(a is None or torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(got, want))
 
 
+def test_a_compiled_call_with_dynamic_shapes_names_sizes_as_numbers():
+    """torch.compile(dynamic=True) traces symbolic sizes: the bad argument's message still reads
+    `[2, 100, 3]`, not `[s85, s34, s58]`."""
+    x = inputs()
+
+    def f(q, k, v, g, beta):
+        return chunk_gated_delta_rule(q, k, v, g, beta)[0]
+
+    with pytest.raises(Exception) as info:
+        torch.compile(f, dynamic=True, backend="aot_eager")(x["q"], x["k"], x["v"], x["g"][..., :3], x["beta"])
+    assert "g: expected shape [2, 100, 4]" in str(info.value) and "got [2, 100, 3]" in str(info.value), str(info.value)
+
+
 def test_a_parameter_takes_the_eager_path():
     """A learnt initial state (an nn.Parameter) is a plain tensor to the op's eager path."""
     from gdr_dispatch import training
