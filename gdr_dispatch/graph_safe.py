@@ -19,6 +19,7 @@ evicted, since a graph reads it at replay).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import weakref
 from collections import OrderedDict
 from typing import Optional
@@ -92,7 +93,9 @@ def remember(cu_seqlens: torch.Tensor, offsets: tuple[int, ...]) -> None:
     _offsets[key] = (hit[0], tuple(offsets))
 
 
-_measuring = 0
+#: inside `copied_graph_inputs`, in this thread (or task) only: another thread's calls keep their
+#: in-place replays while one autotunes
+_measuring: contextvars.ContextVar = contextvars.ContextVar("gdr_dispatch_copied_graph_inputs", default=False)
 
 
 @contextlib.contextmanager
@@ -100,16 +103,15 @@ def copied_graph_inputs():
     """Inside: the split's graphs copy their inputs in even where they could read them in place
     (backends/split/graphs.py). The autotuner times its candidates so: it calls each on the same
     tensors again and again, while a model whose layers share a shape hands them new addresses."""
-    global _measuring
-    _measuring += 1
+    token = _measuring.set(True)
     try:
         yield
     finally:
-        _measuring -= 1
+        _measuring.reset(token)
 
 
 def graph_inputs_copied() -> bool:
-    return _measuring > 0
+    return _measuring.get()
 
 
 def device_constant(values: tuple, dtype: torch.dtype, device: torch.device,
