@@ -265,7 +265,7 @@ def fused_gdr_bwd(q, k, v, a, g, b, do, dht=None, h=None, *, scale=None, initial
     this rank's share (their sum is the full gradient). Exact: docs/design.md, "Context
     parallelism across ranks".
     """
-    if isinstance(q, torch.Tensor) and torch.is_autocast_enabled(q.device.type):
+    if isinstance(q, torch.Tensor) and q.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(q.device.type):
         # the contract's math in the inputs' own dtypes (fp32 accumulation): a torch product inside
         # would otherwise drop to autocast's 16 bits, silently
         with torch.autocast(q.device.type, enabled=False):

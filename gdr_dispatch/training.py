@@ -291,7 +291,7 @@ def _forward_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_fin
                   save_states):
     """The op's forward, behind the custom op (traced) and `_Eager` (eager) alike; under
     `torch.autocast` with autocast off (the math in the inputs' own dtypes, as fused_gdr_bwd)."""
-    if torch.is_autocast_enabled(q.device.type):
+    if q.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(q.device.type):  # (meta has no autocast)
         with torch.autocast(q.device.type, enabled=False):
             return _forward_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state,
                                  state_v_first, save_states)
