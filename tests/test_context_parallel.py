@@ -828,6 +828,25 @@ def _pieces_call(spec, segments: int, **kw):
     return call, segs, validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
 
 
+def test_a_nan_key_in_a_window_joins_its_segment_exactly():
+    """A NaN key (or beta) inside a warm-up window is no contraction either: that segment is joined
+    exactly, so the NaN reaches what follows as in the unsplit call, in the kernel plan and the
+    tensor rule alike."""
+    from gdr_dispatch.backends.kernels import segment_maps
+    from gdr_dispatch.backends.split import passes as cp
+
+    spec = ShapeSpec(B=1, T=640, H=2, K=16, V=16, dtype="float16", h="none")
+    x = call_kwargs(make_inputs(spec, "cpu", seed=8))
+    x["k"] = x["k"].clone()
+    x["k"][:, 300] = float("nan")  # in segment 0's last chunk: inside any forward window it has
+    call = validate(**x)
+    segs, plan = _plan_of(call, 2)
+    assert (plan[0, :, 0] == 0).all() and (plan[1, :, 0] > 0).all(), plan
+    flat, offsets = cp._segments_inputs(call, segs.token_offsets)
+    seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
+    assert torch.equal(segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs.s, segs.seq), plan)
+
+
 def test_decay_plan_kernel_joins_a_rising_head_exactly():
     """The plan kernel, as the tensor rule: a (sequence, head) whose log decay rises anywhere has
     every segment exact, the other sequence's heads keep their windows."""

@@ -405,15 +405,15 @@ def _compose_backward(list_ptr, count_ptr, role_ptr, pm_ptr, pd_ptr, out_ptr, H,
 
 @triton.jit
 def _breaks_contraction(k_ptr, b_ptr, t0, eos, hg, h, Hg, H, K: tl.constexpr, BT: tl.constexpr):
-    """1 where a token of the chunk from t0 has b |k|^2 outside [0, 2] (its transition
-    e^g (I - b k k^T) then grows some state by more than e^g), else 0."""
+    """1 where a token of the chunk from t0 has b |k|^2 outside [0, 2] or NaN (its transition
+    e^g (I - b k k^T) then grows some state by more than e^g, or poisons it), else 0."""
     t = t0 + tl.arange(0, BT)
     valid = t < eos
     k = tl.load(k_ptr + (t[:, None].to(tl.int64) * Hg + hg) * K + tl.arange(0, K)[None, :], mask=valid[:, None],
                 other=0.0).to(tl.float32)
     b = tl.load(b_ptr + t.to(tl.int64) * H + h, mask=valid, other=0.0).to(tl.float32)
     x = b * tl.sum(k * k, axis=1)
-    return tl.max(((x < 0.0) | (x > 2.0)).to(tl.int32), axis=0)
+    return tl.max(1 - ((x >= 0.0) & (x <= 2.0)).to(tl.int32), axis=0)
 
 
 @triton.jit

@@ -393,7 +393,7 @@ def _torch_pieces(call: GDRCall, segs: Segments, need_starts: bool):
     grows = ((inc > 0) | inc.isnan()).any(-1).any(1)  # [N, H]
     k = cm.expand_heads(lay.gather(call.k, acc), H)
     x = lay.gather(call.b, acc) * (k * k).sum(-1)
-    bad = grid(((x < 0) | (x > 2)).any(-1), torch.zeros((), dtype=torch.bool, device=dev))
+    bad = grid((~((x >= 0) & (x <= 2))).any(-1), torch.zeros((), dtype=torch.bool, device=dev))  # (NaN: bad)
     n_f, n_b = _windows(gend, real.view(N, n_seg, s), bad, threshold(acc))  # [N, n_seg, H]
     n_f, n_b = (torch.where(grows[:, None, :], 0, n) for n in (n_f, n_b))
     c = torch.arange(s, device=dev)[:, None, None, None]
