@@ -9,30 +9,33 @@ other short strings and evict their oldest entries past `limit`.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Optional
 
 _all: dict[str, "Memo"] = {}
 _hooks: list[Callable[[], None]] = []
 
 
 class Memo(OrderedDict):
-    """A dict that keeps at most `limit` entries (least recently set go first)."""
+    """A dict that keeps at most `limit` entries (least recently set go first); `on_evict(key,
+    value)` hears of each entry the limit pushes out."""
 
-    def __init__(self, name: str, limit: int):
+    def __init__(self, name: str, limit: int, on_evict: Optional[Callable] = None):
         super().__init__()
-        self.name, self.limit = name, limit
+        self.name, self.limit, self.on_evict = name, limit, on_evict
 
     def __setitem__(self, key, value):
         super().__setitem__(key, value)
         self.move_to_end(key)
         while len(self) > self.limit:
-            self.popitem(last=False)
+            old = self.popitem(last=False)
+            if self.on_evict is not None:
+                self.on_evict(*old)
 
 
-def memo(name: str, limit: int = 4096) -> Memo:
+def memo(name: str, limit: int = 4096, on_evict: Optional[Callable] = None) -> Memo:
     """The process-wide memo called `name` (made on first use)."""
     if name not in _all:
-        _all[name] = Memo(name, limit)
+        _all[name] = Memo(name, limit, on_evict)
     return _all[name]
 
 

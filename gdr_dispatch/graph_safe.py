@@ -12,8 +12,9 @@ memory to the device, and a captured step replays with the lengths it was captur
   the same tensors), never a silent read. The graph then replays with those lengths, whatever the
   buffer holds later: that is what capturing a varlen step means.
 
-Index tensors are built once per content and kept (bounded; one that a capture used is never
-evicted, since a graph reads it at replay).
+Index tensors are built once per content and kept (bounded; one that a capture of the caller's
+used is never evicted, since that graph reads it at every replay; one the split's own graphs read
+is kept while one of them holds it: `graph_owned_pins`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,11 @@ _offsets: dict[int, tuple] = {}
 #: ids of the 1-D index tensors `device_constant` built: their `_offsets` entry is their content
 _immutable: set = set()
 _constants: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+#: keys a capture of the caller's used (a graph whose lifetime we cannot see: kept for good)
 _pinned: set = set()
+#: key -> how many of the split's own graphs read it (`graph_owned_pins`; released with them)
+_owned: dict = {}
+_owning: list = []  # the key sets of the captures of our own under way
 #: Index tensors kept (least recently used go first, never one a capture used).
 MAX_CONSTANTS = 1024
 
@@ -42,6 +47,7 @@ MAX_CONSTANTS = 1024
 def _forget() -> None:
     _offsets.clear()
     _immutable.clear()
+    _owned.clear()  # (the split's graphs go with the same clear)
     for key in [k for k in _constants if k not in _pinned]:
         del _constants[key]
 
@@ -156,13 +162,42 @@ def _kept(key: tuple, device: torch.device) -> Optional[torch.Tensor]:
     if t is not None:
         _constants.move_to_end(key)
         if key not in _pinned and capturing(device):
-            _pinned.add(key)
+            if _owning:
+                _owning[-1].add(key)
+            else:
+                _pinned.add(key)
     return t
 
 
 def _keep(key: tuple, t: torch.Tensor) -> torch.Tensor:
     """Keep `t` under `key`, dropping the least recently used unpinned tensors past MAX_CONSTANTS."""
     _constants[key] = t
-    for old in [k for k in _constants if k not in _pinned][:max(0, len(_constants) - MAX_CONSTANTS)]:
+    spare = [k for k in _constants if k not in _pinned and k not in _owned]
+    for old in spare[:max(0, len(_constants) - MAX_CONSTANTS)]:
         del _constants[old]
     return t
+
+
+@contextlib.contextmanager
+def graph_owned_pins():
+    """Around a capture of the split's own graph (backends/split/graphs.py): the kept tensors it
+    reads are pinned for that graph only, not for good; yields the set of their keys, which the
+    graph hands back to `release_pins` when it is dropped."""
+    keys: set = set()
+    _owning.append(keys)
+    try:
+        yield keys
+    finally:
+        _owning.pop()
+        for key in keys:
+            _owned[key] = _owned.get(key, 0) + 1
+
+
+def release_pins(keys) -> None:
+    """A dropped graph's pins (`graph_owned_pins`): each key no graph reads any more may be evicted."""
+    for key in keys or ():
+        n = _owned.get(key, 0) - 1
+        if n > 0:
+            _owned[key] = n
+        else:
+            _owned.pop(key, None)

@@ -71,6 +71,34 @@ def test_index_tensors_are_built_once_and_those_a_capture_used_are_kept(capture,
     assert len(graph_safe._constants) <= 3
 
 
+def test_an_index_tensor_our_graph_reads_is_kept_only_while_the_graph_is(capture, monkeypatch):
+    """The split's own graphs pin the index tensors they read for their lifetime only: while a
+    graph holds one it survives evictions; once the last graph reading it is dropped (evicted
+    from the split's graphs) it may go like any other."""
+    from gdr_dispatch import clear_caches
+    from gdr_dispatch.backends.split import graphs
+
+    clear_caches()
+    monkeypatch.setattr(graph_safe, "MAX_CONSTANTS", 2)
+    a = graph_safe.device_constant((3, 4), torch.int32, "cpu")
+    capture["on"] = True
+    with graph_safe.graph_owned_pins() as pins:  # a capture of ours reads it
+        graph_safe.device_constant((3, 4), torch.int32, "cpu")
+    capture["on"] = False
+    assert len(pins) == 1 and not pins & graph_safe._pinned  # pinned for the graph, not for good
+    key = ("pinning graph",)
+    graphs._pins[key], graphs._graphs[key] = pins, ("graph", None, (), None)
+    for n in range(5):  # evictions pass over it while the graph lives
+        graph_safe.device_constant((n,), torch.int32, "cpu")
+    assert graph_safe.device_constant((3, 4), torch.int32, "cpu") is a
+    for n in range(graphs.LIMIT):  # more graphs than kept: ours is evicted, its pins released
+        graphs._graphs[("other", n)] = ("graph", None, (), None)
+    assert key not in graphs._graphs and not graph_safe._owned
+    for n in range(5, 10):
+        graph_safe.device_constant((n,), torch.int32, "cpu")
+    assert graph_safe.device_constant((3, 4), torch.int32, "cpu") is not a  # evicted, built again
+
+
 def test_a_varlen_call_repeats_under_capture_without_reading_the_device(capture):
     """The contract's validation takes the lengths from memory on the second call, and a fresh
     cu_seqlens under capture names itself."""

@@ -36,7 +36,8 @@ import torch
 
 from gdr_dispatch import caches, env
 from gdr_dispatch.contract import GDRCall, GDRGrads
-from gdr_dispatch.graph_safe import device_constant, graph_inputs_copied, remember, remembered
+from gdr_dispatch.graph_safe import (device_constant, graph_inputs_copied, graph_owned_pins, release_pins, remember,
+                                     remembered)
 
 log = logging.getLogger("gdr_dispatch")
 
@@ -48,7 +49,9 @@ MAX_CAPTURES = 4
 TENSORS = ("q", "k", "v", "a", "g", "b", "do", "dht", "h", "initial_state", "cu_seqlens")
 
 # key -> (graph, static inputs or None, static outputs, the caller's addresses it reads or None)
-_graphs = caches.memo("split graphs", limit=LIMIT)
+_graphs = caches.memo("split graphs", limit=LIMIT, on_evict=lambda key, hit: _release(key))
+# key -> the kept index tensors its graph reads (graph_safe.graph_owned_pins), released with it
+_pins: dict = {}
 # key -> "eager" once run, "refused" if its capture failed, then (captures so far, copies for good)
 _seen = caches.memo("split graph keys seen", limit=256)
 _callers = caches.memo("split graph callers", limit=256)  # key -> the addresses of its previous call
@@ -116,7 +119,7 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
         if captures >= MAX_CAPTURES:
             # captured again and again (evicted by more keys in turn than LIMIT, or addresses that
             # came and went): a capture per call would cost more than running eagerly
-            _graphs.pop(key, None)
+            _drop(key)
             _seen[key] = "refused"
             if caches.first_time(("split graph thrash", name)):
                 log.info("gdr_dispatch: %s runs eagerly: it was captured %d times (more shapes in turn than the "
@@ -133,7 +136,7 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
                 new = hit
         if new is None:
             _seen[key] = "refused"
-            _graphs.pop(key, None)
+            _drop(key)
             return fn(tensors)
         hit = new
     _seen[key] = (captures, copies_only)
@@ -211,8 +214,9 @@ def _capture(name: str, key: tuple, tensors: tuple, fn, seq_lens: tuple, in_plac
                 remember(s, remembered(x))
     before = torch.cuda.memory_allocated(dev)
     graph = torch.cuda.CUDAGraph()
+    pins: set = set()
     try:
-        with torch.cuda.device(dev):  # the inputs' device, whichever is current (and its own capture stream)
+        with torch.cuda.device(dev), graph_owned_pins() as pins:  # the inputs' device (and its own capture stream)
             side = torch.cuda.Stream(dev)
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):
@@ -223,6 +227,7 @@ def _capture(name: str, key: tuple, tensors: tuple, fn, seq_lens: tuple, in_plac
             with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
                 out = fn(static)
     except Exception as e:  # noqa: BLE001 - any failure to capture leaves the call eager (or copied), said once
+        release_pins(pins)
         torch.cuda.synchronize(dev)
         if caches.first_time(("split graph refused", name, in_place)):
             log.info("gdr_dispatch: %s %s: its capture into a CUDA graph%s failed (%s: %s)", name,
@@ -239,9 +244,26 @@ def _capture(name: str, key: tuple, tensors: tuple, fn, seq_lens: tuple, in_plac
                  "(at most %d such graphs are kept; GDR_SPLIT_GRAPHS=0 turns them off)", name, sum(seq_lens),
                  held / 2 ** 20, LIMIT)
     hit = (graph, None if in_place else static, tuple(out), addresses(tensors) if in_place else None)
+    _release(key)  # a graph it replaces reads nothing any more
+    _pins[key] = pins
     _graphs[key] = hit
     return hit
 
 
 def held_graphs() -> int:
     return len(_graphs)
+
+
+def _release(key) -> None:
+    """A key's graph is dropped: the index tensors it pinned may go (graph_safe.release_pins)."""
+    release_pins(_pins.pop(key, None))
+
+
+def _drop(key) -> None:
+    _graphs.pop(key, None)
+    _release(key)
+
+
+@caches.on_clear
+def _forget_pins() -> None:
+    _pins.clear()  # (graph_safe forgets its pin counts in the same clear)
