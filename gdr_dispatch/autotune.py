@@ -425,9 +425,10 @@ def losing_families(problem: Problem) -> dict[str, str]:
     # optional peer, and a user table may repeat the shipped one's (the one timing the most wins)
     measured: dict[tuple, tuple] = {}
     for key, entry in tuning_table.device_entries(problem):
-        known = measured.get(tuple(key.split("|")[:12]))
+        which = tuple(key.split("|")[:12])
+        known = measured.get(which)
         if known is None or len(entry.get("candidates") or {}) > len(known[1].get("candidates") or {}):
-            measured[tuple(key.split("|")[:12])] = (key, entry)
+            measured[which] = (key, entry)
     for key, entry in measured.values():
         programs = tuning_table.entry_programs(key, entry)
         cands = entry.get("candidates", {})

@@ -89,9 +89,11 @@ def precompile(variants, device, only, workers: int, splits: bool = True, done: 
         for job, names in compile_jobs_of(call, chosen).items():
             jobs.setdefault(job, []).extend(names)
         del inputs, call
-    fresh = {job: names for job, names in one_warm_run_per_key(jobs).items()
-             if (warm_key(job) if job[1] == warm_backend.__name__ else job) not in done}
-    done.update(warm_key(job) if job[1] == warm_backend.__name__ else job for job in fresh)
+    def build(job):  # what a job builds: a warm run's key (one_warm_run_per_key's), else the job
+        return warm_key(job) if job[1] == warm_backend.__name__ else job
+
+    fresh = {job: names for job, names in one_warm_run_per_key(jobs).items() if build(job) not in done}
+    done.update(map(build, fresh))
     if fresh:
         run_precompile(fresh, workers, lambda line: print(line, file=sys.stderr, flush=True))
 

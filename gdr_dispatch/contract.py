@@ -114,6 +114,12 @@ def packed(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return x.clone(memory_format=torch.contiguous_format)
 
 
+#: Where `torch.autocast` may be on (it knows no other device: meta has none). The op's forward and
+#: `fused_gdr_bwd` turn it off there: the contract's math runs in the inputs' own dtypes with fp32
+#: accumulation, and a torch product inside would otherwise drop to autocast's 16 bits, silently.
+AUTOCAST_DEVICES = ("cuda", "cpu")
+
+
 def _n(x):
     """A size as a number: a traced call's symbolic size (torch.compile with dynamic shapes) by the
     value it has in the call being traced, so an error reads `[2, 100, 3]`, not `[s85, s34, s58]`."""

@@ -23,7 +23,8 @@ import torch
 
 from . import caches, env, plans, tuning_table
 from .autotune import check_outputs, first_call, predict
-from .contract import GDRCall, GDRGrads, check_backward_structure, check_backward_values, check_scale, make_call
+from .contract import (AUTOCAST_DEVICES, GDRCall, GDRGrads, check_backward_structure, check_backward_values,
+                       check_scale, make_call)
 from .problem import Problem
 from .registry import Backend, NoBackendError, get_backend, parse_wrapped, registered_backends, wrappers
 
@@ -265,9 +266,7 @@ def fused_gdr_bwd(q, k, v, a, g, b, do, dht=None, h=None, *, scale=None, initial
     this rank's share (their sum is the full gradient). Exact: docs/design.md, "Context
     parallelism across ranks".
     """
-    if isinstance(q, torch.Tensor) and q.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(q.device.type):
-        # the contract's math in the inputs' own dtypes (fp32 accumulation): a torch product inside
-        # would otherwise drop to autocast's 16 bits, silently
+    if isinstance(q, torch.Tensor) and q.device.type in AUTOCAST_DEVICES and torch.is_autocast_enabled(q.device.type):
         with torch.autocast(q.device.type, enabled=False):
             return fused_gdr_bwd(q, k, v, a, g, b, do, dht, h, scale=scale, initial_state=initial_state,
                                  cu_seqlens=cu_seqlens, chunk_size=chunk_size, state_v_first=state_v_first,

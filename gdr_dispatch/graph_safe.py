@@ -39,7 +39,7 @@ _pinned: set = set()
 #: key -> how many of the split's own graphs read it (`graph_owned_pins`; released with them)
 _owned: dict = {}
 _owning: list = []  # the key sets of the captures of our own under way
-#: Index tensors kept (least recently used go first, never one a capture used).
+#: Index tensors kept (least recently used go first, never one a graph reads: `_pinned`, `_owned`).
 MAX_CONSTANTS = 1024
 
 
@@ -156,8 +156,9 @@ def zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tenso
 
 
 def _kept(key: tuple, device: torch.device) -> Optional[torch.Tensor]:
-    """The kept tensor of `key`, most recently used now, or None; one a capture reads is pinned
-    (a graph reads it at every replay, so it is never evicted). The hot path: one capture check."""
+    """The kept tensor of `key`, most recently used now, or None; one a capture reads is pinned (a
+    graph reads it at every replay): for good, or for the graph's life where the split captures its
+    own (`graph_owned_pins`). The hot path: one capture check."""
     t = _constants.get(key)
     if t is not None:
         _constants.move_to_end(key)

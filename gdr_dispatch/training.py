@@ -41,7 +41,7 @@ import torch
 
 from . import env, plans, tuning_table
 from .caches import Memo, first_time, memo
-from .contract import check_forward_structure, check_scale, packed, sequence_lengths
+from .contract import AUTOCAST_DEVICES, check_forward_structure, check_scale, packed, sequence_lengths
 from .graph_safe import offsets_of, remember, remembered
 from .problem import Problem, device_info, library_versions
 from .registry import forward_env, get_backend, parse_wrapped, registered_backends, wrappers
@@ -291,7 +291,7 @@ def _forward_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_fin
                   save_states):
     """The op's forward, behind the custom op (traced) and `_Eager` (eager) alike; under
     `torch.autocast` with autocast off (the math in the inputs' own dtypes, as fused_gdr_bwd)."""
-    if q.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(q.device.type):  # (meta has no autocast)
+    if q.device.type in AUTOCAST_DEVICES and torch.is_autocast_enabled(q.device.type):
         with torch.autocast(q.device.type, enabled=False):
             return _forward_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state,
                                  state_v_first, save_states)
@@ -588,8 +588,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         # forward checks the rest as this does (compiled: in the fake)
         check_forward_structure(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, CHUNK)
     scale = check_scale(scale, q.shape[-1])
-    args = (q, k, v, g, beta, initial_state, cu_seqlens, scale, bool(output_final_state), bool(state_v_first),
-            bool(save_states))
+    args = (q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, state_v_first, save_states)
     if _eager_call(q, k, v, g, beta, initial_state, cu_seqlens):
         # without grad mode no graph is recorded: the forward alone, nothing saved
         o, ht, _, _, _ = _Eager.apply(*args) if torch.is_grad_enabled() else _forward_impl(*args)

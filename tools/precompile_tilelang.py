@@ -63,7 +63,7 @@ def compile_one(H: int, Hg: int, dtype: str, schedule: str = "ws", K: int = 128)
                            h0="noh0" not in words, dht="nodht" not in words)
     else:
         raise ValueError(f"unknown schedule {schedule!r}: ws[-timing][-reconly|-nowait], states[-vfirst][-timing] "
-                         "or flashqla[-varlen][-hnone]")
+                         "or flashqla[-varlen][-hnone][-noh0][-nodht]")
     how = "kernel cache" if not seen else ("cubin cache" if all(seen) else "nvcc")
     return time.perf_counter() - t0, how
 

@@ -77,17 +77,24 @@ class _Stage1(NamedTuple):
     common: dict  # cu_seqlens, chunk_indices
 
 
-def _with_offsets(common: dict, chunk_size: int) -> dict:
-    """`common` plus fla's `chunk_offsets` for its state kernels (`chunk_gated_delta_rule_fwd_h`,
-    `_bwd_dhu`), from the lengths the call's validation read: left to fla they come from its
-    tensor cache, which a captured graph must not read (chunk_grid.varlen_chunk_offsets)."""
+def _lengths(cu_seqlens) -> list[int]:
+    """The sequence lengths of `cu_seqlens`: the values the call's validation has just read (no
+    second device sync), else a read."""
     from gdr_dispatch.graph_safe import offsets_of, remembered
 
+    off = remembered(cu_seqlens) or offsets_of(cu_seqlens)
+    return [e - s for s, e in zip(off[:-1], off[1:])]
+
+
+def _with_offsets(common: dict, chunk_size: int, seq_lens=None) -> dict:
+    """`common` plus fla's `chunk_offsets` for its state kernels (`chunk_gated_delta_rule_fwd_h`,
+    `_bwd_dhu`) from the sequence lengths (a call's `seq_lens`, else read as `_lengths`): left to
+    fla they come from its tensor cache, which a captured graph must not read
+    (chunk_grid.varlen_chunk_offsets)."""
     cu = common["cu_seqlens"]
     if cu is None:
         return common
-    off = remembered(cu) or offsets_of(cu)
-    lens = [e - s for s, e in zip(off[:-1], off[1:])]
+    lens = _lengths(cu) if seq_lens is None else seq_lens
     return {**common, "chunk_offsets": varlen_chunk_offsets(lens, chunk_size, cu.device)}
 
 
@@ -119,7 +126,7 @@ def recompute_states(call: GDRCall) -> torch.Tensor:
     s1 = _stage_1(call)
     h, _, _ = chunk_gated_delta_rule_fwd_h(k=s1.k, w=s1.w, u=s1.u, g=s1.g2, initial_state=s1.h0,
                                            output_final_state=False, save_new_value=False,
-                                           **_with_offsets(s1.common, call.chunk_size),
+                                           **_with_offsets(s1.common, call.chunk_size, call.seq_lens),
                                            state_v_first=call.state_v_first, chunk_size=call.chunk_size)
     return h
 
@@ -147,7 +154,7 @@ def segment_maps(seg_call: GDRCall, need_r: bool = True):
         u_aug[..., K:] = s1.u
     start = torch.zeros(N, H, K, cols, dtype=torch.float32, device=dev)
     start[..., :K] = torch.eye(K, dtype=torch.float32, device=dev)
-    with_offsets = _with_offsets(s1.common, BT)
+    with_offsets = _with_offsets(s1.common, BT, seg_call.seq_lens)
     _, _, end = chunk_gated_delta_rule_fwd_h(k=s1.k, w=s1.w, u=u_aug, g=s1.g2, initial_state=start,
                                              output_final_state=True, save_new_value=False, **with_offsets,
                                              state_v_first=False, chunk_size=BT)
@@ -171,7 +178,7 @@ def state_stages(call: GDRCall) -> FlaStages:
     dht = None if call.dht is None else packed(call.dht.float())
     state = dict(state_v_first=call.state_v_first, chunk_size=BT)
 
-    with_offsets = _with_offsets(common, BT)
+    with_offsets = _with_offsets(common, BT, call.seq_lens)
     if call.h is None:
         h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=k, w=s1.w, u=s1.u, g=s1.g2, initial_state=s1.h0,
                                                    output_final_state=False, **with_offsets, **state)
@@ -245,13 +252,8 @@ def residuals(k, beta, g, cu_seqlens, chunk_size):
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.solve_tril import solve_tril
 
-    from gdr_dispatch.graph_safe import offsets_of, remembered
-
-    ci = None
-    if cu_seqlens is not None:
-        # the call's validation has just read them (no second device sync), else a read
-        off = remembered(cu_seqlens) or offsets_of(cu_seqlens)
-        ci = varlen_chunk_indices([e - s for s, e in zip(off[:-1], off[1:])], chunk_size, k.device, cu_seqlens.dtype)
+    ci = None if cu_seqlens is None else varlen_chunk_indices(_lengths(cu_seqlens), chunk_size, k.device,
+                                                              cu_seqlens.dtype)
     common = dict(cu_seqlens=cu_seqlens, chunk_indices=ci)
     k, beta = packed(k), packed(beta)
     G = chunk_local_cumsum(packed(g.float()), chunk_size=chunk_size, **common)  # natural log: no scale

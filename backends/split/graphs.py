@@ -98,7 +98,8 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
     second call with the same `key` on: the eager split's backward (`run`) and the op's split
     forward (forward.py). Inputs are copied into the graph's own, or read in place while they come
     at the addresses it was captured on; outputs come back as fresh copies (module docstring)."""
-    if in_place_allowed():  # stable lengths' addresses: what lets the op's backward replay in place
+    allowed = in_place_allowed()
+    if allowed:  # stable lengths' addresses: what lets the op's backward replay in place
         tensors = tuple(_lengths_constant(x) for x in tensors)
     where = addresses(tensors)
     before, _callers[key] = _callers.get(key), where
@@ -110,9 +111,9 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
         return fn(tensors)
     captures, copies_only = state if isinstance(state, tuple) else (0, False)
     hit = _graphs.get(key)
-    if hit is not None and hit[3] is not None and (hit[3] != where or not in_place_allowed()):
+    if hit is not None and hit[3] is not None and (hit[3] != where or not allowed):
         copies_only, hit = True, None  # captured on another caller's tensors: copies for good
-    in_place = not copies_only and before == where and in_place_allowed()  # the same addresses twice in a row
+    in_place = not copies_only and before == where and allowed  # the same addresses twice in a row
     if hit is not None and in_place and hit[3] is None and captures >= MAX_CAPTURES:
         copies_only, in_place = True, False  # no captures left: the working graph with copies stays
     if hit is None or (in_place and hit[3] is None):
