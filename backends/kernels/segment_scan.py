@@ -26,9 +26,9 @@ BV = 16
 #: launch options, see the module docstring
 NUM_WARPS, NUM_STAGES = 8, 2
 #: Load the next exact link's map while the current one's product runs (a chain step waits on
-#: its 64 KB map load, then on the product: ~3.4 us a step at B1 T32768 H4 /32). A prediction,
-#: not yet measured: the exact chain -30 to -50 % (docs/kernels.md, "The split"). Off until the
-#: GPU tests and a measurement (`tools/profile_split.py --parts --chain-prefetch`) say so.
+#: its 64 KB map load, then on the product: ~3.4 us a step at B1 T32768 H4 /32). Off: on the H200
+#: pass 2 at the mixed gate went 0.118 -> 0.144 ms with it at B1 T32768 H4 /32 (slower at every
+#: shape measured; docs/kernels.md, the starved levers; `tools/profile_split.py --parts --chain-prefetch`).
 PREFETCH = False
 #: Whether the kernel's GPU tests (tests/test_gpu.py: the chain against float64, the split
 #: oracle tests) have passed; while False, the split runs it only with GDR_ALLOW_UNVERIFIED=1.
