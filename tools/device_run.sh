@@ -13,6 +13,9 @@ export TL_TEMPLATE_PATH=/tmp/site/tilelang/3rdparty/../src TL_CUTLASS_PATH=/tmp/
 [ -f .devcache/cubins.tar.xz ] && mkdir -p /tmp/tlcache && tar -xJf .devcache/cubins.tar.xz -C /tmp/tlcache
 # TileLang's disk cache of earlier calls (or ../shared/device's), packed back into $OUT at the end
 for c in .devcache/tlcache.tar.xz .devcache/tilelang-cache-h200.tar.xz; do [ -f "$c" ] && tar -xJf "$c" -C /tmp; done
+# what a call adds to TileLang's cache is packed back, not what it restored (a call brings back
+# files of at most 16 MiB; tools/merge_devcache.sh folds it into .devcache here)
+touch /tmp/.restored
 if [ -d .devcache/tcache ]; then cp -r .devcache/tcache /tmp/; else tar -xzf tools/h200_autotune_cache.tgz -C /tmp; fi
 mkdir -p "$OUT/bench" /tmp/tables
 [ -f tuning_cache/nvidia-h200-sm90.yaml ] && cp -n tuning_cache/nvidia-h200-sm90.yaml /tmp/tables/
@@ -86,7 +89,7 @@ pkill -f 'gdr_dispatch.autotune|precompile_tilelang' 2>/dev/null; pkill -x nvcc 
 pkill -x ptxas 2>/dev/null; sleep 1
 # fla's autotune results for the next call (unpack into .devcache/tcache here)
 (cd /tmp && find tcache -name '*.autotune.json' 2>/dev/null | tar -czf "$OUT/autotune.tgz" -T -)
-[ -d /tmp/tlcache ] && tar -I "xz -T0 -3" -cf "$OUT/tlcache.tar.xz" -C /tmp tlcache
+[ -d /tmp/tlcache ] && (cd /tmp && find tlcache -type f -newer /tmp/.restored | tar -I "xz -T0 -6" -cf "$OUT/tlcache.tar.xz" -T -)
 # the folders under $OUT (bench results, per-process logs) as one archive: only 8 files come back
 dirs=$(cd "$OUT" && find . -mindepth 1 -maxdepth 1 -type d -printf '%P\n')
 [ -n "$dirs" ] && (cd "$OUT" && tar -czf results.tgz $dirs && rm -rf $dirs)
