@@ -2,7 +2,7 @@
 same model on HF's default fast path (fla-core's op, which its modeling module binds where fla
 imports): losses over the steps and the median step time, in one process.
 
-    python bench/bench_hf_qwen3_next.py                     # 3 linear-attention layers, 16 heads, B2 T4096 bf16
+    python bench/bench_hf_qwen3_next.py                     # 3 linear-attention layers, 16 value / 8 key heads, B2 T4096 bf16
     python bench/bench_hf_qwen3_next.py --steps 8 --out bench/results/nvidia-h200-sm90-hf.json
     python bench/bench_hf_qwen3_next.py --first-step --out bench/results/nvidia-h200-sm90-hf-first-step.json
 
@@ -31,14 +31,16 @@ from pathlib import Path
 import torch
 
 
-def build_model(heads: int = 16, head_dim: int = 128, layers: int = 3, hidden: int = 1024, vocab: int = 1024,
-                device: str = "cuda", dtype=torch.bfloat16, seed: int = 0):
-    """A small random Qwen3-Next of `layers` Gated DeltaNet layers (dense MLPs), K = V = `head_dim`."""
+def build_model(heads: int = 16, key_heads: int = 8, head_dim: int = 128, layers: int = 3, hidden: int = 1024,
+                vocab: int = 1024, device: str = "cuda", dtype=torch.bfloat16, seed: int = 0):
+    """A small random Qwen3-Next of `layers` Gated DeltaNet layers (dense MLPs), K = V = `head_dim`,
+    `heads` value heads and `key_heads` q/k heads (Qwen3-Next's 2:1: its 32 and 16 at tensor
+    parallelism 2 by default, a shape of the model grids the shipped tables cover)."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     cfg = Qwen3NextConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                           layer_types=["linear_attention"] * layers, num_attention_heads=8, num_key_value_heads=2,
-                          head_dim=64, linear_num_key_heads=heads, linear_num_value_heads=heads,
+                          head_dim=64, linear_num_key_heads=key_heads, linear_num_value_heads=heads,
                           linear_key_head_dim=head_dim, linear_value_head_dim=head_dim, linear_conv_kernel_dim=4,
                           mlp_only_layers=list(range(layers)), max_position_embeddings=1 << 16)
     torch.manual_seed(seed)
@@ -118,7 +120,8 @@ def first_steps(a) -> dict:
         env = {**os.environ, **{k: str(v) for k, v in caches.items()}}
         for when in ("fresh", "warm"):
             cmd = [sys.executable, str(Path(__file__).resolve()), "--only", which, "--steps", str(a.steps), "--B",
-                   str(a.B), "--T", str(a.T), "--heads", str(a.heads), "--layers", str(a.layers)]
+                   str(a.B), "--T", str(a.T), "--heads", str(a.heads), "--key-heads", str(a.key_heads),
+                   "--layers", str(a.layers)]
             t0 = time.perf_counter()
             try:
                 done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.child_timeout)
@@ -141,15 +144,16 @@ def first_steps(a) -> dict:
             else:
                 rows[f"{which} {when}"] = {**result, "process_s": round(wall, 1), "log": str(log)}
             print(f"{which} {when}: {rows[f'{which} {when}']}", file=sys.stderr, flush=True)
-    return {"B": a.B, "T": a.T, "heads": a.heads, "layers": a.layers, "steps": a.steps, "caches": str(root),
-            "runs": rows}
+    return {"B": a.B, "T": a.T, "heads": a.heads, "key_heads": a.key_heads, "layers": a.layers, "steps": a.steps,
+            "caches": str(root), "runs": rows}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--B", type=int, default=2)
     p.add_argument("--T", type=int, default=4096)
-    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--heads", type=int, default=16, help="value heads")
+    p.add_argument("--key-heads", type=int, default=8, help="q/k heads (Qwen3-Next: half the value heads)")
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--out", default="")
@@ -169,7 +173,7 @@ def main(argv=None) -> int:
         handler.setFormatter(logging.Formatter("%(relativeCreated)9.0f ms  %(message)s"))
         logging.getLogger("gdr_dispatch").addHandler(handler)
         logging.getLogger("gdr_dispatch").setLevel(logging.INFO)
-        print(json.dumps(one_model(a.only, a.B, a.T, a.steps, heads=a.heads, layers=a.layers)), flush=True)
+        print(json.dumps(one_model(a.only, a.B, a.T, a.steps, heads=a.heads, key_heads=a.key_heads, layers=a.layers)), flush=True)
         return 0
     if a.first_step:
         doc = first_steps(a)
@@ -184,10 +188,10 @@ def main(argv=None) -> int:
             out.with_suffix(".md").write_text(
                 "First training step (s), each in its own process: empty disk caches / the caches the first left\n\n"
                 "| model | HF default (fla's op) | gdr_dispatch hook |\n|---|---|---|\n"
-                f"| Qwen3-Next {a.layers} GDN layers, H{a.heads}, B{a.B} T{a.T} bf16 | {cell('default fresh')} / "
+                f"| Qwen3-Next {a.layers} GDN layers, H{a.heads} Hg{a.key_heads}, B{a.B} T{a.T} bf16 | {cell('default fresh')} / "
                 f"{cell('default warm')} | {cell('ours fresh')} / {cell('ours warm')} |\n")
         return 0
-    row = compare(a.B, a.T, a.steps, heads=a.heads, layers=a.layers)
+    row = compare(a.B, a.T, a.steps, heads=a.heads, key_heads=a.key_heads, layers=a.layers)
     print(json.dumps(row, indent=1), flush=True)
     if a.out:
         out = Path(a.out)
@@ -195,7 +199,7 @@ def main(argv=None) -> int:
         out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": [row]}, indent=1))
         out.with_suffix(".md").write_text(
             "| model | HF default (fla) ms/step | gdr_dispatch hook ms/step | max rel. loss diff |\n|---|---|---|---|\n"
-            f"| Qwen3-Next {a.layers} GDN layers, H{a.heads}, B{a.B} T{a.T} bf16 | {row['default_step_ms']} | "
+            f"| Qwen3-Next {a.layers} GDN layers, H{a.heads} Hg{a.key_heads}, B{a.B} T{a.T} bf16 | {row['default_step_ms']} | "
             f"{row['ours_step_ms']} | {row['max_rel_loss_diff']:.1e} |\n")
     return 0
 

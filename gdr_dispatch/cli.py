@@ -281,7 +281,7 @@ def cmd_explain(args) -> int:
     how = choice.how
     if choice.source == TABLE:
         hit = choice.table_hit
-        how += f"; entry {hit.key!r}" + ("" if hit.exact else " (other library versions)")
+        how += f"; entry {hit.key!r}" + ("" if hit.exact else f" ({hit.versions_note})")
     elif choice.source == STATIC and choice.detail == NO_TENSORS:
         blocked = autotune_block_reason(problem, have_tensors=True)
         supported = [n for n, (ok, _) in choice.verdicts.items() if ok]

@@ -162,7 +162,7 @@ def _table_forward(problem: Problem, offers: dict, warn: bool):
     for hit in tuning_table.lookup(problem.device.slug, problem.problem_key(), problem.versions_key()):
         winner = _forward_winner(hit.entry, problem, offers)
         if winner is not None:
-            return winner, f"table {hit.path}"
+            return winner, f"table {hit.path}" + ("" if hit.exact else f", {hit.versions_note}")
         if warn and hit.exact:
             log.warning("gdr_dispatch: table %s names %r for %s, which cannot take it now; ignoring the entry",
                         hit.path, hit.entry.get("winner"), problem.describe())

@@ -273,29 +273,59 @@ class TableHit:
     entry: dict
     path: Path
     key: str
-    exact: bool  # measured with the running library versions
+    exact: bool  # measured with the running library versions and the call's optional inputs
     measured_with: str  # the versions part of the key
     running: str = ""  # the running versions (same form)
+    optional_note: str = ""  # how the entry's optional inputs differ from the call's ("" where they do not)
 
     @property
     def versions_note(self) -> str:
-        """`measured with triton 3.6.0, running 3.7.1` for the libraries that differ."""
+        """`measured with triton 3.6.0, running 3.7.1` for the libraries that differ, after how the
+        entry's optional inputs differ from the call's where they do."""
         then = dict(kv.split("=", 1) for kv in self.measured_with.split(",") if "=" in kv)
         now = dict(kv.split("=", 1) for kv in self.running.split(",") if "=" in kv)
         libs = [k for k in {**then, **now} if then.get(k) != now.get(k)]
         if not libs:
-            return f"measured with {self.measured_with}"
+            return self.optional_note or f"measured with {self.measured_with}"
         if len(libs) == 1 and libs[0] in then and libs[0] in now:
-            return f"measured with {libs[0]} {then[libs[0]]}, running {now[libs[0]]}"
-        # an optional library (registry.OPTIONAL_LIBS) is in a key only when installed
-        was = " and ".join(f"with {k} {then[k]}" if k in then else f"without {k}" for k in libs)
-        now_ = ", ".join(f"{k} {now[k]}" if k in now else f"without {k}" for k in libs)
-        return f"measured {was}, running {now_}"
+            note = f"measured with {libs[0]} {then[libs[0]]}, running {now[libs[0]]}"
+        else:  # an optional library (registry.OPTIONAL_LIBS) is in a key only when installed
+            was = " and ".join(f"with {k} {then[k]}" if k in then else f"without {k}" for k in libs)
+            now_ = ", ".join(f"{k} {now[k]}" if k in now else f"without {k}" for k in libs)
+            note = f"measured {was}, running {now_}"
+        return f"{self.optional_note}; {note}" if self.optional_note else note
+
+
+#: The flags of a problem key for inputs a call may leave out whose presence moves no backend's
+#: speed by much (one state read or write per sequence and head): an entry that differs from the
+#: call only in them is its shape's measurement, taken after the exact key (`lookup`). The model
+#: grids (tools/tune_models_*.yaml) are tuned with both present; training calls pass neither.
+OPTIONAL_INPUT_FLAGS = ("has_dht", "has_initial_state")
+
+
+def _without_optional_inputs(problem_key: str) -> tuple[str, frozenset]:
+    """The problem key with `OPTIONAL_INPUT_FLAGS` left out of its flags, and those it had."""
+    parts = problem_key.split("|")
+    if len(parts) < 9:
+        return problem_key, frozenset()
+    flags = parts[8].split("+")
+    kept = [f for f in flags if f not in OPTIONAL_INPUT_FLAGS]
+    parts[8] = "+".join(kept) or "none"
+    return "|".join(parts), frozenset(f for f in flags if f in OPTIONAL_INPUT_FLAGS)
+
+
+def _optional_note(entry_has: frozenset, call_has: frozenset) -> str:
+    words = {"has_dht": "dht", "has_initial_state": "initial_state"}
+    parts = [f"with {words[f]}" for f in sorted(entry_has - call_has)]
+    parts += [f"without {words[f]}" for f in sorted(call_has - entry_has)]
+    return "measured " + " and ".join(parts) + " (the same shape otherwise)"
 
 
 def lookup(slug: str, problem_key: str, versions_key: str) -> Iterator[TableHit]:
     """Entries for a problem, best first: the exact key (user table, then shipped), then the
-    same problem under other library versions (user table, then shipped; newest first)."""
+    same problem under other library versions (user table, then shipped; newest first), then the
+    same shape measured with other optional inputs (`OPTIONAL_INPUT_FLAGS`; running versions
+    first, then newest first)."""
     tables = [table_path(d, slug) for d in (user_table_dir(), shipped_table_dir())]
     exact_key = f"{problem_key}|{versions_key}"
     for path in tables:
@@ -308,6 +338,19 @@ def lookup(slug: str, problem_key: str, versions_key: str) -> Iterator[TableHit]
         others.sort(key=lambda vk: str(entries[vk[1]].get("measured_at", "")), reverse=True)
         for versions, key in others:
             yield TableHit(entries[key], path, key, False, versions, versions_key)
+    bare, mine = _without_optional_inputs(problem_key)
+    for path in tables:
+        entries, index = _load(path)
+        alike = []
+        for problem, rows in index.items():
+            if problem == problem_key:
+                continue
+            other_bare, theirs = _without_optional_inputs(problem)
+            if other_bare == bare:
+                alike += [(v, k, theirs) for v, k in rows if entries[k].get("winner")]
+        alike.sort(key=lambda vkt: (vkt[0] == versions_key, str(entries[vkt[1]].get("measured_at", ""))), reverse=True)
+        for versions, key, theirs in alike:
+            yield TableHit(entries[key], path, key, False, versions, versions_key, _optional_note(theirs, mine))
 
 
 @contextlib.contextmanager

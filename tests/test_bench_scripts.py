@@ -373,7 +373,7 @@ def test_hf_first_step_runs_each_model_fresh_then_warm_on_its_own_caches(monkeyp
         return subprocess.CompletedProcess(cmd, 0, stdout="noise\n" + out + "\nafter\n", stderr=f"log {len(calls)}\n")
 
     monkeypatch.setattr(subprocess, "run", fake_run)
-    a = argparse.Namespace(cache_root=str(tmp_path / "caches"), steps=2, B=1, T=128, heads=2, layers=1,
+    a = argparse.Namespace(cache_root=str(tmp_path / "caches"), steps=2, B=1, T=128, heads=2, key_heads=1, layers=1,
                            child_timeout=10.0)
     doc = hf.first_steps(a)
     assert [c[0] for c in calls] == ["default", "default", "ours", "ours"]

@@ -204,6 +204,37 @@ def test_table_hit_comes_before_autotune_and_static(kwargs, fakes, monkeypatch):
     assert f.calls == 1
 
 
+def test_an_entry_measured_with_other_optional_inputs_is_the_shapes_hit(kwargs, fakes, monkeypatch, caplog):
+    """The model grids are tuned with initial_state and dht given; a training call passes neither:
+    the same shape's entry is its hit (after an exact one), the log says how it differs, and an
+    entry that differs in anything else (h given) is no hit."""
+    fakes("fake_a")
+    fakes("fake_b")
+    problem = Problem.from_call(validate(**kwargs))
+    assert problem.has_initial_state and problem.has_dht
+    bare = replace(problem, has_initial_state=False, has_dht=False)
+    monkeypatch.setattr(dsp, "first_call", lambda *a, **k: pytest.fail("autotuned on a table hit"))
+    monkeypatch.setattr(dsp, "predict", lambda *a, **k: None)
+    tuning_table.record(problem.device.slug, problem.device.name, {
+        problem.table_key(): {"winner": "fake_b"},
+        replace(problem, h_given=not problem.h_given).table_key(): {"winner": "fake_a"}})
+    hits = list(tuning_table.lookup(bare.device.slug, bare.problem_key(), bare.versions_key()))
+    assert [h.entry["winner"] for h in hits] == ["fake_b"] and not hits[0].exact
+    assert hits[0].versions_note == "measured with dht and with initial_state (the same shape otherwise)"
+    with caplog.at_level(logging.INFO, "gdr_dispatch"):
+        choice = dsp.select_backend(bare)
+    assert choice.backend.name == "fake_b" and choice.source == dsp.TABLE
+    assert "measured with dht and with initial_state" in choice.how
+    # an exact entry comes first
+    tuning_table.record(bare.device.slug, bare.device.name, {bare.table_key(): {"winner": "fake_a"}})
+    first = next(tuning_table.lookup(bare.device.slug, bare.problem_key(), bare.versions_key()))
+    assert first.exact and first.entry["winner"] == "fake_a"
+    # and the other way round: a call with both, an entry with neither
+    hits = list(tuning_table.lookup(problem.device.slug, problem.problem_key(), problem.versions_key()))
+    assert [h.exact for h in hits] == [True, False] and hits[1].entry["winner"] == "fake_a"
+    assert hits[1].versions_note == "measured without dht and without initial_state (the same shape otherwise)"
+
+
 def test_user_table_shadows_shipped_table(kwargs, fakes, monkeypatch, tmp_path):
     fakes("fake_a")
     fakes("fake_b")
