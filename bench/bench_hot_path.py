@@ -9,9 +9,10 @@ Per shape and h mode, each runner:
   * `via <backend>`: `fused_gdr_bwd` with GDR_BACKEND naming the backend (set around the timing,
     not per call), for the pick and `--backends`;
   * `run <backend>`: the backend's `run` on a call validated outside the timing (no dispatch);
-  * `own flash_qla`: FlashQLA's own calls (`fused_gdr_h` with h=None, then `fused_gdr_bwd`), their
-    inputs in its forms made outside the timing, nothing after them (no head sum, no reverse
-    cumsum: the contract's outputs need those);
+  * `own flash_qla`: FlashQLA's own calls as its own backward makes them (`fused_gdr_h` with
+    h=None, `fused_gdr_bwd`, then its `group_reduce_vector` of dq/dk for grouped heads and its
+    reverse `chunk_local_cumsum` of dg: the same gradients the contract returns), their inputs
+    in its forms made outside the timing;
   * `own tilelang_fused`: our launcher called directly (`ws_bwd_given_h`, after `chunk_states`
     with h=None).
 Three readings each: `latency_ms` (a sync before and after every call: what a step that waits on
@@ -81,6 +82,7 @@ def own_flash_qla(call):
     """FlashQLA's own calls on this call's inputs, converted to its forms here (a and h in q's
     dtype, packed); a reason instead when it does not import."""
     try:
+        from flash_qla.ops import utils
         from flash_qla.ops.gated_delta_rule import chunk
     except Exception as e:  # noqa: BLE001 - any import failure: the peer is absent here
         return f"flash_qla does not import: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
@@ -97,9 +99,14 @@ def own_flash_qla(call):
         states = h if h is not None else chunk.fused_gdr_h(
             k=k, v=v, a=a, g=g, b=b, initial_state=h0, output_final_state=False, output_h=True,
             cu_seqlens=call.cu_seqlens, state_v_first=call.state_v_first)[0]
-        return chunk.fused_gdr_bwd(q=q, k=k, v=v, a=a, g=g, b=b, do=do, dht=dht, h=states, scale=call.scale,
-                                   cu_seqlens=call.cu_seqlens, chunk_size=call.chunk_size,
-                                   state_v_first=call.state_v_first)
+        dq, dk, dv, dg, db, dh0 = chunk.fused_gdr_bwd(q=q, k=k, v=v, a=a, g=g, b=b, do=do, dht=dht, h=states,
+                                                      scale=call.scale, cu_seqlens=call.cu_seqlens,
+                                                      chunk_size=call.chunk_size, state_v_first=call.state_v_first)
+        if call.Hg < call.H:  # as its own backward (chunk_gated_delta_rule_bwd) finishes
+            dq, dk = utils.group_reduce_vector(dq, call.Hg), utils.group_reduce_vector(dk, call.Hg)
+        dg = utils.chunk_local_cumsum(dg, chunk_size=call.chunk_size, reverse=True, cu_seqlens=call.cu_seqlens,
+                                      zero_last_chunk=True)
+        return dq, dk, dv, dg, db, dh0
 
     return run
 

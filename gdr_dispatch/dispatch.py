@@ -4,7 +4,8 @@ Selection, in order (environment read on every call, env.py):
   1. `GDR_BACKEND=<name>` (or `<name>@split<n>`) forces that backend; an error if it cannot
      take the call.
   2. A tuning-table entry whose winner can take the call: the exact key (user table, then
-     shipped), else the same problem measured under other library versions (logged).
+     shipped), else the same problem measured under other library versions, else the same
+     shape measured with other optional inputs (initial_state, dht; both logged).
   3. A miss while autotuning is allowed: the candidates that can win (autotune.prune) run on the
      call's own inputs, their kernels compiled first in parallel; their gradients are
      cross-checked, the fastest that agrees wins and is stored.
@@ -56,7 +57,8 @@ class Choice:
     def how(self) -> str:
         """One line for logs and `explain`."""
         if self.source == TABLE and self.table_hit is not None and not self.table_hit.exact:
-            return f"{self.source} {self.detail}, {self.table_hit.versions_note}; run `gdr-dispatch tune` to refresh"
+            refresh = "" if self.table_hit.optional_note else "; run `gdr-dispatch tune` to refresh"
+            return f"{self.source} {self.detail}, {self.table_hit.versions_note}{refresh}"
         return f"{self.source} ({self.detail})" if self.detail else self.source
 
 

@@ -7,7 +7,8 @@ Two places are read, the user's first:
 
 A key is `<problem>|<library versions>`. A lookup takes the exact key first; failing that,
 an entry for the same problem measured under other library versions (newest first), so
-that a patch release of torch or Triton does not throw the shipped table away.
+that a patch release of torch or Triton does not throw the shipped table away; failing that,
+the same shape measured with other optional inputs (`OPTIONAL_INPUT_FLAGS`).
 
 Each entry keeps every candidate's median time or the reason it was unsupported or failed,
 and the winner, so a table explains itself. Tables are user-editable data: a file that
@@ -348,9 +349,12 @@ def lookup(slug: str, problem_key: str, versions_key: str) -> Iterator[TableHit]
             other_bare, theirs = _without_optional_inputs(problem)
             if other_bare == bare:
                 alike += [(v, k, theirs) for v, k in rows if entries[k].get("winner")]
-        alike.sort(key=lambda vkt: (vkt[0] == versions_key, str(entries[vkt[1]].get("measured_at", ""))), reverse=True)
+        # running versions first, then the fewest flags apart, then the newest
+        alike.sort(key=lambda vkt: (vkt[0] == versions_key, -len(vkt[2] ^ mine),
+                                    str(entries[vkt[1]].get("measured_at", ""))), reverse=True)
         for versions, key, theirs in alike:
-            yield TableHit(entries[key], path, key, False, versions, versions_key, _optional_note(theirs, mine))
+            yield TableHit(entries[key], path, key, False, versions, versions_key,
+                           _optional_note(theirs, mine) if theirs != mine else "")
 
 
 @contextlib.contextmanager

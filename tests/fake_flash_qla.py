@@ -27,6 +27,7 @@ SIGNATURES = {
     "fused_gdr_h": "(k, v, a, g, b, initial_state=None, output_final_state=True, output_h=True, cu_seqlens=None, "
                    "num_warmup_chunks=None, state_v_first=False)",
     "chunk_local_cumsum": "(g, chunk_size=64, cu_seqlens=None, reverse=False, zero_last_chunk=False)",
+    "group_reduce_vector": "(buffer: torch.Tensor, Hg: int)",
     "chunk_gated_delta_rule_fwd": "(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, "
                                   "output_final_state=True, output_h=False, auto_cp=True, state_v_first=False, "
                                   "enable_fwd_cp_cache=False, cp_context=None, is_train=None)",
@@ -92,6 +93,12 @@ def chunk_local_cumsum(g, chunk_size=64, cu_seqlens=None, reverse=False, zero_la
     return lay.scatter(ex.reverse_chunk_cumsum(lay.gather(g, F64)), g.dtype)
 
 
+def group_reduce_vector(buffer: torch.Tensor, Hg: int):
+    """Each group's consecutive H // Hg heads summed (in fp32), in the buffer's dtype."""
+    B, T, H, K = buffer.shape
+    return buffer.float().view(B, T, Hg, H // Hg, K).sum(3).to(buffer.dtype)
+
+
 def install(monkeypatch):
     """Put a fake `flash_qla` package in sys.modules; returns the list of calls made into it."""
     calls = []
@@ -116,6 +123,7 @@ def install(monkeypatch):
     chunk.chunk_gated_delta_rule_fwd = tracked(chunk_gated_delta_rule_fwd)
     chunk.CHUNK_SIZE = 64
     mods["flash_qla.ops.utils"].chunk_local_cumsum = tracked(chunk_local_cumsum)
+    mods["flash_qla.ops.utils"].group_reduce_vector = tracked(group_reduce_vector)
     for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
     return calls

@@ -621,18 +621,54 @@ def test_segments_know_their_sequences_and_places(lens, segments):
 
 
 # -- pass 1 as Triton kernels (backends/kernels/segment_maps.py; Triton's interpreter on the CPU) -----
+@pytest.mark.parametrize("factored", [False, True], ids=["walks_form_chunks", "walks_read_factors"])
 @pytest.mark.parametrize("spec", FLA_PASS_SHAPES, ids=lambda s: s.label())
-def test_triton_pass_1_composes_the_same_maps_as_the_torch_products(spec):
+def test_triton_pass_1_composes_the_same_maps_as_the_torch_products(spec, factored, monkeypatch):
     """Our kernels' [M | R] (the state walk from [I | 0]) and D (the dh walk from zero) against
-    the batched products (`_assert_same_maps`). Without `need_r` R is None and M, D are the same."""
+    the batched products (`_assert_same_maps`), the walks forming each chunk or reading
+    `_factors`' chunks. Without `need_r` R is None and M, D are the same."""
     from gdr_dispatch.backends.split import passes as cp
+    from gdr_dispatch.backends.kernels import segment_maps as sm
     from gdr_dispatch.backends.kernels.segment_maps import segment_maps
 
+    monkeypatch.setattr(sm, "FACTORS", factored)
+    monkeypatch.setattr(sm, "FACTORS_GPU_VERIFIED", True)
     call, s, n_seg, pick, seg_call = _segments_call(spec, 3)
+    assert sm.use_factors(seg_call, True, True) == factored
     got = segment_maps(seg_call)
     _assert_same_maps(got, cp._torch_pass_1(call, s, n_seg), call.K, pick)
     m, r, d = segment_maps(seg_call, need_r=False)
     assert r is None and torch.equal(m, got[0]) and torch.equal(d, got[2])
+
+
+def test_the_walks_read_factors_only_once_verified_and_within_their_memory_bound(monkeypatch):
+    """`segment_maps.use_factors`: not before the factors' GPU tests pass (unless
+    GDR_ALLOW_UNVERIFIED=1), never with `FACTORS` off, nor where the buffers would pass
+    `FACTOR_BYTES_MAX` (bf16 [NT, H, 64, 128] tiles: W, with R U0, with D X)."""
+    from gdr_dispatch.backends.kernels import segment_maps as sm
+    from gdr_dispatch.backends.split import passes as cp
+
+    _, _, _, _, seg_call = _segments_call(FLA_PASS_SHAPES[1], 3)
+    assert seg_call.K == seg_call.V
+    monkeypatch.delenv("GDR_ALLOW_UNVERIFIED", raising=False)
+    monkeypatch.setattr(sm, "FACTORS", True)
+    monkeypatch.setattr(sm, "FACTORS_GPU_VERIFIED", False)
+    assert not sm.use_factors(seg_call, True, True)
+    monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+    assert sm.use_factors(seg_call, True, True)
+    per_chunk = seg_call.H * 64 * seg_call.K * seg_call.k.element_size()  # one [64, K] tile per head
+    chunks = sum(-(-n // 64) for n in seg_call.seq_lens)
+    monkeypatch.setattr(sm, "FACTOR_BYTES_MAX", chunks * per_chunk * 3 - 1)  # K == V: three tiles with R and D
+    assert not sm.use_factors(seg_call, True, True) and sm.use_factors(seg_call, False, True)
+    monkeypatch.setattr(sm, "FACTOR_BYTES_MAX", chunks * per_chunk * 3)
+    assert sm.use_factors(seg_call, True, True)
+    monkeypatch.setattr(sm, "FACTORS", False)
+    assert not sm.use_factors(seg_call, False, False)
+    # U0's V columns are one tile: a V that is no power of two walks forming its chunks, as ever
+    monkeypatch.setattr(sm, "FACTORS", True)
+    call, s, n_seg, pick, odd = _segments_call(ShapeSpec(seqlens=(1, 63, 64, 65, 300), H=2, K=16, V=48), 3)
+    assert not sm.use_factors(odd, True, True)
+    _assert_same_maps(sm.segment_maps(odd), cp._torch_pass_1(call, s, n_seg), call.K, pick)
 
 
 def test_triton_pass_1_waits_for_its_gpu_tests_and_says_what_it_does_not_take(monkeypatch):
@@ -890,11 +926,12 @@ WEAK_PIECES_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("walk_pieces", [1, 3], ids=["walks_whole", "walks_in_3_pieces"])
+@pytest.mark.parametrize("walk_pieces, factored", [(1, False), (1, True), (3, False)],
+                         ids=["walks_whole", "walks_whole_on_factors", "walks_in_3_pieces"])
 @pytest.mark.parametrize("need_starts, need_ends", [(True, True), (False, True), (True, False)],
                          ids=["h_none", "h_given", "forward"])
 @pytest.mark.parametrize("spec", PIECES_SHAPES + WEAK_PIECES_SHAPES, ids=lambda s: s.label())
-def test_pieces_kernels_equal_the_tensor_products(spec, need_starts, need_ends, walk_pieces, monkeypatch):
+def test_pieces_kernels_equal_the_tensor_products(spec, need_starts, need_ends, walk_pieces, factored, monkeypatch):
     """`segment_pieces` on a plan: every segment's warm-up window or exact map where the chains
     read them (starts[j] for j not first, ends[j] for j not last, M[j] where exact), to fp16
     rounding of the tensor products (the same windows: zero maps outside them); the exact
@@ -907,6 +944,8 @@ def test_pieces_kernels_equal_the_tensor_products(spec, need_starts, need_ends, 
     plan, M, starts, ends = cp._torch_pieces(call, segs, need_starts=need_starts)
     roles = torch.tensor(segs.roles, dtype=torch.int32)
     monkeypatch.setattr(segment_maps, "walk_pieces", lambda max_chunks: walk_pieces)
+    monkeypatch.setattr(segment_maps, "FACTORS", factored)
+    monkeypatch.setattr(segment_maps, "FACTORS_GPU_VERIFIED", True)
     gM, gstarts, gends = segment_maps.segment_pieces(seg_call, plan, roles, need_starts, need_ends, segs.s)
     assert (gstarts is None) == (not need_starts) and (gends is None) == (not need_ends)
     exact = plan[..., 0] == 0

@@ -229,10 +229,19 @@ def test_an_entry_measured_with_other_optional_inputs_is_the_shapes_hit(kwargs, 
     tuning_table.record(bare.device.slug, bare.device.name, {bare.table_key(): {"winner": "fake_a"}})
     first = next(tuning_table.lookup(bare.device.slug, bare.problem_key(), bare.versions_key()))
     assert first.exact and first.entry["winner"] == "fake_a"
+    # the fewest flags apart first: for a call with neither, an entry with dht only (one apart,
+    # older) before the one with both (two apart)
+    one = replace(problem, has_initial_state=False)
+    tuning_table.record(one.device.slug, one.device.name, {one.table_key(): {"winner": "fake_a",
+                                                                           "measured_at": "2000-01-01"}})
+    bare_hits = [h for h in tuning_table.lookup(bare.device.slug, bare.problem_key(), bare.versions_key())
+                 if not h.exact]
+    assert [h.key for h in bare_hits] == [one.table_key(), problem.table_key()]
     # and the other way round: a call with both, an entry with neither
     hits = list(tuning_table.lookup(problem.device.slug, problem.problem_key(), problem.versions_key()))
-    assert [h.exact for h in hits] == [True, False] and hits[1].entry["winner"] == "fake_a"
-    assert hits[1].versions_note == "measured without dht and without initial_state (the same shape otherwise)"
+    assert [h.exact for h in hits] == [True, False, False] and hits[1].key == one.table_key()
+    assert hits[1].versions_note == "measured without initial_state (the same shape otherwise)"
+    assert hits[2].versions_note == "measured without dht and without initial_state (the same shape otherwise)"
 
 
 def test_user_table_shadows_shipped_table(kwargs, fakes, monkeypatch, tmp_path):

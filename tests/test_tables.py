@@ -162,7 +162,21 @@ def test_explain_shows_which_entry_matched(problem, pickies, capsys):
                      "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "chosen: picky_a (table " in out and "measured with torch 2.0.0" in out
-    assert older.table_key() in out and "(other library versions)" in out
+    assert f"entry {older.table_key()!r} (measured with torch 2.0.0, running " in out
+
+
+def test_explain_says_an_entry_was_measured_with_other_optional_inputs(problem, pickies, capsys):
+    from gdr_dispatch import cli
+
+    pickies("picky_a")
+    p = ShapeSpec(B=1, T=70, H=2, K=8, V=8, dtype="float32", h="given").problem(torch.device("cpu"))
+    bare = replace(p, has_dht=False, has_initial_state=False)
+    tuning_table.record(p.device.slug, "cpu", {bare.table_key(): {"winner": "picky_a"}})
+    assert cli.main(["explain", "--T", "70", "--H", "2", "--K", "8", "--V", "8", "--dtype", "float32",
+                     "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "chosen: picky_a (table " in out
+    assert f"entry {bare.table_key()!r} (measured without dht and without initial_state (the same shape" in out
 
 
 # -- keys a training run can live with ------------------------------------------------

@@ -246,20 +246,28 @@ def pass1_configs(call, segments: int, configs: str, reps: int) -> None:
     print(f"pass 1 on fla's kernels: {fla_ms:.4f} ms, host enqueue "
           f"{host_enqueue_ms(lambda: fla_pipeline.segment_maps(seg_call, need_r=need_r), reps):.3f} ms", flush=True)
     eye = torch.eye(call.K, device=ref[0].device).expand_as(ref[0])
-    shipped = (sm.BC, sm.NUM_WARPS, sm.NUM_STAGES)
-    for cfg in [shipped] + [tuple(int(x) for x in c.split(",")) for c in filter(None, configs.split("/"))]:
-        sm.BC, sm.NUM_WARPS, sm.NUM_STAGES = cfg
+    shipped = (sm.BC, sm.NUM_WARPS, sm.NUM_STAGES, sm.FACTOR_WARPS)
+    factors = (sm.FACTORS, sm.FACTORS_GPU_VERIFIED)
+    runs = [((*cfg, *shipped[len(cfg):]), f)
+            for cfg in [shipped] + [tuple(int(x) for x in c.split(",")) for c in filter(None, configs.split("/"))]
+            for f in (False, True)]
+    for cfg, factored in runs:
+        sm.BC, sm.NUM_WARPS, sm.NUM_STAGES, sm.FACTOR_WARPS = cfg
+        sm.FACTORS, sm.FACTORS_GPU_VERIFIED = factored, True
+        cfg = (*cfg[:3], f"walks read the factors ({cfg[3]} warps)" if factored else "walks form the chunks")
         try:
             got = sm.segment_maps(seg_call, need_r=need_r)
             far = {what: f"{((g - w).norm() / (eye.norm() if what == 'M' else w.norm())).item():.1e}"
                    for g, w, what in zip(got, ref, "MRD") if w is not None}
             ms = measure_ms(lambda: sm.segment_maps(seg_call, need_r=need_r), "cuda", warmup=3, reps=reps)
             enqueue = host_enqueue_ms(lambda: sm.segment_maps(seg_call, need_r=need_r), reps)
-            print(f"pass 1 on our kernels BC={cfg[0]} warps={cfg[1]} stages={cfg[2]}: {ms:.4f} ms, host enqueue "
+            print(f"pass 1 on our kernels BC={cfg[0]} warps={cfg[1]} stages={cfg[2]}, {cfg[3]}: {ms:.4f} ms, host enqueue "
                   f"{enqueue:.3f} ms, from fla's maps {far}", flush=True)
+            print(kernel_table(lambda: sm.segment_maps(seg_call, need_r=need_r), reps), flush=True)
         except Exception as e:  # noqa: BLE001 - a configuration that does not compile is the answer
             print(f"pass 1 on our kernels {cfg}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
-    sm.BC, sm.NUM_WARPS, sm.NUM_STAGES = shipped
+    sm.BC, sm.NUM_WARPS, sm.NUM_STAGES, sm.FACTOR_WARPS = shipped
+    sm.FACTORS, sm.FACTORS_GPU_VERIFIED = factors
 
 
 def python_profile(fn, n: int) -> None:
@@ -308,7 +316,8 @@ def main() -> int:
                    help="also profile N enqueues of each split call in Python (cProfile: where its host time goes)")
     p.add_argument("--pass1", nargs="?", const="", default=None,
                    help="time pass 1 alone, fla's kernels against ours (backends/kernels/segment_maps.py) under the "
-                        "shipped and these 'BC,WARPS,STAGES' configurations ('/'-separated), then stop")
+                        "shipped and these 'BC,WARPS,STAGES[,FACTOR_WARPS]' configurations ('/'-separated), each "
+                        "with the walks forming their chunks and reading the factors, then stop")
     p.add_argument("--forward", default=None, metavar="COUNTS",
                    help="the op's forward instead: each of --backends (forward providers) whole and split in these "
                         "segment counts (comma-separated), then the split forward's parts; then stop")

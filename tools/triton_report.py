@@ -50,9 +50,14 @@ def main() -> int:
     ptr = f"*{a.dtype}"
     i32, f32 = "*i32", "*fp32"
     tok = dict(k_ptr=ptr, v_ptr=ptr, a_ptr=ptr, g_ptr=f32, b_ptr=ptr, cu_ptr=i32)
-    fwd = dict(**tok, m_ptr=f32, r_ptr=f32, plan_ptr=i32, role_ptr=i32, Hg="i32", H="i32")
+    fwd = dict(**tok, m_ptr=f32, r_ptr=f32, plan_ptr=i32, role_ptr=i32, w_ptr=ptr, u_ptr=ptr,
+               co_ptr="*i64", Hg="i32", H="i32")
     bwd = dict(q_ptr=ptr, k_ptr=ptr, a_ptr=ptr, g_ptr=f32, b_ptr=ptr, do_ptr=ptr, cu_ptr=i32, out_ptr=f32,
-               plan_ptr=i32, role_ptr=i32, scale="fp32", Hg="i32", H="i32")
+               plan_ptr=i32, role_ptr=i32, w_ptr=ptr, x_ptr=ptr, co_ptr="*i64", scale="fp32", Hg="i32",
+               H="i32")
+    factors = dict(q_ptr=ptr, k_ptr=ptr, v_ptr=ptr, a_ptr=ptr, g_ptr=f32, b_ptr=ptr, cu_ptr=i32, ci_ptr=i32,
+                   plan_ptr=i32, role_ptr=i32, w_ptr=ptr, u_ptr=ptr, x_ptr=ptr, scale="fp32", Hg="i32",
+                   H="i32")
     states = dict(**tok, co_ptr=i32, init_ptr=f32, h_ptr=ptr, Hg="i32", H="i32")
     plan = dict(k_ptr=ptr, g_ptr=f32, b_ptr=ptr, cu_ptr=i32, plan_ptr=i32, grows_ptr=i32, threshold="fp32", Hg="i32",
                 H="i32")
@@ -70,15 +75,20 @@ def main() -> int:
     for cfg in a.configs.split("/"):
         bc, warps, stages = ([int(x) for x in cfg.split(",")] + [1])[:3]
         kernels = {  # name: (kernel, signature, constexprs, warps, stages)
-            "_forward_maps": (sm._forward_maps, fwd, dict(**maps, BC=bc, PLAN=False, SKIP_EXACT=0), warps, stages),
-            "_forward_maps PLAN": (sm._forward_maps, fwd, dict(**maps, BC=bc, PLAN=True, SKIP_EXACT=0), warps, stages),
-            "_backward_maps": (sm._backward_maps, bwd, dict(**maps, BC=bc, PLAN=False, SKIP_EXACT=0), warps, stages),
-            "_backward_maps PLAN": (sm._backward_maps, bwd, dict(**maps, BC=bc, PLAN=True, SKIP_EXACT=0), warps, stages),
+            "_forward_maps": (sm._forward_maps, fwd, dict(**maps, BC=bc, PLAN=False, SKIP_EXACT=0, FACTORED=0), warps, stages),
+            "_forward_maps PLAN": (sm._forward_maps, fwd, dict(**maps, BC=bc, PLAN=True, SKIP_EXACT=0, FACTORED=0), warps, stages),
+            "_backward_maps": (sm._backward_maps, bwd, dict(**maps, BC=bc, PLAN=False, SKIP_EXACT=0, FACTORED=0), warps, stages),
+            "_backward_maps PLAN": (sm._backward_maps, bwd, dict(**maps, BC=bc, PLAN=True, SKIP_EXACT=0, FACTORED=0), warps, stages),
+            "_forward_maps PLAN FACTORED": (sm._forward_maps, fwd, dict(**maps, BC=bc, PLAN=True, SKIP_EXACT=0,
+                                                                         FACTORED=1), warps, stages),
+            "_backward_maps PLAN FACTORED": (sm._backward_maps, bwd, dict(**maps, BC=bc, PLAN=True, SKIP_EXACT=0,
+                                                                          FACTORED=1), warps, stages),
+            "_factors": (sm._factors, factors, dict(**maps, PLAN=True, NEED_R=1, NEED_D=1), sm.FACTOR_WARPS, 1),
             "_forward_states": (sm._forward_states, states, dict(**maps, BC=bc, V_FIRST=False), warps, stages),
             "_decay_plan": (sm._decay_plan, plan, dict(K=a.K, BT=64, CMAX=64), 4, 1),
-            "_forward_maps PLAN SKIP_EXACT": (sm._forward_maps, fwd, dict(**maps, BC=bc, PLAN=True, SKIP_EXACT=1),
+            "_forward_maps PLAN SKIP_EXACT": (sm._forward_maps, fwd, dict(**maps, BC=bc, PLAN=True, SKIP_EXACT=1, FACTORED=0),
                                               warps, stages),
-            "_backward_maps PLAN SKIP_EXACT": (sm._backward_maps, bwd, dict(**maps, BC=bc, PLAN=True, SKIP_EXACT=1),
+            "_backward_maps PLAN SKIP_EXACT": (sm._backward_maps, bwd, dict(**maps, BC=bc, PLAN=True, SKIP_EXACT=1, FACTORED=0),
                                                warps, stages),
             "_forward_pieces": (sm._forward_pieces, fpieces, dict(**maps, BC=bc, P=P, NCOL=(a.K + a.V) // bc),
                                 warps, stages),

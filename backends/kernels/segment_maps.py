@@ -1,12 +1,13 @@
-"""Pass 1 of the exact split (backends/split/passes.py) as two Triton kernels: every segment's
+"""Pass 1 of the exact split (backends/split/passes.py) as Triton kernels: every segment's
 composed state maps `(M, R, D)` from the call's own inputs, with `W`, `U0` and the local dV
-formed per chunk in registers (nothing of stage 1 goes to global memory). A third walks the
-states from the segments' start states for pass 3's `h` when the call has none.
+formed per chunk in registers inside the walks, or (`FACTORS`) formed for every visited chunk
+at once by `_factors` first and read by the walks. Another walks the states from the segments'
+start states for pass 3's `h` when the call has none.
 
 Why: on fla's kernels pass 1 is stage 1 with its conversions, the state pass and the dh pass,
 about eight launches with fla's Python around each (~0.32 of the split's 0.71 ms replayed from a
 CUDA graph at B1 T32768 H4 in 32 segments), and its launches are most of the split's host time.
-Here: two launches (docs/kernels.md, "The split").
+Here: two launches, three with the factors (docs/kernels.md, "The split").
 
 - `_forward_maps`: one program per (segment, head, block of BC state columns) walks the
   segment's chunks forwards. The state recurrence is linear in (state, values), so run from the
@@ -49,6 +50,20 @@ NUM_WARPS, NUM_STAGES = 4, 1
 #: windows, not the exact walks, set its time (docs/kernels.md, "Exact walks in pieces").
 PIECES, MIN_PIECE_CHUNKS = 1, 2
 COMPOSE_CB, COMPOSE_WARPS, COMPOSE_STAGES = 16, 8, 2
+#: The walks read each visited chunk's factors, formed for all of them at once by `_factors`
+#: (a launch more, parallel over chunks), instead of forming them inside the serial walk: a
+#: forward step is then two products, a backward step two on its chain and one off it, the
+#: loads independent of the walk (docs/kernels.md, "The split", the lever table: an earlier form
+#: with fp32 per-block `Z` made the walks 2.4x / 1.4x faster on the H200 but cost 247 us itself).
+#: FACTOR_BYTES_MAX bounds their buffers (sized for every chunk: the plan is on the device);
+#: above it the walks form the chunks.
+FACTORS = True
+FACTOR_BYTES_MAX = 1 << 30
+FACTOR_WARPS = 4
+#: Whether the factors' GPU tests (tests/test_gpu.py: the maps against float64 and the split
+#: against the unsplit call with them) have passed in this form; while False they run only with
+#: GDR_ALLOW_UNVERIFIED=1.
+FACTORS_GPU_VERIFIED = False
 #: Whether the pieces' GPU tests (tests/test_gpu.py: the decay-aware split against the unsplit
 #: call with them) have passed; while False they run only with GDR_ALLOW_UNVERIFIED=1.
 PIECES_WALK_GPU_VERIFIED = True
@@ -69,7 +84,7 @@ def _chunk(k_ptr, a_ptr, g_ptr, b_ptr, t0, eos, hg, h, Hg, H, K: tl.constexpr, B
     last valid G), b, Gam and
     Gam * A `[BT, BT]` (the latter rounded to k's dtype: a product operand only), both
     transposed with TRANSPOSED (formed so, not moved: the backward walk reads them only so).
-    W = (Gam * A) diag(b e^G) K is never formed, nor any other scaled copy of k or q: W X =
+    Here W = (Gam * A) diag(b e^G) K is never formed, nor any other scaled copy of k or q: W X =
     (Gam * A) diag(b e^G) (K X) and W^T Y = K^T diag(b e^G) (Gam * A)^T Y, and every diagonal
     scales the rows of a `[BT, BC]` product instead of a `[BT, K]` operand (fewer products,
     registers and elementwise work)."""
@@ -172,9 +187,122 @@ def _walk_backward(dS, q_ptr, k_ptr, a_ptr, g_ptr, b_ptr, do_ptr, lo, n_chunks, 
 
 
 @triton.jit
-def _forward_maps(k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, m_ptr, r_ptr, plan_ptr, role_ptr, Hg, H,
-                  K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PLAN: tl.constexpr,
-                  SKIP_EXACT: tl.constexpr = 0):
+def _visits(plan_ptr, role_ptr, n, nh, c, nc, PLAN: tl.constexpr, NEED_R: tl.constexpr):
+    """Whether chunk c (of nc) of segment n is walked (as `_forward_maps` and `_backward_maps`
+    decide under PLAN): (forward: M's columns or, with NEED_R, R's; backward)."""
+    fwd = 1
+    bwd = 1
+    if PLAN:
+        n_f = tl.load(plan_ptr + nh * 2)
+        n_b = tl.load(plan_ptr + nh * 2 + 1)
+        role = tl.load(role_ptr + n)
+        walk_m = ((n_f == 0) & (role != 3)).to(tl.int32)
+        walk_r = (((role & 2) == 0) & ((n_f == 0) | (c >= nc - n_f))).to(tl.int32) * NEED_R
+        fwd = tl.maximum(walk_m, walk_r)
+        bwd = (((role & 1) == 0) & ((n_b == 0) | (c < n_b))).to(tl.int32)
+    return fwd, bwd
+
+
+@triton.jit
+def _factors(q_ptr, k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, ci_ptr, plan_ptr, role_ptr, w_ptr, u_ptr, x_ptr, scale,
+             Hg, H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, PLAN: tl.constexpr, NEED_R: tl.constexpr,
+             NEED_D: tl.constexpr):
+    """Chunk i (a row of `ci`: its segment and chunk there) of head h, where a walk visits it
+    (`_visits`), as `[BT, K]` / `[BT, V]` tiles in k's dtype (`[NT, H, BT, *]`; padded rows 0):
+    W = (Gam * A) diag(b e^G) K (`w`), U0 = (Gam * A) diag(b) V (`u`, with NEED_R) and
+    X = scale diag(e^G) Q - scale (Gam * Q K^T) W (`x`, with NEED_D). The walks then run
+    S <- e^{G_L} S + K^T diag(e^{G_L - G}) (U0 - W S) and
+    dS <- e^{G_L} dS + X^T dO - W^T diag(e^{G_L - G}) K dS: X^T dO is the dh step's part that does
+    not depend on the gradient, (scale Q e^G)^T dO - W^T dV_loc, dV_loc = scale (Gam * Q K^T)^T dO.
+    W's and U0's diagonals scale the `[BT, BT]` factor's columns, not a `[BT, K]` operand's rows."""
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.load(ci_ptr + i * 2)
+    c = tl.load(ci_ptr + i * 2 + 1)
+    hg = h // (H // Hg)
+    bos = tl.load(cu_ptr + n)
+    eos = tl.load(cu_ptr + n + 1)
+    fwd, bwd = _visits(plan_ptr, role_ptr, n, n * H + h, c, tl.cdiv(eos - bos, BT), PLAN, NEED_R)
+    bwd = bwd * NEED_D
+    if (fwd + bwd) > 0:
+        t0 = bos + c * BT
+        rt = tl.arange(0, BT)
+        rk = tl.arange(0, K)
+        t = t0 + rt
+        valid = t < eos
+        k, G, gL, b, gam, ag = _chunk(k_ptr, a_ptr, g_ptr, b_ptr, t0, eos, hg, h, Hg, H, K, BT, False)
+        w = tl.dot((ag.to(tl.float32) * (b * tl.exp(G))[None, :]).to(k.dtype), k).to(k.dtype)
+        base = i.to(tl.int64) * H + h
+        tl.store(w_ptr + (base * BT + rt[:, None]) * K + rk[None, :], w)
+        if NEED_R:
+            if fwd > 0:
+                rv = tl.arange(0, V)
+                v = tl.load(v_ptr + (t[:, None].to(tl.int64) * H + h) * V + rv[None, :], mask=valid[:, None], other=0.0)
+                u0 = tl.dot((ag.to(tl.float32) * b[None, :]).to(k.dtype), v)
+                tl.store(u_ptr + (base * BT + rt[:, None]) * V + rv[None, :], u0.to(k.dtype))
+        if bwd > 0:
+            q = tl.load(q_ptr + (t[:, None].to(tl.int64) * Hg + hg) * K + rk[None, :], mask=valid[:, None], other=0.0)
+            p = (scale * gam) * tl.dot(q, tl.trans(k))  # scale (Gam * Q K^T)
+            x = q.to(tl.float32) * (scale * tl.exp(G))[:, None] - tl.dot(p.to(k.dtype), w)
+            tl.store(x_ptr + (base * BT + rt[:, None]) * K + rk[None, :], x.to(k.dtype))
+
+
+@triton.jit
+def _decays(g_ptr, t0, eos, h, H, BT: tl.constexpr):
+    """A chunk's e^{G_L - G} `[BT]` (1 on padded rows, whose k is 0) and e^{G_L}."""
+    t = t0 + tl.arange(0, BT)
+    G = tl.load(g_ptr + tl.minimum(t, eos - 1).to(tl.int64) * H + h)
+    gL = tl.load(g_ptr + (tl.minimum(t0 + BT, eos) - 1).to(tl.int64) * H + h)
+    return tl.exp(gL - G), tl.exp(gL)
+
+
+@triton.jit
+def _factored_forward(S, k_ptr, w_ptr, u_ptr, g_ptr, row0, lo, hi, bos, eos, hg, h, Hg, H, c0, K: tl.constexpr,
+                      V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """`_walk_forward` on `_factors`' chunks (segment chunk 0 at row `row0` of theirs)."""
+    rt = tl.arange(0, BT)
+    rk = tl.arange(0, K)
+    rc = tl.arange(0, BC)
+    for t0 in range(lo, hi, BT):
+        t = t0 + rt
+        base = (row0 + (t0 - bos) // BT) * H + h
+        w = tl.load(w_ptr + (base * BT + rt[:, None]) * K + rk[None, :])
+        kt = _rows_t(k_ptr, t, t < eos, hg, Hg, K)
+        d, dL = _decays(g_ptr, t0, eos, h, H, BT)
+        u = -tl.dot(w, S.to(w.dtype))
+        if c0 >= K:  # R's columns: the values U0
+            u += tl.load(u_ptr + (base * BT + rt[:, None]) * V + c0 - K + rc[None, :]).to(tl.float32)
+        S = dL * S + tl.dot(kt, (u * d[:, None]).to(w.dtype))
+    return S
+
+
+@triton.jit
+def _factored_backward(dS, k_ptr, w_ptr, x_ptr, do_ptr, g_ptr, row0, lo, n_chunks, bos, eos, hg, h, Hg, H, c0,
+                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """`_walk_backward` on `_factors`' chunks."""
+    rt = tl.arange(0, BT)
+    rk = tl.arange(0, K)
+    rc = tl.arange(0, BC)
+    for j in range(n_chunks):
+        t0 = lo + (n_chunks - 1 - j) * BT
+        t = t0 + rt
+        valid = t < eos
+        base = (row0 + (t0 - bos) // BT) * H + h
+        k = tl.load(k_ptr + (t[:, None].to(tl.int64) * Hg + hg) * K + rk[None, :], mask=valid[:, None], other=0.0)
+        wt = tl.load(w_ptr + (base * BT + rt[None, :]) * K + rk[:, None])  # [K, BT]
+        xt = tl.load(x_ptr + (base * BT + rt[None, :]) * K + rk[:, None])  # [K, BT]
+        do = tl.load(do_ptr + (t[:, None].to(tl.int64) * H + h) * V + (c0 + rc)[None, :], mask=valid[:, None],
+                     other=0.0)
+        d, dL = _decays(g_ptr, t0, eos, h, H, BT)
+        du = tl.dot(k, dS.to(k.dtype)) * d[:, None]
+        dS = dL * dS + tl.dot(xt, do) - tl.dot(wt, du.to(k.dtype))
+    return dS
+
+
+@triton.jit
+def _forward_maps(k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, m_ptr, r_ptr, plan_ptr, role_ptr, w_ptr, u_ptr, co_ptr,
+                  Hg, H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                  PLAN: tl.constexpr, SKIP_EXACT: tl.constexpr = 0, FACTORED: tl.constexpr = 0):
     """Columns [c0, c0 + BC) of segment n's `[M | R]` (`m` `[S, H, K, K]`, `r` `[S, H, K, V]`;
     the grid's column blocks cover M, or M then R): the state recurrence from `[I | 0]` on the
     values `[0 | U0]`.
@@ -184,7 +312,9 @@ def _forward_maps(k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, m_ptr, r_ptr, plan_
     set (the next segment's start up to a term below rounding) and go to row n + 1 of `r` (the
     next segment's start, which `segment_scan.chain` completes in place), none for a sequence's
     last segment; M's columns run only where the plan says exact (0) and the sequence has more
-    than one segment. With SKIP_EXACT (1) the exact segments are left to `_forward_pieces`."""
+    than one segment. With SKIP_EXACT (1) the exact segments are left to `_forward_pieces`. With
+    FACTORED the walk reads `_factors`' chunks (`w`, `u`; `co[n]` segment n's first chunk row
+    there) instead of forming them."""
     nh, h, hg, c0, bos, eos = _program(cu_ptr, Hg, H, BC)
     rk = tl.arange(0, K)
     rc = tl.arange(0, BC)
@@ -206,7 +336,11 @@ def _forward_maps(k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, m_ptr, r_ptr, plan_
         else:
             work = (n_f == 0).to(tl.int32) * (role != 3).to(tl.int32) * (1 - SKIP_EXACT)
         hi = tl.where(work != 0, eos, lo)
-    S = _walk_forward(S, k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, lo, hi, eos, hg, h, Hg, H, c0, K, V, BT, BC)
+    if FACTORED:
+        S = _factored_forward(S, k_ptr, w_ptr, u_ptr, g_ptr, tl.load(co_ptr + nh // H), lo, hi, bos, eos, hg, h, Hg,
+                              H, c0, K, V, BT, BC)
+    else:
+        S = _walk_forward(S, k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, lo, hi, eos, hg, h, Hg, H, c0, K, V, BT, BC)
     row64 = row.to(tl.int64)
     if c0 >= K:  # M and R apart: the scans read each whole (a slice of one [M | R] cost two copies)
         tl.store(r_ptr + (row64 * K + rk[:, None]) * V + c0 - K + rc[None, :], S, mask=rk[:, None] < work * K)
@@ -237,15 +371,16 @@ def _forward_states(k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, co_ptr, init_ptr,
 
 
 @triton.jit
-def _backward_maps(q_ptr, k_ptr, a_ptr, g_ptr, b_ptr, do_ptr, cu_ptr, out_ptr, plan_ptr, role_ptr, scale, Hg, H,
-                   K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PLAN: tl.constexpr,
-                   SKIP_EXACT: tl.constexpr = 0):
+def _backward_maps(q_ptr, k_ptr, a_ptr, g_ptr, b_ptr, do_ptr, cu_ptr, out_ptr, plan_ptr, role_ptr, w_ptr, x_ptr,
+                   co_ptr, scale, Hg, H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                   BC: tl.constexpr, PLAN: tl.constexpr, SKIP_EXACT: tl.constexpr = 0, FACTORED: tl.constexpr = 0):
     """Columns [c0, c0 + BC) of segment n's `D` (`out` `[S, H, K, V]`): the dh recurrence
     from a zero gradient at the segment's end, walked back to its start. With PLAN (as
     `_forward_maps`): only the segment's first `plan[n, h, 1]` chunks where that is set (the
     previous segment's end gradient up to a term below rounding), into row n - 1 of `out` (the
     previous segment's end, completed in place by `segment_scan.chain`); none for a sequence's
-    first segment. With SKIP_EXACT (1) the exact segments are left to `_backward_pieces`."""
+    first segment. With SKIP_EXACT (1) the exact segments are left to `_backward_pieces`. With
+    FACTORED the walk reads `_factors`' chunks (`w`, `x`, `co` as `_forward_maps`)."""
     nh, h, hg, c0, bos, eos = _program(cu_ptr, Hg, H, BC)
     rk = tl.arange(0, K)
     rc = tl.arange(0, BC)
@@ -261,8 +396,12 @@ def _backward_maps(q_ptr, k_ptr, a_ptr, g_ptr, b_ptr, do_ptr, cu_ptr, out_ptr, p
             work = work * (n_b > 0).to(tl.int32)
         row = nh - H
         n_chunks = tl.where(work == 0, 0, tl.where(n_b > 0, n_b, n_chunks))
-    dS = _walk_backward(dS, q_ptr, k_ptr, a_ptr, g_ptr, b_ptr, do_ptr, bos, n_chunks, eos, hg, h, Hg, H, c0, scale,
-                        K, V, BT, BC)
+    if FACTORED:
+        dS = _factored_backward(dS, k_ptr, w_ptr, x_ptr, do_ptr, g_ptr, tl.load(co_ptr + nh // H), bos, n_chunks,
+                                bos, eos, hg, h, Hg, H, c0, K, V, BT, BC)
+    else:
+        dS = _walk_backward(dS, q_ptr, k_ptr, a_ptr, g_ptr, b_ptr, do_ptr, bos, n_chunks, eos, hg, h, Hg, H, c0,
+                            scale, K, V, BT, BC)
     row64 = row.to(tl.int64)
     tl.store(out_ptr + (row64 * K + rk[:, None]) * V + c0 + rc[None, :], dS, mask=rk[:, None] < work * K)
 
@@ -536,6 +675,22 @@ def segment_pieces(seg_call, plan: torch.Tensor, roles: torch.Tensor, need_start
     return _maps(seg_call, plan, roles, need_starts, need_ends, walk_pieces(max_chunks))
 
 
+def use_factors(seg_call, need_r: bool, need_d: bool) -> bool:
+    """Whether the walks read `_factors`' chunks: `FACTORS`, V a power of two, their buffers
+    within `FACTOR_BYTES_MAX`, and, until their GPU tests pass (`FACTORS_GPU_VERIFIED`),
+    GDR_ALLOW_UNVERIFIED=1."""
+    from gdr_dispatch.contract import chunk_counts
+    from gdr_dispatch.registry import unverified_allowed
+
+    if not FACTORS or not (FACTORS_GPU_VERIFIED or unverified_allowed()):
+        return False
+    K, V, BT = seg_call.K, seg_call.V, seg_call.chunk_size
+    if V & (V - 1):  # `_factors` forms U0's V columns in one tile (a power of two in Triton)
+        return False
+    per_chunk = (1 + need_d) * BT * K * seg_call.k.element_size() + need_r * BT * V * seg_call.k.element_size()
+    return sum(chunk_counts(seg_call.seq_lens, BT)) * seg_call.H * per_chunk <= FACTOR_BYTES_MAX
+
+
 def walk_pieces(max_chunks: int) -> int:
     """How many pieces an exact segment's walk runs in (1: whole): `PIECES`, fewer where a piece
     would hold under `MIN_PIECE_CHUNKS` chunks; 1 until the pieces' GPU tests pass
@@ -581,9 +736,26 @@ def _maps(seg_call, plan, roles, need_r: bool, need_d: bool = True, pieces: int 
     ncol = K + V if need_r else K
     P = pieces if with_plan else 1
     skip = int(P > 1)
-    _forward_maps[(n_seg * H, ncol // bc)](k, v, a, g, b, cu, M, M if R is None else R, plan, roles, Hg, H,
-                                           K=K, V=V, BT=BT, BC=bc, PLAN=with_plan, SKIP_EXACT=skip,
-                                           num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    q, do = (seg_call.q.contiguous(), seg_call.do.contiguous()) if need_d else (k, k)
+    # the factors' buffers, or stand-ins (M) where the walks form them
+    fw = fu = fx = co = M
+    factored = P == 1 and use_factors(seg_call, need_r, need_d)
+    if factored:
+        from .chunk_grid import varlen_chunk_indices, varlen_chunk_offsets
+
+        lens = seg_call.seq_lens
+        ci = varlen_chunk_indices(lens, BT, dev)
+        co = varlen_chunk_offsets(lens, BT, dev)
+        nt = ci.shape[0]
+        fw = torch.empty(nt, H, BT, K, dtype=k.dtype, device=dev)
+        fu = torch.empty(nt, H, BT, V, dtype=k.dtype, device=dev) if need_r else M
+        fx = torch.empty_like(fw) if need_d else M
+        _factors[(nt, H)](q, k, v, a, g, b, cu, ci, plan, roles, fw, fu, fx, float(seg_call.scale), Hg, H, K=K, V=V,
+                          BT=BT, PLAN=with_plan, NEED_R=int(need_r), NEED_D=int(need_d), num_warps=FACTOR_WARPS,
+                          num_stages=1)
+    _forward_maps[(n_seg * H, ncol // bc)](k, v, a, g, b, cu, M, M if R is None else R, plan, roles, fw, fu, co,
+                                           Hg, H, K=K, V=V, BT=BT, BC=bc, PLAN=with_plan, SKIP_EXACT=skip,
+                                           FACTORED=int(factored), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if P > 1:
         pairs = n_seg * H
         listed = torch.empty(pairs, dtype=torch.int32, device=dev)
@@ -599,10 +771,10 @@ def _maps(seg_call, plan, roles, need_r: bool, need_d: bool = True, pieces: int 
             listed, count, roles, pm, pr, M, M if R is None else R, H, K=K, V=V, P=P, CB=cb, NCOL=ncol // cb,
             num_warps=COMPOSE_WARPS, num_stages=COMPOSE_STAGES)
     if need_d:
-        q, do = seg_call.q.contiguous(), seg_call.do.contiguous()
-        _backward_maps[(n_seg * H, V // bc)](q, k, a, g, b, do, cu, D, plan, roles, float(seg_call.scale), Hg, H,
-                                             K=K, V=V, BT=BT, BC=bc, PLAN=with_plan, SKIP_EXACT=skip,
-                                             num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        _backward_maps[(n_seg * H, V // bc)](q, k, a, g, b, do, cu, D, plan, roles, fw, fx, co,
+                                             float(seg_call.scale), Hg, H, K=K, V=V, BT=BT, BC=bc, PLAN=with_plan,
+                                             SKIP_EXACT=skip, FACTORED=int(factored), num_warps=NUM_WARPS,
+                                             num_stages=NUM_STAGES)
         if P > 1:
             pd = torch.empty(pairs, P, K, V, dtype=torch.float32, device=dev)
             _backward_pieces[(_persistent_programs(dev, pairs * P * (V // bc)),)](
