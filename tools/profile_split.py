@@ -16,6 +16,8 @@ against ours (backends/kernels/segment_maps.py); with GDR_ALLOW_UNVERIFIED=1 in 
 the splits above run pass 1 on ours (until their GPU tests pass). `--pyprof N` adds a cProfile
 of N enqueues of each split call (which Python spends the host time). `--forward 8,16` times the
 op's forward instead: each provider of --backends whole and split, and the split forward's parts.
+`--peer` times FlashQLA's own whole backward (`chunk_gated_delta_rule_bwd`, h=None) with
+`auto_cp` on and off at the shape and gate instead: median, host enqueue and each kernel's time.
 """
 
 from __future__ import annotations
@@ -270,6 +272,22 @@ def pass1_configs(call, segments: int, configs: str, reps: int) -> None:
     sm.FACTORS, sm.FACTORS_GPU_VERIFIED = factors
 
 
+def peer_backward(spec: ShapeSpec, reps: int) -> None:
+    """FlashQLA's whole backward on the shape's inputs (its chunk_gated_delta_rule_bwd, as the
+    starved bench calls it), `auto_cp` on and off: where its time goes, kernel by kernel."""
+    from bench_gdr_bwd import flashqla_runner
+
+    x = make_inputs(spec, "cuda", seed=1)  # as bench_gdr_bwd hands its runners the inputs
+    for auto_cp in (True, False):
+        run = flashqla_runner(x, auto_cp=auto_cp)
+        if run is None:
+            return
+        label = f"FlashQLA's backward, auto_cp={auto_cp}, {spec.label()}"
+        print(f"{label}: median {measure_ms(run, 'cuda', warmup=3, reps=reps):.4f} ms, host enqueue "
+              f"{host_enqueue_ms(run, reps):.4f} ms", flush=True)
+        print(kernel_table(run, reps), flush=True)
+
+
 def python_profile(fn, n: int) -> None:
     """cProfile over `n` enqueues (the GPU drained before each, as `host_enqueue_ms`): the functions with
     the most own time and the most time inside them, per call."""
@@ -321,7 +339,13 @@ def main() -> int:
     p.add_argument("--forward", default=None, metavar="COUNTS",
                    help="the op's forward instead: each of --backends (forward providers) whole and split in these "
                         "segment counts (comma-separated), then the split forward's parts; then stop")
+    p.add_argument("--peer", action="store_true",
+                   help="FlashQLA's own whole backward (h=None) with auto_cp on and off at this shape and gate, "
+                        "kernel by kernel; then stop")
     a = p.parse_args()
+    if a.peer:
+        peer_backward(ShapeSpec(B=a.B, T=a.T, H=a.H, h="none", gate=a.gate), a.reps)
+        return 0
     if a.forward:
         forward_parts(ShapeSpec(B=a.B, T=a.T, H=a.H, gate=a.gate), a.forward, a.backends, a.reps)
         return 0
