@@ -39,7 +39,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import env, plans, tuning_table
+from . import carry, env, plans, tuning_table
 from .caches import Memo, first_time, memo
 from .contract import AUTOCAST_DEVICES, check_forward_structure, check_scale, packed, sequence_lengths
 from .graph_safe import offsets_of, remember, remembered
@@ -325,6 +325,7 @@ def _forward_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_fin
         if key is not None:
             plan.backends[variant] = backend
             plans.forward[key] = plan
+        carry.discard()  # what the measured candidates kept: only the pick's goes to the backward
     o, ht, G, a, h = backend.forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first,
                                      output_final_state, CHUNK, need_states=save_states)
     if save_states:
@@ -489,7 +490,8 @@ def _backward(ctx, do, dht, dG, da, dh):
     args = (q, k, v, a, G, beta, do.to(q.dtype), dht, h if ctx.save_states else None, initial_state, cu_seqlens,
             ctx.scale, ctx.state_v_first)
     if ctx.eager:
-        dq, dk, dv, dg, db, dh0 = _backward_impl(*args)
+        with carry.offering(ctx.carried):
+            dq, dk, dv, dg, db, dh0 = _backward_impl(*args)
     else:  # traced: the backward's own custom op, so the compiled graph holds it
         dq, dk, dv, dg, db, dh0 = torch.ops.gdr_dispatch.chunk_gdr_bwd(*args)
     return (dq, dk, dv, dg.to(ctx.g_dtype), db, dh0.to(initial_state.dtype) if initial_state is not None else None,
@@ -512,10 +514,16 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):  # (ctx first, no setup_context: apply then binds no signature per call)
-        output = _forward_impl(*inputs)
-        if any(ctx.needs_input_grad):  # (no backward will run otherwise)
-            _setup_context(ctx, inputs, output)
-            ctx.eager = True
+        if not any(ctx.needs_input_grad):  # no backward will run
+            return _forward_impl(*inputs)
+        # what a split forward keeps for its backward rides on this context (carry.py)
+        token, held = carry.open_keeping()
+        try:
+            output = _forward_impl(*inputs)
+        finally:
+            carry.close_keeping(token)
+        _setup_context(ctx, inputs, output)
+        ctx.eager, ctx.carried = True, held[0] if held else None
         return output
 
     @staticmethod

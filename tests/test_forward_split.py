@@ -334,3 +334,221 @@ def test_a_forward_build_job_runs_the_provider_on_inputs_like_the_call(monkeypat
                                (70, 1, 130), 0.25, False, True, False)
     assert autotune.run_compile_job(job) >= 0
     assert seen == [((1, 201, 2, 16), True, [0, 70, 71, 201])]
+
+
+# -- the backward on the split forward's carried plan, maps and start states (backends/split/carry.py)
+class _FakeSplit(Backend):
+    """The torch reference as a provider and backend the split may wrap both ways."""
+
+    name = "fake_split"
+    forward_rank = 1
+    split_candidate = True
+
+    def not_supported_reasons(self, problem):
+        return []
+
+    def forward(self, *args, **kwargs):
+        return registry.get_backend("torch").forward(*args, **kwargs)
+
+    def run(self, call):
+        return registry.get_backend("torch").run(call)
+
+
+def _op_grads(x, monkeypatch, forward, backward, allow):
+    """Gradients of the op (eager) with `GDR_FORWARD=forward`, `GDR_BACKEND=backward`, carrying
+    allowed or not; and the `carried` each split backward got."""
+    from gdr_dispatch.backends.split import passes as cp
+
+    monkeypatch.setenv("GDR_FORWARD", forward)
+    monkeypatch.setenv("GDR_BACKEND", backward)
+    if allow:
+        monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+    else:
+        monkeypatch.delenv("GDR_ALLOW_UNVERIFIED", raising=False)
+    clear_caches()
+    seen = []
+    real = cp.split_backward
+
+    def spy(call, segments, run, states_by_run=False, carried=()):
+        seen.append(carried)
+        return real(call, segments, run, states_by_run=states_by_run, carried=carried)
+
+    monkeypatch.setattr(cp, "split_backward", spy)
+    leaves = {n: (t.clone().requires_grad_(True) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+              for n, t in x.items()}
+    o, ht = chunk_gated_delta_rule(**leaves, output_final_state=True)
+    ((o * o.detach().sin()).sum() + (ht * ht.detach().cos()).sum()).backward()
+    return [leaves[n].grad for n in ("q", "k", "v", "g", "beta", "initial_state") if leaves[n] is not None], seen
+
+
+@pytest.mark.parametrize("gate", ["logsigmoid", "mixed"])
+@pytest.mark.parametrize("spec", SHAPES[:3], ids=lambda s: s.label())
+def test_the_split_backward_takes_the_split_forwards_starts_and_matches(spec, gate, monkeypatch, with_backends):
+    """With the forward and the backward split alike (`@split3` both), the backward takes the
+    forward's completed start states (its own pass 1 then walks only backwards) and its gradients
+    are the ones it computes on its own; the carry waits for its GPU tests (GDR_ALLOW_UNVERIFIED)."""
+    with_backends(_FakeSplit())
+    x = _op_inputs(replace(spec, gate=gate))
+    own, seen_own = _op_grads(x, monkeypatch, "fake_split@split3", "fake_split@split3", allow=False)
+    assert seen_own == [()]
+    carried, seen = _op_grads(x, monkeypatch, "fake_split@split3", "fake_split@split3", allow=True)
+    assert len(seen) == 1 and len(seen[0]) == 3
+    plan, M, starts = seen[0]
+    assert plan.dtype == torch.int32 and starts.dtype == torch.float64 and M.shape[-1] == spec.K
+    for a, b in zip(carried, own):
+        assert _rel(a, b) < 1e-12
+
+
+def test_a_backward_split_otherwise_or_unsplit_takes_nothing(monkeypatch, with_backends):
+    """Other segments (split4 after the forward's split3), or an unsplit forward: nothing is
+    taken, and the gradients are still the whole ones."""
+    with_backends(_FakeSplit())
+    x = _op_inputs(replace(SHAPES[2], gate="mixed"))
+    whole, _ = _op_grads(x, monkeypatch, "fake_split", "fake_split", allow=True)
+    for forward, backward in (("fake_split@split3", "fake_split@split4"), ("fake_split", "fake_split@split3")):
+        grads, seen = _op_grads(x, monkeypatch, forward, backward, allow=True)
+        assert seen == [()], (forward, backward)
+        for a, b in zip(grads, whole):
+            assert _rel(a, b) < 1e-10
+
+
+def test_the_carry_is_this_calls_only(monkeypatch):
+    """`take` refuses a carry offered for another call: another G, other keys, other segments."""
+    from gdr_dispatch import carry as channel
+    from gdr_dispatch.backends.split import carry
+
+    monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+    G, k, b, a = torch.zeros(1, 128, 2), torch.zeros(1, 128, 1, 8), torch.zeros(1, 128, 2), torch.zeros(1, 128, 2, 64)
+    v = torch.zeros(1, 128, 2, 8)
+    offsets = (0, 64, 128)
+    with channel.keeping() as held:
+        assert carry.wanted()
+        carry.keep(G, k, v, b, a, None, offsets, torch.zeros(2, 2, 2), torch.zeros(1), torch.zeros(1))
+    assert len(held) == 1 and not carry.wanted()
+    with channel.offering(held[0]):
+        assert carry.take(G, k, v, b, a, None, offsets) is held[0]
+        assert carry.take(G.clone(), k, v, b, a, None, offsets) is None
+        assert carry.take(G, k.clone(), v, b, a, None, offsets) is None
+        assert carry.take(G, k, v.clone(), b, a, None, offsets) is None
+        assert carry.take(G, k, v, b, a, torch.zeros(1, 2, 8, 8), offsets) is None
+        assert carry.take(G, k, v, b, a, None, (0, 128)) is None
+        assert carry.take(G[:, :64], k, v, b, a, None, offsets) is None
+        monkeypatch.delenv("GDR_ALLOW_UNVERIFIED")
+        assert carry.take(G, k, v, b, a, None, offsets) is None  # not before its GPU tests pass
+    assert carry.take(G, k, v, b, a, None, offsets) is None  # nothing offered
+    with channel.keeping() as held:  # a measured candidate's carry is dropped before the pick runs
+        monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+        carry.keep(G, k, v, b, a, None, offsets, torch.zeros(2, 2, 2), torch.zeros(1), torch.zeros(1))
+        channel.discard()
+    assert held == []
+
+
+@pytest.mark.parametrize("gate", ["logsigmoid", "logsigmoid16"])
+def test_the_carried_backward_on_our_kernels_walks_only_backwards_and_matches(gate, monkeypatch):
+    """Pass 1 on our decay-aware kernels (Triton's interpreter, fp16): the split forward's plan,
+    exact maps and completed starts carried into the split backward give its own result, the
+    backward running no plan and no forward walk."""
+    from gdr_dispatch.backends.kernels import segment_maps
+    from gdr_dispatch.backends.split import forward as fw
+    from gdr_dispatch.backends.split import passes as cp
+    from gdr_dispatch.contract import validate
+
+    monkeypatch.setattr(cp, "_maps_kernels_refusal", lambda seg_call: "")
+    monkeypatch.setattr(cp, "_pieces_kernels_refusal", lambda seg_call: "")
+    monkeypatch.setattr(cp, "_states_kernel", lambda call, seg_call, provider: None)
+    torch_backend = registry.get_backend("torch")
+    x = make_inputs(ShapeSpec(B=1, T=900, H=2, K=16, V=16, dtype="float16", h="none", gate=gate), "cpu", seed=5)
+    scale = 16 ** -0.5
+    o, ht, G, a, h, plan, M, starts = fw.split_forward(
+        torch_backend, 3, x["q"], x["k"], x["v"], x["g_raw"], x["b"], scale, x["initial_state"], None, False, True,
+        64, need_states=False, carry=True)
+    # warm windows at the strong gate (the carried plan's), every segment exact at the weak one (its maps)
+    assert bool((plan[..., 0] > 0).any()) == (gate == "logsigmoid") and bool((plan[1:, :, 0] == 0).any()) == (
+        gate == "logsigmoid16")
+    call = validate(x["q"], x["k"], x["v"], a, G, x["b"], x["do"], x["dht"], None, scale=scale,
+                    initial_state=x["initial_state"], chunk_size=64)
+    calls = []
+    real_plan = segment_maps.decay_plan
+    monkeypatch.setattr(segment_maps, "decay_plan", lambda *a, **k: calls.append("decay_plan") or real_plan(*a, **k))
+    monkeypatch.setattr(segment_maps, "_forward_maps", _Recorded(segment_maps._forward_maps, "_forward_maps", calls))
+    monkeypatch.setattr(segment_maps, "_backward_maps", _Recorded(segment_maps._backward_maps, "_backward_maps", calls))
+    own = cp.split_backward(call, 3, run=torch_backend.run)
+    assert calls == ["decay_plan", "_forward_maps", "_backward_maps"], calls
+    calls.clear()
+    got = cp.split_backward(call, 3, run=torch_backend.run, carried=(plan, M, starts))
+    assert calls == ["_backward_maps"], calls
+    for n in ("dq", "dk", "dv", "dg", "db", "dh0"):
+        assert _rel(getattr(got, n).double(), getattr(own, n).double()) < 1e-6, n
+
+
+class _Recorded:
+    """A Triton kernel's launches recorded (`kernel[grid](...)`), then run."""
+
+    def __init__(self, kernel, name, calls):
+        self.kernel, self.name, self.calls = kernel, name, calls
+
+    def __getitem__(self, grid):
+        self.calls.append(self.name)
+        return self.kernel[grid]
+
+
+class _StandInGraph:
+    """A CUDA graph's stand-in on the CPU: its replay recomputes `fn` on the static inputs into the
+    static outputs (what a real replay does with the captured kernels)."""
+
+    def __init__(self, fn, static, out):
+        self.fn, self.static, self.out = fn, static, out
+
+    def replay(self):
+        for o, new in zip(self.out, self.fn(self.static)):
+            if o is not None:
+                o.copy_(new)
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["copies", "in_place_allowed"])
+def test_a_replayed_carried_backward_reads_each_calls_plan(in_place, monkeypatch):
+    """The split backward on a carry, replayed from its graph with copies in (layers of one shape
+    at other addresses): each call's carried plan (an integer input) is copied in with its maps and
+    starts, so gates that change the plan between calls still give the backward's own result (a
+    graph that kept the captured call's plan was 4e-2 off, silently)."""
+    from gdr_dispatch import carry as channel
+    from gdr_dispatch.backends.split import SplitBackend, graphs
+    from gdr_dispatch.backends.split import passes as cp
+    from gdr_dispatch.contract import validate
+
+    monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1" if in_place else "")
+    monkeypatch.setattr("gdr_dispatch.backends.split.carry.allowed", lambda: True)
+    monkeypatch.setattr(cp, "_maps_kernels_refusal", lambda seg_call: "")
+    monkeypatch.setattr(cp, "_pieces_kernels_refusal", lambda seg_call: "")
+    monkeypatch.setattr(cp, "_states_kernel", lambda call, seg_call, provider: None)
+    monkeypatch.setattr(graphs, "wanted", lambda q: True)
+
+    def capture(name, key, tensors, fn, seq_lens, in_place=False):
+        static = tensors if in_place else tuple(
+            None if x is None else x.clone(memory_format=torch.contiguous_format) for x in tensors)
+        out = fn(static)
+        return _StandInGraph(fn, static, out), None if in_place else static, out, (
+            graphs.addresses(tensors) if in_place else None)
+
+    monkeypatch.setattr(graphs, "_capture", capture)
+    clear_caches()
+    torch_backend = registry.get_backend("torch")
+    split = SplitBackend(torch_backend, 3)
+    windows = []
+    for step, gate in enumerate(["logsigmoid16", "logsigmoid16", "logsigmoid", "logsigmoid16", "logsigmoid"]):
+        x = make_inputs(ShapeSpec(B=1, T=900, H=2, K=16, V=16, dtype="float16", h="none", gate=gate), "cpu",
+                        seed=5 + step)
+        with channel.keeping() as held:
+            _, _, G, a, _ = split.forward(x["q"], x["k"], x["v"], x["g_raw"], x["b"], 0.25, x["initial_state"], None,
+                                          False, True, 64, need_states=False)
+        assert len(held) == 1
+        windows.append(int((held[0].plan[..., 0] > 0).sum()))
+        call = validate(x["q"], x["k"], x["v"], a, G, x["b"], x["do"], x["dht"], None, scale=0.25,
+                        initial_state=x["initial_state"], chunk_size=64)
+        own = cp.split_backward(call, 3, run=torch_backend.run)
+        with channel.offering(held[0]):
+            got = split.run(call)
+        for n in ("dq", "dk", "dv", "dg", "db", "dh0"):
+            assert _rel(getattr(got, n).double(), getattr(own, n).double()) < 1e-6, (step, gate, n)
+    assert len(set(windows)) > 1, windows  # the plan changed between calls
+    assert graphs.replays["copied"] + graphs.replays["in place"] >= 2

@@ -616,3 +616,62 @@ def test_split_forward_equals_the_whole_on_gpu(provider, gate, monkeypatch):
         names = ("o", "final_state", "G", "a", "h", "dq", "dk", "dv", "dg", "dbeta")
         errs = {n: relative_error(a, b) for n, a, b in zip(names, outs[f"{provider}@split8"], outs[provider])}
         assert max(errs.values()) < 2e-2, (seqlens, errs)
+
+
+@pytest.mark.parametrize("gate", DECAY_GATES)
+def test_the_split_backward_on_the_split_forwards_carry_on_gpu(gate, monkeypatch):
+    """The op with its forward and backward split alike (`fla@split8` forward, `tilelang_fused@split8`
+    backward): the backward takes the forward's plan, exact maps and start states (backends/split/
+    carry.py; its own pass 1 then walks only backwards) and its gradients are those it computes
+    without them, step by step: eager, captured, then replayed with copies in, the gate alternating
+    with a weak one so the plan changes between steps. One sequence, and a GVA pack with h0 and
+    `state_v_first`."""
+    import torch.nn.functional as F
+
+    from gdr_dispatch import chunk_gated_delta_rule, clear_caches
+    from gdr_dispatch.backends.split import carry
+    from gdr_dispatch.backends.split import passes as cp
+    from gdr_dispatch.shapes import log_decay
+
+    if not {"fla", "tilelang_fused"} <= set(registered_backends()):
+        pytest.skip("fla and tilelang_fused are not both registered here")
+    monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")  # both runs alike: only the carry differs
+    monkeypatch.setenv("GDR_FORWARD", "fla@split8")
+    monkeypatch.setenv("GDR_BACKEND", "tilelang_fused@split8")
+    seen = []
+    real = cp.split_backward
+
+    def spy(call, segments, run, states_by_run=False, carried=()):
+        seen.append(len(carried))
+        return real(call, segments, run, states_by_run=states_by_run, carried=carried)
+
+    monkeypatch.setattr(cp, "split_backward", spy)
+    for seqlens, Hg, v_first, h0 in (((8192,), 4, False, False), ((3000, 63, 5000, 129), 2, True, True)):
+        gen = torch.Generator().manual_seed(13)
+        T, H, K = sum(seqlens), 4, 128
+        q = torch.randn(1, T, Hg, K, generator=gen).cuda().bfloat16()
+        k = F.normalize(torch.randn(1, T, Hg, K, generator=gen), dim=-1).cuda().bfloat16()
+        v = torch.randn(1, T, H, K, generator=gen).cuda().bfloat16()
+        gates = [log_decay(ShapeSpec(seqlens=seqlens, H=H, Hg=Hg, K=K, V=K, gate=name), gen).float().cuda()
+                 for name in (gate, "logsigmoid16")]
+        beta = torch.rand(1, T, H, generator=gen).cuda().bfloat16()
+        init = torch.randn(len(seqlens), H, K, K, generator=gen).cuda() if h0 else None
+        cu = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        grads = {}
+        for allow in (False, True):
+            monkeypatch.setattr(carry, "allowed", lambda allow=allow: allow)
+            clear_caches()
+            seen.clear()
+            grads[allow] = []
+            for step in range(4):  # eager, the graphs captured, then replayed (copies in: fresh leaves)
+                leaves = [x.clone().requires_grad_(True) for x in (q, k, v, gates[step % 2], beta)]
+                o, ht = chunk_gated_delta_rule(*leaves, initial_state=init, output_final_state=True, cu_seqlens=cu,
+                                               state_v_first=v_first)
+                ((o.float() * o.detach().float().sin()).sum() + (ht * ht.detach().cos()).sum()).backward()
+                grads[allow].append([x.grad for x in leaves])
+            # (a replay runs no Python: the eager calls and the captures are what the spy sees)
+            assert seen and set(seen) == {3 if allow else 0}, (allow, seen)
+        for step in range(4):
+            errs = {n: relative_error(a, b) for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), grads[True][step],
+                                                               grads[False][step])}
+            assert max(errs.values()) < 1e-3, (seqlens, step, errs)

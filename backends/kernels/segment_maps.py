@@ -661,7 +661,7 @@ def decay_plan(seg_call, threshold: float, max_chunks: int, sequence_of) -> torc
 
 
 def segment_pieces(seg_call, plan: torch.Tensor, roles: torch.Tensor, need_starts: bool = True,
-                   need_ends: bool = True, max_chunks: int = 0):
+                   need_ends: bool = True, max_chunks: int = 0, need_m: bool = True):
     """Pass 1 of the decay-aware split (docs/kernels.md, "The split") on the kernels, for the
     segments of `seg_call` with `plan` (`decay_plan`) and `roles` (int32 `[S]`: bit 0 a sequence's
     first segment, bit 1 its last): `(M, starts, ends)` fp32. `starts[n]` holds segment n - 1's end
@@ -670,9 +670,13 @@ def segment_pieces(seg_call, plan: torch.Tensor, roles: torch.Tensor, need_start
     gradient over its window (none for a sequence's last; not computed without `need_ends`: the
     op's forward, whose `do` does not exist yet, then None), `M[n]` segment n's map where the plan
     says exact. `segment_scan.chain` then completes both in place. `max_chunks` (the longest
-    segment's chunks) lets the exact segments' walks run in pieces (`walk_pieces`)."""
+    segment's chunks) lets the exact segments' walks run in pieces (`walk_pieces`). Without
+    `need_m` or `need_starts` (the backward on the op's forward's carried maps and starts:
+    backends/split/carry.py) no forward walk runs and `M` is None."""
     _check_segments_call(seg_call, "segment_pieces")
-    return _maps(seg_call, plan, roles, need_starts, need_ends, walk_pieces(max_chunks))
+    M, starts, ends = _maps(seg_call, plan, roles, need_starts, need_ends, walk_pieces(max_chunks),
+                            need_m=need_m or need_starts)
+    return (M if need_m or need_starts else None), starts, ends
 
 
 def use_factors(seg_call, need_r: bool, need_d: bool) -> bool:
@@ -713,13 +717,15 @@ def _sm_count(kind: str, index) -> int:
                                             ).multi_processor_count if kind == "cuda" else 4
 
 
-def _maps(seg_call, plan, roles, need_r: bool, need_d: bool = True, pieces: int = 1):
+def _maps(seg_call, plan, roles, need_r: bool, need_d: bool = True, pieces: int = 1, need_m: bool = True):
     """Both walks over every segment (the backward one only with `need_d`): `(M, R or None, D or
     None)`, exact without a `plan`, else as `segment_pieces` says (R then holds the next segments'
     starts, D the previous ends). With a plan and `pieces` > 1 the exact segments' walks run in
     that many pieces each (`_forward_pieces`, `_backward_pieces`), composed after
     (`_compose_forward`, `_compose_backward`): more programs for the serial walk where few
-    (segment, head) pairs are exact (docs/kernels.md, "The split")."""
+    (segment, head) pairs are exact (docs/kernels.md, "The split"). Without `need_m` (and
+    `need_r`) no whole forward walk runs (M is left unset; the pieces' walks still run: the backward
+    pieces' composition reads their maps)."""
     K, V, H, Hg, BT = seg_call.K, seg_call.V, seg_call.H, seg_call.Hg, seg_call.chunk_size
     n_seg = seg_call.N
     dev = seg_call.q.device
@@ -753,9 +759,11 @@ def _maps(seg_call, plan, roles, need_r: bool, need_d: bool = True, pieces: int 
         _factors[(nt, H)](q, k, v, a, g, b, cu, ci, plan, roles, fw, fu, fx, float(seg_call.scale), Hg, H, K=K, V=V,
                           BT=BT, PLAN=with_plan, NEED_R=int(need_r), NEED_D=int(need_d), num_warps=FACTOR_WARPS,
                           num_stages=1)
-    _forward_maps[(n_seg * H, ncol // bc)](k, v, a, g, b, cu, M, M if R is None else R, plan, roles, fw, fu, co,
-                                           Hg, H, K=K, V=V, BT=BT, BC=bc, PLAN=with_plan, SKIP_EXACT=skip,
-                                           FACTORED=int(factored), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    walk_forward = need_m or need_r
+    if walk_forward:
+        _forward_maps[(n_seg * H, ncol // bc)](k, v, a, g, b, cu, M, M if R is None else R, plan, roles, fw, fu,
+                                               co, Hg, H, K=K, V=V, BT=BT, BC=bc, PLAN=with_plan, SKIP_EXACT=skip,
+                                               FACTORED=int(factored), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if P > 1:
         pairs = n_seg * H
         listed = torch.empty(pairs, dtype=torch.int32, device=dev)

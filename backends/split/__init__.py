@@ -20,7 +20,7 @@ from gdr_dispatch.contract import GDRCall, GDRGrads, chunk_counts, validate
 from gdr_dispatch.problem import Problem
 from gdr_dispatch.registry import Backend, Wrapper, register_context_parallel, register_wrapper
 
-from . import graphs, passes, ranks
+from . import carry, graphs, passes, ranks
 
 log = logging.getLogger("gdr_dispatch")
 
@@ -92,22 +92,49 @@ class SplitBackend(Backend):
                 need_states=True):
         from .forward import lengths, split_forward
 
+        keep = carry.wanted()  # the op's backward will reuse the plan, maps and starts (carry.py)
+
         def fn(x):
             return split_forward(self.inner, self.segments, *x[:5], scale, x[5], x[6], state_v_first,
-                                 need_final, chunk_size, need_states=need_states)
+                                 need_final, chunk_size, need_states=need_states, carry=keep)
 
         tensors = (q, k, v, g, beta, initial_state, cu_seqlens)
-        if not graphs.wanted(q):
-            return fn(tensors)
-        # eager it is host-bound at the starved shapes, as the backward: from the second call, a graph
         lens = lengths(cu_seqlens, q.shape[0], q.shape[1])
-        key = (f"{self.name} forward", graphs.signature(tensors), lens, scale, state_v_first, need_final, need_states,
-               chunk_size, str(q.device))
-        return graphs.run_tensors(f"{self.name} (the op's forward)", key, tensors, fn, lens)
+        if not graphs.wanted(q):
+            out = fn(tensors)
+        else:  # eager it is host-bound at the starved shapes, as the backward: from the second call, a graph
+            key = (f"{self.name} forward", graphs.signature(tensors), lens, scale, state_v_first, need_final,
+                   need_states, chunk_size, str(q.device), keep)
+            out = graphs.run_tensors(f"{self.name} (the op's forward)", key, tensors, fn, lens)
+        if keep:
+            o, final, G, a, h, plan, M, starts = out
+            segs = passes.segments_of(lens, chunk_size, self.segments)
+            carry.keep(G, k, v, beta, a, initial_state, segs.token_offsets, plan, M, starts)
+            return o, final, G, a, h
+        return out
 
     def run(self, call: GDRCall) -> GDRGrads:
-        # eager it is host-bound at the starved shapes: from the second call on, a graph (graphs.py)
-        return graphs.run(self.name, call, self._run)
+        carried = None
+        if carry.allowed():
+            segs = passes.segments_of(tuple(call.seq_lens), call.chunk_size, self.segments)
+            carried = carry.take(call.g, call.k, call.v, call.b, call.a, call.initial_state, segs.token_offsets)
+        if carried is None:
+            # eager it is host-bound at the starved shapes: from the second call on, a graph (graphs.py)
+            return graphs.run(self.name, call, self._run)
+        # the op's forward split the same way: its plan, maps and starts are pass 3's inputs too
+        extra = (carried.plan, carried.M, carried.starts)
+
+        def on(tensors):
+            c = replace(call, **dict(zip(graphs.TENSORS, tensors[:len(graphs.TENSORS)])))
+            return tuple(passes.split_backward(c, self.segments, run=self.inner.run,
+                                               states_by_run=self.inner.own_state_recompute(),
+                                               carried=tensors[len(graphs.TENSORS):]))
+
+        tensors = tuple(getattr(call, n) for n in graphs.TENSORS) + extra
+        if not graphs.wanted(call.q):
+            return GDRGrads(*on(tensors))
+        key = graphs.key_of(self.name, call) + ("carried", graphs.signature(extra))
+        return GDRGrads(*graphs.run_tensors(self.name, key, tensors, on, call.seq_lens))
 
     def _run(self, call: GDRCall) -> GDRGrads:
         return passes.split_backward(call, self.segments, run=self.inner.run,

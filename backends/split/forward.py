@@ -58,10 +58,11 @@ def halves(inner) -> bool:
 
 
 def split_forward(inner, segments: int, q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first,
-                  need_final, chunk_size, need_states=True):
+                  need_final, chunk_size, need_states=True, carry=False):
     """`inner`'s forward (a provider, `Backend.forward`, or its two halves) over every sequence cut
     into at most `segments` runs of whole chunks (module docstring): `(o, final_state or None, G,
-    a, h)` as `inner.forward` returns them for the whole call."""
+    a, h)` as `inner.forward` returns them for the whole call; with `carry`, then pass 1's plan,
+    the exact segments' maps and the completed start states (carry.py: what the backward reuses)."""
     B, T, H = q.shape[0], q.shape[1], v.shape[2]
     dev = q.device
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -85,6 +86,7 @@ def split_forward(inner, segments: int, q, k, v, g, beta, scale, initial_state, 
                     state_v_first=state_v_first)
     _, _, plan, M, starts, _ = passes.pass_1(call, segs, seg_call, need_starts=True, need_ends=False)
     passes.pass_2(call, segs, plan, M, starts, None)
+    carried = (plan, M, starts) if carry else ()
     init = starts.to(passes._state_dtype(call))
     if state_v_first:
         init = init.transpose(-1, -2)
@@ -105,4 +107,5 @@ def split_forward(inner, segments: int, q, k, v, g, beta, scale, initial_state, 
             final = whole
     if h is not None and h.numel():
         h = h.reshape(B, -1, *h.shape[2:])
-    return (o.reshape(B, T, *o.shape[2:]), final, G.reshape(B, T, *G.shape[2:]), a.reshape(B, T, *a.shape[2:]), h)
+    return (o.reshape(B, T, *o.shape[2:]), final, G.reshape(B, T, *G.shape[2:]), a.reshape(B, T, *a.shape[2:]), h,
+            *carried)

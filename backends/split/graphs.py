@@ -148,8 +148,10 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
     last = _last_use.get(key)
     if last is not None and last[0] != stream:  # the graph's buffers were last used on another stream
         stream.wait_event(last[1])
-    if reads is None:  # the copies in (the lengths are the key's: cu_seqlens stays), a foreach call per group
-        copy_all([(s, x) for x, s in zip(tensors, static) if x is not None and x.is_floating_point()])
+    if reads is None:  # the copies in, a foreach call per group; lengths whose values the key holds stay
+        # (an integer input that is no such length, the split forward's carried plan, is copied)
+        copy_all([(s, x) for x, s in zip(tensors, static)
+                  if x is not None and (x.is_floating_point() or remembered(x) is None)])
     replays["copied" if reads is None else "in place"] += 1
     graph.replay()
     live = [x for x in out if x is not None]

@@ -240,7 +240,7 @@ def _pieces_kernels_refusal(seg_call: GDRCall) -> str:
 
 
 def split_backward(call: GDRCall, segments: int, run: Callable[[GDRCall], GDRGrads],
-                   states_by_run: bool = False) -> GDRGrads:
+                   states_by_run: bool = False, carried: tuple = ()) -> GDRGrads:
     """The backward of `call` with each sequence cut into runs of whole chunks.
 
     Every sequence is cut at multiples of `segment_length(...)` chunks (at most `segments`
@@ -250,35 +250,52 @@ def split_backward(call: GDRCall, segments: int, run: Callable[[GDRCall], GDRGra
     (`pass_1_provider`) or batched tensor products; pass 2 the chains (`chain`).
     `states_by_run`: with `h=None`, `run`'s backend recomputes the segments' chunk states itself
     (`Backend.own_state_recompute`); else pass 1's Triton kernels write them where they ran.
+    `carried`: the op's split forward's `(plan, M, starts)` on the same segments (carry.py): pass 1
+    then walks only backwards, pass 2 chains only the end gradients.
     """
     segs = segments_of(tuple(call.seq_lens), call.chunk_size, segments)
     flat, offsets = _segments_inputs(call, segs.token_offsets)
     seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=call.chunk_size)  # no states
-    need_starts = call.h is None  # with h given the starts come from h
-    provider, decay_aware, plan, M, starts, ends = pass_1(call, segs, seg_call, need_starts)
+    need_starts = call.h is None and not carried  # with h given the starts come from h
+    provider, decay_aware, plan, M, starts, ends = pass_1(call, segs, seg_call, need_starts, carried=carried)
     states = None if states_by_run else _states_kernel(call, seg_call, provider)
     problem = Problem.from_call(call)
-    if first_time(("split passes", problem.table_key(), segments, provider, decay_aware, states_by_run)):
+    if first_time(("split passes", problem.table_key(), segments, provider, decay_aware, states_by_run,
+                   bool(carried))):
         log.info("gdr_dispatch: split pass 1 (each segment's warm-up windows or exact maps) on %s, pass 2 (the "
-                 "chains) on %s, %sfor %s", pass_1_words(seg_call, provider, decay_aware),
+                 "chains) on %s, %s%sfor %s", pass_1_words(seg_call, provider, decay_aware),
                  chain_words(call.K, call.V, call.acc_dtype, call.q.device),
                  "pass 3's chunk states on gdr_dispatch's kernels (its backend takes h given), " if states
                  else "pass 3's chunk states by its backend, " if states_by_run and call.h is None else "",
-                 problem.describe())
+                 "the op's forward's start states carried (and its plan and maps where pass 1 is ours: "
+                 "backward walks and chains only), " if carried else "", problem.describe())
     pass_2(call, segs, plan, M, starts, ends)
+    if carried:  # complete already: the forward's chain ran from the same initial state
+        starts = carried[2]
     return _run_segments(call, segs, seg_call, starts, ends, run, states)
 
 
-def pass_1(call: GDRCall, segs: Segments, seg_call: GDRCall, need_starts: bool, need_ends: bool = True):
+def pass_1(call: GDRCall, segs: Segments, seg_call: GDRCall, need_starts: bool, need_ends: bool = True,
+           carried: tuple = ()):
     """Pass 1 for `call` cut into `segs` (`seg_call`: the segments as one varlen call):
     `(provider, decay_aware, plan, M, starts, ends)` in `segment_maps.segment_pieces`' layout, on
     our decay-aware kernels, else a backend's exact maps, else tensor products (decay-aware).
     Without `need_ends` (the op's forward: `call.do` is a stand-in) the kernels skip the backward
-    walk and `ends` is None; the other providers form it anyway, from the stand-in, unread."""
+    walk and `ends` is None; the other providers form it anyway, from the stand-in, unread.
+    `carried` (the op's forward's `(plan, M, starts)`): our kernels take its plan and maps and walk
+    only backwards; a backend's exact maps and the tensor products ignore it (their plan is
+    their own)."""
     acc, dev = call.acc_dtype, call.q.device
     provider, maps = pass_1_provider(seg_call)
     decay_aware = provider == OUR_MAPS and not _pieces_kernels_refusal(seg_call)
-    if decay_aware:
+    if decay_aware and carried:
+        from ..kernels import segment_maps
+
+        roles = device_constant(segs.roles, torch.int32, dev)
+        plan, M = carried[0], carried[1]
+        _, _, ends = segment_maps.segment_pieces(seg_call, plan, roles, False, need_ends, segs.s, need_m=False)
+        starts = None
+    elif decay_aware:
         from ..kernels import segment_maps
 
         roles = device_constant(segs.roles, torch.int32, dev)
