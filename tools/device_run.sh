@@ -11,7 +11,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tcache
 # tools/prebuild_cubins.sh builds cubins with the same spelling
 export TL_TEMPLATE_PATH=/tmp/site/tilelang/3rdparty/../src TL_CUTLASS_PATH=/tmp/site/tilelang/3rdparty/cutlass/include
 [ -f .devcache/cubins.tar.xz ] && mkdir -p /tmp/tlcache && tar -xJf .devcache/cubins.tar.xz -C /tmp/tlcache
-# TileLang's disk cache of earlier calls (or ../shared/device's), packed back into $OUT at the end
+# TileLang's disk cache of earlier calls (or ../shared/device's); what this call adds goes back into $OUT at the end
 for c in .devcache/tlcache.tar.xz .devcache/tilelang-cache-h200.tar.xz; do [ -f "$c" ] && tar -xJf "$c" -C /tmp; done
 # what a call adds to TileLang's cache is packed back, not what it restored (a call brings back
 # files of at most 16 MiB; tools/merge_devcache.sh folds it into .devcache here)
