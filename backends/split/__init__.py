@@ -118,27 +118,14 @@ class SplitBackend(Backend):
         if carry.allowed():
             segs = passes.segments_of(tuple(call.seq_lens), call.chunk_size, self.segments)
             carried = carry.take(call.g, call.k, call.v, call.b, call.a, call.initial_state, segs.token_offsets)
-        if carried is None:
-            # eager it is host-bound at the starved shapes: from the second call on, a graph (graphs.py)
-            return graphs.run(self.name, call, self._run)
-        # the op's forward split the same way: its plan, maps and starts are pass 3's inputs too
-        extra = (carried.plan, carried.M, carried.starts)
+        # eager it is host-bound at the starved shapes: from the second call on, a graph (graphs.py);
+        # where the op's forward split the same way, its plan, maps and starts are the graph's inputs too
+        extra = () if carried is None else (carried.plan, carried.M, carried.starts)
+        return graphs.run(self.name, call, self._run, extra)
 
-        def on(tensors):
-            c = replace(call, **dict(zip(graphs.TENSORS, tensors[:len(graphs.TENSORS)])))
-            return tuple(passes.split_backward(c, self.segments, run=self.inner.run,
-                                               states_by_run=self.inner.own_state_recompute(),
-                                               carried=tensors[len(graphs.TENSORS):]))
-
-        tensors = tuple(getattr(call, n) for n in graphs.TENSORS) + extra
-        if not graphs.wanted(call.q):
-            return GDRGrads(*on(tensors))
-        key = graphs.key_of(self.name, call) + ("carried", graphs.signature(extra))
-        return GDRGrads(*graphs.run_tensors(self.name, key, tensors, on, call.seq_lens))
-
-    def _run(self, call: GDRCall) -> GDRGrads:
+    def _run(self, call: GDRCall, *carried) -> GDRGrads:
         return passes.split_backward(call, self.segments, run=self.inner.run,
-                                     states_by_run=self.inner.own_state_recompute())
+                                     states_by_run=self.inner.own_state_recompute(), carried=carried)
 
     def compile_jobs(self, call: GDRCall) -> list[tuple[str, str, tuple]]:
         """The inner backend's builds for pass 3's call (the segments as one varlen call with both

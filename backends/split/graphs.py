@@ -81,15 +81,18 @@ def wanted(q: torch.Tensor) -> bool:
     return q.is_cuda and env.split_graphs() and not torch.cuda.is_current_stream_capturing()
 
 
-def run(name: str, call: GDRCall, fn: Callable[[GDRCall], GDRGrads]) -> GDRGrads:
-    """`fn(call)`, replayed from a graph from the second call with the same key on (module docstring)."""
+def run(name: str, call: GDRCall, fn: Callable[..., GDRGrads], extra: tuple = ()) -> GDRGrads:
+    """`fn(call, *extra)`, replayed from a graph from the second call with the same key on (module
+    docstring); `extra` (tensors) are graph inputs beside the call's, and their shapes part of the key."""
     if not wanted(call.q):
-        return fn(call)
+        return fn(call, *extra)
+    n = len(TENSORS)
 
     def on(tensors):
-        return tuple(fn(replace(call, **dict(zip(TENSORS, tensors)))))
+        return tuple(fn(replace(call, **dict(zip(TENSORS, tensors[:n]))), *tensors[n:]))
 
-    return GDRGrads(*run_tensors(name, key_of(name, call), tuple(getattr(call, n) for n in TENSORS), on,
+    key = key_of(name, call) + ((signature(extra),) if extra else ())
+    return GDRGrads(*run_tensors(name, key, tuple(getattr(call, n) for n in TENSORS) + tuple(extra), on,
                                  call.seq_lens))
 
 

@@ -288,19 +288,17 @@ def pass_1(call: GDRCall, segs: Segments, seg_call: GDRCall, need_starts: bool, 
     acc, dev = call.acc_dtype, call.q.device
     provider, maps = pass_1_provider(seg_call)
     decay_aware = provider == OUR_MAPS and not _pieces_kernels_refusal(seg_call)
-    if decay_aware and carried:
+    if decay_aware:
         from ..kernels import segment_maps
 
         roles = device_constant(segs.roles, torch.int32, dev)
-        plan, M = carried[0], carried[1]
-        _, _, ends = segment_maps.segment_pieces(seg_call, plan, roles, False, need_ends, segs.s, need_m=False)
-        starts = None
-    elif decay_aware:
-        from ..kernels import segment_maps
-
-        roles = device_constant(segs.roles, torch.int32, dev)
-        plan = segment_maps.decay_plan(seg_call, threshold(torch.float32), segs.s, segs.seq)
-        M, starts, ends = segment_maps.segment_pieces(seg_call, plan, roles, need_starts, need_ends, segs.s)
+        if carried:  # the forward's plan and maps: only the backward walk runs
+            plan, M = carried[0], carried[1]
+            _, starts, ends = segment_maps.segment_pieces(seg_call, plan, roles, False, need_ends, segs.s,
+                                                          need_m=False)
+        else:
+            plan = segment_maps.decay_plan(seg_call, threshold(torch.float32), segs.s, segs.seq)
+            M, starts, ends = segment_maps.segment_pieces(seg_call, plan, roles, need_starts, need_ends, segs.s)
     elif maps is not None:  # exact maps on the provider's kernels: every segment joined through M
         m, r, d = maps(seg_call, need_r=need_starts)
         plan = torch.zeros(len(segs.lens), call.H, 2, dtype=torch.int32, device=dev)
