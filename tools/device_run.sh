@@ -14,8 +14,9 @@ export TL_TEMPLATE_PATH=/tmp/site/tilelang/3rdparty/../src TL_CUTLASS_PATH=/tmp/
 # TileLang's disk cache of earlier calls (or ../shared/device's); what this call adds goes back into $OUT at the end
 for c in .devcache/tlcache.tar.xz .devcache/tilelang-cache-h200.tar.xz; do [ -f "$c" ] && tar -xJf "$c" -C /tmp; done
 # what a call adds to TileLang's cache is packed back, not what it restored (a call brings back
-# files of at most 16 MiB; tools/merge_devcache.sh folds it into .devcache here)
-touch /tmp/.restored
+# files of at most 16 MiB; tools/merge_devcache.sh folds it into .devcache here); a second run in
+# the same call keeps the first run's mark, so its archive holds what both added
+[ -f /tmp/.restored ] || touch /tmp/.restored
 if [ -d .devcache/tcache ]; then cp -r .devcache/tcache /tmp/; else tar -xzf tools/h200_autotune_cache.tgz -C /tmp; fi
 mkdir -p "$OUT/bench" /tmp/tables
 [ -f tuning_cache/nvidia-h200-sm90.yaml ] && cp -n tuning_cache/nvidia-h200-sm90.yaml /tmp/tables/
