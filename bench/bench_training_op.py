@@ -40,7 +40,7 @@ import torch
 from gdr_dispatch import clear_caches
 from gdr_dispatch.problem import device_info, library_versions
 from gdr_dispatch.shapes import PRESETS, ShapeSpec, load_grid, log_decay
-from timing import back_to_back_ms, host_enqueue_ms, measure_ms, relative_error
+from timing import back_to_back_ms, host_enqueue_ms, kernel_ms, measure_ms, relative_error
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LEAVES = ("q", "k", "v", "g", "beta", "initial_state")
@@ -206,6 +206,7 @@ def bench_shape(spec: ShapeSpec, ops: dict, warmup: int, reps: int) -> dict:
             ms = measure_ms(lambda: step(op, x), "cuda", warmup=warmup, reps=reps)
             row["runs"][name] = {"ms": round(ms, 4), "b2b_ms": round(back_to_back_ms(lambda: step(op, x)), 4),
                                  "host_ms": round(host_enqueue_ms(lambda: step(op, x)), 4),
+                                 "gpu_ms": round(kernel_ms(lambda: step(op, x)), 4),
                                  "syncs": synchronizing_calls(lambda: step(op, x)),
                                  **({"max_rel_err_vs_fla_op": float(f"{err:.3e}")} if ref else {})}
             if name.startswith("ours"):
@@ -280,7 +281,7 @@ def profile_shape(spec: ShapeSpec, ops: dict, n: int) -> str:
 def to_markdown(rows, device) -> str:
     names = list(dict.fromkeys(n for r in rows for n in r["runs"]))
     lines = [f"Training step (forward + backward) on {device}, ms per step (a sync after each) / back to back (20 "
-             "enqueued, one sync) (host: the step's enqueue alone); fla-op's per-step ms / this one's in brackets; ours: [the forward and backward "
+             "enqueued, one sync) (host: the step's enqueue alone; GPU: its kernels' summed device time); fla-op's per-step ms / this one's in brackets; ours: [the forward and backward "
              "backends the dispatcher ran]", "",
              "| shape | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for r in rows:
@@ -290,6 +291,7 @@ def to_markdown(rows, device) -> str:
             run = r["runs"].get(n, {})
             syncs = (run.get("syncs") or {}).get("count")
             cells.append(f"{run['ms']:.3f} / {run.get('b2b_ms', float('nan')):.3f} (host {run.get('host_ms', float('nan')):.3f}"
+                         + (f", GPU {run['gpu_ms']:.3f}" if "gpu_ms" in run else "")
                          + (f", {syncs} host waits" if syncs else "") + ")"
                          + (f" ({base / run['ms']:.2f}x)" if base else "")
                          + (f" [fwd {run.get('forward') or '?'}, bwd {run.get('backend') or '?'}]" if n == "ours" else "")

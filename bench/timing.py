@@ -56,6 +56,23 @@ def back_to_back_ms(fn: Callable[[], object], n: int = 20, warmup: int = 2,
     return statistics.median(out)
 
 
+def kernel_ms(fn: Callable[[], object], n: int = 10, sync: Callable[[], None] = torch.cuda.synchronize) -> float:
+    """The GPU's busy time per call in ms: the device time of every kernel and copy `n` calls
+    launch (torch.profiler), summed, over `n`. Where a call is host-bound, its per-call and
+    back-to-back times read the host's pace; this reads what the kernels cost (one stream, so
+    nothing overlaps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        sync()
+    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return total_us / 1e3 / n
+
+
 def more_rounds(runners: dict, runs: dict, rounds: int, measure: Callable) -> None:
     """Time each runner that has a first reading (`runs[name]["ms"]`) `rounds - 1` more times,
     in alternating order (reversed first), and keep the least median; `ms_rounds` keeps all.

@@ -209,11 +209,33 @@ def _majority(outputs: dict, tol: float) -> Optional[str]:
 
 
 def run_compile_job(job: tuple[str, str, tuple]) -> float:
-    """Run one `Backend.compile_jobs` entry (in a worker process); returns its wall time in seconds."""
+    """Run one `Backend.compile_jobs` entry (in a worker process) and mark it built
+    (`built_marker`); returns its wall time in seconds."""
     module, function, args = job
     t0 = time.perf_counter()
     getattr(importlib.import_module(module), function)(*args)
-    return time.perf_counter() - t0
+    took = time.perf_counter() - t0
+    try:
+        marker = built_marker(job)
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(repr(job)[:2000] + "\n")
+    except OSError:  # a marker only spares a later process a background build
+        pass
+    return took
+
+
+def built_marker(job: tuple[str, str, tuple]):
+    """The file saying `job` was built with these library versions (in the user cache directory,
+    beside the tables): a table hit starts a background build only for jobs without one, so a
+    tuned model's later launches start no processes (docs/design.md, "The first step")."""
+    import hashlib
+
+    from . import env
+    from .problem import library_versions
+
+    versions = ",".join(f"{k}={v}" for k, v in sorted(library_versions().items()))
+    digest = hashlib.sha1(f"{job!r}|{versions}".encode()).hexdigest()[:20]
+    return env.user_table_dir() / "built" / digest
 
 
 def precompile(jobs: dict[tuple, list[str]], workers: int, say: Callable[[str], None]) -> None:
@@ -287,18 +309,19 @@ def _compile_in_subprocess(job: tuple[str, str, tuple]) -> float:
 _early: dict = {}
 
 
-def start_compiles(jobs) -> int:
+def start_compiles(jobs, unbuilt_only: bool = False) -> int:
     """Start compile jobs (`compile_jobs_of`' keys) in background processes now, at most
     `compile_workers()` running at once, without waiting: the op's first forward at a shape
     starts its backward's builds so they overlap its own (docs/design.md, "The first step");
-    `precompile` then waits for them instead of starting them again, and a table hit's in-process
-    build finds them in the disk caches. The number started."""
+    `precompile` then waits for them instead of starting them again, and a table hit waits for
+    its winner's. `unbuilt_only`: not the jobs a process before built (`built_marker`). The
+    number started."""
     for done in [j for j, p in _early.items() if p[0].poll() is not None]:  # finished, nobody waited: said here
         wait_early(done)
     running = sum(p[0].poll() is None for p in _early.values())
     started = 0
     for job in jobs:
-        if job in _early:
+        if job in _early or (unbuilt_only and built_marker(job).exists()):
             continue
         if running >= compile_workers():
             break
@@ -325,6 +348,11 @@ def _wait_early(job) -> float:
         return _finish(_early[job])
     finally:
         _early.pop(job, None)
+
+
+def has_early() -> bool:
+    """Whether any job started early is still unwaited (a table hit then waits for its winner's)."""
+    return bool(_early)
 
 
 def _stop_early() -> None:

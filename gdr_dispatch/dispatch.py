@@ -130,6 +130,8 @@ def select_backend(problem: Problem, call: Optional[GDRCall] = None) -> Choice:
         winner = _table_winner(hit.entry, options)
         if winner is not None:
             _decided[key] = Choice(options[winner], TABLE, str(hit.path), verdicts, hit.entry, hit)
+            if call is not None:
+                _wait_early_builds(call, winner, options[winner])
             return _decided[key]
         if hit.exact:
             name = hit.entry["winner"]
@@ -142,11 +144,8 @@ def select_backend(problem: Problem, call: Optional[GDRCall] = None) -> Choice:
         if predicted is not None:  # the neighbouring entries agree: nothing to measure (`explain` says so too)
             at = key if blocked is None else (key, blocked)
             _decided[at] = Choice(options[predicted[0]], PREDICTED, predicted[1], verdicts)
-            if call is not None:  # its builds the op's first forward started: waited for, not built twice
-                from .autotune import compile_jobs_of, wait_early
-
-                for job in compile_jobs_of(call, {predicted[0]: options[predicted[0]]}):
-                    wait_early(job)
+            if call is not None:
+                _wait_early_builds(call, predicted[0], options[predicted[0]])
             return _decided[at]
     if blocked is None and len(options) > 1:
         entry, grads = first_call(call, problem, options)
@@ -169,27 +168,39 @@ def select_backend(problem: Problem, call: Optional[GDRCall] = None) -> Choice:
     return _decided[(key, blocked)]
 
 
+def _wait_early_builds(call: GDRCall, name: str, backend) -> None:
+    """The builds of `name` the op's first forward started (`start_backward_compiles`): waited
+    for here, not built a second time in this process."""
+    from .autotune import compile_jobs_of, has_early, wait_early
+
+    if has_early():
+        for job in compile_jobs_of(call, {name: backend}):
+            wait_early(job)
+
+
 def start_backward_compiles(call: GDRCall) -> int:
-    """Start, in background processes, the builds a backward call like `call` will need at a
-    table miss (autotune.start_compiles): the candidates its first call would measure, pruned as
-    it prunes them. What the op's first forward at a shape calls, so the backward's compiles
-    overlap the forward's (docs/design.md, "The first step"); the backward's first call waits for
-    them. Nothing on a table hit (its winner builds in-process, as ever: no processes at every
-    launch of a tuned model), nor when the choice is forced (`GDR_BACKEND`, `GDR_CP`), already
-    made, or may not be measured. The number of jobs started."""
+    """Start, in background processes, the builds a backward call like `call` will need
+    (autotune.start_compiles): at a table hit its winner's, unless a process before built them
+    (`autotune.built_marker`: a tuned model's later launches start no processes); at a miss the
+    candidates its first call would measure, pruned as it prunes them. What the op's first
+    forward at a shape calls, so the backward's compiles overlap the forward's (docs/design.md,
+    "The first step"); the backward's first call waits for them. Nothing when the choice is
+    forced (`GDR_BACKEND`, `GDR_CP`) or already made, nor at a miss that may not be measured.
+    The number of jobs started."""
     from .autotune import compile_jobs_of, prune, start_compiles
 
     problem = Problem.from_call(call)
-    if env.forced_backend_name() or env.cp_segments() is not None or autotune_block_reason(problem, True):
+    if env.forced_backend_name() or env.cp_segments() is not None:
         return 0
     key = problem.table_key()
     if _decided.get(key) is not None:
         return 0
     _, options = _options(problem)
     for hit in tuning_table.lookup(problem.device.slug, problem.problem_key(), problem.versions_key()):
-        if _table_winner(hit.entry, options) is not None:
-            return 0
-    if len(options) < 2:
+        winner = _table_winner(hit.entry, options)
+        if winner is not None:
+            return start_compiles(compile_jobs_of(call, {winner: options[winner]}), unbuilt_only=True)
+    if autotune_block_reason(problem, True) or len(options) < 2:
         return 0
     predicted = predict(problem, options)
     kept = {predicted[0]: options[predicted[0]]} if predicted is not None else prune(problem, options)[0]

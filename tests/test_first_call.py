@@ -218,8 +218,11 @@ def test_an_early_job_stopped_at_exit_takes_its_compilers_with_it(tmp_path):
     assert not marker.exists() and at._early == {}
 
 
-def test_a_table_hit_starts_no_early_builds(monkeypatch, with_backends):
-    """A tuned shape starts no processes at a model's launch: its winner builds in-process."""
+def test_a_table_hit_builds_its_winner_early_once_per_install(monkeypatch, with_backends, tmp_path):
+    """A tuned shape's first training forward starts its backward winner's builds (not the
+    others'), so they overlap the forward's own; a job a process before built (its marker, written
+    by the job itself) is not started again: a tuned model's later launches start no processes.
+    The backward's first call waits for the winner's early builds instead of building them twice."""
     from gdr_dispatch import dispatch as dsp
     from gdr_dispatch.contract import validate
     from gdr_dispatch.shapes import call_kwargs, make_inputs
@@ -228,16 +231,31 @@ def test_a_table_hit_starts_no_early_builds(monkeypatch, with_backends):
 
     class Building(Member):
         def compile_jobs(self, call):
-            return [("m", "build", (self.name,))]
+            return [("builtins", "len", (self.name,))]
 
     with_backends(Building("fast_a"), Building("other"))
-    monkeypatch.setattr(at, "start_compiles", lambda jobs: started.extend(jobs) or len(jobs))
+    real_start = at.start_compiles
+    monkeypatch.setattr(at, "start_compiles",
+                        lambda jobs, unbuilt_only=False: started.extend(
+                            j for j in jobs if not (unbuilt_only and at.built_marker(j).exists())) or len(started))
     monkeypatch.setattr(dsp, "autotune_block_reason", lambda p, have_tensors: None)
     call = validate(**call_kwargs(make_inputs(ShapeSpec(B=1, T=100, H=2, K=16, V=16, dtype="float64", h="none"),
                                               "cpu")))
-    assert dsp.start_backward_compiles(call) > 0
+    assert dsp.start_backward_compiles(call) == 2  # a miss: every candidate's
     p = dsp.Problem.from_call(call)
     tuning_table.record(p.device.slug, p.device.name, {p.table_key(): {"winner": "fast_a",
                                                                         "candidates": {"fast_a": {"ms": 1.0}}}})
     started.clear()
-    assert dsp.start_backward_compiles(call) == 0 and started == []
+    assert dsp.start_backward_compiles(call) == 1 and started == [("builtins", "len", ("fast_a",))]
+    # the job runs in its own process and marks itself built; the next process starts nothing
+    monkeypatch.setattr(at, "start_compiles", real_start)
+    assert at.start_compiles(started, unbuilt_only=True) == 1
+    assert at.wait_early(started[0]) is not None and at.built_marker(started[0]).exists()
+    assert at.start_compiles(started, unbuilt_only=True) == 0 and at.start_compiles(started) == 1
+    at.wait_early(started[0])
+    waited = []
+    monkeypatch.setattr(at, "wait_early", lambda job: waited.append(job))
+    monkeypatch.setattr(at, "has_early", lambda: True)
+    dsp.clear_caches()
+    choice = dsp.select_backend(p, call)
+    assert choice.source == dsp.TABLE and choice.backend.name == "fast_a" and waited == [("builtins", "len", ("fast_a",))]
