@@ -63,7 +63,7 @@ FACTOR_WARPS = 4
 #: Whether the factors' GPU tests (tests/test_gpu.py: the maps against float64 and the split
 #: against the unsplit call with them) have passed in this form; while False they run only with
 #: GDR_ALLOW_UNVERIFIED=1.
-FACTORS_GPU_VERIFIED = False
+FACTORS_GPU_VERIFIED = True
 #: Whether the pieces' GPU tests (tests/test_gpu.py: the decay-aware split against the unsplit
 #: call with them) have passed; while False they run only with GDR_ALLOW_UNVERIFIED=1.
 PIECES_WALK_GPU_VERIFIED = True
