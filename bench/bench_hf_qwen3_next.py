@@ -114,7 +114,7 @@ def first_steps(a) -> dict:
     logs = Path(out).parent / f"{Path(out).stem}-logs" if out else root
     logs.mkdir(parents=True, exist_ok=True)
     rows = {}
-    for which in ("default", "ours"):
+    for which in a.models.split(","):
         caches = {"TRITON_CACHE_DIR": root / which / "triton", "TILELANG_CACHE_DIR": root / which / "tilelang",
                   "GDR_TUNING_CACHE": root / which / "tables"}
         env = {**os.environ, **{k: str(v) for k, v in caches.items()}}
@@ -162,6 +162,8 @@ def main(argv=None) -> int:
     p.add_argument("--cache-root", default="", help="with --first-step: an empty folder for the fresh caches")
     p.add_argument("--child-timeout", type=float, default=1500.0, help="with --first-step: seconds per process")
     p.add_argument("--only", choices=["ours", "default"], help="one model alone; prints one JSON line")
+    p.add_argument("--models", default="default,ours",
+                   help="with --first-step: the models to run, comma-separated (default,ours)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_hf_qwen3_next: needs a CUDA device", file=sys.stderr)
