@@ -263,7 +263,9 @@ def profile_shape(spec: ShapeSpec, ops: dict, n: int) -> str:
                 step(op, x)
             torch.cuda.synchronize()
         out += [f"-- {name}: torch.profiler, {n} steps", prof.key_averages().table(sort_by="self_cpu_time_total",
-                                                                                   row_limit=25)]
+                                                                                   row_limit=25),
+                f"-- {name}: the same steps by device time", prof.key_averages().table(
+                    sort_by="self_device_time_total", row_limit=30, max_name_column_width=70)]
         prof_py = cProfile.Profile()
         torch.cuda.synchronize()
         prof_py.enable()
@@ -334,8 +336,8 @@ def main(argv=None) -> int:
                         "activations each step: the split graphs then read them in place only where the caching "
                         "allocator hands the same blocks back")
     p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="also profile N steps of each `ours` runner per shape: torch.profiler's ops by their own "
-                        "host time and a cProfile of the Python, in <out>/<device>-training-profile.txt")
+                   help="also profile N steps of each runner but fla's op per shape: torch.profiler's ops by their own "
+                        "host time and by device time, and a cProfile of the Python, in <out>/<device>-training-profile.txt")
     args = p.parse_args(argv)
     global FRESH
     FRESH = args.fresh_inputs
@@ -375,7 +377,7 @@ def main(argv=None) -> int:
         print(f"[{i}/{len(shapes)}] {spec.label()}", file=sys.stderr, flush=True)
         doc["rows"].append(bench_shape(spec, ops, args.warmup, args.reps))
         if args.profile:
-            ours = {n: op for n, op in ops.items() if n.startswith("ours") and not isinstance(op, str)}
+            ours = {n: op for n, op in ops.items() if not isinstance(op, str) and n != "fla-op"}
             with open(out / f"{dev.slug}-training-profile.txt", "a") as f:
                 f.write(profile_shape(spec, ours, args.profile))
         doc["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
