@@ -114,7 +114,7 @@ def first_steps(a) -> dict:
     logs = Path(out).parent / f"{Path(out).stem}-logs" if out else root
     logs.mkdir(parents=True, exist_ok=True)
     rows = {}
-    for which in a.models.split(","):
+    for which in getattr(a, "models", "default,ours").split(","):
         caches = {"TRITON_CACHE_DIR": root / which / "triton", "TILELANG_CACHE_DIR": root / which / "tilelang",
                   "GDR_TUNING_CACHE": root / which / "tables"}
         env = {**os.environ, **{k: str(v) for k, v in caches.items()}}

@@ -124,12 +124,14 @@ class ChoiceLog(logging.Handler):
             print(f"      {record.getMessage()}", file=sys.stderr, flush=True)
 
 
-def runners(forced=(), forwards=()) -> dict:
+def runners(forced=(), forwards=(), eager: bool = False) -> dict:
     """name -> op (or the reason it is absent)."""
     from gdr_dispatch import chunk_gated_delta_rule
 
     out = {"ours": chunk_gated_delta_rule}
     out.update({f"ours@{name}": Forced(chunk_gated_delta_rule, name) for name in forced})
+    if eager:  # the split eager (no graphs, no copies): GPU time against host time
+        out["ours/eager"] = Forced(chunk_gated_delta_rule, env={"GDR_SPLIT_GRAPHS": "0"})
     # a forward provider forced (GDR_FORWARD), the backward dispatched as usual; unverified
     # forwards are what this measures before their GPU tests pass, hence GDR_ALLOW_UNVERIFIED
     out.update({f"ours/fwd={name}": Forced(chunk_gated_delta_rule, env={"GDR_FORWARD": name,
@@ -184,6 +186,18 @@ def replays() -> dict:
     return dict(graphs.replays)
 
 
+def copied_mib(fn) -> dict:
+    """The MiB the split graphs copy in and out during one call of `fn` (graphs.copied_bytes)."""
+    try:
+        from gdr_dispatch.backends.split import graphs
+    except ImportError:
+        return {}
+    before = dict(graphs.copied_bytes)
+    fn()
+    return {k: round((v - before.get(k, 0)) / 2 ** 20, 1) for k, v in graphs.copied_bytes.items()
+            if v != before.get(k, 0)}
+
+
 def bench_shape(spec: ShapeSpec, ops: dict, warmup: int, reps: int) -> dict:
     x = step_inputs(spec, "cuda", seed=1)
     row = {"shape": spec.label().rsplit(" h=", 1)[0], "runs": {}}
@@ -213,6 +227,7 @@ def bench_shape(spec: ShapeSpec, ops: dict, warmup: int, reps: int) -> dict:
                 row["runs"][name].update(backend=choices.backend, forward=choices.forward)
                 if replays():  # the split graphs' replays in this row: in place or with copies in
                     row["runs"][name]["graph_replays"] = {k: v - seen.get(k, 0) for k, v in replays().items()}
+                    row["runs"][name]["graph_copies_mib_per_step"] = copied_mib(lambda: step(op, x))
         except Exception as e:  # noqa: BLE001 - a failing runner is reported, the sweep goes on
             row["runs"][name] = {"failed": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
         print(f"    {name}: {row['runs'][name]}  [{time.perf_counter() - t0:.1f} s]", file=sys.stderr, flush=True)
@@ -294,6 +309,8 @@ def to_markdown(rows, device) -> str:
             syncs = (run.get("syncs") or {}).get("count")
             cells.append(f"{run['ms']:.3f} / {run.get('b2b_ms', float('nan')):.3f} (host {run.get('host_ms', float('nan')):.3f}"
                          + (f", GPU {run['gpu_ms']:.3f}" if "gpu_ms" in run else "")
+                         + (", graph copies " + "/".join(f"{k} {v:.0f}" for k, v in run["graph_copies_mib_per_step"].items())
+                            + " MiB" if run.get("graph_copies_mib_per_step") else "")
                          + (f", {syncs} host waits" if syncs else "") + ")"
                          + (f" ({base / run['ms']:.2f}x)" if base else "")
                          + (f" [fwd {run.get('forward') or '?'}, bwd {run.get('backend') or '?'}]" if n == "ours" else "")
@@ -331,6 +348,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--eager", action="store_true",
+                   help="also run our op with the split's CUDA graphs off (GDR_SPLIT_GRAPHS=0), as ours/eager: "
+                        "no copies in and out, every launch on the host")
     p.add_argument("--fresh-inputs", action="store_true",
                    help="every step clones its inputs first (every runner alike), as a model hands the op new "
                         "activations each step: the split graphs then read them in place only where the caching "
@@ -356,7 +376,7 @@ def main(argv=None) -> int:
         shapes = [_replace(s, gate=gate) for s in shapes for gate in args.gates.split(",")]
     if args.match:
         shapes = [s for s in shapes if re.search(args.match, s.label())]
-    ops = runners([n for n in args.backends.split(",") if n], [n for n in args.forwards.split(",") if n])
+    ops = runners([n for n in args.backends.split(",") if n], [n for n in args.forwards.split(",") if n], args.eager)
     # said before anything slow (a starved run can compile for minutes)
     print(f"{len(shapes)} shapes; runners: {', '.join(ops)}", file=sys.stderr, flush=True)
     if args.compile_jobs:

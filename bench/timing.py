@@ -69,7 +69,8 @@ def kernel_ms(fn: Callable[[], object], n: int = 10, sync: Callable[[], None] = 
         for _ in range(n):
             fn()
         sync()
-    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    # kernels and copies only: an op's own row repeats its kernels' time
+    total_us = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type != torch.autograd.DeviceType.CPU)
     return total_us / 1e3 / n
 
 

@@ -377,7 +377,8 @@ def main() -> int:
                 fn()
                 torch.cuda.synchronize()
             events = prof.key_averages()
-            gpu = sum(e.self_device_time_total for e in events) / 1e3
+            # kernels and copies only (an op's own row repeats its kernels' time)
+            gpu = sum(e.self_device_time_total for e in events if e.device_type != torch.autograd.DeviceType.CPU) / 1e3
             print(f"{label}: median {ms:.3f} ms, host enqueue {enqueue:.3f} ms, GPU kernels {gpu:.3f} ms", flush=True)
             if a.graph:
                 try:

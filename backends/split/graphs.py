@@ -63,6 +63,9 @@ _last_use = caches.memo("split graph streams", limit=256)
 IN_PLACE_GPU_VERIFIED = True
 #: Replays so far, "in place" and "copied" (what a bench reports beside its times).
 replays: collections.Counter = collections.Counter()
+#: Bytes the replays copied so far, "in" (inputs into the graph's own) and "out" (fresh outputs):
+#: GPU time a step spends beside its kernels (docs/kernels.md, "The split").
+copied_bytes: collections.Counter = collections.Counter()
 
 
 def signature(tensors) -> tuple:
@@ -153,13 +156,16 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
         stream.wait_event(last[1])
     if reads is None:  # the copies in, a foreach call per group; lengths whose values the key holds stay
         # (an integer input that is no such length, the split forward's carried plan, is copied)
-        copy_all([(s, x) for x, s in zip(tensors, static)
-                  if x is not None and (x.is_floating_point() or remembered(x) is None)])
+        pairs = [(s, x) for x, s in zip(tensors, static)
+                 if x is not None and (x.is_floating_point() or remembered(x) is None)]
+        copy_all(pairs)
+        copied_bytes["in"] += sum(x.numel() * x.element_size() for _, x in pairs)
     replays["copied" if reads is None else "in place"] += 1
     graph.replay()
     live = [x for x in out if x is not None]
     fresh = [torch.empty_like(x) for x in live]
     copy_all(list(zip(fresh, live)))
+    copied_bytes["out"] += sum(x.numel() * x.element_size() for x in live)
     if stream is not None:
         event = last[1] if last is not None else torch.cuda.Event()
         event.record(stream)
