@@ -72,14 +72,28 @@ def compare(B: int = 2, T: int = 4096, steps: int = 8, **model_kw) -> dict:
     ids = torch.randint(0, base.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(1)).cuda()
     hooked = copy.deepcopy(base)
     default_losses, default_ms = train(base, ids, steps)
+    before = graph_counts()
     with gdr_hf.use_gdr_dispatch(hooked):
         ours_losses, ours_ms = train(hooked, ids, steps)
+    graphs_seen = {k: v - before.get(k, 0) for k, v in graph_counts().items() if v != before.get(k, 0)}
     diff = max(abs(a - b) / abs(b) for a, b in zip(ours_losses, default_losses))
     # the first step compiles and autotunes: the medians leave it out
     return {"B": B, "T": T, "steps": steps, **model_kw, "default_losses": default_losses, "ours_losses": ours_losses,
             "max_rel_loss_diff": diff, "default_step_ms": round(statistics.median(default_ms[1:]), 2),
             "ours_step_ms": round(statistics.median(ours_ms[1:]), 2), "default_first_step_s": round(default_ms[0] / 1e3, 1),
-            "ours_first_step_s": round(ours_ms[0] / 1e3, 1)}
+            "ours_first_step_s": round(ours_ms[0] / 1e3, 1),
+            # the split graphs over the steps: replays in place or with copies, and the MiB copied
+            **({"ours_split_graphs": graphs_seen} if graphs_seen else {})}
+
+
+def graph_counts() -> dict:
+    """The split graphs' replays ("in place", "copied") and copied MiB ("MiB in", "MiB out") so far
+    (backends/split/graphs.py): whether a model's layers hand the op the same addresses each step."""
+    try:
+        from gdr_dispatch.backends.split import graphs
+    except ImportError:
+        return {}
+    return {**graphs.replays, **{f"MiB {k}": round(v / 2 ** 20, 1) for k, v in graphs.copied_bytes.items()}}
 
 
 def one_model(which: str, B: int, T: int, steps: int, **model_kw) -> dict:
