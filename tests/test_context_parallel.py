@@ -1066,12 +1066,12 @@ def _stand_in_capture(fn):
                 if o is not None:
                     o.copy_(new)
 
-    def capture(name, key, tensors, fn_, seq_lens, in_place=False):
+    def capture(name, key, tensors, fn_, seq_lens, in_place=False, pool=None, into=None):
         static = tensors if in_place else tuple(
             None if x is None else x.clone(memory_format=torch.contiguous_format) for x in tensors)
         out = fn(static)
         hit = (Graph(static, out), None if in_place else static, out, graphs.addresses(tensors) if in_place else None)
-        graphs._graphs[key] = hit
+        (graphs._graphs if into is None else into)[key] = hit
         return hit
 
     return capture
@@ -1127,9 +1127,10 @@ def _in_place_setup(monkeypatch, fn, fail_in_place=False):
     made = []
     stand_in = _stand_in_capture(fn)
 
-    def capture(name, key, tensors, fn_, seq_lens, in_place=False):
+    def capture(name, key, tensors, fn_, seq_lens, in_place=False, pool=None, into=None):
         made.append(in_place)
-        return None if in_place and fail_in_place else stand_in(name, key, tensors, fn_, seq_lens, in_place)
+        return None if in_place and fail_in_place else stand_in(name, key, tensors, fn_, seq_lens, in_place,
+                                                                pool, into)
 
     monkeypatch.setattr(graphs, "IN_PLACE_GPU_VERIFIED", True)
     monkeypatch.setattr(graphs, "_capture", capture)
@@ -1161,6 +1162,7 @@ def test_in_place_needs_the_gate_and_never_recaptures_per_call_without_it(monkey
 
     made = _in_place_setup(monkeypatch, _twice)
     monkeypatch.setattr(graphs, "IN_PLACE_GPU_VERIFIED", False)
+    monkeypatch.setattr(graphs, "ADDRESS_SETS", 1)  # one address set per key (the gate opens both)
     monkeypatch.delenv("GDR_ALLOW_UNVERIFIED", raising=False)
     x = torch.randn(3)
     for _ in range(10):
@@ -1208,6 +1210,126 @@ def test_copies_turn_in_place_once_the_addresses_repeat_and_captures_stay_bounde
     for x in keep * 5:  # the addresses come and go: back to copies once, then no more captures
         assert torch.equal(graphs.run_tensors("test", ("k",), (x,), _twice, (3,))[0], x * 2)
     assert made == [False, True, False] and len(made) <= graphs.MAX_CAPTURES
+
+
+def _layers(n: int, size: int = 3):
+    """`n` layers' inputs at one shape: each its own tensors (its own addresses)."""
+    return [(torch.randn(size), torch.randn(2)) for _ in range(n)]
+
+
+def _affine(t):
+    x, y = t
+    return (x * 2 + y.sum(), (x - 1).to(torch.float64))
+
+
+def _multi_setup(monkeypatch, fail_in_place=False):
+    from gdr_dispatch.backends.split import graphs
+
+    made = _in_place_setup(monkeypatch, _affine, fail_in_place)
+    monkeypatch.setattr(graphs, "PLACED_GPU_VERIFIED", True)
+    copied = []
+    real = graphs.copy_all
+    monkeypatch.setattr(graphs, "copy_all", lambda pairs: (copied.append(len(pairs)), real(pairs))[1])
+    return made, copied
+
+
+@pytest.mark.parametrize("layers", [2, 3, 4])
+def test_layers_at_one_shape_each_replay_in_place_on_their_own_graph(layers, monkeypatch):
+    """A model's layers at one shape call the split from their own addresses, in turn, step after
+    step: from the second step on each layer replays its own in-place graph (nothing copied in, the
+    outputs still fresh), with each call's new values; ADDRESS_SETS graphs at most per key."""
+    from gdr_dispatch.backends.split import graphs
+
+    made, copied = _multi_setup(monkeypatch)
+    xs = _layers(layers)
+    for step in range(4):
+        for i, (x, y) in enumerate(xs):
+            x.copy_(torch.randn_like(x))
+            y.copy_(torch.randn_like(y))
+            copied.clear()
+            before = graphs.replays["in place"]
+            got = graphs.run_tensors("test", ("k",), (x, y), _affine, (3,))
+            assert all(torch.allclose(a, b) for a, b in zip(got, _affine((x, y)))), (step, i)
+            assert got[0].data_ptr() not in (x.data_ptr(), y.data_ptr())
+            if step >= 1:
+                assert graphs.replays["in place"] == before + 1 and copied == [2], (step, i, copied)
+    assert made.count(True) == layers  # one in-place capture per layer, never again
+    assert sum(k[0] == ("k",) for k in graphs._placed) == layers <= graphs.ADDRESS_SETS
+
+
+def test_more_address_sets_than_kept_copy_and_stay_right(monkeypatch):
+    """More layers at one shape than ADDRESS_SETS: the first ones kept in place, the rest copied
+    in, every result right, the captures bounded however long it runs."""
+    from gdr_dispatch.backends.split import graphs
+
+    made, _ = _multi_setup(monkeypatch)
+    xs = _layers(graphs.ADDRESS_SETS + 2)
+    for step in range(6):
+        for x, y in xs:
+            x.copy_(torch.randn_like(x))
+            got = graphs.run_tensors("test", ("k",), (x, y), _affine, (3,))
+            assert all(torch.allclose(a, b) for a, b in zip(got, _affine((x, y)))), step
+    assert made.count(True) <= 2 * graphs.ADDRESS_SETS and made.count(False) <= graphs.MAX_CAPTURES
+    assert sum(k[0] == ("k",) for k in graphs._placed) <= graphs.ADDRESS_SETS
+    assert graphs.replays["copied"] > 0 and graphs.replays["in place"] > 0
+
+
+def test_fresh_tensors_every_call_never_capture_in_place(monkeypatch):
+    """Inputs at new addresses every call (nothing comes back): replays with copies, no in-place
+    capture, right results."""
+    from gdr_dispatch.backends.split import graphs
+
+    made, _ = _multi_setup(monkeypatch)
+    keep = []  # alive, so no address comes back
+    for _ in range(8):
+        x, y = torch.randn(3), torch.randn(2)
+        keep.append((x, y))
+        got = graphs.run_tensors("test", ("k",), (x, y), _affine, (3,))
+        assert all(torch.allclose(a, b) for a, b in zip(got, _affine((x, y))))
+    assert True not in made and made.count(False) == 1
+
+
+def test_an_address_set_whose_capture_fails_copies_and_is_retried_a_bounded_number_of_times(monkeypatch):
+    from gdr_dispatch.backends.split import graphs
+
+    made, _ = _multi_setup(monkeypatch, fail_in_place=True)
+    x, y = torch.randn(3), torch.randn(2)
+    start = graphs.replays["in place"]
+    for _ in range(30):
+        x.copy_(torch.randn(3))
+        got = graphs.run_tensors("test", ("k",), (x, y), _affine, (3,))
+        assert all(torch.allclose(a, b) for a, b in zip(got, _affine((x, y))))
+    assert made.count(True) == 2 * graphs.ADDRESS_SETS and graphs.replays["in place"] == start
+
+
+def test_several_address_sets_need_their_gate(monkeypatch):
+    """Without PLACED_GPU_VERIFIED (and no GDR_ALLOW_UNVERIFIED) two layers in turn behave as one
+    address set did: copies for good after the addresses change; opened, each goes in place;
+    closed again, no in-place replay."""
+    from gdr_dispatch.backends.split import graphs
+
+    made, _ = _multi_setup(monkeypatch)
+    monkeypatch.setattr(graphs, "PLACED_GPU_VERIFIED", False)
+    monkeypatch.delenv("GDR_ALLOW_UNVERIFIED", raising=False)
+    xs = _layers(2)
+    start = graphs.replays["in place"]
+    for _ in range(4):
+        for x, y in xs:
+            graphs.run_tensors("test", ("k",), (x, y), _affine, (3,))
+    assert graphs.replays["in place"] == start and True not in made
+    monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+    for _ in range(3):
+        for x, y in xs:
+            graphs.run_tensors("test", ("k",), (x, y), _affine, (3,))
+    assert made.count(True) == 2 and graphs.replays["in place"] >= start + 2
+    monkeypatch.delenv("GDR_ALLOW_UNVERIFIED")
+    before = graphs.replays["in place"]
+    for _ in range(3):
+        for x, y in xs:
+            x.copy_(torch.randn(3))
+            got = graphs.run_tensors("test", ("k",), (x, y), _affine, (3,))
+            assert all(torch.allclose(a, b) for a, b in zip(got, _affine((x, y))))
+    assert graphs.replays["in place"] == before
 
 
 def test_a_failed_in_place_capture_keeps_the_copies(monkeypatch):

@@ -359,8 +359,11 @@ def _op_grads(x, monkeypatch, forward, backward, allow):
     allowed or not; and the `carried` each split backward got."""
     from gdr_dispatch.backends.split import passes as cp
 
+    from gdr_dispatch.backends.split import carry
+
     monkeypatch.setenv("GDR_FORWARD", forward)
     monkeypatch.setenv("GDR_BACKEND", backward)
+    monkeypatch.setattr(carry, "GPU_VERIFIED", allow)  # the carry's gate
     if allow:
         monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
     else:
@@ -386,7 +389,8 @@ def _op_grads(x, monkeypatch, forward, backward, allow):
 def test_the_split_backward_takes_the_split_forwards_starts_and_matches(spec, gate, monkeypatch, with_backends):
     """With the forward and the backward split alike (`@split3` both), the backward takes the
     forward's completed start states (its own pass 1 then walks only backwards) and its gradients
-    are the ones it computes on its own; the carry waits for its GPU tests (GDR_ALLOW_UNVERIFIED)."""
+    are the ones it computes on its own; with its gate closed (`carry.GPU_VERIFIED`, no
+    GDR_ALLOW_UNVERIFIED) nothing is carried."""
     with_backends(_FakeSplit())
     x = _op_inputs(replace(spec, gate=gate))
     own, seen_own = _op_grads(x, monkeypatch, "fake_split@split3", "fake_split@split3", allow=False)
@@ -434,7 +438,9 @@ def test_the_carry_is_this_calls_only(monkeypatch):
         assert carry.take(G, k, v, b, a, None, (0, 128)) is None
         assert carry.take(G[:, :64], k, v, b, a, None, offsets) is None
         monkeypatch.delenv("GDR_ALLOW_UNVERIFIED")
-        assert carry.take(G, k, v, b, a, None, offsets) is None  # not before its GPU tests pass
+        monkeypatch.setattr(carry, "GPU_VERIFIED", False)
+        assert carry.take(G, k, v, b, a, None, offsets) is None  # not with its gate closed
+        monkeypatch.setattr(carry, "GPU_VERIFIED", True)
     assert carry.take(G, k, v, b, a, None, offsets) is None  # nothing offered
     with channel.keeping() as held:  # a measured candidate's carry is dropped before the pick runs
         monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
@@ -523,7 +529,7 @@ def test_a_replayed_carried_backward_reads_each_calls_plan(in_place, monkeypatch
     monkeypatch.setattr(cp, "_states_kernel", lambda call, seg_call, provider: None)
     monkeypatch.setattr(graphs, "wanted", lambda q: True)
 
-    def capture(name, key, tensors, fn, seq_lens, in_place=False):
+    def capture(name, key, tensors, fn, seq_lens, in_place=False, pool=None, into=None):
         static = tensors if in_place else tuple(
             None if x is None else x.clone(memory_format=torch.contiguous_format) for x in tensors)
         out = fn(static)

@@ -675,3 +675,63 @@ def test_the_split_backward_on_the_split_forwards_carry_on_gpu(gate, monkeypatch
             errs = {n: relative_error(a, b) for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), grads[True][step],
                                                                grads[False][step])}
             assert max(errs.values()) < 1e-3, (seqlens, step, errs)
+
+
+def test_layers_at_one_shape_replay_their_own_in_place_graphs_on_gpu(monkeypatch):
+    """Three layers at one shape, each with its own input tensors, new values written into them
+    every step (a model whose caching allocator hands each layer its blocks again): from the second
+    step the split forward replays one in-place graph per layer (graphs.ADDRESS_SETS, the key's
+    graphs on one memory pool), the backward in place where its inputs repeat too, and every step's
+    outputs and gradients are the eager op's (GDR_SPLIT_GRAPHS=0) on the same values; the inputs
+    are never written."""
+    import torch.nn.functional as F
+
+    from gdr_dispatch import chunk_gated_delta_rule, clear_caches
+    from gdr_dispatch.backends.split import graphs
+    from gdr_dispatch.shapes import log_decay
+
+    if not {"fla", "tilelang_fused"} <= set(registered_backends()):
+        pytest.skip("fla and tilelang_fused are not both registered here")
+    monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+    monkeypatch.setenv("GDR_FORWARD", "fla@split8")
+    monkeypatch.setenv("GDR_BACKEND", "tilelang_fused@split8")
+    T, H, K, layers, steps = 8192, 4, 128, 3, 4
+    gen = torch.Generator().manual_seed(21)
+
+    def values(gate):
+        return {"q": torch.randn(1, T, H, K, generator=gen).bfloat16(),
+                "k": F.normalize(torch.randn(1, T, H, K, generator=gen), dim=-1).bfloat16(),
+                "v": torch.randn(1, T, H, K, generator=gen).bfloat16(),
+                "g": log_decay(ShapeSpec(B=1, T=T, H=H, K=K, V=K, gate=gate), gen).float(),
+                "beta": torch.rand(1, T, H, generator=gen).bfloat16()}
+
+    feed = [[values(("mixed", "logsigmoid")[(s + i) % 2]) for i in range(layers)] for s in range(steps)]
+    names = ("q", "k", "v", "g", "beta")
+
+    def step(x):
+        leaves = [x[n].detach().requires_grad_(True) for n in names]  # the layer's own storage
+        o, ht = chunk_gated_delta_rule(*leaves, output_final_state=True)
+        ((o.float() * o.detach().float().sin()).sum() + (ht * ht.detach().cos()).sum()).backward()
+        return [o.detach().clone(), ht.detach().clone()] + [t.grad.clone() for t in leaves]
+
+    results = {}
+    for graphs_on in (False, True):
+        monkeypatch.setenv("GDR_SPLIT_GRAPHS", "1" if graphs_on else "0")
+        monkeypatch.setattr(graphs, "PLACED_GPU_VERIFIED", True)
+        clear_caches()
+        mine = [{n: t.cuda() for n, t in feed[0][i].items()} for i in range(layers)]
+        before = graphs.replays["in place"]
+        results[graphs_on] = []
+        for s in range(steps):
+            for i in range(layers):
+                for n in names:
+                    mine[i][n].copy_(feed[s][i][n])
+                results[graphs_on].append(step(mine[i]))
+                for n in names:
+                    assert torch.equal(mine[i][n].cpu(), feed[s][i][n]), (s, i, n)
+        if graphs_on:
+            assert graphs.replays["in place"] - before >= layers * (steps - 2), graphs.replays
+    labels = ("o", "ht", "dq", "dk", "dv", "dg", "dbeta")
+    for j, (a, b) in enumerate(zip(results[True], results[False])):
+        errs = {n: relative_error(x, y) for n, x, y in zip(labels, a, b)}
+        assert max(errs.values()) < 1e-3, (j // layers, j % layers, errs)

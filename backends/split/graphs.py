@@ -12,7 +12,10 @@ addresses, with the same strides, as the key's previous call's (the same tensors
 a training step handed the same blocks by the caching allocator), the key is captured once more
 on the caller's own tensors, and from then on a call at those addresses replays with no copy in;
 one at other addresses goes back to the copies for good (one graph per key: a model whose layers
-share a shape calls it from as many addresses as layers). The graph keeps addresses, never the
+share a shape calls it from as many addresses as layers). With several address sets per key
+(`ADDRESS_SETS`, `PLACED_GPU_VERIFIED`), each set that comes again within the key's last calls
+gets its own in-place graph instead, all of the key's graphs on one memory pool, and only calls
+at other addresses copy. The graph keeps addresses, never the
 caller's tensors. Outputs are always fresh copies (autograd may keep a gradient it is handed).
 Where in-place replays are on, known lengths are read from one device constant of their values
 (the op's backward gets a fresh copy of cu_seqlens each step). In-place replays run once their GPU test passed
@@ -67,6 +70,23 @@ replays: collections.Counter = collections.Counter()
 #: GPU time a step spends beside its kernels (docs/kernels.md, "The split").
 copied_bytes: collections.Counter = collections.Counter()
 
+#: In-place graphs kept per key, one per address set its calls come at (a model's layers at one
+#: shape; fresh tensors the caching allocator hands back in turn): an address set seen again within
+#: the key's last `2 * ADDRESS_SETS` calls is captured on, and every graph of the key shares one
+#: memory pool (each replay writes all it reads of the pool and its outputs are copied out before
+#: another replays, so one graph's scratch may be another's). Other calls replay with copies.
+ADDRESS_SETS = 4
+#: Whether the GPU tests of several in-place graphs per key on one pool (tests/test_gpu.py) have
+#: passed; while False only GDR_ALLOW_UNVERIFIED=1 turns them on (else one address set, then
+#: copies for good).
+PLACED_GPU_VERIFIED = False
+# (key, addresses) -> an in-place hit as in _graphs; its pins under the same key in _pins
+_placed = caches.memo("split graphs in place", limit=LIMIT * ADDRESS_SETS,
+                      on_evict=lambda key, hit: _release(key))
+_recent = caches.memo("split graph recent addresses", limit=256)  # key -> its last calls' address sets
+_pools = caches.memo("split graph pools", limit=256)  # key -> the memory pool its graphs share
+_placed_captures = caches.memo("split graph in-place captures", limit=256)  # key -> captures so far
+
 
 def signature(tensors) -> tuple:
     """Each tensor's shape and dtype (None for an absent one): what a graph key holds of them."""
@@ -112,14 +132,22 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
     state = _seen.get(key)
     if state is None:
         _seen[key] = "eager"
+        if allowed and placed_allowed():  # a second call at these addresses is captured on them
+            _note(key, where)
         return fn(tensors)  # the warm-up: compiles, caches the index tensors the capture reads
     if state == "refused":
         return fn(tensors)
     captures, copies_only = state if isinstance(state, tuple) else (0, False)
+    multi = allowed and placed_allowed()
+    if multi:  # an in-place graph for these addresses, kept or captured now; else copies (below)
+        placed = _placed_hit(name, key, tensors, fn, seq_lens, where)
+        if placed is not None:
+            return _replay(key, placed, tensors)
     hit = _graphs.get(key)
-    if hit is not None and hit[3] is not None and (hit[3] != where or not allowed):
+    if hit is not None and hit[3] is not None and (hit[3] != where or not allowed or multi):
         copies_only, hit = True, None  # captured on another caller's tensors: copies for good
-    in_place = not copies_only and before == where and allowed  # the same addresses twice in a row
+    # the same addresses twice in a row (with several address sets kept, `_placed_hit` decided)
+    in_place = not copies_only and before == where and allowed and not multi
     if hit is not None and in_place and hit[3] is None and captures >= MAX_CAPTURES:
         copies_only, in_place = True, False  # no captures left: the working graph with copies stays
     if hit is None or (in_place and hit[3] is None):
@@ -132,7 +160,8 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
                 log.info("gdr_dispatch: %s runs eagerly: it was captured %d times (more shapes in turn than the "
                          "%d graphs kept)", name, captures, LIMIT)
             return fn(tensors)
-        new = _capture(name, key, tensors, fn, seq_lens, in_place=in_place)
+        pool = _pool(key) if multi else None
+        new = _capture(name, key, tensors, fn, seq_lens, in_place=in_place, **({"pool": pool} if multi else {}))
         captures += 1
         if new is None and in_place:  # no capture on the caller's tensors: copies for good
             copies_only = True
@@ -147,8 +176,14 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
             return fn(tensors)
         hit = new
     _seen[key] = (captures, copies_only)
-    graph, static, out, reads = hit
     _graphs[key] = hit  # most recently used
+    return _replay(key, hit, tensors)
+
+
+def _replay(key: tuple, hit: tuple, tensors: tuple) -> tuple:
+    """Replay `hit` (a graph of `key`) on `tensors`: their copies in where it holds static inputs,
+    then fresh copies of its outputs, ordered after the key's last use on another stream."""
+    graph, static, out, reads = hit
     dev = next(x for x in out if x is not None).device
     stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None  # (a CPU test's stand-in graph)
     last = _last_use.get(key)
@@ -172,6 +207,53 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
         _last_use[key] = (stream, event)
     it = iter(fresh)
     return tuple(None if x is None else next(it) for x in out)
+
+
+def placed_allowed() -> bool:
+    """Whether a key keeps in-place graphs for several address sets (`ADDRESS_SETS`): verified, or
+    GDR_ALLOW_UNVERIFIED=1."""
+    from gdr_dispatch.registry import unverified_allowed
+
+    return ADDRESS_SETS > 1 and (PLACED_GPU_VERIFIED or unverified_allowed())
+
+
+def _placed_hit(name: str, key: tuple, tensors: tuple, fn, seq_lens: tuple, where: tuple):
+    """The key's in-place graph for the addresses `where`: kept, or captured now where they came
+    within the key's last `2 * ADDRESS_SETS` calls and the key has room (at most `ADDRESS_SETS`
+    kept, `2 * ADDRESS_SETS` captures in all); None where the call replays with copies."""
+    seen = _note(key, where)
+    hit = _placed.get((key, where))
+    if hit is not None:
+        _placed[(key, where)] = hit  # most recently used
+        return hit
+    captures = _placed_captures.get(key, 0)
+    if not seen or captures >= 2 * ADDRESS_SETS or sum(k[0] == key for k in _placed) >= ADDRESS_SETS:
+        return None
+    _placed_captures[key] = captures + 1
+    return _capture(name, (key, where), tensors, fn, seq_lens, in_place=True, pool=_pool(key), into=_placed)
+
+
+def _note(key: tuple, where: tuple) -> bool:
+    """Remember `where` among the key's last `2 * ADDRESS_SETS` calls' addresses; whether it was
+    there already."""
+    recent = _recent.get(key)
+    if recent is None:
+        recent = collections.deque(maxlen=2 * ADDRESS_SETS)
+    seen = where in recent
+    recent.append(where)
+    _recent[key] = recent
+    return seen
+
+
+def _pool(key: tuple):
+    """The memory pool every graph of `key` is captured into (torch.cuda.graph_pool_handle; None
+    without CUDA, where a CPU test's stand-in captures)."""
+    if not torch.cuda.is_available():
+        return None
+    pool = _pools.get(key)
+    if pool is None:
+        pool = _pools[key] = torch.cuda.graph_pool_handle()
+    return pool
 
 
 def _lengths_constant(x):
@@ -212,10 +294,13 @@ def addresses(tensors) -> tuple:
     return tuple(None if x is None else (x.data_ptr(), x.stride()) for x in tensors)
 
 
-def _capture(name: str, key: tuple, tensors: tuple, fn, seq_lens: tuple, in_place: bool = False):
+def _capture(name: str, key: tuple, tensors: tuple, fn, seq_lens: tuple, in_place: bool = False, pool=None,
+             into=None):
     """The key's graph over static copies of `tensors`, or with `in_place` over `tensors` themselves
     (read at their addresses; the hit then holds those addresses, not the tensors): `(graph, static
-    inputs or None, static outputs, addresses read or None)`, or None where the capture fails."""
+    inputs or None, static outputs, addresses read or None)`, or None where the capture fails.
+    `pool`: the memory pool to capture into (shared with the key's other graphs); `into`: the memo
+    it is kept in (`_graphs`)."""
     dev = next(x for x in tensors if x is not None).device
     if in_place:
         static = tensors
@@ -236,7 +321,7 @@ def _capture(name: str, key: tuple, tensors: tuple, fn, seq_lens: tuple, in_plac
             torch.cuda.current_stream(dev).wait_stream(side)
             # thread_local: another thread's allocation or sync during the capture neither fails there
             # nor spoils this capture
-            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
                 out = fn(static)
     except Exception as e:  # noqa: BLE001 - any failure to capture leaves the call eager (or copied), said once
         release_pins(pins)
@@ -258,12 +343,12 @@ def _capture(name: str, key: tuple, tensors: tuple, fn, seq_lens: tuple, in_plac
     hit = (graph, None if in_place else static, tuple(out), addresses(tensors) if in_place else None)
     _release(key)  # a graph it replaces reads nothing any more
     _pins[key] = pins
-    _graphs[key] = hit
+    (_graphs if into is None else into)[key] = hit
     return hit
 
 
 def held_graphs() -> int:
-    return len(_graphs)
+    return len(_graphs) + len(_placed)
 
 
 def _release(key) -> None:
