@@ -1002,6 +1002,15 @@ def test_a_reset_token_splits_exactly_in_float32(monkeypatch):
     assert_split_equals_whole(kwargs, 2, 1e-5, monkeypatch)
 
 
+@pytest.fixture(autouse=True)
+def _one_address_set(monkeypatch):
+    """The graph tests here keep one in-place address set per key (whatever GDR_ALLOW_UNVERIFIED
+    says), except those that ask for several (`_multi_setup`)."""
+    from gdr_dispatch.backends.split import graphs
+
+    monkeypatch.setattr(graphs, "ADDRESS_SETS", 1)
+
+
 def test_a_graph_evicted_again_and_again_runs_eagerly(monkeypatch):
     """More split shapes in turn than graphs kept: each key is captured at most MAX_CAPTURES times,
     then runs eagerly (a capture per call costs more than the eager call)."""
@@ -1014,10 +1023,10 @@ def test_a_graph_evicted_again_and_again_runs_eagerly(monkeypatch):
 
     captures = []
 
-    def capture(name, key, tensors, fn, seq_lens, in_place=False):
+    def capture(name, key, tensors, fn, seq_lens, in_place=False, pool=None, into=None, stream=None):
         captures.append(key)
         hit = (Graph(), None if in_place else tensors, fn(tensors), graphs.addresses(tensors) if in_place else None)
-        graphs._graphs[key] = hit
+        (graphs._graphs if into is None else into)[key] = hit
         return hit
 
     monkeypatch.setattr(graphs, "_capture", capture)
@@ -1066,7 +1075,7 @@ def _stand_in_capture(fn):
                 if o is not None:
                     o.copy_(new)
 
-    def capture(name, key, tensors, fn_, seq_lens, in_place=False, pool=None, into=None):
+    def capture(name, key, tensors, fn_, seq_lens, in_place=False, pool=None, into=None, stream=None):
         static = tensors if in_place else tuple(
             None if x is None else x.clone(memory_format=torch.contiguous_format) for x in tensors)
         out = fn(static)
@@ -1127,7 +1136,7 @@ def _in_place_setup(monkeypatch, fn, fail_in_place=False):
     made = []
     stand_in = _stand_in_capture(fn)
 
-    def capture(name, key, tensors, fn_, seq_lens, in_place=False, pool=None, into=None):
+    def capture(name, key, tensors, fn_, seq_lens, in_place=False, pool=None, into=None, stream=None):
         made.append(in_place)
         return None if in_place and fail_in_place else stand_in(name, key, tensors, fn_, seq_lens, in_place,
                                                                 pool, into)
@@ -1226,6 +1235,7 @@ def _multi_setup(monkeypatch, fail_in_place=False):
     from gdr_dispatch.backends.split import graphs
 
     made = _in_place_setup(monkeypatch, _affine, fail_in_place)
+    monkeypatch.setattr(graphs, "ADDRESS_SETS", 4)
     monkeypatch.setattr(graphs, "PLACED_GPU_VERIFIED", True)
     copied = []
     real = graphs.copy_all
@@ -1330,6 +1340,63 @@ def test_several_address_sets_need_their_gate(monkeypatch):
             got = graphs.run_tensors("test", ("k",), (x, y), _affine, (3,))
             assert all(torch.allclose(a, b) for a, b in zip(got, _affine((x, y))))
     assert graphs.replays["in place"] == before
+
+
+def test_in_place_graphs_give_way_to_the_autotuners_copies_and_go_with_their_key(monkeypatch):
+    """Inside the autotuner's timing (`copied_graph_inputs`) a key with in-place graphs replays with
+    copies; a key dropped (refused after too many captures) takes its in-place graphs and their
+    pins with it; in-place graphs pushed out by other keys release their pins."""
+    from gdr_dispatch.backends.split import graphs
+    from gdr_dispatch.graph_safe import copied_graph_inputs
+
+    _multi_setup(monkeypatch)
+    released = []
+    monkeypatch.setattr(graphs, "release_pins", lambda keys: released.append(keys))
+    xs = _layers(2)
+    for _ in range(3):
+        for x, y in xs:
+            graphs.run_tensors("test", ("k",), (x, y), _affine, (3,))
+    mine = [k for k in graphs._placed if k[0] == ("k",)]
+    assert len(mine) == 2
+    before = dict(graphs.replays)
+    with copied_graph_inputs():
+        for x, y in xs:
+            x.copy_(torch.randn(3))
+            got = graphs.run_tensors("test", ("k",), (x, y), _affine, (3,))
+            assert all(torch.allclose(a, b) for a, b in zip(got, _affine((x, y))))
+    assert graphs.replays["in place"] == before.get("in place", 0)
+    for k in mine:
+        graphs._pins[k] = {("pin", k)}
+    graphs._drop(("k",))
+    assert not [k for k in graphs._placed if k[0] == ("k",)]
+    assert all({("pin", k)} in released for k in mine)
+    released.clear()
+    for i in range(graphs.LIMIT * graphs.ADDRESS_SETS + 1):  # other keys push the first one out
+        x, y = torch.randn(3), torch.randn(2)
+        graphs._pins[(("other", i), graphs.addresses((x, y)))] = {("pin", i)}
+        for _ in range(3):
+            graphs.run_tensors("test", ("other", i), (x, y), _affine, (3,))
+    assert {("pin", 0)} in released
+
+
+def test_a_full_key_gives_its_oldest_in_place_graph_to_a_new_address_set(monkeypatch):
+    """Address sets that stop coming (warm-up steps) do not hold a key's in-place slots for good:
+    a set that comes back replaces the least recently replayed one, within the capture budget."""
+    from gdr_dispatch.backends.split import graphs
+
+    made, _ = _multi_setup(monkeypatch)
+    old, new = _layers(graphs.ADDRESS_SETS), _layers(2)
+    for _ in range(2):
+        for x, y in old:
+            graphs.run_tensors("test", ("k",), (x, y), _affine, (3,))
+    for _ in range(3):
+        for x, y in new:
+            x.copy_(torch.randn(3))
+            got = graphs.run_tensors("test", ("k",), (x, y), _affine, (3,))
+            assert all(torch.allclose(a, b) for a, b in zip(got, _affine((x, y))))
+    kept = {k[1] for k in graphs._placed if k[0] == ("k",)}
+    assert all(graphs.addresses(t) in kept for t in new) and len(kept) == graphs.ADDRESS_SETS
+    assert made.count(True) == graphs.ADDRESS_SETS + 2
 
 
 def test_a_failed_in_place_capture_keeps_the_copies(monkeypatch):

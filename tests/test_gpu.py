@@ -714,24 +714,40 @@ def test_layers_at_one_shape_replay_their_own_in_place_graphs_on_gpu(monkeypatch
         ((o.float() * o.detach().float().sin()).sum() + (ht * ht.detach().cos()).sum()).backward()
         return [o.detach().clone(), ht.detach().clone()] + [t.grad.clone() for t in leaves]
 
-    results = {}
+    captured = []  # (step, the graph's name, in place)
+    real_capture = graphs._capture
+
+    def spy(name, key, tensors, fn, seq_lens, in_place=False, **kw):
+        captured.append((len(order_seen), name, in_place))
+        return real_capture(name, key, tensors, fn, seq_lens, in_place=in_place, **kw)
+
+    monkeypatch.setattr(graphs, "_capture", spy)
+    monkeypatch.setattr(graphs, "PLACED_GPU_VERIFIED", True)
+    results, order_seen = {}, []
     for graphs_on in (False, True):
         monkeypatch.setenv("GDR_SPLIT_GRAPHS", "1" if graphs_on else "0")
-        monkeypatch.setattr(graphs, "PLACED_GPU_VERIFIED", True)
         clear_caches()
+        captured.clear()
         mine = [{n: t.cuda() for n, t in feed[0][i].items()} for i in range(layers)]
-        before = graphs.replays["in place"]
-        results[graphs_on] = []
+        results[graphs_on] = {}
         for s in range(steps):
-            for i in range(layers):
+            order_seen.append(s)
+            forward_in_place = graphs.replays["in place"]
+            for i in (range(layers) if s % 2 == 0 else reversed(range(layers))):  # the order moves too
                 for n in names:
                     mine[i][n].copy_(feed[s][i][n])
-                results[graphs_on].append(step(mine[i]))
+                results[graphs_on][(s, i)] = step(mine[i])
                 for n in names:
                     assert torch.equal(mine[i][n].cpu(), feed[s][i][n]), (s, i, n)
+            if graphs_on and s >= 2:
+                # every layer's forward replays its own in-place graph, captured once
+                assert graphs.replays["in place"] - forward_in_place >= layers, (s, graphs.replays)
+                assert not [c for c in captured if c[0] == len(order_seen) and "forward" in c[1]], captured
+        order_seen.clear()
         if graphs_on:
-            assert graphs.replays["in place"] - before >= layers * (steps - 2), graphs.replays
+            forward_placed = [c for c in captured if "forward" in c[1] and c[2]]
+            assert len(forward_placed) == layers, captured
     labels = ("o", "ht", "dq", "dk", "dv", "dg", "dbeta")
-    for j, (a, b) in enumerate(zip(results[True], results[False])):
-        errs = {n: relative_error(x, y) for n, x, y in zip(labels, a, b)}
-        assert max(errs.values()) < 1e-3, (j // layers, j % layers, errs)
+    for at, got in results[True].items():
+        errs = {n: relative_error(x, y) for n, x, y in zip(labels, got, results[False][at])}
+        assert max(errs.values()) < 1e-3, (at, errs)

@@ -23,7 +23,8 @@ Where in-place replays are on, known lengths are read from one device constant o
 (`graph_safe.copied_graph_inputs`: it calls the same tensors again and again).
 A key whose capture fails (a backend that reads the device on the host) runs eagerly from then on,
 said once; so does one evicted and captured again `MAX_CAPTURES` times (more shapes in turn than
-graphs kept: a capture per call costs more than the eager call). At most `LIMIT` graphs are kept, least recently used first out; each holds its static
+graphs kept: a capture per call costs more than the eager call). At most `LIMIT` graphs with copies are kept, and `LIMIT * ADDRESS_SETS` in place, least recently
+used first out; each holds its static
 inputs and its memory pool (about three times the call's inputs and outputs), said when captured.
 `GDR_SPLIT_GRAPHS=0` turns this off.
 """
@@ -72,10 +73,12 @@ copied_bytes: collections.Counter = collections.Counter()
 
 #: In-place graphs kept per key, one per address set its calls come at (a model's layers at one
 #: shape; fresh tensors the caching allocator hands back in turn): an address set seen again within
-#: the key's last `2 * ADDRESS_SETS` calls is captured on, and every graph of the key shares one
-#: memory pool (each replay writes all it reads of the pool and its outputs are copied out before
-#: another replays, so one graph's scratch may be another's). Other calls replay with copies.
+#: the key's last `RECENT` calls is captured on (a full key gives up its least recently replayed
+#: one, `2 * ADDRESS_SETS` captures in all), and every graph of the key is captured on one stream
+#: into one memory pool (each replay writes all it reads of the pool and its outputs are copied out
+#: before another replays, so one graph's scratch may be another's). Other calls replay with copies.
 ADDRESS_SETS = 4
+RECENT = 64
 #: Whether the GPU tests of several in-place graphs per key on one pool (tests/test_gpu.py) have
 #: passed; while False only GDR_ALLOW_UNVERIFIED=1 turns them on (else one address set, then
 #: copies for good).
@@ -84,7 +87,7 @@ PLACED_GPU_VERIFIED = False
 _placed = caches.memo("split graphs in place", limit=LIMIT * ADDRESS_SETS,
                       on_evict=lambda key, hit: _release(key))
 _recent = caches.memo("split graph recent addresses", limit=256)  # key -> its last calls' address sets
-_pools = caches.memo("split graph pools", limit=256)  # key -> the memory pool its graphs share
+_streams = caches.memo("split graph capture streams", limit=256)  # key -> the stream its graphs are captured on
 _placed_captures = caches.memo("split graph in-place captures", limit=256)  # key -> captures so far
 
 
@@ -160,8 +163,7 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
                 log.info("gdr_dispatch: %s runs eagerly: it was captured %d times (more shapes in turn than the "
                          "%d graphs kept)", name, captures, LIMIT)
             return fn(tensors)
-        pool = _pool(key) if multi else None
-        new = _capture(name, key, tensors, fn, seq_lens, in_place=in_place, **({"pool": pool} if multi else {}))
+        new = _capture(name, key, tensors, fn, seq_lens, in_place=in_place, **(_shared(key) if multi else {}))
         captures += 1
         if new is None and in_place:  # no capture on the caller's tensors: copies for good
             copies_only = True
@@ -219,41 +221,56 @@ def placed_allowed() -> bool:
 
 def _placed_hit(name: str, key: tuple, tensors: tuple, fn, seq_lens: tuple, where: tuple):
     """The key's in-place graph for the addresses `where`: kept, or captured now where they came
-    within the key's last `2 * ADDRESS_SETS` calls and the key has room (at most `ADDRESS_SETS`
-    kept, `2 * ADDRESS_SETS` captures in all); None where the call replays with copies."""
+    within the key's last `RECENT` calls (a key with `ADDRESS_SETS` kept gives up its least
+    recently replayed one; `2 * ADDRESS_SETS` captures in all); None where the call replays with
+    copies."""
     seen = _note(key, where)
     hit = _placed.get((key, where))
     if hit is not None:
         _placed[(key, where)] = hit  # most recently used
         return hit
     captures = _placed_captures.get(key, 0)
-    if not seen or captures >= 2 * ADDRESS_SETS or sum(k[0] == key for k in _placed) >= ADDRESS_SETS:
+    if not seen or captures >= 2 * ADDRESS_SETS:
         return None
+    mine = [k for k in _placed if k[0] == key]  # least recently used first
+    for old in mine[:max(0, len(mine) - ADDRESS_SETS + 1)]:
+        _placed.pop(old, None)
+        _release(old)
     _placed_captures[key] = captures + 1
-    return _capture(name, (key, where), tensors, fn, seq_lens, in_place=True, pool=_pool(key), into=_placed)
+    return _capture(name, (key, where), tensors, fn, seq_lens, in_place=True, into=_placed, **_shared(key))
 
 
 def _note(key: tuple, where: tuple) -> bool:
-    """Remember `where` among the key's last `2 * ADDRESS_SETS` calls' addresses; whether it was
-    there already."""
+    """Remember `where` among the key's last `RECENT` calls' addresses; whether it was there
+    already."""
     recent = _recent.get(key)
     if recent is None:
-        recent = collections.deque(maxlen=2 * ADDRESS_SETS)
+        recent = collections.deque(maxlen=RECENT)
     seen = where in recent
     recent.append(where)
     _recent[key] = recent
     return seen
 
 
-def _pool(key: tuple):
-    """The memory pool every graph of `key` is captured into (torch.cuda.graph_pool_handle; None
-    without CUDA, where a CPU test's stand-in captures)."""
+def _shared(key: tuple) -> dict:
+    """`pool` and `stream` for a capture of `key`: the memory pool of a graph of the key still kept
+    (a fresh one where none is: a pool whose graphs are gone is not reused) and the key's own
+    capture stream (the allocator reuses a freed block only on the stream it was freed on);
+    nothing without CUDA (a CPU test's stand-in captures)."""
     if not torch.cuda.is_available():
-        return None
-    pool = _pools.get(key)
-    if pool is None:
-        pool = _pools[key] = torch.cuda.graph_pool_handle()
-    return pool
+        return {}
+    live = [h for k, h in _placed.items() if k[0] == key] + [h for h in (_graphs.get(key),) if h is not None]
+    pools = [h[0].pool() for h in live if hasattr(h[0], "pool")]
+    stream = _streams.get(key)
+    if stream is None:
+        stream = _streams[key] = torch.cuda.Stream(key_device(key))
+    return {"pool": pools[0] if pools else torch.cuda.graph_pool_handle(), "stream": stream}
+
+
+def key_device(key: tuple) -> torch.device:
+    """The device a graph key's tensors are on (its last field, `key_of`)."""
+    dev = next((x for x in key if isinstance(x, str) and x.startswith("cuda")), None)
+    return torch.device(dev) if dev else torch.device("cuda", torch.cuda.current_device())
 
 
 def _lengths_constant(x):
@@ -295,12 +312,12 @@ def addresses(tensors) -> tuple:
 
 
 def _capture(name: str, key: tuple, tensors: tuple, fn, seq_lens: tuple, in_place: bool = False, pool=None,
-             into=None):
+             into=None, stream=None):
     """The key's graph over static copies of `tensors`, or with `in_place` over `tensors` themselves
     (read at their addresses; the hit then holds those addresses, not the tensors): `(graph, static
     inputs or None, static outputs, addresses read or None)`, or None where the capture fails.
-    `pool`: the memory pool to capture into (shared with the key's other graphs); `into`: the memo
-    it is kept in (`_graphs`)."""
+    `pool` and `stream`: the memory pool and the stream to capture on (shared with the key's other
+    graphs, `_shared`); `into`: the memo it is kept in (`_graphs`)."""
     dev = next(x for x in tensors if x is not None).device
     if in_place:
         static = tensors
@@ -314,14 +331,16 @@ def _capture(name: str, key: tuple, tensors: tuple, fn, seq_lens: tuple, in_plac
     pins: set = set()
     try:
         with torch.cuda.device(dev), graph_owned_pins() as pins:  # the inputs' device (and its own capture stream)
-            side = torch.cuda.Stream(dev)
+            side = stream if stream is not None else torch.cuda.Stream(dev)
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):
                 fn(static)  # a warm-up on the capture's stream, as torch's capture notes ask
             torch.cuda.current_stream(dev).wait_stream(side)
             # thread_local: another thread's allocation or sync during the capture neither fails there
-            # nor spoils this capture
-            with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
+            # nor spoils this capture; the outer stream context restores the caller's stream even
+            # where the capture fails to begin
+            with torch.cuda.stream(side), torch.cuda.graph(graph, pool=pool, stream=side,
+                                                           capture_error_mode="thread_local"):
                 out = fn(static)
     except Exception as e:  # noqa: BLE001 - any failure to capture leaves the call eager (or copied), said once
         release_pins(pins)
@@ -335,7 +354,7 @@ def _capture(name: str, key: tuple, tensors: tuple, fn, seq_lens: tuple, in_plac
     if in_place:
         if caches.first_time(("split graph in place", name, seq_lens[:4], len(seq_lens))):
             log.info("gdr_dispatch: %s for %s tokens replays on its inputs in place while they come at the same "
-                     "addresses (no copies in)", name, sum(seq_lens))
+                     "addresses (no copies in); it holds %.0f MiB", name, sum(seq_lens), held / 2 ** 20)
     elif caches.first_time(("split graph", name, seq_lens[:4], len(seq_lens))):
         log.info("gdr_dispatch: %s for %s tokens replays from a CUDA graph from now on; it holds %.0f MiB "
                  "(at most %d such graphs are kept; GDR_SPLIT_GRAPHS=0 turns them off)", name, sum(seq_lens),
@@ -357,8 +376,12 @@ def _release(key) -> None:
 
 
 def _drop(key) -> None:
+    """The key's graphs go, with copies and in place."""
     _graphs.pop(key, None)
     _release(key)
+    for k in [k for k in _placed if k[0] == key]:
+        _placed.pop(k, None)
+        _release(k)
 
 
 @caches.on_clear
