@@ -234,7 +234,8 @@ def built_marker(job: tuple[str, str, tuple]):
     from .problem import library_versions
 
     versions = ",".join(f"{k}={v}" for k, v in sorted(library_versions().items()))
-    digest = hashlib.sha1(f"{job!r}|{versions}".encode()).hexdigest()[:20]
+    what = warm_key(job) if job[1] == warm_backend.__name__ else job  # a warm run: not its lengths
+    digest = hashlib.sha1(f"{what!r}|{versions}".encode()).hexdigest()[:20]
     return env.user_table_dir() / "built" / digest
 
 
@@ -305,6 +306,8 @@ def _compile_in_subprocess(job: tuple[str, str, tuple]) -> float:
     return _finish(_spawn(job))
 
 
+#: The longest compile job (its repr, one command-line argument) started in the background.
+MAX_JOB_CHARS = 100_000
 #: Compile jobs started ahead of the call that needs them (`start_compiles`): job -> `_spawn`'s.
 _early: dict = {}
 
@@ -322,6 +325,8 @@ def start_compiles(jobs, unbuilt_only: bool = False) -> int:
     started = 0
     for job in jobs:
         if job in _early or (unbuilt_only and built_marker(job).exists()):
+            continue
+        if len(repr(job)) >= MAX_JOB_CHARS:  # one command-line argument: a huge pack builds in-process
             continue
         if running >= compile_workers():
             break
@@ -638,13 +643,6 @@ def env_hint() -> str:
     return f"{AUTOTUNE}=0 takes the static order instead; `gdr-dispatch tune` measures ahead of time"
 
 
-if __name__ == "__main__":  # one compile job, in its own process (precompile)
-    import ast
-    import sys
-
-    run_compile_job(ast.literal_eval(sys.argv[1]))
-
-
 def warm_job(backend: str, call: GDRCall) -> tuple[str, str, tuple]:
     """A compile job that runs `backend` once on random inputs of `call`'s shape: for backends
     whose kernels compile and autotune on their first run (Triton's JIT, fla-core's autotuner;
@@ -716,3 +714,10 @@ def warm_backend(backend: str, spec: tuple, device: str = "cuda") -> None:
     get_backend(backend).run(call)
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+if __name__ == "__main__":  # one compile job, in its own process (precompile)
+    import ast
+    import sys
+
+    run_compile_job(ast.literal_eval(sys.argv[1]))

@@ -63,6 +63,7 @@ class Choice:
 
 
 _decided = caches.memo("decisions")  # table key (or (key, why not autotuned)) -> Choice
+_hit_builds = caches.memo("table-hit early builds", limit=256)  # (table key, winner) -> started once
 _outputs_checked = caches.memo("outputs checked")  # (backend, table key) whose outputs were checked
 
 
@@ -199,6 +200,11 @@ def start_backward_compiles(call: GDRCall) -> int:
     for hit in tuning_table.lookup(problem.device.slug, problem.problem_key(), problem.versions_key()):
         winner = _table_winner(hit.entry, options)
         if winner is not None:
+            # once per table key and winner: a varlen run meets new lengths every step, and the
+            # winner's builds key on neither the lengths nor the token count
+            if _hit_builds.get((key, winner)):
+                return 0
+            _hit_builds[(key, winner)] = True
             return start_compiles(compile_jobs_of(call, {winner: options[winner]}), unbuilt_only=True)
     if autotune_block_reason(problem, True) or len(options) < 2:
         return 0

@@ -335,8 +335,6 @@ def _forward_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_fin
             packed(a.to(q.dtype)), packed(h) if save_states else _empty(q))
 
 
-#: The longest compile job (its repr, one command-line argument) started in the background.
-MAX_JOB_CHARS = 100_000
 
 
 def _start_forward_compiles(problem, q, v, g, beta, initial_state, cu_seqlens, lens, scale, output_final_state,
@@ -345,7 +343,7 @@ def _start_forward_compiles(problem, q, v, g, beta, initial_state, cu_seqlens, l
     background process now (autotune.forward_job): `{candidate: job}` for `measure_forwards` to
     wait on before timing it, so their compiles overlap each other's and the backward's instead
     of running one after another in this process."""
-    from .autotune import forward_job, start_compiles
+    from .autotune import MAX_JOB_CHARS, forward_job, start_compiles
     from .registry import base_name
 
     try:

@@ -247,6 +247,8 @@ def test_a_table_hit_builds_its_winner_early_once_per_install(monkeypatch, with_
                                                                         "candidates": {"fast_a": {"ms": 1.0}}}})
     started.clear()
     assert dsp.start_backward_compiles(call) == 1 and started == [("builtins", "len", ("fast_a",))]
+    # once per table key and winner (a varlen run meets new lengths every step): not again
+    assert dsp.start_backward_compiles(call) == 0 and len(started) == 1
     # the job runs in its own process and marks itself built; the next process starts nothing
     monkeypatch.setattr(at, "start_compiles", real_start)
     assert at.start_compiles(started, unbuilt_only=True) == 1
@@ -259,3 +261,17 @@ def test_a_table_hit_builds_its_winner_early_once_per_install(monkeypatch, with_
     dsp.clear_caches()
     choice = dsp.select_backend(p, call)
     assert choice.source == dsp.TABLE and choice.backend.name == "fast_a" and waited == [("builtins", "len", ("fast_a",))]
+
+
+def test_a_warm_runs_marker_keys_on_what_it_compiles_not_the_lengths():
+    """A warm run (`warm_job`) builds what its backend compiles and autotunes on, whatever the
+    lengths: one marker for a shape's packs, another for other heads."""
+    def job(**spec):
+        base = dict(B=1, T=100, H=2, Hg=2, K=16, V=16, dtype="bfloat16", h="none", initial_state=False, dht=False,
+                    state_v_first=False, chunk_size=64, seqlens=None)
+        return ("gdr_dispatch.autotune", "warm_backend", ("fla", tuple(sorted({**base, **spec}.items())), "cuda:0"))
+
+    assert at.built_marker(job(T=300, seqlens=(100, 200))) == at.built_marker(job(T=500, seqlens=(250, 250)))
+    assert at.built_marker(job(T=300, seqlens=(100, 200))) != at.built_marker(job(T=300))  # varlen or not
+    assert at.built_marker(job()) != at.built_marker(job(H=4))
+    assert at.built_marker(("m", "f", (1,))) != at.built_marker(("m", "f", (2,)))
