@@ -283,9 +283,10 @@ def _spawn(job: tuple[str, str, tuple]):
     env = dict(os.environ)
     here = str(Path(__file__).resolve().parent.parent)  # where this gdr_dispatch imports from
     env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    err = tempfile.TemporaryFile(mode="w+")
-    # its own process group: stopping it at exit stops the compilers it started too
-    proc = subprocess.Popen([sys.executable, "-m", "gdr_dispatch.autotune", repr(job)], env=env,
+    err = tempfile.TemporaryFile(mode="w+", errors="replace")  # a compiler's bytes are no reason to fail
+    # its own process group: stopping it at exit stops the compilers it started too; started in
+    # `here`, so `-m` imports this gdr_dispatch, not one in the caller's working directory
+    proc = subprocess.Popen([sys.executable, "-m", "gdr_dispatch.autotune", repr(job)], env=env, cwd=here,
                             stdout=subprocess.DEVNULL, stderr=err, text=True, start_new_session=True)
     return proc, err, time.perf_counter()
 
@@ -343,16 +344,23 @@ def wait_early(job) -> Optional[float]:
         return None
     try:
         return _wait_early(job)
-    except RuntimeError as e:
-        log.info("gdr_dispatch: an early build failed (the call that needs it builds it again): %s: %s", job[1], e)
+    except Exception as e:  # noqa: BLE001 - an early build is an optimisation: the call builds it itself
+        log.info("gdr_dispatch: an early build failed (the call that needs it builds it again): %s: %s: %s", job[1],
+                 type(e).__name__, e)
         return None
 
 
 def _wait_early(job) -> float:
+    started = _early[job]
     try:
-        return _finish(_early[job])
-    finally:
+        took = _finish(started)
+    except BaseException as e:
+        if not isinstance(e, RuntimeError):  # interrupted (Ctrl-C): the job stops with the wait
+            _stop(started)
         _early.pop(job, None)
+        raise
+    _early.pop(job, None)
+    return took
 
 
 def has_early() -> bool:
@@ -363,21 +371,30 @@ def has_early() -> bool:
 def _stop_early() -> None:
     """At exit: the early jobs nobody waited for are stopped, with the compilers they started
     (their process groups); their partial builds are not cached."""
+    for started in list(_early.values()):
+        _stop(started)
+    _early.clear()
+
+
+def _stop(started) -> None:
+    """Stop a `_spawn`ed job still running, with its process group (the compilers it started)."""
     import os
     import signal
 
-    for proc, err, _ in list(_early.values()):
-        if proc.poll() is None:
+    proc, err, _ = started
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=5)
+        except Exception:  # noqa: BLE001 - gone already, or will not die: kill it
             try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=5)
-            except Exception:  # noqa: BLE001 - gone already, or will not die: kill it
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except OSError:
-                    pass
+                os.killpg(proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+    try:
         err.close()
-    _early.clear()
+    except Exception:  # noqa: BLE001 - closed by _finish already
+        pass
 
 
 atexit.register(_stop_early)

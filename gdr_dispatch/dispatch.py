@@ -63,7 +63,7 @@ class Choice:
 
 
 _decided = caches.memo("decisions")  # table key (or (key, why not autotuned)) -> Choice
-_hit_builds = caches.memo("table-hit early builds", limit=256)  # (table key, winner) -> started once
+_hit_builds = caches.memo("table-hit early builds", limit=256)  # (table key, winner) -> the jobs started
 _outputs_checked = caches.memo("outputs checked")  # (backend, table key) whose outputs were checked
 
 
@@ -131,8 +131,13 @@ def select_backend(problem: Problem, call: Optional[GDRCall] = None) -> Choice:
         winner = _table_winner(hit.entry, options)
         if winner is not None:
             _decided[key] = Choice(options[winner], TABLE, str(hit.path), verdicts, hit.entry, hit)
-            if call is not None:
-                _wait_early_builds(call, winner, options[winner])
+            started = _hit_builds.get((key, winner))
+            if started:  # the builds this key's first forward started: waited for, not built twice
+                from .autotune import wait_early
+
+                for job in started:
+                    wait_early(job)
+                _hit_builds[(key, winner)] = ()
             return _decided[key]
         if hit.exact:
             name = hit.entry["winner"]
@@ -175,7 +180,12 @@ def _wait_early_builds(call: GDRCall, name: str, backend) -> None:
     from .autotune import compile_jobs_of, has_early, wait_early
 
     if has_early():
-        for job in compile_jobs_of(call, {name: backend}):
+        try:
+            jobs = compile_jobs_of(call, {name: backend})
+        except Exception as e:  # noqa: BLE001 - an optimisation: the call builds what it needs itself
+            log.info("gdr_dispatch: the early builds of %s could not be listed (%s: %s)", name, type(e).__name__, e)
+            return
+        for job in jobs:
             wait_early(job)
 
 
@@ -200,12 +210,16 @@ def start_backward_compiles(call: GDRCall) -> int:
     for hit in tuning_table.lookup(problem.device.slug, problem.problem_key(), problem.versions_key()):
         winner = _table_winner(hit.entry, options)
         if winner is not None:
-            # once per table key and winner: a varlen run meets new lengths every step, and the
-            # winner's builds key on neither the lengths nor the token count
-            if _hit_builds.get((key, winner)):
+            # once per table key and winner (a varlen run meets new lengths every step, and the
+            # winner's builds key on neither the lengths nor the token count); never inside a
+            # capture; the backward waits for exactly these
+            if (key, winner) in _hit_builds or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
                 return 0
-            _hit_builds[(key, winner)] = True
-            return start_compiles(compile_jobs_of(call, {winner: options[winner]}), unbuilt_only=True)
+            from .autotune import built_marker
+
+            jobs = [j for j in compile_jobs_of(call, {winner: options[winner]}) if not built_marker(j).exists()]
+            _hit_builds[(key, winner)] = tuple(jobs)
+            return start_compiles(jobs, unbuilt_only=True)
     if autotune_block_reason(problem, True) or len(options) < 2:
         return 0
     predicted = predict(problem, options)

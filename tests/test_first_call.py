@@ -222,7 +222,7 @@ def test_a_table_hit_builds_its_winner_early_once_per_install(monkeypatch, with_
     """A tuned shape's first training forward starts its backward winner's builds (not the
     others'), so they overlap the forward's own; a job a process before built (its marker, written
     by the job itself) is not started again: a tuned model's later launches start no processes.
-    The backward's first call waits for the winner's early builds instead of building them twice."""
+    The backward's first call waits for exactly the builds its forward started."""
     from gdr_dispatch import dispatch as dsp
     from gdr_dispatch.contract import validate
     from gdr_dispatch.shapes import call_kwargs, make_inputs
@@ -235,9 +235,7 @@ def test_a_table_hit_builds_its_winner_early_once_per_install(monkeypatch, with_
 
     with_backends(Building("fast_a"), Building("other"))
     real_start = at.start_compiles
-    monkeypatch.setattr(at, "start_compiles",
-                        lambda jobs, unbuilt_only=False: started.extend(
-                            j for j in jobs if not (unbuilt_only and at.built_marker(j).exists())) or len(started))
+    monkeypatch.setattr(at, "start_compiles", lambda jobs, unbuilt_only=False: started.extend(jobs) or len(jobs))
     monkeypatch.setattr(dsp, "autotune_block_reason", lambda p, have_tensors: None)
     call = validate(**call_kwargs(make_inputs(ShapeSpec(B=1, T=100, H=2, K=16, V=16, dtype="float64", h="none"),
                                               "cpu")))
@@ -246,21 +244,53 @@ def test_a_table_hit_builds_its_winner_early_once_per_install(monkeypatch, with_
     tuning_table.record(p.device.slug, p.device.name, {p.table_key(): {"winner": "fast_a",
                                                                         "candidates": {"fast_a": {"ms": 1.0}}}})
     started.clear()
-    assert dsp.start_backward_compiles(call) == 1 and started == [("builtins", "len", ("fast_a",))]
+    job = ("builtins", "len", ("fast_a",))
+    assert dsp.start_backward_compiles(call) == 1 and started == [job]
     # once per table key and winner (a varlen run meets new lengths every step): not again
-    assert dsp.start_backward_compiles(call) == 0 and len(started) == 1
-    # the job runs in its own process and marks itself built; the next process starts nothing
-    monkeypatch.setattr(at, "start_compiles", real_start)
-    assert at.start_compiles(started, unbuilt_only=True) == 1
-    assert at.wait_early(started[0]) is not None and at.built_marker(started[0]).exists()
-    assert at.start_compiles(started, unbuilt_only=True) == 0 and at.start_compiles(started) == 1
-    at.wait_early(started[0])
+    assert dsp.start_backward_compiles(call) == 0 and started == [job]
+    # the backward's first call waits for exactly those, once
     waited = []
-    monkeypatch.setattr(at, "wait_early", lambda job: waited.append(job))
-    monkeypatch.setattr(at, "has_early", lambda: True)
-    dsp.clear_caches()
+    real_wait = at.wait_early
+    monkeypatch.setattr(at, "wait_early", lambda j: waited.append(j))
     choice = dsp.select_backend(p, call)
-    assert choice.source == dsp.TABLE and choice.backend.name == "fast_a" and waited == [("builtins", "len", ("fast_a",))]
+    assert choice.source == dsp.TABLE and choice.backend.name == "fast_a" and waited == [job]
+    # the job runs in its own process and marks itself built; the next process starts nothing
+    monkeypatch.setattr(at, "wait_early", real_wait)
+    monkeypatch.setattr(at, "start_compiles", real_start)
+    assert at.start_compiles([job], unbuilt_only=True) == 1
+    assert at.wait_early(job) is not None and at.built_marker(job).exists()
+    assert at.start_compiles([job], unbuilt_only=True) == 0 and at.start_compiles([job]) == 1
+    at.wait_early(job)
+    dsp.clear_caches()  # a new process, as far as the dispatcher knows
+    assert dsp.start_backward_compiles(call) == 0 and not at.has_early()
+
+
+def test_an_early_build_that_writes_odd_bytes_or_fails_never_fails_the_call(monkeypatch):
+    """An early job's stderr is a compiler's (any bytes) and it may fail: waiting for it logs and
+    returns, the call that needs it builds it itself."""
+    odd = ("builtins", "exec", ("import sys; sys.stderr.buffer.write(bytes([255, 254, 10])); sys.stderr.flush()",))
+    bad = ("builtins", "exec", ("import sys; sys.stderr.buffer.write(bytes([255, 10])); sys.exit(3)",))
+    monkeypatch.setattr(at, "compile_workers", lambda: 8)  # (a 2-core machine runs one at a time)
+    assert at.start_compiles([odd, bad]) == 2
+    assert at.wait_early(odd) is not None
+    assert at.wait_early(bad) is None and not at.has_early()
+
+
+def test_an_interrupted_wait_stops_its_early_build(monkeypatch):
+    """Ctrl-C while the backward waits for an early build: the build stops with it (its own
+    process group would not hear the terminal's signal), nothing is left for the exit."""
+    job = ("builtins", "exec", ("import time; time.sleep(30)",))
+    monkeypatch.setattr(at, "compile_workers", lambda: 8)
+    assert at.start_compiles([job]) == 1
+    proc = at._early[job][0]
+
+    def interrupted(started):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(at, "_finish", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        at.wait_early(job)
+    assert proc.poll() is not None and job not in at._early
 
 
 def test_a_warm_runs_marker_keys_on_what_it_compiles_not_the_lengths():
