@@ -363,11 +363,6 @@ def _wait_early(job) -> float:
     return took
 
 
-def has_early() -> bool:
-    """Whether any job started early is still unwaited (a table hit then waits for its winner's)."""
-    return bool(_early)
-
-
 def _stop_early() -> None:
     """At exit: the early jobs nobody waited for are stopped, with the compilers they started
     (their process groups); their partial builds are not cached."""

@@ -63,7 +63,8 @@ class Choice:
 
 
 _decided = caches.memo("decisions")  # table key (or (key, why not autotuned)) -> Choice
-_hit_builds = caches.memo("table-hit early builds", limit=256)  # (table key, winner) -> the jobs started
+# (table key, backend) -> the builds the op's first forward started for it, until its backward waits
+_early_builds = caches.memo("early builds", limit=256)
 _outputs_checked = caches.memo("outputs checked")  # (backend, table key) whose outputs were checked
 
 
@@ -131,13 +132,7 @@ def select_backend(problem: Problem, call: Optional[GDRCall] = None) -> Choice:
         winner = _table_winner(hit.entry, options)
         if winner is not None:
             _decided[key] = Choice(options[winner], TABLE, str(hit.path), verdicts, hit.entry, hit)
-            started = _hit_builds.get((key, winner))
-            if started:  # the builds this key's first forward started: waited for, not built twice
-                from .autotune import wait_early
-
-                for job in started:
-                    wait_early(job)
-                _hit_builds[(key, winner)] = ()
+            _wait_early_builds(key, winner)
             return _decided[key]
         if hit.exact:
             name = hit.entry["winner"]
@@ -150,8 +145,7 @@ def select_backend(problem: Problem, call: Optional[GDRCall] = None) -> Choice:
         if predicted is not None:  # the neighbouring entries agree: nothing to measure (`explain` says so too)
             at = key if blocked is None else (key, blocked)
             _decided[at] = Choice(options[predicted[0]], PREDICTED, predicted[1], verdicts)
-            if call is not None:
-                _wait_early_builds(call, predicted[0], options[predicted[0]])
+            _wait_early_builds(key, predicted[0])
             return _decided[at]
     if blocked is None and len(options) > 1:
         entry, grads = first_call(call, problem, options)
@@ -174,19 +168,16 @@ def select_backend(problem: Problem, call: Optional[GDRCall] = None) -> Choice:
     return _decided[(key, blocked)]
 
 
-def _wait_early_builds(call: GDRCall, name: str, backend) -> None:
-    """The builds of `name` the op's first forward started (`start_backward_compiles`): waited
-    for here, not built a second time in this process."""
-    from .autotune import compile_jobs_of, has_early, wait_early
+def _wait_early_builds(key: str, name: str) -> None:
+    """The builds of `name` the op's first forward started for this table key
+    (`start_backward_compiles`): waited for here, not built a second time in this process."""
+    started = _early_builds.get((key, name))
+    if started:
+        from .autotune import wait_early
 
-    if has_early():
-        try:
-            jobs = compile_jobs_of(call, {name: backend})
-        except Exception as e:  # noqa: BLE001 - an optimisation: the call builds what it needs itself
-            log.info("gdr_dispatch: the early builds of %s could not be listed (%s: %s)", name, type(e).__name__, e)
-            return
-        for job in jobs:
+        for job in started:
             wait_early(job)
+        _early_builds[(key, name)] = ()
 
 
 def start_backward_compiles(call: GDRCall) -> int:
@@ -213,18 +204,20 @@ def start_backward_compiles(call: GDRCall) -> int:
             # once per table key and winner (a varlen run meets new lengths every step, and the
             # winner's builds key on neither the lengths nor the token count); never inside a
             # capture; the backward waits for exactly these
-            if (key, winner) in _hit_builds or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            if (key, winner) in _early_builds or (torch.cuda.is_available() and
+                                                  torch.cuda.is_current_stream_capturing()):
                 return 0
-            from .autotune import built_marker
-
-            jobs = [j for j in compile_jobs_of(call, {winner: options[winner]}) if not built_marker(j).exists()]
-            _hit_builds[(key, winner)] = tuple(jobs)
+            jobs = tuple(compile_jobs_of(call, {winner: options[winner]}))
+            _early_builds[(key, winner)] = jobs
             return start_compiles(jobs, unbuilt_only=True)
     if autotune_block_reason(problem, True) or len(options) < 2:
         return 0
     predicted = predict(problem, options)
-    kept = {predicted[0]: options[predicted[0]]} if predicted is not None else prune(problem, options)[0]
-    return start_compiles(compile_jobs_of(call, kept))
+    if predicted is not None:  # one candidate: its backward waits for exactly these (`select_backend`)
+        jobs = tuple(compile_jobs_of(call, {predicted[0]: options[predicted[0]]}))
+        _early_builds[(key, predicted[0])] = jobs
+        return start_compiles(jobs)
+    return start_compiles(compile_jobs_of(call, prune(problem, options)[0]))
 
 
 def _options(problem: Problem) -> tuple[dict, dict]:

@@ -335,8 +335,6 @@ def _forward_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_fin
             packed(a.to(q.dtype)), packed(h) if save_states else _empty(q))
 
 
-
-
 def _start_forward_compiles(problem, q, v, g, beta, initial_state, cu_seqlens, lens, scale, output_final_state,
                             state_v_first, save_states) -> dict:
     """The forwards a first call at `problem` will measure (`forward_to_measure`), each built in a

@@ -555,7 +555,6 @@ def test_the_early_builds_of_a_predicted_backward_build_the_prediction_only_and_
     assert dsp.start_backward_compiles(call) == 1 and seen == [["fake_good"]]
     waited = []  # the backward's first call then waits for them instead of building them again
     monkeypatch.setattr(at, "wait_early", lambda job: waited.append(job))
-    monkeypatch.setattr(at, "has_early", lambda: True)
     choice = dsp.select_backend(problem, call)
     assert choice.source == dsp.PREDICTED and waited == [("m", "f", ())]
 

@@ -262,7 +262,7 @@ def test_a_table_hit_builds_its_winner_early_once_per_install(monkeypatch, with_
     assert at.start_compiles([job], unbuilt_only=True) == 0 and at.start_compiles([job]) == 1
     at.wait_early(job)
     dsp.clear_caches()  # a new process, as far as the dispatcher knows
-    assert dsp.start_backward_compiles(call) == 0 and not at.has_early()
+    assert dsp.start_backward_compiles(call) == 0 and not at._early
 
 
 def test_an_early_build_that_writes_odd_bytes_or_fails_never_fails_the_call(monkeypatch):
@@ -273,7 +273,7 @@ def test_an_early_build_that_writes_odd_bytes_or_fails_never_fails_the_call(monk
     monkeypatch.setattr(at, "compile_workers", lambda: 8)  # (a 2-core machine runs one at a time)
     assert at.start_compiles([odd, bad]) == 2
     assert at.wait_early(odd) is not None
-    assert at.wait_early(bad) is None and not at.has_early()
+    assert at.wait_early(bad) is None and not at._early
 
 
 def test_an_interrupted_wait_stops_its_early_build(monkeypatch):

@@ -132,16 +132,16 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
         tensors = tuple(_lengths_constant(x) for x in tensors)
     where = addresses(tensors)
     before, _callers[key] = _callers.get(key), where
+    multi = allowed and placed_allowed()  # an in-place graph per address set that comes back
     state = _seen.get(key)
     if state is None:
         _seen[key] = "eager"
-        if allowed and placed_allowed():  # a second call at these addresses is captured on them
+        if multi:  # a second call at these addresses is captured on them
             _note(key, where)
         return fn(tensors)  # the warm-up: compiles, caches the index tensors the capture reads
     if state == "refused":
         return fn(tensors)
     captures, copies_only = state if isinstance(state, tuple) else (0, False)
-    multi = allowed and placed_allowed()
     if multi:  # an in-place graph for these addresses, kept or captured now; else copies (below)
         placed = _placed_hit(name, key, tensors, fn, seq_lens, where)
         if placed is not None:
@@ -196,13 +196,13 @@ def _replay(key: tuple, hit: tuple, tensors: tuple) -> tuple:
         pairs = [(s, x) for x, s in zip(tensors, static)
                  if x is not None and (x.is_floating_point() or remembered(x) is None)]
         copy_all(pairs)
-        copied_bytes["in"] += sum(x.numel() * x.element_size() for _, x in pairs)
+        copied_bytes["in"] += sum(x.nbytes for _, x in pairs)
     replays["copied" if reads is None else "in place"] += 1
     graph.replay()
     live = [x for x in out if x is not None]
     fresh = [torch.empty_like(x) for x in live]
     copy_all(list(zip(fresh, live)))
-    copied_bytes["out"] += sum(x.numel() * x.element_size() for x in live)
+    copied_bytes["out"] += sum(x.nbytes for x in live)
     if stream is not None:
         event = last[1] if last is not None else torch.cuda.Event()
         event.record(stream)
@@ -234,8 +234,7 @@ def _placed_hit(name: str, key: tuple, tensors: tuple, fn, seq_lens: tuple, wher
         return None
     mine = [k for k in _placed if k[0] == key]  # least recently used first
     for old in mine[:max(0, len(mine) - ADDRESS_SETS + 1)]:
-        _placed.pop(old, None)
-        _release(old)
+        _unplace(old)
     _placed_captures[key] = captures + 1
     return _capture(name, (key, where), tensors, fn, seq_lens, in_place=True, into=_placed, **_shared(key))
 
@@ -380,8 +379,13 @@ def _drop(key) -> None:
     _graphs.pop(key, None)
     _release(key)
     for k in [k for k in _placed if k[0] == key]:
-        _placed.pop(k, None)
-        _release(k)
+        _unplace(k)
+
+
+def _unplace(placed_key) -> None:
+    """One in-place graph goes (`_placed`), with its pins."""
+    _placed.pop(placed_key, None)
+    _release(placed_key)
 
 
 @caches.on_clear
