@@ -23,7 +23,7 @@ import importlib.util
 import torch
 
 from gdr_dispatch import caches, graph_safe
-from gdr_dispatch.contract import GDRCall, GDRGrads, packed
+from gdr_dispatch.contract import GDRCall, GDRGrads, as_dtype, packed
 from gdr_dispatch.problem import Problem
 from gdr_dispatch.registry import Backend, Limits, register
 
@@ -96,7 +96,7 @@ class FlashQLABackend(Backend):
         # its kernels take packed tensors (TMA descriptors), and a and h in q's dtype (as its own
         # forward makes them)
         q, k, v, g, b, do = (packed(x) for x in (call.q, call.k, call.v, call.g, call.b, call.do))
-        a = packed(call.a.to(dtype))
+        a = packed(as_dtype(call.a, dtype))
         dht = call.dht
         if dht is None and call.initial_state is not None:
             # its sm120 kernel writes dh0 only when given a dht
@@ -104,7 +104,7 @@ class FlashQLABackend(Backend):
         if dht is not None:
             dht = packed(dht)
         if call.h is not None:
-            h = packed(call.h.to(dtype))
+            h = packed(as_dtype(call.h, dtype))
         else:
             h0 = None if call.initial_state is None else packed(call.initial_state.float())
             h, _, _ = chunk.fused_gdr_h(k=k, v=v, a=a, g=g, b=b, initial_state=h0,
@@ -117,7 +117,7 @@ class FlashQLABackend(Backend):
                                       zero_last_chunk=True)
         # its per-head dq/dk come in v's dtype: summed in fp32
         return GDRGrads(sum_value_heads(dq, call.Hg, call.q.dtype), sum_value_heads(dk, call.Hg, call.k.dtype),
-                        dv, dg, db.to(call.b.dtype), dh0 if call.initial_state is not None else None)
+                        dv, dg, as_dtype(db, call.b.dtype), dh0 if call.initial_state is not None else None)
 
     forward_rank = 10  # FlashQLA's fused forward: ~0.7 ms against ~2.5 for fla's kernels at B8 T4096 H32
     # verified: tests/test_gpu.py's op tests with GDR_FORWARD=flash_qla on the H200, 2026-11-30 (0.1.3)

@@ -17,6 +17,8 @@ state; loss = <o, do> + <final_state, dht>):
     of it);
   * `flashqla-op`: FlashQLA's `chunk_gated_delta_rule` as a user calls it (its intra-card split
     `auto_cp` on), when importable.
+Our op first runs steps until one captures no split graph (`settle`: each capture costs about
+two eager steps, once per model; the JSON's `settle_steps`).
 Times are medians of CUDA-event timings of the whole step after warm-up, with the host's enqueue
 of one step beside them (near the step's time it is host-bound); ratios are fla-op's
 time over each runner's (> 1 is faster than fla's op). The error column is each runner's
@@ -186,6 +188,32 @@ def replays() -> dict:
     return dict(graphs.replays)
 
 
+def captures() -> int:
+    """The split graphs' captures so far (backends/split/graphs.py), 0 where none ran."""
+    try:
+        from gdr_dispatch.backends.split import graphs
+    except ImportError:
+        return 0
+    return sum(graphs.captures.values())
+
+
+#: Warm-up steps at most while the split graphs still capture (each capture costs about two eager
+#: steps: timed, a burst of them reads as a slow step; a model pays them once).
+SETTLE_STEPS = 40
+
+
+def settle(fn) -> int:
+    """Steps of `fn` until one captures no split graph (at most SETTLE_STEPS); how many ran."""
+    for n in range(1, SETTLE_STEPS + 1):
+        before = captures()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        if captures() == before:
+            return n
+    return SETTLE_STEPS
+
+
 def copied_mib(fn) -> dict:
     """The MiB the split graphs copy in and out during one call of `fn` (graphs.copied_bytes)."""
     try:
@@ -217,6 +245,7 @@ def bench_shape(spec: ShapeSpec, ops: dict, warmup: int, reps: int) -> dict:
                 clear_caches()           # on the shape alone, so a second gate would log nothing
             got = step(op, x)
             err = max(relative_error(got[n], ref[n]) for n in got) if ref is not None else None
+            settled = settle(lambda: step(op, x)) if name.startswith("ours") else 0
             ms = measure_ms(lambda: step(op, x), "cuda", warmup=warmup, reps=reps)
             row["runs"][name] = {"ms": round(ms, 4), "b2b_ms": round(back_to_back_ms(lambda: step(op, x)), 4),
                                  "host_ms": round(host_enqueue_ms(lambda: step(op, x)), 4),
@@ -227,6 +256,7 @@ def bench_shape(spec: ShapeSpec, ops: dict, warmup: int, reps: int) -> dict:
                 row["runs"][name].update(backend=choices.backend, forward=choices.forward)
                 if replays():  # the split graphs' replays in this row: in place or with copies in
                     row["runs"][name]["graph_replays"] = {k: v - seen.get(k, 0) for k, v in replays().items()}
+                    row["runs"][name]["settle_steps"] = settled
                     row["runs"][name]["graph_copies_mib_per_step"] = copied_mib(lambda: step(op, x))
         except Exception as e:  # noqa: BLE001 - a failing runner is reported, the sweep goes on
             row["runs"][name] = {"failed": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}

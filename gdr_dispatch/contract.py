@@ -96,6 +96,12 @@ class GDRCall:
         return (self.N, self.H, self.V, self.K) if self.state_v_first else (self.N, self.H, self.K, self.V)
 
 
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x.to(dtype)` without torch's argument parsing where it is a no-op (about 1.4 us of host
+    per call: launchers make several per call, docs/design.md "The hot path")."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def packed(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """`x` itself when its memory is packed row-major (canonical strides, what TMA descriptors and
     flat pointer arithmetic assume), else a packed copy: callers pass strided views (a split of a

@@ -393,3 +393,25 @@ def test_hf_first_step_runs_each_model_fresh_then_warm_on_its_own_caches(monkeyp
     (tmp_path / "caches" / "x").mkdir(parents=True, exist_ok=True)  # not empty: its caches would read as fresh
     with pytest.raises(SystemExit, match="not empty"):
         hf.first_steps(a)
+
+
+def test_training_bench_warms_up_until_the_split_graphs_stop_capturing(monkeypatch):
+    """A burst of captures (each about two eager steps) is warm-up, never a timed step: `settle`
+    runs steps until one captures nothing, and stops at SETTLE_STEPS whatever happens."""
+    import bench_training_op as bt
+
+    from gdr_dispatch.backends.split import graphs
+
+    monkeypatch.setattr(graphs, "captures", graphs.collections.Counter())
+    calls = []
+
+    def step(burst):
+        calls.append(1)
+        if len(calls) <= burst:
+            graphs.captures["in place"] += 1
+
+    assert bt.settle(lambda: step(3)) == 4 and len(calls) == 4
+    calls.clear()
+    assert bt.settle(lambda: step(10 ** 6)) == bt.SETTLE_STEPS and len(calls) == bt.SETTLE_STEPS
+    calls.clear()
+    assert bt.settle(lambda: step(0)) == 1

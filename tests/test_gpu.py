@@ -313,6 +313,8 @@ def test_split_candidates_replay_their_own_graphs_on_gpu(name, backend, monkeypa
     if backend not in registered_backends():
         pytest.skip(f"{backend} not registered here")
     monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+    # one address set per key, the semantics asserted below (several: the layers' test further down)
+    monkeypatch.setattr(graphs, "ADDRESS_SETS", 1)
     spec = ShapeSpec(**{**SHAPES[name].__dict__, "dtype": "bfloat16", "h": "none", "extra": {}})
     split = SplitBackend(registered_backends()[backend], 4)
     if not split.supported(spec.problem(torch.device("cuda")))[0]:

@@ -77,6 +77,9 @@ for arg in "$@"; do
       done > "$OUT/timing.log" 2>&1 ;;
     splitprof)
       timeout "$(left)" python3 tools/profile_split.py ${SPLIT_ARGS:-} > "$OUT/splitprof.log" 2>&1 ;;
+    hotpath)
+      timeout "$(left)" python3 bench/bench_hot_path.py ${HOTPATH_ARGS:-} --out "$OUT/bench" 2>&1 \
+        | grep -v TileLang > "$OUT/hotpath.log" ;;
     states)
       timeout "$(left)" python3 bench/bench_states.py ${STATES_ARGS:-} --out "$OUT/bench/states.json" 2>&1 \
         | grep -v TileLang > "$OUT/states.log" ;;

@@ -13,7 +13,7 @@ import itertools
 
 import torch
 
-from gdr_dispatch.contract import packed
+from gdr_dispatch.contract import as_dtype, packed
 from gdr_dispatch import graph_safe
 from gdr_dispatch.graph_safe import device_constant
 
@@ -74,12 +74,12 @@ def launch_packed(kern, q, k, v, do, a, g, b, h, dht, seq_lens, chunk_size: int,
     dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=dev)
     # packed memory for the TMA descriptors: a strided view is copied once, a packed one not at all
     kern(packed(q.reshape(TT, Hg, K)), packed(k.reshape(TT, Hg, K)), packed(v.reshape(TT, H, V)),
-         packed(do.reshape(TT, H, V)), packed(a.reshape(TT, H, chunk_size).to(q.dtype)),
-         packed(g.reshape(TT, H).float()), packed(b.reshape(TT, H)),
+         packed(do.reshape(TT, H, V)), packed(as_dtype(a.reshape(TT, H, chunk_size), q.dtype)),
+         packed(as_dtype(g.reshape(TT, H), torch.float32)), packed(b.reshape(TT, H)),
          packed(h.reshape(-1, *h.shape[2:])), dht_in, cu, offsets, dq, dk, dv, dg, db, dh0, *extra)
     dq = sum_value_heads(dq.view(B, T_, H, K), Hg, q.dtype)
     dk = sum_value_heads(dk.view(B, T_, H, K), Hg, k.dtype)
     if state_v_first:
         dh0 = dh0.transpose(-1, -2).contiguous()
-    return (dq, dk, dv.view(B, T_, H, V), dg.view(B, T_, H), db.view(B, T_, H).to(b.dtype),
+    return (dq, dk, dv.view(B, T_, H, V), dg.view(B, T_, H), as_dtype(db.view(B, T_, H), b.dtype),
             dh0 if has_h0 else None)

@@ -38,6 +38,7 @@ import functools
 import tilelang
 import tilelang.language as T
 
+from gdr_dispatch.contract import as_dtype
 from gdr_dispatch.graph_safe import device_constant
 
 from .tilelang_common import cta_sequence, fence_accumulator
@@ -684,5 +685,5 @@ def ws_bwd_given_h(q, k, v, do, a, g, b, h, dht, scale: float, seq_lens, chunk_s
     if clk is None:  # the plain build never touches it: a cached constant, one launch less per call
         clk = device_constant((0,), torch.int32, q.device)
     # TMA copies bytes: h_s holds q's dtype
-    return launch_packed(kern, q, k, v, do, a, g, b, h.to(q.dtype), dht, seq_lens, chunk_size, cu_seqlens, has_h0,
+    return launch_packed(kern, q, k, v, do, a, g, b, as_dtype(h, q.dtype), dht, seq_lens, chunk_size, cu_seqlens, has_h0,
                          state_v_first, dq_dtype=q.dtype, db_dtype=b.dtype, extra=(clk,))

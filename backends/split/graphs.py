@@ -67,6 +67,9 @@ _last_use = caches.memo("split graph streams", limit=256)
 IN_PLACE_GPU_VERIFIED = True
 #: Replays so far, "in place" and "copied" (what a bench reports beside its times).
 replays: collections.Counter = collections.Counter()
+#: Captures so far, "in place" and "copies" (a bench warms up until they stop: each costs about
+#: two eager calls).
+captures: collections.Counter = collections.Counter()
 #: Bytes the replays copied so far, "in" (inputs into the graph's own) and "out" (fresh outputs):
 #: GPU time a step spends beside its kernels (docs/kernels.md, "The split").
 copied_bytes: collections.Counter = collections.Counter()
@@ -79,10 +82,10 @@ copied_bytes: collections.Counter = collections.Counter()
 #: before another replays, so one graph's scratch may be another's). Other calls replay with copies.
 ADDRESS_SETS = 4
 RECENT = 64
-#: Whether the GPU tests of several in-place graphs per key on one pool (tests/test_gpu.py) have
-#: passed; while False only GDR_ALLOW_UNVERIFIED=1 turns them on (else one address set, then
-#: copies for good).
-PLACED_GPU_VERIFIED = False
+#: Whether the GPU test of several in-place graphs per key on one pool (tests/test_gpu.py, three
+#: layers at one shape, the order of the layers moving) has passed on the H200; while False only
+#: GDR_ALLOW_UNVERIFIED=1 turns them on (else one address set, then copies for good).
+PLACED_GPU_VERIFIED = True
 # (key, addresses) -> an in-place hit as in _graphs; its pins under the same key in _pins
 _placed = caches.memo("split graphs in place", limit=LIMIT * ADDRESS_SETS,
                       on_evict=lambda key, hit: _release(key))
@@ -350,6 +353,7 @@ def _capture(name: str, key: tuple, tensors: tuple, fn, seq_lens: tuple, in_plac
                      else "", type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
         return None
     held = torch.cuda.memory_allocated(dev) - before
+    captures["in place" if in_place else "copies"] += 1
     if in_place:
         if caches.first_time(("split graph in place", name, seq_lens[:4], len(seq_lens))):
             log.info("gdr_dispatch: %s for %s tokens replays on its inputs in place while they come at the same "
