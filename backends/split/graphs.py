@@ -82,10 +82,12 @@ copied_bytes: collections.Counter = collections.Counter()
 #: before another replays, so one graph's scratch may be another's). Other calls replay with copies.
 ADDRESS_SETS = 4
 RECENT = 64
-#: Whether the GPU test of several in-place graphs per key on one pool (tests/test_gpu.py, three
-#: layers at one shape, the order of the layers moving) has passed on the H200; while False only
-#: GDR_ALLOW_UNVERIFIED=1 turns them on (else one address set, then copies for good).
-PLACED_GPU_VERIFIED = True
+#: Whether several in-place graphs per key are on without GDR_ALLOW_UNVERIFIED=1 (else one address
+#: set, then copies for good). Their GPU test (tests/test_gpu.py, three layers at one shape in a
+#: moving order) passes on the H200, and they cut the training step's GPU time at B1 T8192 H16
+#: (no copies in); but at B1 T32768 H4 the step's per-call time went from ~1.7 to 5.0 ms with them
+#: (addresses that do not come back; docs/kernels.md, "The split"), not yet understood: off.
+PLACED_GPU_VERIFIED = False
 # (key, addresses) -> an in-place hit as in _graphs; its pins under the same key in _pins
 _placed = caches.memo("split graphs in place", limit=LIMIT * ADDRESS_SETS,
                       on_evict=lambda key, hit: _release(key))
