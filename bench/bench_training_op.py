@@ -17,7 +17,7 @@ state; loss = <o, do> + <final_state, dht>):
     of it);
   * `flashqla-op`: FlashQLA's `chunk_gated_delta_rule` as a user calls it (its intra-card split
     `auto_cp` on), when importable.
-Our op first runs steps until one captures no split graph (`settle`: each capture costs about
+Our op first runs steps until a few in a row capture no split graph (`settle`: each capture costs about
 two eager steps, once per model; the JSON's `settle_steps`).
 Times are medians of CUDA-event timings of the whole step after warm-up, with the host's enqueue
 of one step beside them (near the step's time it is host-bound); ratios are fla-op's
@@ -198,18 +198,23 @@ def captures() -> int:
 
 
 #: Warm-up steps at most while the split graphs still capture (each capture costs about two eager
-#: steps: timed, a burst of them reads as a slow step; a model pays them once).
+#: steps: timed, a burst of them reads as a slow step; a model pays them once), and the steps in a
+#: row that must capture nothing (captures come in bursts as address sets come back).
 SETTLE_STEPS = 40
+SETTLED = 3
 
 
 def settle(fn) -> int:
-    """Steps of `fn` until one captures no split graph (at most SETTLE_STEPS); how many ran."""
+    """Steps of `fn` until SETTLED in a row capture no split graph (at most SETTLE_STEPS); how
+    many ran."""
+    quiet = 0
     for n in range(1, SETTLE_STEPS + 1):
         before = captures()
         fn()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        if captures() == before:
+        quiet = quiet + 1 if captures() == before else 0
+        if quiet == SETTLED:
             return n
     return SETTLE_STEPS
 

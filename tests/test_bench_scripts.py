@@ -397,7 +397,8 @@ def test_hf_first_step_runs_each_model_fresh_then_warm_on_its_own_caches(monkeyp
 
 def test_training_bench_warms_up_until_the_split_graphs_stop_capturing(monkeypatch):
     """A burst of captures (each about two eager steps) is warm-up, never a timed step: `settle`
-    runs steps until one captures nothing, and stops at SETTLE_STEPS whatever happens."""
+    runs steps until SETTLED in a row capture nothing, and stops at SETTLE_STEPS whatever
+    happens."""
     import bench_training_op as bt
 
     from gdr_dispatch.backends.split import graphs
@@ -410,8 +411,16 @@ def test_training_bench_warms_up_until_the_split_graphs_stop_capturing(monkeypat
         if len(calls) <= burst:
             graphs.captures["in place"] += 1
 
-    assert bt.settle(lambda: step(3)) == 4 and len(calls) == 4
+    assert bt.settle(lambda: step(3)) == 3 + bt.SETTLED and len(calls) == 3 + bt.SETTLED
     calls.clear()
     assert bt.settle(lambda: step(10 ** 6)) == bt.SETTLE_STEPS and len(calls) == bt.SETTLE_STEPS
     calls.clear()
-    assert bt.settle(lambda: step(0)) == 1
+    assert bt.settle(lambda: step(0)) == bt.SETTLED
+    calls.clear()
+    gaps = iter([1, 0, 1, 0, 0, 1, 0, 0, 0, 1])  # captures per step, in bursts with quiet steps between
+
+    def bursty():
+        calls.append(1)
+        graphs.captures["in place"] += next(gaps)
+
+    assert bt.settle(bursty) == 9

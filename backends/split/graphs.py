@@ -76,8 +76,9 @@ copied_bytes: collections.Counter = collections.Counter()
 
 #: In-place graphs kept per key, one per address set its calls come at (a model's layers at one
 #: shape; fresh tensors the caching allocator hands back in turn): an address set seen again within
-#: the key's last `RECENT` calls is captured on (a full key gives up its least recently replayed
-#: one, `2 * ADDRESS_SETS` captures in all), and every graph of the key is captured on one stream
+#: the key's last `RECENT` calls is captured on while the latest calls cycle through no more sets
+#: than kept (a full key gives up its least recently replayed one, `2 * ADDRESS_SETS` captures in
+#: all), and every graph of the key is captured on one stream
 #: into one memory pool (each replay writes all it reads of the pool and its outputs are copied out
 #: before another replays, so one graph's scratch may be another's). Other calls replay with copies.
 ADDRESS_SETS = 4
@@ -86,7 +87,9 @@ RECENT = 64
 #: set, then copies for good). Their GPU test (tests/test_gpu.py, three layers at one shape in a
 #: moving order) passes on the H200, and they cut the training step's GPU time at B1 T8192 H16
 #: (no copies in); but at B1 T32768 H4 the step's per-call time went from ~1.7 to 5.0 ms with them
-#: (addresses that do not come back; docs/kernels.md, "The split"), not yet understood: off.
+#: (addresses that do not come back; docs/kernels.md, "The split"): most likely captures of sets
+#: that did not come back again, landing in timed steps; `_few_sets` now refuses those, not yet
+#: measured: off.
 PLACED_GPU_VERIFIED = False
 # (key, addresses) -> an in-place hit as in _graphs; its pins under the same key in _pins
 _placed = caches.memo("split graphs in place", limit=LIMIT * ADDRESS_SETS,
@@ -226,22 +229,31 @@ def placed_allowed() -> bool:
 
 def _placed_hit(name: str, key: tuple, tensors: tuple, fn, seq_lens: tuple, where: tuple):
     """The key's in-place graph for the addresses `where`: kept, or captured now where they came
-    within the key's last `RECENT` calls (a key with `ADDRESS_SETS` kept gives up its least
-    recently replayed one; `2 * ADDRESS_SETS` captures in all); None where the call replays with
-    copies."""
+    within the key's last `RECENT` calls and the key's latest calls cycle through no more sets
+    than it keeps (`_few_sets`; a key with `ADDRESS_SETS` kept gives up its least recently
+    replayed one; `2 * ADDRESS_SETS` captures in all); None where the call replays with copies."""
     seen = _note(key, where)
     hit = _placed.get((key, where))
     if hit is not None:
         _placed[(key, where)] = hit  # most recently used
         return hit
     captures = _placed_captures.get(key, 0)
-    if not seen or captures >= 2 * ADDRESS_SETS:
+    if not seen or captures >= 2 * ADDRESS_SETS or not _few_sets(key):
         return None
     mine = [k for k in _placed if k[0] == key]  # least recently used first
     for old in mine[:max(0, len(mine) - ADDRESS_SETS + 1)]:
         _unplace(old)
     _placed_captures[key] = captures + 1
     return _capture(name, (key, where), tensors, fn, seq_lens, in_place=True, into=_placed, **_shared(key))
+
+
+def _few_sets(key: tuple) -> bool:
+    """Whether the key's last `ADDRESS_SETS + 1` calls came at no more than `ADDRESS_SETS` address
+    sets: a cycle of more sets than kept (more layers at one shape, or tensors the allocator
+    places anew) would give each graph away before it replays, a capture per call."""
+    recent = _recent.get(key) or ()
+    last = list(recent)[-(ADDRESS_SETS + 1):]
+    return len(set(last)) <= ADDRESS_SETS
 
 
 def _note(key: tuple, where: tuple) -> bool:
