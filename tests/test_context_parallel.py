@@ -1513,3 +1513,80 @@ def test_the_replay_copies_one_foreach_call_per_dtype_and_layout(monkeypatch):
         assert len({x.dtype for x in d + s}) == 1
         assert len({a.stride() == b.stride() for a, b in zip(d, s)}) == 1
     assert sorted(len(d) for d, _ in calls) == [1, 2, 2]
+
+
+def _lend_run(x, y):
+    from gdr_dispatch.backends.split import graphs
+
+    return graphs.run_tensors("test", ("k",), (x, y), _affine, (3,), lend=True)
+
+
+def test_lent_outputs_are_the_graphs_own_buffers_and_never_overwritten_while_held(monkeypatch):
+    """With lending on, a replay hands out the graph's own output buffers (no copy out) while the
+    call before's are no longer held; a call that finds them held runs eagerly (right results, the
+    held ones unchanged), and after LEND_BLOCKS such calls the key copies out for good."""
+    from gdr_dispatch.backends.split import graphs
+
+    _in_place_setup(monkeypatch, _affine)
+    monkeypatch.setattr(graphs, "LEND_GPU_VERIFIED", True)
+    x, y = torch.randn(3), torch.randn(2)
+    _lend_run(x, y)  # eager
+    got = _lend_run(x, y)  # captured in place (the same addresses twice), lent
+    static = graphs._graphs[("k",)][2]
+    assert got[0].data_ptr() == static[0].data_ptr() and got[1].data_ptr() == static[1].data_ptr()
+    assert all(torch.allclose(a, b) for a, b in zip(got, _affine((x, y))))
+    del got
+    for _ in range(3):  # nothing held between calls: lent every time, new values each time
+        x.copy_(torch.randn(3))
+        got = _lend_run(x, y)
+        assert got[0].data_ptr() == static[0].data_ptr()
+        assert all(torch.allclose(a, b) for a, b in zip(got, _affine((x, y))))
+        del got
+    held = _lend_run(x, y)
+    kept = [t.clone() for t in held]
+    blocked, lent = graphs.replays["blocked"], graphs.replays["lent"]
+    x.copy_(torch.randn(3))
+    got = _lend_run(x, y)  # held: eager, never a replay over them
+    assert graphs.replays["blocked"] == blocked + 1 and graphs.replays["lent"] == lent
+    assert all(torch.equal(a, b) for a, b in zip(held, kept))
+    assert all(torch.allclose(a, b) for a, b in zip(got, _affine((x, y))))
+    assert got[0].data_ptr() != static[0].data_ptr()
+    view = held[0][1:]  # a view holds the storage too
+    del held, kept
+    x.copy_(torch.randn(3))
+    seen = view.clone()
+    got = _lend_run(x, y)
+    assert torch.equal(view, seen) and graphs.replays["blocked"] == blocked + 2  # LEND_BLOCKS reached
+    del view
+    x.copy_(torch.randn(3))
+    copied = graphs.copied_bytes["out"]
+    got = _lend_run(x, y)  # nothing held now: a replay again, its outputs copied out for good
+    assert got[0].data_ptr() != static[0].data_ptr() and graphs.copied_bytes["out"] > copied
+    assert all(torch.allclose(a, b) for a, b in zip(got, _affine((x, y))))
+    again = _lend_run(x, y)  # copies out: holding `got` blocks nothing
+    assert graphs.replays["blocked"] == blocked + 2 and torch.equal(again[0], got[0])
+
+
+def test_lending_needs_its_gate_and_stays_out_of_the_autotuners_timing(monkeypatch):
+    """Not verified and no GDR_ALLOW_UNVERIFIED, or inside the autotuner's timing (it may keep a
+    run's outputs to compare with the next's): outputs copied out, never the graph's own; the
+    forward (no `lend`) always copies."""
+    from gdr_dispatch.backends.split import graphs
+    from gdr_dispatch.graph_safe import copied_graph_inputs
+
+    _in_place_setup(monkeypatch, _affine)
+    monkeypatch.setattr(graphs, "LEND_GPU_VERIFIED", False)
+    monkeypatch.delenv("GDR_ALLOW_UNVERIFIED", raising=False)
+    x, y = torch.randn(3), torch.randn(2)
+    for _ in range(3):
+        got = _lend_run(x, y)
+    static = graphs._graphs[("k",)][2]
+    assert got[0].data_ptr() != static[0].data_ptr()
+    monkeypatch.setattr(graphs, "LEND_GPU_VERIFIED", True)
+    with copied_graph_inputs():
+        got = _lend_run(x, y)
+    assert got[0].data_ptr() != graphs._graphs[("k",)][2][0].data_ptr()
+    got = graphs.run_tensors("test", ("k",), (x, y), _affine, (3,))
+    assert got[0].data_ptr() != graphs._graphs[("k",)][2][0].data_ptr()
+    got = _lend_run(x, y)
+    assert got[0].data_ptr() == graphs._graphs[("k",)][2][0].data_ptr()

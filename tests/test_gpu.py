@@ -753,3 +753,82 @@ def test_layers_at_one_shape_replay_their_own_in_place_graphs_on_gpu(monkeypatch
     for at, got in results[True].items():
         errs = {n: relative_error(x, y) for n, x, y in zip(labels, got, results[False][at])}
         assert max(errs.values()) < 1e-3, (at, errs)
+
+
+def test_split_backward_lends_its_outputs_only_while_nothing_holds_them_on_gpu(monkeypatch):
+    """The split backward replayed from its graph with its outputs lent (graphs.LEND_GPU_VERIFIED):
+    steps whose gradients are dropped before the next step get the graph's own buffers, steps
+    that keep them (a leaf's .grad, a list) make the next call run eagerly; every step's outputs
+    and gradients equal the eager op's, and a kept gradient never changes after it was returned."""
+    import torch.nn.functional as F
+
+    from gdr_dispatch import chunk_gated_delta_rule, clear_caches
+    from gdr_dispatch.backends.split import graphs
+    from gdr_dispatch.shapes import log_decay
+
+    if not {"fla", "tilelang_fused"} <= set(registered_backends()):
+        pytest.skip("fla and tilelang_fused are not both registered here")
+    monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+    monkeypatch.setenv("GDR_FORWARD", "fla@split8")
+    monkeypatch.setenv("GDR_BACKEND", "tilelang_fused@split8")
+    T, H, K, steps = 8192, 4, 128, 6
+    gen = torch.Generator().manual_seed(22)
+    names = ("q", "k", "v", "g", "beta")
+
+    def values(s):
+        return {"q": torch.randn(1, T, H, K, generator=gen).bfloat16(),
+                "k": F.normalize(torch.randn(1, T, H, K, generator=gen), dim=-1).bfloat16(),
+                "v": torch.randn(1, T, H, K, generator=gen).bfloat16(),
+                "g": log_decay(ShapeSpec(B=1, T=T, H=H, K=K, V=K, gate=("mixed", "logsigmoid")[s % 2]), gen).float(),
+                "beta": torch.rand(1, T, H, generator=gen).bfloat16()}
+
+    feed = [values(s) for s in range(steps)]
+    keep_at = {3, 4}  # these steps' gradients are kept past the next step
+
+    def run_all():
+        kept, out = [], {}
+        for s in range(steps):
+            leaves = [feed[s][n].cuda().requires_grad_(True) for n in names]
+            o, ht = chunk_gated_delta_rule(*leaves, output_final_state=True)
+            ((o.float() * o.detach().float().sin()).sum() + (ht * ht.detach().cos()).sum()).backward()
+            grads = [t.grad for t in leaves]
+            out[s] = [o.detach().clone(), ht.detach().clone()] + [x.clone() for x in grads]
+            if s in keep_at:
+                kept.append((s, grads))  # the very tensors returned, held
+        for s, grads in kept:  # held gradients were never overwritten by a later replay
+            assert all(torch.equal(x, y) for x, y in zip(grads, out[s][2:])), s
+        return out
+
+    monkeypatch.setenv("GDR_SPLIT_GRAPHS", "0")
+    clear_caches()
+    eager = run_all()
+    monkeypatch.setenv("GDR_SPLIT_GRAPHS", "1")
+    monkeypatch.setattr(graphs, "LEND_BLOCKS", 10)  # keep lending through the held steps
+    clear_caches()
+    before = dict(graphs.replays)
+    lent = run_all()
+    assert graphs.replays["lent"] > before.get("lent", 0), graphs.replays
+    labels = ("o", "ht", "dq", "dk", "dv", "dg", "dbeta")
+    for s in range(steps):
+        errs = {n: relative_error(x, y) for n, x, y in zip(labels, lent[s], eager[s])}
+        assert max(errs.values()) < 1e-3, (s, errs)
+    # through fused_gdr_bwd the returned gradients are held for certain (autograd may clone them):
+    # the call after finds them held, runs eagerly, and leaves them as they were
+    from gdr_dispatch.shapes import call_kwargs, make_inputs
+
+    spec = ShapeSpec(B=1, T=T, H=H, K=K, V=K, dtype="bfloat16", h="none", gate="mixed")
+    kwargs = call_kwargs(make_inputs(spec, torch.device("cuda")))
+    clear_caches()
+    first = fused_gdr_bwd(**kwargs)  # eager
+    second = fused_gdr_bwd(**kwargs)  # captured, lent
+    held = [x for x in second if x is not None]
+    kept = [x.clone() for x in held]
+    blocked = graphs.replays["blocked"]
+    third = fused_gdr_bwd(**kwargs)
+    torch.cuda.synchronize()
+    assert graphs.replays["blocked"] == blocked + 1, graphs.replays
+    assert all(torch.equal(a, b) for a, b in zip(held, kept))
+    for n in first._fields:
+        if getattr(first, n) is not None:
+            assert relative_error(getattr(third, n), getattr(first, n)) < 1e-3, n
+            assert relative_error(getattr(second, n), getattr(first, n)) < 1e-3, n

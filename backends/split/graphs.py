@@ -91,6 +91,16 @@ RECENT = 64
 #: that did not come back again, landing in timed steps; `_few_sets` now refuses those, not yet
 #: measured: off.
 PLACED_GPU_VERIFIED = False
+#: Outputs lent instead of copied out (`run`'s backward: the gradients, which autograd hands on and
+#: drops before the layer's next backward): a replay returns the graph's own output buffers, and
+#: the key replays again only once nothing holds them (their storages' use counts back where they
+#: were when lent); a call that finds them held runs eagerly (never overwriting them), and after
+#: `LEND_BLOCKS` such calls the key copies its outputs out for good. Whether its GPU test
+#: (tests/test_gpu.py) has passed; while False only GDR_ALLOW_UNVERIFIED=1 turns it on.
+LEND_GPU_VERIFIED = False
+LEND_BLOCKS = 2
+_lent = caches.memo("split graph lent outputs", limit=256)  # key -> [(static output, its use count when lent)]
+_lend_blocked = caches.memo("split graph lend blocked", limit=256)  # key -> calls that found its outputs held
 # (key, addresses) -> an in-place hit as in _graphs; its pins under the same key in _pins
 _placed = caches.memo("split graphs in place", limit=LIMIT * ADDRESS_SETS,
                       on_evict=lambda key, hit: _release(key))
@@ -127,14 +137,17 @@ def run(name: str, call: GDRCall, fn: Callable[..., GDRGrads], extra: tuple = ()
 
     key = key_of(name, call) + ((signature(extra),) if extra else ())
     return GDRGrads(*run_tensors(name, key, tuple(getattr(call, n) for n in TENSORS) + tuple(extra), on,
-                                 call.seq_lens))
+                                 call.seq_lens, lend=True))
 
 
-def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tuple], seq_lens: tuple) -> tuple:
+def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tuple], seq_lens: tuple,
+                lend: bool = False) -> tuple:
     """`fn(tensors)` (a tuple of tensors or None in, the same out), replayed from a graph from the
     second call with the same `key` on: the eager split's backward (`run`) and the op's split
     forward (forward.py). Inputs are copied into the graph's own, or read in place while they come
-    at the addresses it was captured on; outputs come back as fresh copies (module docstring)."""
+    at the addresses it was captured on; outputs come back as fresh copies (module docstring), or
+    with `lend` as the graph's own buffers while nothing holds them from the call before
+    (`LEND_GPU_VERIFIED`)."""
     allowed = in_place_allowed()
     if allowed:  # stable lengths' addresses: what lets the op's backward replay in place
         tensors = tuple(_lengths_constant(x) for x in tensors)
@@ -149,11 +162,14 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
         return fn(tensors)  # the warm-up: compiles, caches the index tensors the capture reads
     if state == "refused":
         return fn(tensors)
+    if _held(key):  # outputs it lent are still held: a replay would overwrite them
+        return fn(tensors)
+    lend = lend and lend_allowed() and _lend_blocked.get(key, 0) < LEND_BLOCKS
     captures, copies_only = state if isinstance(state, tuple) else (0, False)
     if multi:  # an in-place graph for these addresses, kept or captured now; else copies (below)
         placed = _placed_hit(name, key, tensors, fn, seq_lens, where)
         if placed is not None:
-            return _replay(key, placed, tensors)
+            return _replay(key, placed, tensors, lend)
     hit = _graphs.get(key)
     if hit is not None and hit[3] is not None and (hit[3] != where or not allowed or multi):
         copies_only, hit = True, None  # captured on another caller's tensors: copies for good
@@ -187,12 +203,13 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
         hit = new
     _seen[key] = (captures, copies_only)
     _graphs[key] = hit  # most recently used
-    return _replay(key, hit, tensors)
+    return _replay(key, hit, tensors, lend)
 
 
-def _replay(key: tuple, hit: tuple, tensors: tuple) -> tuple:
+def _replay(key: tuple, hit: tuple, tensors: tuple, lend: bool = False) -> tuple:
     """Replay `hit` (a graph of `key`) on `tensors`: their copies in where it holds static inputs,
-    then fresh copies of its outputs, ordered after the key's last use on another stream."""
+    then fresh copies of its outputs (with `lend`, its output buffers themselves, remembered in
+    `_lent`), ordered after the key's last use on another stream."""
     graph, static, out, reads = hit
     dev = next(x for x in out if x is not None).device
     stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None  # (a CPU test's stand-in graph)
@@ -208,15 +225,54 @@ def _replay(key: tuple, hit: tuple, tensors: tuple) -> tuple:
     replays["copied" if reads is None else "in place"] += 1
     graph.replay()
     live = [x for x in out if x is not None]
-    fresh = [torch.empty_like(x) for x in live]
-    copy_all(list(zip(fresh, live)))
-    copied_bytes["out"] += sum(x.nbytes for x in live)
+    if lend:  # aliases of its buffers (each holds its storage while alive, which `_held` counts)
+        counts = [(x, _uses(x)) for x in live]
+        fresh = [x.detach() for x in live]
+        _lent[key] = counts
+        replays["lent"] += 1
+    else:
+        fresh = [torch.empty_like(x) for x in live]
+        copy_all(list(zip(fresh, live)))
+        copied_bytes["out"] += sum(x.nbytes for x in live)
     if stream is not None:
         event = last[1] if last is not None else torch.cuda.Event()
         event.record(stream)
         _last_use[key] = (stream, event)
     it = iter(fresh)
     return tuple(None if x is None else next(it) for x in out)
+
+
+def lend_allowed() -> bool:
+    """Whether replays may lend their outputs: verified (or GDR_ALLOW_UNVERIFIED=1), torch counts
+    storage uses, and not inside the autotuner's timing (it may keep one run's outputs to compare
+    with the next's)."""
+    from gdr_dispatch.registry import unverified_allowed
+
+    return (hasattr(torch._C, "_storage_Use_Count") and not graph_inputs_copied()
+            and (LEND_GPU_VERIFIED or unverified_allowed()))
+
+
+def _uses(x: torch.Tensor) -> int:
+    """How many tensors (and storage objects) hold `x`'s storage now."""
+    return torch._C._storage_Use_Count(x.untyped_storage()._cdata)
+
+
+def _held(key: tuple) -> bool:
+    """Whether outputs the key's graphs lent are still held (any of its graphs may write them: they
+    share a memory pool); counted as a blocked call, the key's lending ends after `LEND_BLOCKS`.
+    Forgotten once none is held."""
+    lent = _lent.get(key)
+    if not lent:
+        return False
+    if all(_uses(x) <= n for x, n in lent):
+        _lent.pop(key, None)
+        return False
+    replays["blocked"] += 1
+    blocked = _lend_blocked[key] = _lend_blocked.get(key, 0) + 1
+    if blocked == LEND_BLOCKS and caches.first_time(("split graph lend", key[0])):
+        log.info("gdr_dispatch: %s: its outputs were still held at the next call %d times: copied out from "
+                 "now on (calls that find them held run eagerly)", key[0], blocked)
+    return True
 
 
 def placed_allowed() -> bool:
