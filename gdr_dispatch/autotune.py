@@ -17,6 +17,7 @@ from typing import Callable, Collection, Optional
 
 import torch
 
+from . import caches
 from .contract import GDRCall, GDRGrads
 from .problem import Problem
 from .registry import Backend, NoBackendError
@@ -208,15 +209,15 @@ def _majority(outputs: dict, tol: float) -> Optional[str]:
     return best if best is not None and votes[best] > 0 else None
 
 
-def run_compile_job(job: tuple[str, str, tuple]) -> float:
-    """Run one `Backend.compile_jobs` entry (in a worker process) and mark it built
-    (`built_marker`); returns its wall time in seconds."""
+def run_compile_job(job: tuple[str, str, tuple], device: str = "") -> float:
+    """Run one `Backend.compile_jobs` entry (in a worker process) and mark it built for `device`
+    (the GPU's name, `built_marker`); returns its wall time in seconds."""
     module, function, args = job
     t0 = time.perf_counter()
     getattr(importlib.import_module(module), function)(*args)
     took = time.perf_counter() - t0
     try:
-        marker = built_marker(job)
+        marker = built_marker(job, device)
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text(repr(job)[:2000] + "\n")
     except OSError:  # a marker only spares a later process a background build
@@ -224,18 +225,19 @@ def run_compile_job(job: tuple[str, str, tuple]) -> float:
     return took
 
 
-def built_marker(job: tuple[str, str, tuple]):
-    """The file saying `job` was built with these library versions (in the user cache directory,
-    beside the tables): a table hit starts a background build only for jobs without one, so a
-    tuned model's later launches start no processes (docs/design.md, "The first step")."""
+def built_marker(job: tuple[str, str, tuple], device: str = ""):
+    """The file saying `job` was built with these library versions, this gdr_dispatch and on a GPU
+    named `device` (in the user cache directory, beside the tables): a table hit starts a
+    background build only for jobs without one, so a tuned model's later launches start no
+    processes (docs/design.md, "The first step")."""
     import hashlib
 
-    from . import env
+    from . import __version__, env
     from .problem import library_versions
 
     versions = ",".join(f"{k}={v}" for k, v in sorted(library_versions().items()))
     what = warm_key(job) if job[1] == warm_backend.__name__ else job  # a warm run: not its lengths
-    digest = hashlib.sha1(f"{what!r}|{versions}".encode()).hexdigest()[:20]
+    digest = hashlib.sha1(f"{what!r}|{versions}|gdr_dispatch={__version__}|{device}".encode()).hexdigest()[:20]
     return env.user_table_dir() / "built" / digest
 
 
@@ -271,9 +273,26 @@ def precompile(jobs: dict[tuple, list[str]], workers: int, say: Callable[[str], 
     say(f"  all {len(jobs)} in {time.perf_counter() - t0:.1f} s")
 
 
-def _spawn(job: tuple[str, str, tuple]):
-    """`python -m gdr_dispatch.autotune JOB` started (its stderr into a temporary file: a pipe
-    nobody reads while it runs could fill and stall it): `(process, stderr file, start time)`."""
+def _build_device(device=None) -> tuple[Optional[int], str]:
+    """`(index, name)` of the GPU a build runs on: `device`'s (a CUDA device), else this process's
+    current one where it has CUDA up; `(None, "")` without."""
+    if device is not None:
+        device = torch.device(device)
+        if device.type != "cuda":
+            return None, ""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+    elif torch.cuda.is_available() and torch.cuda.is_initialized():
+        index = torch.cuda.current_device()
+    else:
+        return None, ""
+    return index, torch.cuda.get_device_name(index)
+
+
+def _spawn(job: tuple[str, str, tuple], device=None):
+    """`python -m gdr_dispatch.autotune JOB [INDEX NAME]` started on the GPU of `device`
+    (`_build_device`: under torchrun each rank's builds on its own GPU, not the first), its stderr
+    into a temporary file (a pipe nobody reads while it runs could fill and stall it):
+    `(process, stderr file, start time)`."""
     import os
     import subprocess
     import sys
@@ -286,15 +305,24 @@ def _spawn(job: tuple[str, str, tuple]):
     err = tempfile.TemporaryFile(mode="w+", errors="replace")  # a compiler's bytes are no reason to fail
     # its own process group: stopping it at exit stops the compilers it started too; started in
     # `here`, so `-m` imports this gdr_dispatch, not one in the caller's working directory
-    proc = subprocess.Popen([sys.executable, "-m", "gdr_dispatch.autotune", repr(job)], env=env, cwd=here,
+    index, name = _build_device(device)
+    where = [] if index is None else [str(index), name]
+    proc = subprocess.Popen([sys.executable, "-m", "gdr_dispatch.autotune", repr(job), *where], env=env, cwd=here,
                             stdout=subprocess.DEVNULL, stderr=err, text=True, start_new_session=True)
     return proc, err, time.perf_counter()
 
 
-def _finish(started) -> float:
-    """Wait for a `_spawn`ed job: its wall time in seconds, or RuntimeError with its last line."""
+def _finish(started, timeout: Optional[float] = None) -> float:
+    """Wait for a `_spawn`ed job: its wall time in seconds, or RuntimeError with its last line
+    (TimeoutError, the job stopped, when it runs past `timeout` seconds)."""
+    import subprocess
+
     proc, err, t0 = started
-    code = proc.wait()
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _stop(started)
+        raise TimeoutError(f"still building after {timeout:.0f} s; stopped") from None
     err.seek(0)
     lines = [line for line in err.read().strip().splitlines() if line.strip()]
     err.close()
@@ -311,27 +339,45 @@ def _compile_in_subprocess(job: tuple[str, str, tuple]) -> float:
 MAX_JOB_CHARS = 100_000
 #: Compile jobs started ahead of the call that needs them (`start_compiles`): job -> `_spawn`'s.
 _early: dict = {}
+#: Free memory on the call's GPU per background build started (its CUDA context and one small
+#: run, with room left for the caller): fewer start where there is less.
+EARLY_BUILD_FREE = 2 << 30
+#: The longest a call waits for a background build before stopping it and building itself.
+EARLY_WAIT_S = 1800.0
 
 
-def start_compiles(jobs, unbuilt_only: bool = False) -> int:
-    """Start compile jobs (`compile_jobs_of`' keys) in background processes now, at most
-    `compile_workers()` running at once, without waiting: the op's first forward at a shape
-    starts its backward's builds so they overlap its own (docs/design.md, "The first step");
-    `precompile` then waits for them instead of starting them again, and a table hit waits for
-    its winner's. `unbuilt_only`: not the jobs a process before built (`built_marker`). The
-    number started."""
+def start_compiles(jobs, unbuilt_only: bool = False, device=None) -> int:
+    """Start compile jobs (`compile_jobs_of`' keys) in background processes now, on `device`'s GPU
+    (the call's), at most `compile_workers()` running at once and one per `EARLY_BUILD_FREE` of
+    that GPU's free memory, without waiting: the op's first forward at a shape starts its
+    backward's builds so they overlap its own (docs/design.md, "The first step"); `precompile`
+    then waits for them instead of starting them again, and a table hit waits for its winner's.
+    `unbuilt_only`: not the jobs a process before built (`built_marker`). None with
+    GDR_EARLY_BUILDS=0. The number started."""
+    from . import env
+
+    if not env.early_builds():
+        return 0
     for done in [j for j, p in _early.items() if p[0].poll() is not None]:  # finished, nobody waited: said here
         wait_early(done)
     running = sum(p[0].poll() is None for p in _early.values())
+    index, name = _build_device(device)
+    room = None if index is None else int(torch.cuda.mem_get_info(index)[0] // EARLY_BUILD_FREE)
     started = 0
     for job in jobs:
-        if job in _early or (unbuilt_only and built_marker(job).exists()):
+        if job in _early or (unbuilt_only and built_marker(job, name).exists()):
             continue
         if len(repr(job)) >= MAX_JOB_CHARS:  # one command-line argument: a huge pack builds in-process
             continue
         if running >= compile_workers():
             break
-        _early[job] = _spawn(job)
+        if room is not None and started >= room:
+            if caches.first_time(("early builds", "memory", index)):
+                log.info("gdr_dispatch: %s has too little free memory for more background builds "
+                         "(%.1f GiB each): the rest build in this process when first used", name,
+                         EARLY_BUILD_FREE / 2 ** 30)
+            break
+        _early[job] = _spawn(job, None if index is None else torch.device("cuda", index))
         running += 1
         started += 1
     return started
@@ -345,15 +391,16 @@ def wait_early(job) -> Optional[float]:
     try:
         return _wait_early(job)
     except Exception as e:  # noqa: BLE001 - an early build is an optimisation: the call builds it itself
-        log.info("gdr_dispatch: an early build failed (the call that needs it builds it again): %s: %s: %s", job[1],
-                 type(e).__name__, e)
+        (log.warning if isinstance(e, TimeoutError) else log.info)(
+            "gdr_dispatch: an early build failed (the call that needs it builds it again): %s: %s: %s", job[1],
+            type(e).__name__, e)
         return None
 
 
 def _wait_early(job) -> float:
     started = _early[job]
     try:
-        took = _finish(started)
+        took = _finish(started, EARLY_WAIT_S)
     except BaseException as e:
         if not isinstance(e, RuntimeError):  # interrupted (Ctrl-C): the job stops with the wait
             _stop(started)
@@ -732,4 +779,6 @@ if __name__ == "__main__":  # one compile job, in its own process (precompile)
     import ast
     import sys
 
-    run_compile_job(ast.literal_eval(sys.argv[1]))
+    if len(sys.argv) > 3:  # the GPU its parent's call is on: index and name
+        torch.cuda.set_device(int(sys.argv[2]))
+    run_compile_job(ast.literal_eval(sys.argv[1]), sys.argv[3] if len(sys.argv) > 3 else "")

@@ -209,15 +209,15 @@ def start_backward_compiles(call: GDRCall) -> int:
                 return 0
             jobs = tuple(compile_jobs_of(call, {winner: options[winner]}))
             _early_builds[(key, winner)] = jobs
-            return start_compiles(jobs, unbuilt_only=True)
+            return start_compiles(jobs, unbuilt_only=True, device=call.q.device)
     if autotune_block_reason(problem, True) or len(options) < 2:
         return 0
     predicted = predict(problem, options)
     if predicted is not None:  # one candidate: its backward waits for exactly these (`select_backend`)
         jobs = tuple(compile_jobs_of(call, {predicted[0]: options[predicted[0]]}))
         _early_builds[(key, predicted[0])] = jobs
-        return start_compiles(jobs)
-    return start_compiles(compile_jobs_of(call, prune(problem, options)[0]))
+        return start_compiles(jobs, device=call.q.device)
+    return start_compiles(compile_jobs_of(call, prune(problem, options)[0]), device=call.q.device)
 
 
 def _options(problem: Problem) -> tuple[dict, dict]:

@@ -358,7 +358,7 @@ def _start_forward_compiles(problem, q, v, g, beta, initial_state, cu_seqlens, l
                 first_split.setdefault(base_name(name), jobs[name])
         # a job travels as one argument: a pack of tens of thousands of lengths builds in-process
         jobs = {n: j for n, j in jobs.items() if len(repr(j)) < MAX_JOB_CHARS}
-        started = start_compiles(list(dict.fromkeys(jobs.values())))
+        started = start_compiles(list(dict.fromkeys(jobs.values())), device=q.device)
     except Exception as e:  # noqa: BLE001 - an early start is an optimisation: the measurement builds them itself
         log.info("gdr_dispatch: could not start the forward's compiles early (%s: %s)", type(e).__name__, e)
         return {}

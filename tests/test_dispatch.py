@@ -551,7 +551,7 @@ def test_the_early_builds_of_a_predicted_backward_build_the_prediction_only_and_
                           for T in (256, 1024)])
     seen = []
     monkeypatch.setattr(at, "compile_jobs_of", lambda c, cands: seen.append(sorted(cands)) or {("m", "f", ()): ["x"]})
-    monkeypatch.setattr(at, "start_compiles", lambda jobs: len(jobs))
+    monkeypatch.setattr(at, "start_compiles", lambda jobs, **kw: len(jobs))
     assert dsp.start_backward_compiles(call) == 1 and seen == [["fake_good"]]
     waited = []  # the backward's first call then waits for them instead of building them again
     monkeypatch.setattr(at, "wait_early", lambda job: waited.append(job))

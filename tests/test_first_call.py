@@ -182,7 +182,7 @@ def test_the_ops_first_training_forward_starts_its_backwards_builds(monkeypatch,
             return [("m", "build", (self.name, call.H, call.dht is not None, call.h is not None))]
 
     with_backends(Building("fast_a"), Building("other"))
-    monkeypatch.setattr(at, "start_compiles", lambda jobs: started.extend(jobs) or len(jobs))
+    monkeypatch.setattr(at, "start_compiles", lambda jobs, **kw: started.extend(jobs) or len(jobs))
     monkeypatch.setattr(dsp, "autotune_block_reason", lambda p, have_tensors: None)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # the trigger's own check
     x = {n: torch.randn(1, 130, 2, 16, dtype=torch.float64) for n in ("q", "k", "v")}
@@ -235,7 +235,7 @@ def test_a_table_hit_builds_its_winner_early_once_per_install(monkeypatch, with_
 
     with_backends(Building("fast_a"), Building("other"))
     real_start = at.start_compiles
-    monkeypatch.setattr(at, "start_compiles", lambda jobs, unbuilt_only=False: started.extend(jobs) or len(jobs))
+    monkeypatch.setattr(at, "start_compiles", lambda jobs, unbuilt_only=False, **kw: started.extend(jobs) or len(jobs))
     monkeypatch.setattr(dsp, "autotune_block_reason", lambda p, have_tensors: None)
     call = validate(**call_kwargs(make_inputs(ShapeSpec(B=1, T=100, H=2, K=16, V=16, dtype="float64", h="none"),
                                               "cpu")))
@@ -284,7 +284,7 @@ def test_an_interrupted_wait_stops_its_early_build(monkeypatch):
     assert at.start_compiles([job]) == 1
     proc = at._early[job][0]
 
-    def interrupted(started):
+    def interrupted(started, timeout=None):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(at, "_finish", interrupted)
@@ -305,3 +305,59 @@ def test_a_warm_runs_marker_keys_on_what_it_compiles_not_the_lengths():
     assert at.built_marker(job(T=300, seqlens=(100, 200))) != at.built_marker(job(T=300))  # varlen or not
     assert at.built_marker(job()) != at.built_marker(job(H=4))
     assert at.built_marker(("m", "f", (1,))) != at.built_marker(("m", "f", (2,)))
+
+
+def test_early_builds_can_be_turned_off(monkeypatch):
+    """GDR_EARLY_BUILDS=0: a first call starts no background process (each build happens in the
+    caller's process when first used)."""
+    monkeypatch.setenv("GDR_EARLY_BUILDS", "0")
+    job = ("builtins", "len", ("off",))
+    assert at.start_compiles([job]) == 0 and job not in at._early
+    monkeypatch.setenv("GDR_EARLY_BUILDS", "maybe")
+    with pytest.raises(ValueError, match="GDR_EARLY_BUILDS"):
+        at.start_compiles([job])
+
+
+def test_an_early_build_past_its_time_is_stopped_and_said(monkeypatch, caplog):
+    """A build that runs past EARLY_WAIT_S (hung): the wait stops it and says so at WARNING; the
+    call builds the kernel itself."""
+    job = ("builtins", "exec", ("import time; time.sleep(30)",))
+    monkeypatch.setattr(at, "compile_workers", lambda: 8)
+    monkeypatch.setattr(at, "EARLY_WAIT_S", 0.5)
+    assert at.start_compiles([job]) == 1
+    proc = at._early[job][0]
+    with caplog.at_level(logging.INFO, logger="gdr_dispatch"):
+        assert at.wait_early(job) is None
+    assert proc.poll() is not None and job not in at._early
+    assert any(r.levelno == logging.WARNING and "still building after" in r.getMessage() for r in caplog.records)
+
+
+class _FakeProc:
+    pid = -1
+
+    def poll(self):
+        return None
+
+    def wait(self, timeout=None):
+        return 0
+
+
+def test_early_builds_run_on_the_calls_gpu_and_leave_it_memory(monkeypatch, caplog):
+    """Each background build is told the call's GPU (index and name: under torchrun each rank's
+    build runs on its own GPU, and its marker names the GPU it was built on); no more start than
+    the GPU's free memory leaves room for (EARLY_BUILD_FREE each), the rest said once."""
+    import subprocess
+
+    argv = []
+    monkeypatch.setattr(subprocess, "Popen", lambda args, **kw: argv.append(args) or _FakeProc())
+    monkeypatch.setattr(at, "_build_device", lambda device=None: (3, "Fake GPU"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (2 * at.EARLY_BUILD_FREE + 1, 80 << 30))
+    monkeypatch.setattr(at, "compile_workers", lambda: 8)
+    monkeypatch.setattr(at, "_early", {})
+    jobs = [("builtins", "len", (i,)) for i in range(4)]
+    with caplog.at_level(logging.INFO, logger="gdr_dispatch"):
+        assert at.start_compiles(jobs, device=torch.device("cuda", 3)) == 2
+    assert [a[-2:] for a in argv] == [["3", "Fake GPU"]] * 2
+    assert any("too little free memory" in r.getMessage() for r in caplog.records)
+    assert at.built_marker(jobs[0], "Fake GPU") != at.built_marker(jobs[0], "Other GPU") != at.built_marker(jobs[0])
+    at._early.clear()

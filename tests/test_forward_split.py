@@ -287,7 +287,7 @@ def test_the_forwards_a_first_call_measures_are_built_early_and_waited_for(monke
     p = _starved_problem(x, sms=16)
     scale = x["q"].shape[-1] ** -0.5
     started, events = [], []
-    monkeypatch.setattr(autotune, "start_compiles", lambda jobs: started.extend(jobs) or len(jobs))
+    monkeypatch.setattr(autotune, "start_compiles", lambda jobs, **kw: started.extend(jobs) or len(jobs))
     monkeypatch.setattr(autotune, "wait_early", lambda job: events.append(("waited", job[2][0])) or 2.0)
     args = (x["q"], x["v"], x["g"], x["beta"], x["initial_state"], None, (1024,), scale, True, False, False)
     jobs = training._start_forward_compiles(p, *args)
