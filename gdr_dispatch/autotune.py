@@ -12,6 +12,7 @@ import atexit
 import importlib
 import logging
 import statistics
+import sys
 import time
 from typing import Callable, Collection, Optional
 
@@ -236,7 +237,8 @@ def built_marker(job: tuple[str, str, tuple], device: str = ""):
     from .problem import library_versions
 
     versions = ",".join(f"{k}={v}" for k, v in sorted(library_versions().items()))
-    what = warm_key(job) if job[1] == warm_backend.__name__ else job  # a warm run: not its lengths
+    fn = getattr(importlib.import_module(job[0]), job[1], None) if job[0] in sys.modules else None
+    what = warm_key(job) if getattr(fn, "length_free", False) else job  # a warm run: not its lengths
     digest = hashlib.sha1(f"{what!r}|{versions}|gdr_dispatch={__version__}|{device}".encode()).hexdigest()[:20]
     return env.user_table_dir() / "built" / digest
 
@@ -295,7 +297,6 @@ def _spawn(job: tuple[str, str, tuple], device=None):
     `(process, stderr file, start time)`."""
     import os
     import subprocess
-    import sys
     import tempfile
     from pathlib import Path
 
@@ -706,11 +707,7 @@ def warm_job(backend: str, call: GDRCall) -> tuple[str, str, tuple]:
     """A compile job that runs `backend` once on random inputs of `call`'s shape: for backends
     whose kernels compile and autotune on their first run (Triton's JIT, fla-core's autotuner;
     both cache on disk, so the caller's first run finds them done)."""
-    spec = dict(B=call.B, T=call.T, H=call.H, Hg=call.Hg, K=call.K, V=call.V, dtype=str(call.q.dtype)[6:],
-                h="given" if call.h is not None else "none", initial_state=call.initial_state is not None,
-                dht=call.dht is not None, state_v_first=call.state_v_first, chunk_size=call.chunk_size,
-                seqlens=tuple(call.seq_lens) if call.cu_seqlens is not None else None)
-    return (__name__, warm_backend.__name__, (backend, tuple(sorted(spec.items())), str(call.q.device)))
+    return (__name__, warm_backend.__name__, (backend, call_spec(call), str(call.q.device)))
 
 
 def forward_job(backend: str, q, v, g, beta, initial_state, cu_seqlens, seq_lens, scale: float, state_v_first: bool,
@@ -759,8 +756,31 @@ def warm_forward(backend: str, spec: tuple, device: str = "cuda") -> None:
 
 def warm_backend(backend: str, spec: tuple, device: str = "cuda") -> None:
     """`warm_job`'s work, in its own process."""
-    from .contract import validate
     from .registry import get_backend
+
+    get_backend(backend).run(spec_call(spec, device))
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+#: Its marker keys on what it compiles, not the lengths (`built_marker`): a job function of
+#: `(name, call_spec(call), device)` may say so too.
+warm_backend.length_free = True
+
+
+def call_spec(call: GDRCall) -> tuple:
+    """What a warm run needs of `call` to make one like it (`spec_call`): shapes, dtype, flags,
+    the lengths where varlen."""
+    spec = dict(B=call.B, T=call.T, H=call.H, Hg=call.Hg, K=call.K, V=call.V, dtype=str(call.q.dtype)[6:],
+                h="given" if call.h is not None else "none", initial_state=call.initial_state is not None,
+                dht=call.dht is not None, state_v_first=call.state_v_first, chunk_size=call.chunk_size,
+                seqlens=tuple(call.seq_lens) if call.cu_seqlens is not None else None)
+    return tuple(sorted(spec.items()))
+
+
+def spec_call(spec: tuple, device: str = "cuda") -> GDRCall:
+    """A validated call on random inputs like the one `call_spec` described."""
+    from .contract import validate
     from .shapes import ShapeSpec, call_kwargs, make_inputs
 
     fields = dict(spec)
@@ -769,15 +789,11 @@ def warm_backend(backend: str, spec: tuple, device: str = "cuda") -> None:
     else:
         fields.pop("T")
         fields.pop("B")
-    call = validate(**call_kwargs(make_inputs(ShapeSpec(**fields), device, seed=0)))
-    get_backend(backend).run(call)
-    if device == "cuda":
-        torch.cuda.synchronize()
+    return validate(**call_kwargs(make_inputs(ShapeSpec(**fields), device, seed=0)))
 
 
 if __name__ == "__main__":  # one compile job, in its own process (precompile)
     import ast
-    import sys
 
     if len(sys.argv) > 3:  # the GPU its parent's call is on: index and name
         torch.cuda.set_device(int(sys.argv[2]))

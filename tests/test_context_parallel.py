@@ -515,7 +515,8 @@ def test_a_split_candidate_precompiles_the_inner_builds_of_its_segments_call():
     spec = ShapeSpec(B=2, T=300, H=4, Hg=2, K=16, V=8, initial_state=False, dht=False, dtype="float32",
                      h="given", state_v_first=True)
     call = validate(**call_kwargs(make_inputs(spec, "cpu", seed=1)))
-    assert SplitBackend(_compile_recorder(seen), 3).compile_jobs(call) == [("m", "f", (6,))]
+    jobs = SplitBackend(_compile_recorder(seen), 3).compile_jobs(call)
+    assert jobs[0] == ("m", "f", (6,)) and [j[1] for j in jobs[1:]] == ["warm_passes"]  # and the split's own
     (seg,) = seen
     assert seg.B == 1 and seg.seq_lens == (128, 128, 44) * 2  # 5 chunks in runs of 2, 2, 1
     assert seg.initial_state.dtype == seg.dht.dtype == torch.float32 and seg.initial_state.shape == (6, 4, 8, 16)

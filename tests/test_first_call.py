@@ -361,3 +361,26 @@ def test_early_builds_run_on_the_calls_gpu_and_leave_it_memory(monkeypatch, capl
     assert any("too little free memory" in r.getMessage() for r in caplog.records)
     assert at.built_marker(jobs[0], "Fake GPU") != at.built_marker(jobs[0], "Other GPU") != at.built_marker(jobs[0])
     at._early.clear()
+
+
+def test_a_split_winner_builds_its_own_passes_early_too():
+    """`<backend>@split<n>`'s compile jobs: its inner backend's builds and a run of its own passes
+    (`warm_passes`: the segments' backward a stand-in of zeros), so the passes' Triton kernels
+    compile beside the inner builds, not in the caller's process at the first backward; the
+    passes job runs (here on a CPU) and its marker keys on what it compiles, not the lengths."""
+    from gdr_dispatch import registered_backends
+    from gdr_dispatch.backends.split import SplitBackend
+    from gdr_dispatch.contract import validate
+    from gdr_dispatch.shapes import call_kwargs, make_inputs
+
+    def call_of(seqlens):
+        spec = ShapeSpec(T=sum(seqlens), H=2, K=16, V=16, dtype="float64", h="none", seqlens=seqlens)
+        return validate(**call_kwargs(make_inputs(spec, "cpu")))
+
+    split = SplitBackend(registered_backends()["torch"], 2)
+    jobs = split.compile_jobs(call_of((100, 200)))
+    mine = [j for j in jobs if j[1] == "warm_passes"]
+    assert len(mine) == 1 and mine[0][2][0] == 2
+    assert at.run_compile_job(mine[0]) >= 0 and at.built_marker(mine[0]).exists()
+    other = [j for j in split.compile_jobs(call_of((250, 50))) if j[1] == "warm_passes"][0]
+    assert other != mine[0] and at.built_marker(other) == at.built_marker(mine[0])

@@ -130,7 +130,15 @@ class SplitBackend(Backend):
     def compile_jobs(self, call: GDRCall) -> list[tuple[str, str, tuple]]:
         """The inner backend's builds for pass 3's call (the segments as one varlen call with both
         states in fp32): FlashQLA's kernels key on those flags, so precompiling only the unsplit
-        call leaves about a minute of compiling to the first use."""
+        call leaves about a minute of compiling to the first use; and the split's own passes
+        (`warm_passes`), whose Triton kernels would otherwise compile in the caller's process
+        when first used."""
+        from gdr_dispatch.autotune import call_spec
+
+        return self._inner_jobs(call) + [(__name__, warm_passes.__name__,
+                                          (self.segments, call_spec(call), str(call.q.device)))]
+
+    def _inner_jobs(self, call: GDRCall) -> list[tuple[str, str, tuple]]:
         segs = passes.segments_of(tuple(call.seq_lens), call.chunk_size, self.segments)
         seg_lens = segs.lens
         flat, offsets = passes._segments_inputs(call, segs.token_offsets)
@@ -145,6 +153,31 @@ class SplitBackend(Backend):
         seg = validate(**flat, h=h, dht=states, initial_state=states, scale=call.scale, chunk_size=call.chunk_size,
                        cu_seqlens=offsets, state_v_first=call.state_v_first)
         return self.inner.compile_jobs(seg)
+
+
+def warm_passes(segments: int, spec: tuple, device: str = "cuda") -> None:
+    """A compile job (`SplitBackend.compile_jobs`, in its own process): the split's passes once on
+    random inputs like the call `spec` describes (autotune.call_spec), the segments' backward a
+    stand-in of zeros, so only the passes' kernels compile here (the inner backend's builds are
+    jobs of their own, run beside it)."""
+    from gdr_dispatch.autotune import spec_call
+
+    passes.split_backward(spec_call(spec, device), segments, run=_zero_grads, states_by_run=True)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+#: Its marker keys on what it compiles, not the lengths (autotune.built_marker).
+warm_passes.length_free = True
+
+
+def _zero_grads(call: GDRCall) -> GDRGrads:
+    """A stand-in backward: zeros of the gradients' shapes and dtypes."""
+    acc = call.acc_dtype
+    return GDRGrads(torch.zeros_like(call.q), torch.zeros_like(call.k), torch.zeros_like(call.v),
+                    torch.zeros(call.g.shape, dtype=acc, device=call.g.device), torch.zeros_like(call.b),
+                    None if call.initial_state is None else torch.zeros(call.initial_state.shape, dtype=acc,
+                                                                        device=call.q.device))
 
 
 class Split(Wrapper):
