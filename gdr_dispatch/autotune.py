@@ -716,19 +716,38 @@ def forward_job(backend: str, q, v, g, beta, initial_state, cu_seqlens, seq_lens
     dtypes, flags and scale (what its kernels compile on: FlashQLA's TileLang kernels key on the
     scale too): the op's first forward at a shape builds the candidates it is about to measure
     in parallel processes (training.start_forward_compiles)."""
+    spec = forward_spec(q, v, g, beta, initial_state, cu_seqlens, seq_lens, scale, state_v_first, need_final,
+                        need_states)
+    return (__name__, warm_forward.__name__, (backend, spec, str(q.device)))
+
+
+def forward_spec(q, v, g, beta, initial_state, cu_seqlens, seq_lens, scale: float, state_v_first: bool,
+                 need_final: bool, need_states: bool) -> tuple:
+    """What a forward's kernels compile on, and what `forward_inputs` needs to make inputs like
+    the call's: shapes, dtypes, flags, the scale, the lengths where varlen."""
     dt = lambda x: None if x is None else str(x.dtype)[6:]  # noqa: E731
     spec = dict(B=q.shape[0], T=q.shape[1], Hg=q.shape[2], K=q.shape[3], H=v.shape[2], V=v.shape[3], dtype=dt(q),
                 g_dtype=dt(g), beta_dtype=dt(beta), h0_dtype=dt(initial_state),
                 seqlens=tuple(seq_lens) if cu_seqlens is not None else None, cu_dtype=dt(cu_seqlens),
                 state_v_first=bool(state_v_first),
                 need_final=bool(need_final), need_states=bool(need_states), scale=float(scale))
-    return (__name__, warm_forward.__name__, (backend, tuple(sorted(spec.items())), str(q.device)))
+    return tuple(sorted(spec.items()))
 
 
 def warm_forward(backend: str, spec: tuple, device: str = "cuda") -> None:
     """`forward_job`'s work, in its own process."""
     from .registry import get_backend
 
+    q, k, v, g, beta, h0, cu, f = forward_inputs(spec, device)
+    get_backend(backend).forward(q, k, v, g, beta, f["scale"], h0, cu, f["state_v_first"], f["need_final"], 64,
+                                 need_states=f["need_states"])
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def forward_inputs(spec: tuple, device: str = "cuda") -> tuple:
+    """Random `(q, k, v, g, beta, initial_state, cu_seqlens, fields)` like the call `forward_spec`
+    described (`fields`: the spec as a dict)."""
     f = dict(spec)
     gen = torch.Generator().manual_seed(0)
     B, T, Hg, K, H, V = f["B"], f["T"], f["Hg"], f["K"], f["H"], f["V"]
@@ -748,10 +767,7 @@ def warm_forward(backend: str, spec: tuple, device: str = "cuda") -> None:
     N = len(f["seqlens"]) if f["seqlens"] is not None else B
     state = (N, H, V, K) if f["state_v_first"] else (N, H, K, V)
     h0 = None if f["h0_dtype"] is None else rnd(*state, dtype=f["h0_dtype"])
-    get_backend(backend).forward(q, k, v, g, beta, f["scale"], h0, cu, f["state_v_first"], f["need_final"], 64,
-                                 need_states=f["need_states"])
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+    return q, k, v, g, beta, h0, cu, f
 
 
 def warm_backend(backend: str, spec: tuple, device: str = "cuda") -> None:

@@ -267,6 +267,14 @@ class Backend:
         """`(o, final_state or None, h or None)` from `forward_residuals`' `(G, a)`."""
         raise NotImplementedError
 
+    def forward_compile_jobs(self, spec: tuple, device: str) -> list[tuple[str, str, tuple]]:
+        """The builds of this provider's forward kernels for a forward like `spec`
+        (autotune.forward_spec), as jobs that run in parallel processes (`compile_jobs`' form): the
+        op's first forward at a shape whose provider is known without measuring starts them and
+        waits for them, instead of building them one after another in the caller's process.
+        Empty: it builds on its first run here."""
+        return []
+
     def split_passes(self, problem: Problem):
         """Pass 1 of the exact split on this backend's kernels, if it has them for `problem` (the
         segments' varlen call): a function `(call, need_r=True)` returning every segment's

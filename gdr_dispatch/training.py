@@ -308,18 +308,32 @@ def _forward_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_fin
     backend = plan.backends.get(variant)
     if backend is None:
         problem = forward_problem(q, v, beta, initial_state, cu_seqlens, state_v_first, seq_lens)
-        jobs = {}
+        jobs, own = {}, []
+
+        def measure_on(b):
+            return b.forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, output_final_state,
+                             CHUNK, need_states=save_states)[:2]
+
         if q.is_cuda and not len(plan.backends):
             # a new shape: the builds of the forwards it is about to measure start now, in parallel
-            # processes, and (training) the backward's beside them (docs/design.md, "The first step")
+            # processes, or, where it measures none, the chosen provider's own kernels; and
+            # (training) the backward's beside them (docs/design.md, "The first step")
             jobs = _start_forward_compiles(problem, q, v, g, beta, initial_state, cu_seqlens, seq_lens, scale,
                                            output_final_state, state_v_first, save_states)
+            if not jobs and not forward_to_measure(problem):
+                backend, how = forward_choice(problem, measure_on=measure_on, jobs=jobs)
+                own = _start_provider_builds(backend, q, v, g, beta, initial_state, cu_seqlens, seq_lens, scale,
+                                             output_final_state, state_v_first, save_states)
             if any(x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)):
                 _start_backward_compiles(q, k, v, beta, initial_state, cu_seqlens, seq_lens, scale,
                                          output_final_state, state_v_first, save_states)
-        backend, how = forward_choice(problem, measure_on=lambda b: b.forward(
-            q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, output_final_state, CHUNK,
-            need_states=save_states)[:2], jobs=jobs)
+        if backend is None:
+            backend, how = forward_choice(problem, measure_on=measure_on, jobs=jobs)
+        if own:
+            from .autotune import wait_early
+
+            for job in own:  # built in TileLang's (or Triton's) disk cache: the forward below loads them
+                wait_early(job)
         if first_time(("forward", problem.table_key(), backend.name)):
             log.info("gdr_dispatch: forward %s for %s (%s)", backend.name, problem.describe(), how)
         if key is not None:
@@ -364,6 +378,28 @@ def _start_forward_compiles(problem, q, v, g, beta, initial_state, cu_seqlens, l
         return {}
     if started:
         log.info("gdr_dispatch: the op's forward: %d candidates' builds started in the background", started)
+    return jobs
+
+
+def _start_provider_builds(backend, q, v, g, beta, initial_state, cu_seqlens, lens, scale, output_final_state,
+                           state_v_first, save_states) -> list:
+    """The chosen provider's forward kernels (`Backend.forward_compile_jobs`), each built in a
+    background process now, unless a process before built them (autotune.built_marker): the jobs,
+    for the forward to wait on (FlashQLA's forward builds its kernels one after another, ~30-50 s
+    on the H200's machine: bench/results/nvidia-h200-sm90-hf-first-step.md)."""
+    from .autotune import MAX_JOB_CHARS, forward_spec, start_compiles
+
+    try:
+        spec = forward_spec(q, v, g, beta, initial_state, cu_seqlens, lens, scale, state_v_first, output_final_state,
+                            save_states)
+        jobs = [j for j in backend.forward_compile_jobs(spec, str(q.device)) if len(repr(j)) < MAX_JOB_CHARS]
+        started = start_compiles(jobs, unbuilt_only=True, device=q.device)
+    except Exception as e:  # noqa: BLE001 - an early start is an optimisation: the forward builds them itself
+        log.info("gdr_dispatch: could not start the forward's builds early (%s: %s)", type(e).__name__, e)
+        return []
+    if started:
+        log.info("gdr_dispatch: the op's forward: %s's %d kernel builds started in the background", backend.name,
+                 started)
     return jobs
 
 

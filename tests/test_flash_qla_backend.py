@@ -162,3 +162,29 @@ def test_the_op_forward_on_flash_qla_plumbing_against_the_oracle(seqlens, v_firs
     for n, r in zip(("q", "k", "v", "g", "beta", "initial_state"), ref):
         err = (x[n].grad.double() - r).norm() / r.norm()
         assert err < 1e-4, (n, float(err))
+
+
+def test_its_forward_builds_in_two_jobs_that_run_its_halves_like_the_call(monkeypatch):
+    """`forward_compile_jobs`: the chunk cumsum with the KK^T solve, and the fused forward, each a
+    job that runs that half once on random inputs of the call's shapes, dtypes and flags (what
+    FlashQLA's JIT keys on: here the halves are recorded, not run)."""
+    from gdr_dispatch import autotune
+
+    seen = []
+    monkeypatch.setattr(flash_qla.FlashQLABackend, "forward_residuals",
+                        lambda self, *a: seen.append(("residuals", a[1].shape, a[3].dtype, a[5])))
+    monkeypatch.setattr(flash_qla.FlashQLABackend, "forward_from_residuals",
+                        lambda self, *a, need_states: seen.append(("kernel", a[3].dtype, a[4].shape, a[4].dtype,
+                                                                   a[7] is not None, a[10], need_states)))
+    q = torch.zeros(1, 130, 2, 128, dtype=torch.bfloat16)
+    v = torch.zeros(1, 130, 4, 128, dtype=torch.bfloat16)
+    g, beta = torch.zeros(1, 130, 4), torch.zeros(1, 130, 4, dtype=torch.bfloat16)
+    h0 = torch.zeros(2, 4, 128, 128)
+    cu = torch.tensor([0, 30, 130], dtype=torch.int32)
+    spec = autotune.forward_spec(q, v, g, beta, h0, cu, (30, 100), 0.1, False, True, False)
+    jobs = flash_qla.FlashQLABackend().forward_compile_jobs(spec, "cpu")
+    assert [j[2][0] for j in jobs] == ["residuals", "kernel"] and all(j[2][1] == spec for j in jobs)
+    for job in jobs:
+        autotune.run_compile_job(job)
+    assert seen[0][:3] == ("residuals", (1, 130, 2, 128), torch.float32) and seen[0][3].tolist() == [0, 30, 130]
+    assert seen[1] == ("kernel", torch.float32, (1, 130, 4, 64), torch.bfloat16, True, True, False)

@@ -558,3 +558,41 @@ def test_a_replayed_carried_backward_reads_each_calls_plan(in_place, monkeypatch
             assert _rel(getattr(got, n).double(), getattr(own, n).double()) < 1e-6, (step, gate, n)
     assert len(set(windows)) > 1, windows  # the plan changed between calls
     assert graphs.replays["copied"] + graphs.replays["in place"] >= 2
+
+
+def test_a_forward_it_does_not_measure_builds_its_providers_kernels_early_and_waits(monkeypatch, with_backends):
+    """Where the first forward at a shape measures nothing (here GDR_FORWARD), its provider's own
+    kernel builds (`forward_compile_jobs`, with the call's forward spec) start in background
+    processes before the backward's, and the forward runs only after waiting for each; a second
+    call starts nothing."""
+    from gdr_dispatch import autotune
+
+    class Building(_FakeForward):
+        def forward_compile_jobs(self, spec, device):
+            return [("m", "half", (half, spec, device)) for half in ("residuals", "kernel")]
+
+    with_backends(Building())
+    monkeypatch.setenv("GDR_FORWARD", "fake_forward")
+    events = []
+    monkeypatch.setattr(autotune, "start_compiles",
+                        lambda jobs, **kw: events.append(("start", [j[2][0] for j in jobs])) or len(jobs))
+    monkeypatch.setattr(autotune, "wait_early", lambda job: events.append(("wait", job[2][0])))
+    real = Building.forward
+    monkeypatch.setattr(Building, "forward", lambda self, *a, **k: events.append(("forward",)) or real(self, *a, **k))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # the trigger's own check
+    x = _op_inputs(ShapeSpec(B=2, T=100, H=2, K=16, V=16))
+    clear_caches()
+    q = x["q"].clone().requires_grad_(True)
+    chunk_gated_delta_rule(q, x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                           output_final_state=True)
+    starts = [e for e in events if e[0] == "start" and e[1]]
+    assert starts and starts[0] == ("start", ["residuals", "kernel"])  # before the backward's
+    forward_at = events.index(("forward",))
+    assert events.index(("wait", "residuals")) < forward_at and events.index(("wait", "kernel")) < forward_at
+    spec = dict(autotune.forward_spec(q, x["v"], x["g"], x["beta"], x["initial_state"], None, (100, 100),
+                                      16 ** -0.5, False, True, False))
+    assert spec["B"] == 2 and spec["T"] == 100 and spec["need_final"] is True
+    events.clear()
+    chunk_gated_delta_rule(q, x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                           output_final_state=True)
+    assert [e for e in events if e[0] != "forward" and e[1]] == []
