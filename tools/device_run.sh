@@ -24,7 +24,7 @@ mkdir -p "$OUT/bench" /tmp/tables
 for arg in "$@"; do
   step=${arg%%=*}; limit=${arg#*=}; [ "$limit" = "$arg" ] && limit=300
   start=$(date +%s)
-  left() { echo $(( limit - ($(date +%s) - start) )); }
+  left() { local l=$(( limit - ($(date +%s) - start) )); [ "$l" -gt 1 ] || l=1; echo "$l"; }  # (timeout takes no negative)
   case $step in
     precompile)
       configs=${PRECOMPILE:-4,2,bfloat16,ws 4,4,bfloat16,ws 4,2,float16,ws 4,4,float16,ws}
