@@ -568,9 +568,14 @@ def test_warm_runs_are_compiled_once_per_compile_key_not_per_length():
     fla = registry.get_backend("fla")
     cands = {"fla": fla, **{f"fla@split{n}": SplitBackend(fla, n) for n in (2, 4)}}
     jobs = at.compile_jobs_of(call, cands)
-    keys = [at.warm_key(j) for j in jobs]
-    assert len(jobs) == len(set(keys)) == 2  # the unsplit call, and the segments' varlen call (h given)
+    warm = [j for j in jobs if j[1] == "warm_backend"]
+    keys = [at.warm_key(j) for j in warm]
+    assert len(warm) == len(set(keys)) == 2  # the unsplit call, and the segments' varlen call (h given)
     assert {k[2] for k in keys} == {False, True}
+    # and the split's own passes, once per segment count (whatever the inner backend)
+    assert sorted(j[2][0] for j in jobs if j[1] == "warm_passes") == [2, 4]
+    more = at.compile_jobs_of(call, {**cands, "torch@split2": SplitBackend(registry.get_backend("torch"), 2)})
+    assert sorted(j[2][0] for j in more if j[1] == "warm_passes") == [2, 4]
 
 
 def test_without_a_reference_the_candidate_most_others_agree_with_is_the_cross_check(kwargs, fakes):
