@@ -243,12 +243,13 @@ def built_marker(job: tuple[str, str, tuple], device: str = ""):
     return env.user_table_dir() / "built" / digest
 
 
-def precompile(jobs: dict[tuple, list[str]], workers: int, say: Callable[[str], None]) -> None:
+def precompile(jobs: dict[tuple, list[str]], workers: int, say: Callable[[str], None], device=None) -> None:
     """Run the compile jobs (each with the candidate names that need it) in up to `workers`
     processes at once, saying how long each took: a TileLang build is 20-100 s on one core, and
     TileLang's and Triton's disk caches are shared and process-safe, so the timing after finds
     them built. Each job is a fresh interpreter (`python -m gdr_dispatch.autotune JOB`), never a
-    fork or a spawn of the caller's process, whose main script would run again in a spawned child."""
+    fork or a spawn of the caller's process, whose main script would run again in a spawned child.
+    `device`: the GPU they build on (default: this process's current one)."""
     if not jobs:
         return
     workers = max(1, min(workers, len(jobs)))
@@ -258,7 +259,8 @@ def precompile(jobs: dict[tuple, list[str]], workers: int, say: Callable[[str], 
 
     with ThreadPoolExecutor(workers) as pool:
         # a job the op's first forward started (`start_compiles`) is waited for, not run again
-        futures = {pool.submit(_wait_early if job in _early else _compile_in_subprocess, job): job for job in jobs}
+        futures = {pool.submit(_wait_early, job) if job in _early else pool.submit(_compile_in_subprocess, job, device): job
+                   for job in jobs}
         pending = set(futures)
         while pending:
             done, pending = wait(pending, timeout=HEARTBEAT_S, return_when=FIRST_COMPLETED)
@@ -332,8 +334,8 @@ def _finish(started, timeout: Optional[float] = None) -> float:
     return time.perf_counter() - t0
 
 
-def _compile_in_subprocess(job: tuple[str, str, tuple]) -> float:
-    return _finish(_spawn(job))
+def _compile_in_subprocess(job: tuple[str, str, tuple], device=None) -> float:
+    return _finish(_spawn(job, device))
 
 
 #: The longest compile job (its repr, one command-line argument) started in the background.
@@ -372,7 +374,7 @@ def start_compiles(jobs, unbuilt_only: bool = False, device=None) -> int:
             continue
         if running >= compile_workers():
             break
-        if room is not None and started >= room:
+        if room is not None and running >= room:  # (builds just started have not taken theirs yet)
             if caches.first_time(("early builds", "memory", index)):
                 log.info("gdr_dispatch: %s has too little free memory for more background builds "
                          "(%.1f GiB each): the rest build in this process when first used", name,
@@ -659,7 +661,7 @@ def first_call(call: GDRCall, problem: Problem, options: dict[str, Backend]) -> 
         say(f"table miss for {problem.describe()}: measuring {len(kept)} of {len(options)} candidates; skipped: "
             + "; ".join(f"{n} ({why})" for n, why in skipped.items()))
     if len(jobs) > 1 or any(job in _early for job in jobs):  # (one started early is waited for here)
-        precompile(jobs, compile_workers(), say)
+        precompile(jobs, compile_workers(), say, device=call.q.device)
     # the most trusted reference of all runs once, untimed, when pruning skipped it
     refs = {n: b for n, b in options.items() if n in skipped and b.reference_rank is not None}
     kept_best = min((b.reference_rank for b in kept.values() if b.reference_rank is not None), default=None)

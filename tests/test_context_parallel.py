@@ -1269,9 +1269,10 @@ def test_layers_at_one_shape_each_replay_in_place_on_their_own_graph(layers, mon
 
 
 def test_more_address_sets_than_kept_copy_and_stay_right(monkeypatch):
-    """More layers at one shape, in turn, than ADDRESS_SETS: each in-place graph would be given
-    away before its layer came back, so none is captured (`_few_sets`); every call copies in,
-    every result right, one capture in all however long it runs."""
+    """More layers at one shape, in turn, than ADDRESS_SETS: the first ADDRESS_SETS to come back
+    get in-place graphs and keep them (a replacement would give each graph away before its layer
+    came back: `_few_sets` refuses it), the rest copy in; every result right, the captures
+    bounded however long it runs."""
     from gdr_dispatch.backends.split import graphs
 
     made, _ = _multi_setup(monkeypatch)
@@ -1281,22 +1282,39 @@ def test_more_address_sets_than_kept_copy_and_stay_right(monkeypatch):
             x.copy_(torch.randn_like(x))
             got = graphs.run_tensors("test", ("k",), (x, y), _affine, (3,))
             assert all(torch.allclose(a, b) for a, b in zip(got, _affine((x, y)))), step
-    assert made == [False]
-    assert not [k for k in graphs._placed if k[0] == ("k",)]
-    assert graphs.replays["copied"] > 0
+    assert made.count(True) == graphs.ADDRESS_SETS and made.count(False) == 1
+    kept = {k[1] for k in graphs._placed if k[0] == ("k",)}
+    assert kept == {graphs.addresses(t) for t in xs[:graphs.ADDRESS_SETS]}
+    assert graphs.replays["copied"] > 0 and graphs.replays["in place"] > 0
 
 
-def test_address_sets_that_settle_to_few_get_in_place_graphs(monkeypatch):
-    """Calls first scattered over many address sets (warm-up, a burst of fresh tensors), then
-    cycling through two: the two get in-place graphs once the scatter has passed, and replay with
-    nothing copied in."""
+def test_a_one_off_address_set_each_step_does_not_keep_the_others_from_their_graphs(monkeypatch):
+    """Four layers at stable addresses and one call a step at fresh ones (a tensor the allocator
+    places anew): the one-off sets do not count against ADDRESS_SETS, so the four get their
+    in-place graphs."""
     from gdr_dispatch.backends.split import graphs
 
     made, _ = _multi_setup(monkeypatch)
-    scatter = _layers(graphs.ADDRESS_SETS + 3)
-    for _ in range(2):
-        for x, y in scatter:
+    xs = _layers(graphs.ADDRESS_SETS)
+    keep = []
+    for _ in range(5):
+        for x, y in xs:
             graphs.run_tensors("test", ("k",), (x, y), _affine, (3,))
+        keep.append(_layers(1)[0])  # alive: its addresses never come back
+        graphs.run_tensors("test", ("k",), keep[-1], _affine, (3,))
+    assert made.count(True) == graphs.ADDRESS_SETS
+
+
+def test_address_sets_that_settle_to_few_get_in_place_graphs(monkeypatch):
+    """Calls first scattered over many address sets that never come back (warm-up, a burst of
+    fresh tensors), then cycling through two: the two get in-place graphs, and replay with nothing
+    copied in."""
+    from gdr_dispatch.backends.split import graphs
+
+    made, _ = _multi_setup(monkeypatch)
+    scatter = _layers(graphs.ADDRESS_SETS + 3)  # kept alive: their addresses are not handed out again
+    for x, y in scatter:
+        graphs.run_tensors("test", ("k",), (x, y), _affine, (3,))
     assert True not in made
     two = _layers(2)
     for _ in range(graphs.ADDRESS_SETS + 2):
@@ -1558,6 +1576,8 @@ def test_lent_outputs_are_the_graphs_own_buffers_and_never_overwritten_while_hel
     seen = view.clone()
     got = _lend_run(x, y)
     assert torch.equal(view, seen) and graphs.replays["blocked"] == blocked + 2  # LEND_BLOCKS reached
+    # its graph goes (none may write the held buffers again), and what it lent is forgotten
+    assert ("k",) not in graphs._graphs and ("k",) not in graphs._lent
     del view
     x.copy_(torch.randn(3))
     copied = graphs.copied_bytes["out"]

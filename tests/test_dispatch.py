@@ -573,9 +573,9 @@ def test_warm_runs_are_compiled_once_per_compile_key_not_per_length():
     assert len(warm) == len(set(keys)) == 2  # the unsplit call, and the segments' varlen call (h given)
     assert {k[2] for k in keys} == {False, True}
     # and the split's own passes, once per segment count (whatever the inner backend)
-    assert sorted(j[2][0] for j in jobs if j[1] == "warm_passes") == [2, 4]
+    assert sorted(j[2][0][0] for j in jobs if j[1] == "warm_passes") == [2, 4]
     more = at.compile_jobs_of(call, {**cands, "torch@split2": SplitBackend(registry.get_backend("torch"), 2)})
-    assert sorted(j[2][0] for j in more if j[1] == "warm_passes") == [2, 4]
+    assert sorted(j[2][0][0] for j in more if j[1] == "warm_passes") == [2, 4]
 
 
 def test_without_a_reference_the_candidate_most_others_agree_with_is_the_cross_check(kwargs, fakes):

@@ -183,8 +183,15 @@ def test_its_forward_builds_in_two_jobs_that_run_its_halves_like_the_call(monkey
     cu = torch.tensor([0, 30, 130], dtype=torch.int32)
     spec = autotune.forward_spec(q, v, g, beta, h0, cu, (30, 100), 0.1, False, True, False)
     jobs = flash_qla.FlashQLABackend().forward_compile_jobs(spec, "cpu")
-    assert [j[2][0] for j in jobs] == ["residuals", "kernel"] and all(j[2][1] == spec for j in jobs)
+    assert [j[2][0] for j in jobs] == ["residuals", "kernel"]
+    # one chunk per sequence (its kernels take the lengths at run time): other lengths, the same jobs
+    other = autotune.forward_spec(q, v, g, beta, h0, torch.tensor([0, 70, 130], dtype=torch.int32), (70, 60),
+                                  0.1, False, True, False)
+    assert flash_qla.FlashQLABackend().forward_compile_jobs(other, "cpu") == jobs
     for job in jobs:
         autotune.run_compile_job(job)
-    assert seen[0][:3] == ("residuals", (1, 130, 2, 128), torch.float32) and seen[0][3].tolist() == [0, 30, 130]
-    assert seen[1] == ("kernel", torch.float32, (1, 130, 4, 64), torch.bfloat16, True, True, False)
+    assert seen[0][:3] == ("residuals", (1, 128, 2, 128), torch.float32) and seen[0][3].tolist() == [0, 64, 128]
+    assert seen[1] == ("kernel", torch.float32, (1, 128, 4, 64), torch.bfloat16, True, True, False)
+    dense = autotune.forward_spec(q.expand(3, -1, -1, -1), v.expand(3, -1, -1, -1), g.expand(3, -1, -1),
+                                  beta.expand(3, -1, -1), None, None, (130,) * 3, 0.1, False, False, True)
+    assert dict(flash_qla.FlashQLABackend().forward_compile_jobs(dense, "cpu")[0][2][1])["T"] == 64

@@ -135,8 +135,9 @@ class SplitBackend(Backend):
         when first used."""
         from gdr_dispatch.autotune import call_spec
 
-        return self._inner_jobs(call) + [(__name__, warm_passes.__name__,
-                                          (self.segments, call_spec(call), str(call.q.device)))]
+        passes_of = (self.segments, self.inner.own_state_recompute())
+        return self._inner_jobs(call) + [(__name__, warm_passes.__name__, (passes_of, call_spec(call),
+                                                                           str(call.q.device)))]
 
     def _inner_jobs(self, call: GDRCall) -> list[tuple[str, str, tuple]]:
         segs = passes.segments_of(tuple(call.seq_lens), call.chunk_size, self.segments)
@@ -155,14 +156,16 @@ class SplitBackend(Backend):
         return self.inner.compile_jobs(seg)
 
 
-def warm_passes(segments: int, spec: tuple, device: str = "cuda") -> None:
+def warm_passes(passes_of: tuple, spec: tuple, device: str = "cuda") -> None:
     """A compile job (`SplitBackend.compile_jobs`, in its own process): the split's passes once on
-    random inputs like the call `spec` describes (autotune.call_spec), the segments' backward a
-    stand-in of zeros, so only the passes' kernels compile here (the inner backend's builds are
-    jobs of their own, run beside it)."""
+    random inputs like the call `spec` describes (autotune.call_spec), `passes_of` the segment
+    count and whether the inner backend recomputes the states itself, the segments' backward a
+    stand-in of zeros, so only the split's own kernels compile here (the inner backend's builds
+    are jobs of their own, run beside it)."""
     from gdr_dispatch.autotune import spec_call
 
-    passes.split_backward(spec_call(spec, device), segments, run=_zero_grads, states_by_run=True)
+    segments, states_by_run = passes_of
+    passes.split_backward(spec_call(spec, device), segments, run=_zero_grads, states_by_run=states_by_run)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 

@@ -53,7 +53,7 @@ MAX_CAPTURES = 4
 TENSORS = ("q", "k", "v", "a", "g", "b", "do", "dht", "h", "initial_state", "cu_seqlens")
 
 # key -> (graph, static inputs or None, static outputs, the caller's addresses it reads or None)
-_graphs = caches.memo("split graphs", limit=LIMIT, on_evict=lambda key, hit: _release(key))
+_graphs = caches.memo("split graphs", limit=LIMIT, on_evict=lambda key, hit: (_release(key), _forget_lent(key)))
 # key -> the kept index tensors its graph reads (graph_safe.graph_owned_pins), released with it
 _pins: dict = {}
 # key -> "eager" once run, "refused" if its capture failed, then (captures so far, copies for good)
@@ -95,15 +95,18 @@ PLACED_GPU_VERIFIED = False
 #: drops before the layer's next backward): a replay returns the graph's own output buffers, and
 #: the key replays again only once nothing holds them (their storages' use counts back where they
 #: were when lent); a call that finds them held runs eagerly (never overwriting them), and after
-#: `LEND_BLOCKS` such calls the key copies its outputs out for good. Whether its GPU test
-#: (tests/test_gpu.py) has passed; while False only GDR_ALLOW_UNVERIFIED=1 turns it on.
+#: `LEND_BLOCKS` such calls the key's graphs go and its next capture copies them out for good. A
+#: later call on another stream waits for all the stream of the lending call had queued; a reader of
+#: a lent output on a third stream is not waited for (autograd's `record_stream` guards the
+#: allocator's reuse, not a graph's fixed buffers), nor one that resizes its storage. Whether its
+#: GPU test (tests/test_gpu.py) has passed; while False only GDR_ALLOW_UNVERIFIED=1 turns it on.
 LEND_GPU_VERIFIED = False
 LEND_BLOCKS = 2
 _lent = caches.memo("split graph lent outputs", limit=256)  # key -> [(static output, its use count when lent)]
 _lend_blocked = caches.memo("split graph lend blocked", limit=256)  # key -> calls that found its outputs held
 # (key, addresses) -> an in-place hit as in _graphs; its pins under the same key in _pins
 _placed = caches.memo("split graphs in place", limit=LIMIT * ADDRESS_SETS,
-                      on_evict=lambda key, hit: _release(key))
+                      on_evict=lambda key, hit: (_release(key), _forget_lent(key[0])))
 _recent = caches.memo("split graph recent addresses", limit=256)  # key -> its last calls' address sets
 _streams = caches.memo("split graph capture streams", limit=256)  # key -> the stream its graphs are captured on
 _placed_captures = caches.memo("split graph in-place captures", limit=256)  # key -> captures so far
@@ -215,7 +218,10 @@ def _replay(key: tuple, hit: tuple, tensors: tuple, lend: bool = False) -> tuple
     stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None  # (a CPU test's stand-in graph)
     last = _last_use.get(key)
     if last is not None and last[0] != stream:  # the graph's buffers were last used on another stream
-        stream.wait_event(last[1])
+        if last[2]:  # lent there: the caller read them on that stream after the replay, so all of it
+            stream.wait_stream(last[0])
+        else:
+            stream.wait_event(last[1])
     if reads is None:  # the copies in, a foreach call per group; lengths whose values the key holds stay
         # (an integer input that is no such length, the split forward's carried plan, is copied)
         pairs = [(s, x) for x, s in zip(tensors, static)
@@ -237,7 +243,7 @@ def _replay(key: tuple, hit: tuple, tensors: tuple, lend: bool = False) -> tuple
     if stream is not None:
         event = last[1] if last is not None else torch.cuda.Event()
         event.record(stream)
-        _last_use[key] = (stream, event)
+        _last_use[key] = (stream, event, lend)
     it = iter(fresh)
     return tuple(None if x is None else next(it) for x in out)
 
@@ -269,9 +275,13 @@ def _held(key: tuple) -> bool:
         return False
     replays["blocked"] += 1
     blocked = _lend_blocked[key] = _lend_blocked.get(key, 0) + 1
-    if blocked == LEND_BLOCKS and caches.first_time(("split graph lend", key[0])):
-        log.info("gdr_dispatch: %s: its outputs were still held at the next call %d times: copied out from "
-                 "now on (calls that find them held run eagerly)", key[0], blocked)
+    if blocked >= LEND_BLOCKS:
+        # the holder keeps those buffers: the key's graphs go (none may write them again), and the
+        # next capture, on fresh memory, copies its outputs out
+        _drop(key)
+        if caches.first_time(("split graph lend", key[0])):
+            log.info("gdr_dispatch: %s: its outputs were still held at the next call %d times: its graph is "
+                     "captured again and copies them out from now on", key[0], blocked)
     return True
 
 
@@ -305,11 +315,12 @@ def _placed_hit(name: str, key: tuple, tensors: tuple, fn, seq_lens: tuple, wher
 
 def _few_sets(key: tuple) -> bool:
     """Whether the key's last `ADDRESS_SETS + 1` calls came at no more than `ADDRESS_SETS` address
-    sets: a cycle of more sets than kept (more layers at one shape, or tensors the allocator
-    places anew) would give each graph away before it replays, a capture per call."""
-    recent = _recent.get(key) or ()
-    last = list(recent)[-(ADDRESS_SETS + 1):]
-    return len(set(last)) <= ADDRESS_SETS
+    sets that come back (seen before within `RECENT` calls; one-off sets do not count): a cycle of
+    more sets than kept (more layers at one shape, or tensors the allocator places anew) would
+    give each graph away before it replays, a capture per call."""
+    recent = list(_recent.get(key) or ())
+    back = {w for w in recent[-(ADDRESS_SETS + 1):] if recent.count(w) > 1}  # one-off sets do not count
+    return len(back) <= ADDRESS_SETS
 
 
 def _note(key: tuple, where: tuple) -> bool:
@@ -449,11 +460,20 @@ def _release(key) -> None:
 
 
 def _drop(key) -> None:
-    """The key's graphs go, with copies and in place."""
+    """The key's graphs go, with copies and in place, and what they lent is forgotten (no graph of
+    the key writes those buffers any more; the next capture takes fresh memory)."""
     _graphs.pop(key, None)
     _release(key)
     for k in [k for k in _placed if k[0] == key]:
         _unplace(k)
+    _lent.pop(key, None)
+
+
+def _forget_lent(key) -> None:
+    """A graph of `key` (a base key) was evicted: once none of the key's is left, what they lent is
+    forgotten (kept, it would hold their outputs' memory for good)."""
+    if key not in _graphs and not any(k[0] == key for k in _placed):
+        _lent.pop(key, None)
 
 
 def _unplace(placed_key) -> None:
