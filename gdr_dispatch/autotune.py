@@ -345,14 +345,24 @@ _early: dict = {}
 #: Free memory on the call's GPU per background build started (its CUDA context and one small
 #: run, with room left for the caller): fewer start where there is less.
 EARLY_BUILD_FREE = 2 << 30
+#: A build that runs the call at its full size (a warm run) holds its inputs, outputs and
+#: intermediates: this many times the call's tensors, on top of EARLY_BUILD_FREE (`build_bytes`).
+WARM_RUN_FACTOR = 8
+
+
+def build_bytes(*tensors) -> int:
+    """The free memory one background build running a call of these tensors at full size asks
+    for (EARLY_BUILD_FREE plus WARM_RUN_FACTOR times their bytes)."""
+    return EARLY_BUILD_FREE + WARM_RUN_FACTOR * sum(x.nbytes for x in tensors if x is not None)
 #: The longest a call waits for a background build before stopping it and building itself.
 EARLY_WAIT_S = 1800.0
 
 
-def start_compiles(jobs, unbuilt_only: bool = False, device=None) -> int:
+def start_compiles(jobs, unbuilt_only: bool = False, device=None, per_job: int = EARLY_BUILD_FREE) -> int:
     """Start compile jobs (`compile_jobs_of`' keys) in background processes now, on `device`'s GPU
-    (the call's), at most `compile_workers()` running at once and one per `EARLY_BUILD_FREE` of
-    that GPU's free memory, without waiting: the op's first forward at a shape starts its
+    (the call's), at most `compile_workers()` running at once and one per `per_job` bytes of
+    that GPU's free memory (`build_bytes` for builds that run the call at full size), without
+    waiting: the op's first forward at a shape starts its
     backward's builds so they overlap its own (docs/design.md, "The first step"); `precompile`
     then waits for them instead of starting them again, and a table hit waits for its winner's.
     `unbuilt_only`: not the jobs a process before built (`built_marker`). None with
@@ -365,7 +375,7 @@ def start_compiles(jobs, unbuilt_only: bool = False, device=None) -> int:
         wait_early(done)
     running = sum(p[0].poll() is None for p in _early.values())
     index, name = _build_device(device)
-    room = None if index is None else int(torch.cuda.mem_get_info(index)[0] // EARLY_BUILD_FREE)
+    room = None if index is None else int(torch.cuda.mem_get_info(index)[0] // max(per_job, EARLY_BUILD_FREE))
     started = 0
     for job in jobs:
         if job in _early or (unbuilt_only and built_marker(job, name).exists()):
@@ -378,7 +388,7 @@ def start_compiles(jobs, unbuilt_only: bool = False, device=None) -> int:
             if caches.first_time(("early builds", "memory", index)):
                 log.info("gdr_dispatch: %s has too little free memory for more background builds "
                          "(%.1f GiB each): the rest build in this process when first used", name,
-                         EARLY_BUILD_FREE / 2 ** 30)
+                         max(per_job, EARLY_BUILD_FREE) / 2 ** 30)
             break
         _early[job] = _spawn(job, None if index is None else torch.device("cuda", index))
         running += 1

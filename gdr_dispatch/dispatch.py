@@ -189,7 +189,7 @@ def start_backward_compiles(call: GDRCall) -> int:
     "The first step"); the backward's first call waits for them. Nothing when the choice is
     forced (`GDR_BACKEND`, `GDR_CP`) or already made, nor at a miss that may not be measured.
     The number of jobs started."""
-    from .autotune import compile_jobs_of, prune, start_compiles
+    from .autotune import build_bytes, compile_jobs_of, prune, start_compiles
 
     problem = Problem.from_call(call)
     if env.forced_backend_name() or env.cp_segments() is not None:
@@ -197,6 +197,8 @@ def start_backward_compiles(call: GDRCall) -> int:
     key = problem.table_key()
     if _decided.get(key) is not None:
         return 0
+    # some builds run the call at full size (warm runs, the split's passes): room for that
+    per_job = build_bytes(call.q, call.k, call.v, call.do, call.a, call.h)
     _, options = _options(problem)
     for hit in tuning_table.lookup(problem.device.slug, problem.problem_key(), problem.versions_key()):
         winner = _table_winner(hit.entry, options)
@@ -209,15 +211,15 @@ def start_backward_compiles(call: GDRCall) -> int:
                 return 0
             jobs = tuple(compile_jobs_of(call, {winner: options[winner]}))
             _early_builds[(key, winner)] = jobs
-            return start_compiles(jobs, unbuilt_only=True, device=call.q.device)
+            return start_compiles(jobs, unbuilt_only=True, device=call.q.device, per_job=per_job)
     if autotune_block_reason(problem, True) or len(options) < 2:
         return 0
     predicted = predict(problem, options)
     if predicted is not None:  # one candidate: its backward waits for exactly these (`select_backend`)
         jobs = tuple(compile_jobs_of(call, {predicted[0]: options[predicted[0]]}))
         _early_builds[(key, predicted[0])] = jobs
-        return start_compiles(jobs, device=call.q.device)
-    return start_compiles(compile_jobs_of(call, prune(problem, options)[0]), device=call.q.device)
+        return start_compiles(jobs, device=call.q.device, per_job=per_job)
+    return start_compiles(compile_jobs_of(call, prune(problem, options)[0]), device=call.q.device, per_job=per_job)
 
 
 def _options(problem: Problem) -> tuple[dict, dict]:

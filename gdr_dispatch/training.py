@@ -355,7 +355,7 @@ def _start_forward_compiles(problem, q, v, g, beta, initial_state, cu_seqlens, l
     background process now (autotune.forward_job): `{candidate: job}` for `measure_forwards` to
     wait on before timing it, so their compiles overlap each other's and the backward's instead
     of running one after another in this process."""
-    from .autotune import MAX_JOB_CHARS, forward_job, start_compiles
+    from .autotune import MAX_JOB_CHARS, build_bytes, forward_job, start_compiles
     from .registry import base_name
 
     try:
@@ -372,7 +372,9 @@ def _start_forward_compiles(problem, q, v, g, beta, initial_state, cu_seqlens, l
                 first_split.setdefault(base_name(name), jobs[name])
         # a job travels as one argument: a pack of tens of thousands of lengths builds in-process
         jobs = {n: j for n, j in jobs.items() if len(repr(j)) < MAX_JOB_CHARS}
-        started = start_compiles(list(dict.fromkeys(jobs.values())), device=q.device)
+        # each runs the forward at full size (q and k, v and o, beta, g): room for that beside the caller
+        started = start_compiles(list(dict.fromkeys(jobs.values())), device=q.device,
+                                 per_job=build_bytes(q, q, v, v, beta, g))
     except Exception as e:  # noqa: BLE001 - an early start is an optimisation: the measurement builds them itself
         log.info("gdr_dispatch: could not start the forward's compiles early (%s: %s)", type(e).__name__, e)
         return {}

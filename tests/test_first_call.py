@@ -363,6 +363,11 @@ def test_early_builds_run_on_the_calls_gpu_and_leave_it_memory(monkeypatch, capl
     assert any("too little free memory" in r.getMessage() for r in caplog.records)
     assert at.built_marker(jobs[0], "Fake GPU") != at.built_marker(jobs[0], "Other GPU") != at.built_marker(jobs[0])
     at._early.clear()
+    # builds that run the call at full size ask for room for it: a large call starts fewer
+    big = torch.empty(at.EARLY_BUILD_FREE // at.WARM_RUN_FACTOR, dtype=torch.uint8, device="meta")
+    assert at.build_bytes(big, None) == 2 * at.EARLY_BUILD_FREE
+    assert at.start_compiles(jobs, device=torch.device("cuda", 3), per_job=at.build_bytes(big)) == 1
+    at._early.clear()
 
 
 def test_a_split_winner_builds_its_own_passes_early_too():
