@@ -228,6 +228,5 @@ def warm_forward_half(half: str, spec: tuple, device: str = "cuda") -> None:
         torch.cuda.synchronize()
 
 
-
 if importlib.util.find_spec("flash_qla") is not None:
     register(FlashQLABackend())

@@ -348,14 +348,14 @@ EARLY_BUILD_FREE = 2 << 30
 #: A build that runs the call at its full size (a warm run) holds its inputs, outputs and
 #: intermediates: this many times the call's tensors, on top of EARLY_BUILD_FREE (`build_bytes`).
 WARM_RUN_FACTOR = 8
+#: The longest a call waits for a background build before stopping it and building itself.
+EARLY_WAIT_S = 1800.0
 
 
 def build_bytes(*tensors) -> int:
     """The free memory one background build running a call of these tensors at full size asks
     for (EARLY_BUILD_FREE plus WARM_RUN_FACTOR times their bytes)."""
     return EARLY_BUILD_FREE + WARM_RUN_FACTOR * sum(x.nbytes for x in tensors if x is not None)
-#: The longest a call waits for a background build before stopping it and building itself.
-EARLY_WAIT_S = 1800.0
 
 
 def start_compiles(jobs, unbuilt_only: bool = False, device=None, per_job: int = EARLY_BUILD_FREE) -> int:

@@ -355,7 +355,7 @@ def _start_forward_compiles(problem, q, v, g, beta, initial_state, cu_seqlens, l
     background process now (autotune.forward_job): `{candidate: job}` for `measure_forwards` to
     wait on before timing it, so their compiles overlap each other's and the backward's instead
     of running one after another in this process."""
-    from .autotune import MAX_JOB_CHARS, build_bytes, forward_job, start_compiles
+    from .autotune import build_bytes, forward_job, start_compiles
     from .registry import base_name
 
     try:
@@ -370,9 +370,8 @@ def _start_forward_compiles(problem, q, v, g, beta, initial_state, cu_seqlens, l
                                              state_v_first, output_final_state, save_states)
             if split:
                 first_split.setdefault(base_name(name), jobs[name])
-        # a job travels as one argument: a pack of tens of thousands of lengths builds in-process
-        jobs = {n: j for n, j in jobs.items() if len(repr(j)) < MAX_JOB_CHARS}
         # each runs the forward at full size (q and k, v and o, beta, g): room for that beside the caller
+        # (one too long for a command-line argument is not started, and its wait returns at once)
         started = start_compiles(list(dict.fromkeys(jobs.values())), device=q.device,
                                  per_job=build_bytes(q, q, v, v, beta, g))
     except Exception as e:  # noqa: BLE001 - an early start is an optimisation: the measurement builds them itself
@@ -389,12 +388,12 @@ def _start_provider_builds(backend, q, v, g, beta, initial_state, cu_seqlens, le
     background process now, unless a process before built them (autotune.built_marker): the jobs,
     for the forward to wait on (FlashQLA's forward builds its kernels one after another, ~30-50 s
     on the H200's machine: bench/results/nvidia-h200-sm90-hf-first-step.md)."""
-    from .autotune import MAX_JOB_CHARS, forward_spec, start_compiles
+    from .autotune import forward_spec, start_compiles
 
     try:
         spec = forward_spec(q, v, g, beta, initial_state, cu_seqlens, lens, scale, state_v_first, output_final_state,
                             save_states)
-        jobs = [j for j in backend.forward_compile_jobs(spec, str(q.device)) if len(repr(j)) < MAX_JOB_CHARS]
+        jobs = backend.forward_compile_jobs(spec, str(q.device))
         started = start_compiles(jobs, unbuilt_only=True, device=q.device)
     except Exception as e:  # noqa: BLE001 - an early start is an optimisation: the forward builds them itself
         log.info("gdr_dispatch: could not start the forward's builds early (%s: %s)", type(e).__name__, e)

@@ -16,7 +16,9 @@ share a shape calls it from as many addresses as layers). With several address s
 (`ADDRESS_SETS`, `PLACED_GPU_VERIFIED`), each set that comes again within the key's last calls
 gets its own in-place graph instead, all of the key's graphs on one memory pool, and only calls
 at other addresses copy. The graph keeps addresses, never the
-caller's tensors. Outputs are always fresh copies (autograd may keep a gradient it is handed).
+caller's tensors. Outputs are fresh copies (autograd may keep a gradient it is handed), or, for
+the backward with lending on (`LEND_GPU_VERIFIED`), the graph's own buffers, never replayed over
+while anything holds them.
 Where in-place replays are on, known lengths are read from one device constant of their values
 (the op's backward gets a fresh copy of cu_seqlens each step). In-place replays run once their GPU test passed
 (`IN_PLACE_GPU_VERIFIED`, or GDR_ALLOW_UNVERIFIED=1), never inside the autotuner's timing
@@ -79,17 +81,18 @@ copied_bytes: collections.Counter = collections.Counter()
 #: the key's last `RECENT` calls is captured on while the latest calls cycle through no more sets
 #: than kept (a full key gives up its least recently replayed one, `2 * ADDRESS_SETS` captures in
 #: all), and every graph of the key is captured on one stream
-#: into one memory pool (each replay writes all it reads of the pool and its outputs are copied out
-#: before another replays, so one graph's scratch may be another's). Other calls replay with copies.
+#: into one memory pool (each replay writes all it reads of the pool, and its outputs are copied out
+#: or, lent, held from every replay of the key, so one graph's scratch may be another's). Other
+#: calls replay with copies.
 ADDRESS_SETS = 4
 RECENT = 64
 #: Whether several in-place graphs per key are on without GDR_ALLOW_UNVERIFIED=1 (else one address
 #: set, then copies for good). Their GPU test (tests/test_gpu.py, three layers at one shape in a
 #: moving order) passes on the H200, and they cut the training step's GPU time at B1 T8192 H16
 #: (no copies in); but at B1 T32768 H4 the step's per-call time went from ~1.7 to 5.0 ms with them
-#: (addresses that do not come back; docs/kernels.md, "The split"): most likely captures of sets
-#: that did not come back again, landing in timed steps; `_few_sets` now refuses those, not yet
-#: measured: off.
+#: (addresses that do not come back; docs/kernels.md, "The split"), most likely captures of sets
+#: that did not come back again landing in timed steps, which `_few_sets` refuses (not yet
+#: measured): off.
 PLACED_GPU_VERIFIED = False
 #: Outputs lent instead of copied out (`run`'s backward: the gradients, which autograd hands on and
 #: drops before the layer's next backward): a replay returns the graph's own output buffers, and
@@ -265,8 +268,8 @@ def _uses(x: torch.Tensor) -> int:
 
 def _held(key: tuple) -> bool:
     """Whether outputs the key's graphs lent are still held (any of its graphs may write them: they
-    share a memory pool); counted as a blocked call, the key's lending ends after `LEND_BLOCKS`.
-    Forgotten once none is held."""
+    share a memory pool): a blocked call; after `LEND_BLOCKS` of them the key's graphs go and it
+    lends no more. Forgotten once none is held."""
     lent = _lent.get(key)
     if not lent:
         return False
