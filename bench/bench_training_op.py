@@ -76,9 +76,17 @@ class Forced:
     """An op with environment variables set for the whole step (the backward runs after the
     forward returns): GDR_BACKEND for `ours@<backend>`, FLA_FLASH_QLA=0 for fla's own kernels."""
 
-    def __init__(self, op, backend: str | None = None, env: dict | None = None):
+    def __init__(self, op, backend: str | None = None, env: dict | None = None, graph_flags: dict | None = None):
         self.op = op
         self.env = {**(env or {}), **({"GDR_BACKEND": backend} if backend else {})}
+        self.graph_flags = graph_flags or {}  # backends/split/graphs.py constants set for the step
+
+
+#: `--graph-variants`: the split graphs' unverified features each variant turns on (graphs.py's
+#: PLACED_GPU_VERIFIED: several in-place graphs per key; LEND_GPU_VERIFIED: lent outputs)
+GRAPH_VARIANTS = {"placed": {"PLACED_GPU_VERIFIED": True, "LEND_GPU_VERIFIED": False},
+                  "lend": {"PLACED_GPU_VERIFIED": False, "LEND_GPU_VERIFIED": True},
+                  "placed+lend": {"PLACED_GPU_VERIFIED": True, "LEND_GPU_VERIFIED": True}}
 
 
 #: `--fresh-inputs`: every step clones its inputs first (every runner alike), as a model's layers
@@ -89,9 +97,16 @@ FRESH = False
 def step(op, x: dict, **extra) -> dict:
     """One forward + backward of `op`; returns o, the final state and every gradient."""
     env = op.env if isinstance(op, Forced) else {}
+    flags = op.graph_flags if isinstance(op, Forced) else {}
     op = op.op if isinstance(op, Forced) else op
     before = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
+    graphs = None
+    if flags:
+        from gdr_dispatch.backends.split import graphs
+        saved = {n: getattr(graphs, n) for n in flags}
+        for n, v in flags.items():
+            setattr(graphs, n, v)
     if FRESH:
         x = {n: t if t is None or not t.is_floating_point() else t.clone() for n, t in x.items()}
     try:
@@ -106,6 +121,9 @@ def step(op, x: dict, **extra) -> dict:
                 del os.environ[name]
             else:
                 os.environ[name] = value
+        if graphs is not None:
+            for n, v in saved.items():
+                setattr(graphs, n, v)
     return {"o": o.detach(), "ht": ht.detach(), **{"d" + n: t.grad for n, t in leaves.items()}}
 
 
@@ -126,12 +144,14 @@ class ChoiceLog(logging.Handler):
             print(f"      {record.getMessage()}", file=sys.stderr, flush=True)
 
 
-def runners(forced=(), forwards=(), eager: bool = False) -> dict:
+def runners(forced=(), forwards=(), eager: bool = False, graph_variants=()) -> dict:
     """name -> op (or the reason it is absent)."""
     from gdr_dispatch import chunk_gated_delta_rule
 
     out = {"ours": chunk_gated_delta_rule}
     out.update({f"ours@{name}": Forced(chunk_gated_delta_rule, name) for name in forced})
+    out.update({f"ours/graphs={name}": Forced(chunk_gated_delta_rule, graph_flags=GRAPH_VARIANTS[name])
+                for name in graph_variants})
     if eager:  # the split eager (no graphs, no copies): GPU time against host time
         out["ours/eager"] = Forced(chunk_gated_delta_rule, env={"GDR_SPLIT_GRAPHS": "0"})
     # a forward provider forced (GDR_FORWARD), the backward dispatched as usual; unverified
@@ -386,6 +406,9 @@ def main(argv=None) -> int:
     p.add_argument("--eager", action="store_true",
                    help="also run our op with the split's CUDA graphs off (GDR_SPLIT_GRAPHS=0), as ours/eager: "
                         "no copies in and out, every launch on the host")
+    p.add_argument("--graph-variants", default="",
+                   help="also run our op with the split graphs' unverified features on, comma-separated: "
+                        f"{', '.join(GRAPH_VARIANTS)} (as ours/graphs=<variant>; no GDR_ALLOW_UNVERIFIED needed)")
     p.add_argument("--fresh-inputs", action="store_true",
                    help="every step clones its inputs first (every runner alike), as a model hands the op new "
                         "activations each step: the split graphs then read them in place only where the caching "
@@ -411,7 +434,8 @@ def main(argv=None) -> int:
         shapes = [_replace(s, gate=gate) for s in shapes for gate in args.gates.split(",")]
     if args.match:
         shapes = [s for s in shapes if re.search(args.match, s.label())]
-    ops = runners([n for n in args.backends.split(",") if n], [n for n in args.forwards.split(",") if n], args.eager)
+    ops = runners([n for n in args.backends.split(",") if n], [n for n in args.forwards.split(",") if n], args.eager,
+                  [n for n in args.graph_variants.split(",") if n])
     # said before anything slow (a starved run can compile for minutes)
     print(f"{len(shapes)} shapes; runners: {', '.join(ops)}", file=sys.stderr, flush=True)
     if args.compile_jobs:

@@ -424,3 +424,28 @@ def test_training_bench_warms_up_until_the_split_graphs_stop_capturing(monkeypat
         graphs.captures["in place"] += next(gaps)
 
     assert bt.settle(bursty) == 9
+
+
+def test_training_bench_graph_variants_set_the_flags_for_the_step_only(monkeypatch):
+    """`ours/graphs=<variant>` turns the split graphs' features on for its whole step (the backward
+    runs after the forward returns) and leaves the module's constants as they were afterwards."""
+    import bench_training_op as bt
+
+    from gdr_dispatch.backends.split import graphs
+
+    seen = []
+
+    def op(q, k, v, g, beta, **kw):  # a stand-in op that reads the flags as the backward would
+        seen.append((graphs.PLACED_GPU_VERIFIED, graphs.LEND_GPU_VERIFIED))
+        q = q * 1
+        return q.sum(-1, keepdim=True).expand_as(v) * 0 + v, kw["initial_state"] * 1
+
+    monkeypatch.setattr(graphs, "PLACED_GPU_VERIFIED", False)
+    monkeypatch.setattr(graphs, "LEND_GPU_VERIFIED", False)
+    ops = bt.runners(graph_variants=["lend", "placed+lend"])
+    from gdr_dispatch.shapes import ShapeSpec
+    x = bt.step_inputs(ShapeSpec(B=1, T=8, H=2, K=4, V=4, dtype="float32"), "cpu")
+    for name, flags in (("ours/graphs=lend", (False, True)), ("ours/graphs=placed+lend", (True, True))):
+        bt.step(bt.Forced(op, graph_flags=ops[name].graph_flags), x)
+        assert seen[-1] == flags
+        assert (graphs.PLACED_GPU_VERIFIED, graphs.LEND_GPU_VERIFIED) == (False, False)
