@@ -17,7 +17,9 @@ Per shape and h mode, each runner:
     with h=None).
 Three readings each: `latency_ms` (a sync before and after every call: what a step that waits on
 it sees; median), `b2b_ms` (20 calls enqueued, then one sync: mean per call; median of the
-rounds), `host_us` (one call's enqueue after a sync, to its return; median). The Markdown adds,
+rounds), `host_us` (one call's enqueue after a sync, to its return; median of 4 x `--reps` calls
+with the runners taking turns call by call, so the host's drift falls on all alike;
+`host_us_alone` the same timed one runner after another). The Markdown adds,
 per row, `dispatched` against the pick's own call: the host time it adds and its latency ratio.
 
 `--profile`: for each shape, a torch.profiler trace (Chrome JSON) and its `key_averages` table of
@@ -37,6 +39,7 @@ import json
 import os
 import pstats
 import re
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -164,6 +167,22 @@ def measure(fn, env: dict, sync, reps: int, rounds: int) -> dict:
                 "host_us": round(host_enqueue_ms(fn, reps, sync) * 1e3, 1)}
 
 
+def interleaved_host_us(fns: dict, sync, reps: int) -> dict:
+    """name -> median host us of one call's enqueue, the runners taking turns call by call: a
+    host whose speed drifts (a shared machine, clock changes) then slows every runner alike,
+    where timing one runner after another reads the drift as a difference between them."""
+    seen = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, (fn, env) in fns.items():
+            with environment(**env):
+                sync()
+                t0 = time.perf_counter()
+                fn()
+                seen[name].append((time.perf_counter() - t0) * 1e6)
+    sync()
+    return {name: round(statistics.median(v), 1) for name, v in seen.items()}
+
+
 def profile(fns: dict, sync, out: Path, stem: str, device: torch.device, with_stack: bool = False) -> list[str]:
     """A torch.profiler trace and table of 20 calls of each of `fns`, and cProfile's summary of 200
     calls of the first; returns the files written. `with_stack`: Python frames in the trace (torch
@@ -213,6 +232,11 @@ def bench_shape(spec: ShapeSpec, device: torch.device, backends, reps: int, roun
         except Exception as e:  # noqa: BLE001 - a failing runner is reported, the bench goes on
             row["runs"][name] = {"failed": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
         print(f"    {name}: {row['runs'][name]}", file=sys.stderr, flush=True)
+    ran = {n: fns[n] for n, r in row["runs"].items() if "host_us" in r}
+    for name, us in interleaved_host_us(ran, sync, 4 * reps).items():  # host_us: the runners taking turns
+        row["runs"][name]["host_us_alone"] = row["runs"][name]["host_us"]
+        row["runs"][name]["host_us"] = us
+    print(f"    host us, interleaved: {({n: row['runs'][n]['host_us'] for n in ran})}", file=sys.stderr, flush=True)
     row["added"] = added(row)
     if out is not None:
         own = f"own {pick.split('@')[0]}"

@@ -84,7 +84,8 @@ class Forced:
 
 #: `--graph-variants`: the split graphs' unverified features each variant turns on (graphs.py's
 #: PLACED_GPU_VERIFIED: several in-place graphs per key; LEND_GPU_VERIFIED: lent outputs)
-GRAPH_VARIANTS = {"placed": {"PLACED_GPU_VERIFIED": True, "LEND_GPU_VERIFIED": False},
+GRAPH_VARIANTS = {"one-set": {"PLACED_GPU_VERIFIED": False, "LEND_GPU_VERIFIED": False},
+                  "placed": {"PLACED_GPU_VERIFIED": True, "LEND_GPU_VERIFIED": False},
                   "lend": {"PLACED_GPU_VERIFIED": False, "LEND_GPU_VERIFIED": True},
                   "placed+lend": {"PLACED_GPU_VERIFIED": True, "LEND_GPU_VERIFIED": True}}
 

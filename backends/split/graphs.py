@@ -88,12 +88,9 @@ ADDRESS_SETS = 4
 RECENT = 64
 #: Whether several in-place graphs per key are on without GDR_ALLOW_UNVERIFIED=1 (else one address
 #: set, then copies for good). Their GPU test (tests/test_gpu.py, three layers at one shape in a
-#: moving order) passes on the H200, and they cut the training step's GPU time at B1 T8192 H16
-#: (no copies in); but at B1 T32768 H4 the step's per-call time went from ~1.7 to 5.0 ms with them
-#: (addresses that do not come back; docs/kernels.md, "The split"), most likely captures of sets
-#: that did not come back again landing in timed steps, which `_few_sets` refuses (not yet
-#: measured): off.
-PLACED_GPU_VERIFIED = False
+#: moving order) passes on the H200; with `_few_sets` they take the copies in off the training
+#: step at the starved shapes (bench/results/nvidia-h200-sm90-training-starved.md).
+PLACED_GPU_VERIFIED = True
 #: Outputs lent instead of copied out (`run`'s backward: the gradients, which autograd hands on and
 #: drops before the layer's next backward): a replay returns the graph's own output buffers, and
 #: the key replays again only once nothing holds them (their storages' use counts back where they
