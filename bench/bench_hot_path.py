@@ -19,8 +19,9 @@ Three readings each: `latency_ms` (a sync before and after every call: what a st
 it sees; median), `b2b_ms` (20 calls enqueued, then one sync: mean per call; median of the
 rounds), `host_us` (one call's enqueue after a sync, to its return; median of 4 x `--reps` calls
 with the runners taking turns call by call, so the host's drift falls on all alike;
-`host_us_alone` the same timed one runner after another). The Markdown adds,
-per row, `dispatched` against the pick's own call: the host time it adds and its latency ratio.
+`host_us_min` their lowest, `host_us_alone` the median timed one runner after another). The
+Markdown adds, per row, `dispatched` against the pick's own call: the host time it adds (median
+and lowest readings) and its latency ratio.
 
 `--profile`: for each shape, a torch.profiler trace (Chrome JSON) and its `key_averages` table of
 20 dispatched calls, 20 of the pick's `run` and 20 of its own call, and a cProfile summary of 200
@@ -168,9 +169,10 @@ def measure(fn, env: dict, sync, reps: int, rounds: int) -> dict:
 
 
 def interleaved_host_us(fns: dict, sync, reps: int) -> dict:
-    """name -> median host us of one call's enqueue, the runners taking turns call by call: a
-    host whose speed drifts (a shared machine, clock changes) then slows every runner alike,
-    where timing one runner after another reads the drift as a difference between them."""
+    """name -> (median, lowest) host us of one call's enqueue, the runners taking turns call by
+    call: a host whose speed drifts (a shared machine, clock changes) then slows every runner
+    alike, where timing one runner after another reads the drift as a difference between them;
+    the lowest reading is the call's cost with the least interference."""
     seen = {name: [] for name in fns}
     for _ in range(reps):
         for name, (fn, env) in fns.items():
@@ -180,7 +182,7 @@ def interleaved_host_us(fns: dict, sync, reps: int) -> dict:
                 fn()
                 seen[name].append((time.perf_counter() - t0) * 1e6)
     sync()
-    return {name: round(statistics.median(v), 1) for name, v in seen.items()}
+    return {name: (round(statistics.median(v), 1), round(min(v), 1)) for name, v in seen.items()}
 
 
 def profile(fns: dict, sync, out: Path, stem: str, device: torch.device, with_stack: bool = False) -> list[str]:
@@ -233,10 +235,11 @@ def bench_shape(spec: ShapeSpec, device: torch.device, backends, reps: int, roun
             row["runs"][name] = {"failed": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
         print(f"    {name}: {row['runs'][name]}", file=sys.stderr, flush=True)
     ran = {n: fns[n] for n, r in row["runs"].items() if "host_us" in r}
-    for name, us in interleaved_host_us(ran, sync, 4 * reps).items():  # host_us: the runners taking turns
+    for name, (us, low) in interleaved_host_us(ran, sync, 4 * reps).items():  # the runners taking turns
         row["runs"][name]["host_us_alone"] = row["runs"][name]["host_us"]
-        row["runs"][name]["host_us"] = us
-    print(f"    host us, interleaved: {({n: row['runs'][n]['host_us'] for n in ran})}", file=sys.stderr, flush=True)
+        row["runs"][name]["host_us"], row["runs"][name]["host_us_min"] = us, low
+    print(f"    host us, interleaved (median, lowest): "
+          f"{({n: (row['runs'][n]['host_us'], row['runs'][n]['host_us_min']) for n in ran})}", file=sys.stderr, flush=True)
     row["added"] = added(row)
     if out is not None:
         own = f"own {pick.split('@')[0]}"
@@ -259,7 +262,9 @@ def added(row: dict) -> dict:
     if base_name is None or "latency_ms" not in mine:
         return {}
     base = runs[base_name]
-    return {"against": base_name, "host_us": round(mine["host_us"] - base["host_us"], 1),
+    lowest = {"host_us_min": round(mine["host_us_min"] - base["host_us_min"], 1)} \
+        if "host_us_min" in mine and "host_us_min" in base else {}
+    return {"against": base_name, "host_us": round(mine["host_us"] - base["host_us"], 1), **lowest,
             "latency_ratio": round(mine["latency_ms"] / base["latency_ms"], 3),
             "b2b_ratio": round(mine["b2b_ms"] / base["b2b_ms"], 3)}
 
@@ -277,7 +282,8 @@ def to_markdown(rows: list, device: str) -> str:
             cells.append(f"{run['latency_ms']:.3f} / {run['b2b_ms']:.3f} / {run['host_us']:.0f}" if "latency_ms" in run
                          else ("failed" if "failed" in run else "-"))
         a = r.get("added", {})
-        cells += [f"{a['host_us']:.0f} ({a['against']})", f"{a['latency_ratio']:.3f}", f"{a['b2b_ratio']:.3f}"] if a \
+        low = f" (lowest {a['host_us_min']:.0f})" if "host_us_min" in a else ""
+        cells += [f"{a['host_us']:.0f}{low} ({a['against']})", f"{a['latency_ratio']:.3f}", f"{a['b2b_ratio']:.3f}"] if a \
             else ["-", "-", "-"]
         lines.append("| " + " | ".join(cells) + " |")
     notes = sorted({f"{n}: {v.get('skipped') or v.get('failed')}" for r in rows for n, v in r["runs"].items()
