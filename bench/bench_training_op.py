@@ -295,22 +295,31 @@ def bench_shape(spec: ShapeSpec, ops: dict, warmup: int, reps: int) -> dict:
 
 def synchronizing_calls(fn) -> dict:
     """The calls in one warm step that wait on the GPU (torch's sync debug mode: a host read, a
-    blocking copy): {"count": n, "first": its message}. A step with one is host-bound however few
-    launches it makes, and cannot be captured whole."""
+    blocking copy): {"count": n, "first": its message, "where": the innermost Python frames of
+    each}. A step with one is host-bound however few launches it makes, and cannot be captured
+    whole."""
+    import traceback
     import warnings
 
+    seen = []
+
+    def hook(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if "synchroniz" in text and "prototype feature" not in text:  # torch's notice of the mode is none
+            frames = [f for f in traceback.extract_stack()[:-1] if "warnings.py" not in f.filename]
+            seen.append((text.splitlines()[0][:200],
+                         " < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-4:]))))
+
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as seen:
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = hook
         torch.cuda.set_sync_debug_mode("warn")
         try:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    # torch's own notice that the debug mode is a prototype is no sync
-    hits = [str(w.message).splitlines()[0][:200] for w in seen
-            if "synchroniz" in str(w.message) and "prototype feature" not in str(w.message)]
-    return {"count": len(hits), **({"first": hits[0]} if hits else {})}
+    return {"count": len(seen), **({"first": seen[0][0], "where": [w for _, w in seen]} if seen else {})}
 
 
 def profile_shape(spec: ShapeSpec, ops: dict, n: int) -> str:

@@ -449,3 +449,27 @@ def test_training_bench_graph_variants_set_the_flags_for_the_step_only(monkeypat
         bt.step(bt.Forced(op, graph_flags=ops[name].graph_flags), x)
         assert seen[-1] == flags
         assert (graphs.PLACED_GPU_VERIFIED, graphs.LEND_GPU_VERIFIED) == (False, False)
+
+
+def test_training_bench_names_where_each_host_wait_happened(monkeypatch):
+    """`synchronizing_calls` counts the step's sync warnings (torch's sync debug mode, stubbed here)
+    and names the Python frames each came from; other warnings do not count."""
+    import warnings
+
+    import bench_training_op as bt
+
+    monkeypatch.setattr(bt.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(bt.torch.cuda, "set_sync_debug_mode", lambda mode: None)
+
+    def reads_lengths():
+        warnings.warn("called a synchronizing CUDA operation (stand-in)")
+
+    def step():
+        warnings.warn("something else")
+        reads_lengths()
+        reads_lengths()
+
+    got = bt.synchronizing_calls(step)
+    assert got["count"] == 2 and got["first"].startswith("called a synchronizing")
+    assert all(w.startswith("test_bench_scripts.py:") and "reads_lengths" in w.split(" < ")[0] for w in got["where"])
+    assert bt.synchronizing_calls(lambda: None) == {"count": 0}
