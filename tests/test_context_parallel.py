@@ -1534,10 +1534,10 @@ def test_the_replay_copies_one_foreach_call_per_dtype_and_layout(monkeypatch):
     assert sorted(len(d) for d, _ in calls) == [1, 2, 2]
 
 
-def _lend_run(x, y):
+def _lend_run(x, y, lend=2):
     from gdr_dispatch.backends.split import graphs
 
-    return graphs.run_tensors("test", ("k",), (x, y), _affine, (3,), lend=True)
+    return graphs.run_tensors("test", ("k",), (x, y), _affine, (3,), lend=lend)
 
 
 def test_lent_outputs_are_the_graphs_own_buffers_and_never_overwritten_while_held(monkeypatch):
@@ -1586,6 +1586,29 @@ def test_lent_outputs_are_the_graphs_own_buffers_and_never_overwritten_while_hel
     assert all(torch.allclose(a, b) for a, b in zip(got, _affine((x, y))))
     again = _lend_run(x, y)  # copies out: holding `got` blocks nothing
     assert graphs.replays["blocked"] == blocked + 2 and torch.equal(again[0], got[0])
+
+
+def test_only_the_leading_outputs_are_lent_the_rest_copied_out(monkeypatch):
+    """`lend=n` lends the first n outputs (the backward's per-token gradients) and copies the rest
+    out (its dh0: a learnt initial state's .grad keeps it): holding a copied one blocks nothing."""
+    from gdr_dispatch.backends.split import graphs
+    from gdr_dispatch.contract import GDRGrads
+
+    assert graphs.LENT_GRADS == 5 and GDRGrads._fields[graphs.LENT_GRADS] == "dh0"
+    _in_place_setup(monkeypatch, _affine)
+    monkeypatch.setattr(graphs, "LEND_GPU_VERIFIED", True)
+    x, y = torch.randn(3), torch.randn(2)
+    _lend_run(x, y, lend=1)
+    kept, blocked = [], graphs.replays["blocked"]
+    for _ in range(3):
+        x.copy_(torch.randn(3))
+        got = _lend_run(x, y, lend=1)
+        static = graphs._graphs[("k",)][2]
+        assert got[0].data_ptr() == static[0].data_ptr() and got[1].data_ptr() != static[1].data_ptr()
+        assert all(torch.allclose(a, b) for a, b in zip(got, _affine((x, y))))
+        kept.append(got[1])  # the copied one, held: the next call still lends
+        del got
+    assert graphs.replays["blocked"] == blocked and len({t.data_ptr() for t in kept}) == 3
 
 
 def test_lending_needs_its_gate_and_stays_out_of_the_autotuners_timing(monkeypatch):

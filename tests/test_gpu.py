@@ -832,3 +832,22 @@ def test_split_backward_lends_its_outputs_only_while_nothing_holds_them_on_gpu(m
         if getattr(first, n) is not None:
             assert relative_error(getattr(third, n), getattr(first, n)) < 1e-3, n
             assert relative_error(getattr(second, n), getattr(first, n)) < 1e-3, n
+    # on a side stream nothing is lent (another stream may still read what a call lent when the
+    # key's next call runs there), and the results are the default stream's; dh0 is never lent
+    clear_caches()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    lent = graphs.replays["lent"]
+    with torch.cuda.stream(side):
+        got = [fused_gdr_bwd(**kwargs) for _ in range(3)]
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert graphs.replays["lent"] == lent, graphs.replays
+    for n in first._fields:
+        if getattr(first, n) is not None:
+            assert relative_error(getattr(got[-1], n), getattr(first, n)) < 1e-3, n
+    if first.dh0 is not None:
+        clear_caches()
+        outs = [fused_gdr_bwd(**kwargs) for _ in range(2)]
+        static = graphs._graphs[next(iter(graphs._graphs))][2]
+        assert all(outs[1].dh0.data_ptr() != x.data_ptr() for x in static if x is not None)

@@ -17,8 +17,8 @@ share a shape calls it from as many addresses as layers). With several address s
 gets its own in-place graph instead, all of the key's graphs on one memory pool, and only calls
 at other addresses copy. The graph keeps addresses, never the
 caller's tensors. Outputs are fresh copies (autograd may keep a gradient it is handed), or, for
-the backward with lending on (`LEND_GPU_VERIFIED`), the graph's own buffers, never replayed over
-while anything holds them.
+the backward's per-token gradients with lending on (`LEND_GPU_VERIFIED`, the default stream),
+the graph's own buffers, never replayed over while anything holds them.
 Where in-place replays are on, known lengths are read from one device constant of their values
 (the op's backward gets a fresh copy of cu_seqlens each step). In-place replays run once their GPU test passed
 (`IN_PLACE_GPU_VERIFIED`, or GDR_ALLOW_UNVERIFIED=1), never inside the autotuner's timing
@@ -95,14 +95,18 @@ PLACED_GPU_VERIFIED = True
 #: drops before the layer's next backward): a replay returns the graph's own output buffers, and
 #: the key replays again only once nothing holds them (their storages' use counts back where they
 #: were when lent); a call that finds them held runs eagerly (never overwriting them), and after
-#: `LEND_BLOCKS` such calls the key's graphs go and its next capture copies them out for good. A
-#: later call on another stream waits for all the stream of the lending call had queued; a reader of
-#: a lent output on a third stream is not waited for (autograd's `record_stream` guards the
-#: allocator's reuse, not a graph's fixed buffers), nor one that resizes its storage. Its GPU test
+#: `LEND_BLOCKS` such calls the key's graphs go and its next capture copies them out for good. Only
+#: calls on the device's default stream lend (the key's next call on a side stream could run while
+#: another stream still reads what it lent), and a later call on another stream waits for all the
+#: stream of the lending call had queued; a reader of a lent output on a stream of its own is not
+#: waited for (autograd's `record_stream` guards the allocator's reuse, not a graph's fixed
+#: buffers), nor one that keeps only its storage object or resizes it. Its GPU test
 #: (tests/test_gpu.py) passes on the H200; it takes ~97 of the 163 MiB a step copied out at the
 #: starved shapes (bench/results/nvidia-h200-sm90-training-starved.md).
 LEND_GPU_VERIFIED = True
 LEND_BLOCKS = 2
+#: The backward's outputs lent: dq, dk, dv, dg, db (GDRGrads' order); dh0 is copied out.
+LENT_GRADS = GDRGrads._fields.index("dh0")
 _lent = caches.memo("split graph lent outputs", limit=256)  # key -> [(static output, its use count when lent)]
 _lend_blocked = caches.memo("split graph lend blocked", limit=256)  # key -> calls that found its outputs held
 # (key, addresses) -> an in-place hit as in _graphs; its pins under the same key in _pins
@@ -140,17 +144,19 @@ def run(name: str, call: GDRCall, fn: Callable[..., GDRGrads], extra: tuple = ()
         return tuple(fn(replace(call, **dict(zip(TENSORS, tensors[:n]))), *tensors[n:]))
 
     key = key_of(name, call) + ((signature(extra),) if extra else ())
+    # the per-token gradients are lent (autograd hands them to the layer's earlier ops and drops
+    # them); dh0 is copied out: a learnt initial state's .grad keeps it, which would block lending
     return GDRGrads(*run_tensors(name, key, tuple(getattr(call, n) for n in TENSORS) + tuple(extra), on,
-                                 call.seq_lens, lend=True))
+                                 call.seq_lens, lend=LENT_GRADS))
 
 
 def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tuple], seq_lens: tuple,
-                lend: bool = False) -> tuple:
+                lend: int = 0) -> tuple:
     """`fn(tensors)` (a tuple of tensors or None in, the same out), replayed from a graph from the
     second call with the same `key` on: the eager split's backward (`run`) and the op's split
     forward (forward.py). Inputs are copied into the graph's own, or read in place while they come
-    at the addresses it was captured on; outputs come back as fresh copies (module docstring), or
-    with `lend` as the graph's own buffers while nothing holds them from the call before
+    at the addresses it was captured on; outputs come back as fresh copies (module docstring), the
+    first `lend` of them as the graph's own buffers while nothing holds them from the call before
     (`LEND_GPU_VERIFIED`)."""
     allowed = in_place_allowed()
     if allowed:  # stable lengths' addresses: what lets the op's backward replay in place
@@ -168,7 +174,7 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
         return fn(tensors)
     if _held(key):  # outputs it lent are still held: a replay would overwrite them
         return fn(tensors)
-    lend = lend and lend_allowed() and _lend_blocked.get(key, 0) < LEND_BLOCKS
+    lend = lend if lend_allowed() and _lend_blocked.get(key, 0) < LEND_BLOCKS else 0
     captures, copies_only = state if isinstance(state, tuple) else (0, False)
     if multi:  # an in-place graph for these addresses, kept or captured now; else copies (below)
         placed = _placed_hit(name, key, tensors, fn, seq_lens, where)
@@ -210,13 +216,18 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
     return _replay(key, hit, tensors, lend)
 
 
-def _replay(key: tuple, hit: tuple, tensors: tuple, lend: bool = False) -> tuple:
+def _replay(key: tuple, hit: tuple, tensors: tuple, lend: int = 0) -> tuple:
     """Replay `hit` (a graph of `key`) on `tensors`: their copies in where it holds static inputs,
-    then fresh copies of its outputs (with `lend`, its output buffers themselves, remembered in
-    `_lent`), ordered after the key's last use on another stream."""
+    then fresh copies of its outputs (the first `lend` of them its output buffers themselves,
+    remembered in `_lent`, on the device's default stream only), ordered after the key's last use
+    on another stream."""
     graph, static, out, reads = hit
     dev = next(x for x in out if x is not None).device
     stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None  # (a CPU test's stand-in graph)
+    if lend and stream is not None and stream != torch.cuda.default_stream(dev):
+        # a call on a side stream (a branch run beside another): the next call of the key may run on
+        # it while another stream still reads what this one lent, which no wait here can see
+        lend = 0
     last = _last_use.get(key)
     if last is not None and last[0] != stream:  # the graph's buffers were last used on another stream
         if last[2]:  # lent there: the caller read them on that stream after the replay, so all of it
@@ -231,22 +242,24 @@ def _replay(key: tuple, hit: tuple, tensors: tuple, lend: bool = False) -> tuple
         copied_bytes["in"] += sum(x.nbytes for _, x in pairs)
     replays["copied" if reads is None else "in place"] += 1
     graph.replay()
-    live = [x for x in out if x is not None]
-    if lend:  # aliases of its buffers (each holds its storage while alive, which `_held` counts)
-        counts = [(x, _uses(x)) for x in live]
-        fresh = [x.detach() for x in live]
-        _lent[key] = counts
+    # lent: aliases of its buffers (each holds its storage while alive, which `_held` counts);
+    # the rest copied out
+    lent = [x for x in out[:lend] if x is not None]
+    copied = [x for x in out[lend:] if x is not None]
+    if lent:  # the use counts before the aliases handed out
+        _lent[key] = [(x, _uses(x)) for x in lent]
         replays["lent"] += 1
-    else:
-        fresh = [torch.empty_like(x) for x in live]
-        copy_all(list(zip(fresh, live)))
-        copied_bytes["out"] += sum(x.nbytes for x in live)
+    fresh = {id(x): x.detach() for x in lent}
+    if copied:
+        pairs = [(torch.empty_like(x), x) for x in copied]
+        copy_all(pairs)
+        fresh.update((id(x), f) for f, x in pairs)
+        copied_bytes["out"] += sum(x.nbytes for x in copied)
     if stream is not None:
         event = last[1] if last is not None else torch.cuda.Event()
         event.record(stream)
-        _last_use[key] = (stream, event, lend)
-    it = iter(fresh)
-    return tuple(None if x is None else next(it) for x in out)
+        _last_use[key] = (stream, event, bool(lent))
+    return tuple(None if x is None else fresh[id(x)] for x in out)
 
 
 def lend_allowed() -> bool:
