@@ -6,7 +6,8 @@ memory to the device, and a captured step replays with the lengths it was captur
 
 * Eager calls read `cu_seqlens` on every call (one device-to-host copy, as fla's varlen path
   makes): a buffer refilled in place by any means (numpy, `.data`, DLPack, a kernel) is read as
-  it is now. Each read is also remembered for that tensor object.
+  it is now. Each read is also remembered for that tensor object. A copy only gdr_dispatch holds
+  (the op's private copy for its backward, `remember_private`) is never read: its values are known.
 * Under capture the lengths come from that memory only: the last eager read of the very same
   tensor. A tensor never read eagerly is an error that says what to run first (an eager step with
   the same tensors), never a silent read. The graph then replays with those lengths, whatever the
@@ -97,6 +98,14 @@ def remember(cu_seqlens: torch.Tensor, offsets: tuple[int, ...]) -> None:
 
         hit = (weakref.ref(cu_seqlens, gone),)
     _offsets[key] = (hit[0], tuple(offsets))
+
+
+def remember_private(cu_seqlens: torch.Tensor, offsets: tuple[int, ...]) -> None:
+    """`remember` for a copy only gdr_dispatch holds and nothing writes (the op's private copy of
+    `cu_seqlens` for its backward): its values are never read from the device again, so the
+    backward's checks wait on nothing."""
+    remember(cu_seqlens, offsets)
+    _immutable.add(id(cu_seqlens))
 
 
 #: inside `copied_graph_inputs`, in this thread (or task) only: another thread's calls keep their

@@ -42,7 +42,7 @@ import torch
 from . import carry, env, plans, tuning_table
 from .caches import Memo, first_time, memo
 from .contract import AUTOCAST_DEVICES, check_forward_structure, check_scale, packed, sequence_lengths
-from .graph_safe import offsets_of, remember, remembered
+from .graph_safe import offsets_of, remember_private, remembered
 from .problem import Problem, device_info, library_versions
 from .registry import forward_env, get_backend, parse_wrapped, registered_backends, wrappers
 
@@ -509,8 +509,8 @@ def _setup_context(ctx, inputs, output):
         # the forward's validation has just read them: no second read (a device sync per layer)
         offsets = None if traced else remembered(cu_seqlens) or offsets_of(cu_seqlens)
         cu_seqlens = cu_seqlens.clone()
-        if offsets is not None:
-            remember(cu_seqlens, offsets)
+        if offsets is not None:  # known and private: the backward's checks read nothing (no device wait)
+            remember_private(cu_seqlens, offsets)
     ctx.save_for_backward(q, k, v, beta, G, a, h, initial_state, cu_seqlens)
     ctx.scale, ctx.state_v_first, ctx.save_states, ctx.g_dtype = scale, state_v_first, save_states, g.dtype
 
