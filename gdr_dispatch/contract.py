@@ -11,6 +11,7 @@ count chunks; fla's own varlen path makes the same copy.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence
@@ -111,13 +112,19 @@ def packed(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     shape = x.shape
     if 1 not in shape and 0 not in shape and x.is_contiguous():
         return x  # no size-1 or empty dim: contiguous strides are the canonical ones (one C call)
+    if _canonical(shape, x.stride()):  # B = 1 and one-sequence calls: a size-1 dim, a memoised verdict
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+@functools.lru_cache(maxsize=256)
+def _canonical(shape: torch.Size, strides: tuple) -> bool:
+    """Whether `strides` are the row-major strides of `shape` (size-1 and empty dims included)."""
     expected, step = [], 1
     for size in reversed(shape):
         expected.append(step)
         step *= max(int(size), 1)
-    if tuple(reversed(expected)) == tuple(x.stride()):
-        return x
-    return x.clone(memory_format=torch.contiguous_format)
+    return tuple(reversed(expected)) == tuple(strides)
 
 
 #: Where `torch.autocast` may be on (it knows no other device: meta has none). The op's forward and

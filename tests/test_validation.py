@@ -147,3 +147,22 @@ def test_value_head_reduction_accumulates_16_bit_heads_in_fp32():
     got = reduce_value_heads(x, 2, torch.bfloat16, accum=torch.float32)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16))
     assert reduce_value_heads(x, 8, torch.float32, accum=torch.float32).dtype == torch.float32  # nothing to sum
+
+
+def test_packed_keeps_canonical_tensors_and_copies_every_other_layout():
+    """`contract.packed`: row-major strides pass as they are (size-1 and empty dims included, whose
+    strides torch's is_contiguous ignores and TMA descriptors do not); any other layout is copied,
+    its values unchanged. The verdict for a size-1 dim is memoised per shape and strides."""
+    from gdr_dispatch.contract import packed
+
+    x = torch.randn(1, 6, 2, 4)
+    assert packed(x) is x and packed(x) is x
+    odd = torch.randn(6, 2, 4).as_strided((1, 6, 2, 4), (1, 8, 4, 1))  # contiguous to torch, not canonical
+    assert odd.is_contiguous() and packed(odd) is not odd and torch.equal(packed(odd), odd)
+    assert packed(odd).stride() == (48, 8, 4, 1)
+    view = torch.randn(1, 6, 6, 4)[:, :, :2]  # a split of a fused projection
+    assert packed(view) is not view and torch.equal(packed(view), view)
+    t = torch.randn(4, 2, 6).transpose(0, 2)
+    assert packed(t) is not t and torch.equal(packed(t), t)
+    empty = torch.empty(0, 3)
+    assert packed(empty).shape == (0, 3) and packed(None) is None

@@ -50,6 +50,8 @@ def head_sum_triton(x: torch.Tensor, Hg: int, dtype: torch.dtype) -> torch.Tenso
 def sum_value_heads(x: torch.Tensor, Hg: int, dtype: torch.dtype) -> torch.Tensor:
     """The launchers' GVA sum of per-head dq/dk: one Triton pass on CUDA, torch elsewhere;
     both accumulate in fp32 and return `dtype`."""
-    if x.device.type == "cuda" and x.shape[2] != Hg:
+    if x.shape[2] == Hg:  # ungrouped heads: x itself, cast if asked (the hot path: no further calls)
+        return x if x.dtype == dtype else x.to(dtype)
+    if x.device.type == "cuda":
         return head_sum_triton(x, Hg, dtype)
-    return reduce_value_heads(x, Hg, dtype, accum=torch.float32)  # ungrouped heads: x itself, cast if asked
+    return reduce_value_heads(x, Hg, dtype, accum=torch.float32)
