@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gdr_dispatch.contract import reduce_value_heads
+from gdr_dispatch.contract import as_dtype, reduce_value_heads
 
 ROWS = 16  # output rows (token, q/k head) per program
 
@@ -51,7 +51,7 @@ def sum_value_heads(x: torch.Tensor, Hg: int, dtype: torch.dtype) -> torch.Tenso
     """The launchers' GVA sum of per-head dq/dk: one Triton pass on CUDA, torch elsewhere;
     both accumulate in fp32 and return `dtype`."""
     if x.shape[2] == Hg:  # ungrouped heads: x itself, cast if asked (the hot path: no further calls)
-        return x if x.dtype == dtype else x.to(dtype)
+        return as_dtype(x, dtype)
     if x.device.type == "cuda":
         return head_sum_triton(x, Hg, dtype)
     return reduce_value_heads(x, Hg, dtype, accum=torch.float32)

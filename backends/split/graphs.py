@@ -249,17 +249,16 @@ def _replay(key: tuple, hit: tuple, tensors: tuple, lend: int = 0) -> tuple:
     if lent:  # the use counts before the aliases handed out
         _lent[key] = [(x, _uses(x)) for x in lent]
         replays["lent"] += 1
-    fresh = {id(x): x.detach() for x in lent}
+    fresh = [torch.empty_like(x) for x in copied]
     if copied:
-        pairs = [(torch.empty_like(x), x) for x in copied]
-        copy_all(pairs)
-        fresh.update((id(x), f) for f, x in pairs)
+        copy_all(list(zip(fresh, copied)))
         copied_bytes["out"] += sum(x.nbytes for x in copied)
     if stream is not None:
         event = last[1] if last is not None else torch.cuda.Event()
         event.record(stream)
         _last_use[key] = (stream, event, bool(lent))
-    return tuple(None if x is None else fresh[id(x)] for x in out)
+    copies = iter(fresh)
+    return tuple(None if x is None else (x.detach() if i < lend else next(copies)) for i, x in enumerate(out))
 
 
 def lend_allowed() -> bool:
