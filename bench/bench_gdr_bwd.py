@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from gdr_dispatch import GDRGrads, Problem, fused_gdr_bwd, registered_backends
+from gdr_dispatch.backends.split import graphs
 from gdr_dispatch.contract import validate
 from gdr_dispatch.env import ALLOW_UNVERIFIED as ALLOW_UNVERIFIED_ENV
 from gdr_dispatch.problem import device_info, library_versions
@@ -246,9 +247,12 @@ def bench_shape(spec, warmup, reps, skip, splits=(), split_backends=(), rounds=1
         t0 = time.perf_counter()
         try:
             err = max_error(fn(), ref)
+            before = sum(graphs.captures.values())
             ms = measure_ms(fn, "cuda", warmup=warmup, reps=reps)
             row["runs"][name] = {"ms": round(ms, 4), "b2b_ms": round(back_to_back_ms(fn), 4),
                                  "max_rel_err": float(f"{err:.3e}"), "host_ms": round(host_enqueue_ms(fn), 4)}
+            if sum(graphs.captures.values()) > before:  # a split graph captured inside the timing: its times hold it
+                row["runs"][name]["graph_captures_timed"] = sum(graphs.captures.values()) - before
         except Exception as e:  # noqa: BLE001 - a failing runner is reported, the sweep goes on
             row["runs"][name] = {"failed": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
         print(f"    {name}: {row['runs'][name]}  [{time.perf_counter() - t0:.1f} s]", file=sys.stderr, flush=True)

@@ -3,13 +3,39 @@ the GPU does. The library's own timer is gdr_dispatch.autotune.measure_ms."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import statistics
 import time
 from typing import Callable
 
 import torch
 
-from gdr_dispatch.autotune import measure_ms, relative_error  # noqa: F401  (re-exported for the scripts)
+from gdr_dispatch import autotune
+from gdr_dispatch.autotune import relative_error  # noqa: F401  (re-exported for the scripts)
+
+
+@contextlib.contextmanager
+def collector_off():
+    """Python's cyclic collector paused inside a timed window, as `timeit` does: a full collection
+    with torch, Triton, TileLang and fla loaded takes ~0.5 s, and one that fell due inside 20
+    back-to-back calls once read as 16.8 ms per call for a 0.35 ms call. It runs again after the
+    window (no collection forced here: that would cost the same 0.5 s per window)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def measure_ms(fn: Callable[[], object], device_type: str, warmup: int = autotune.AUTOTUNE_WARMUP,
+               reps: int = autotune.AUTOTUNE_REPS) -> float:
+    """The library's timer (`autotune.measure_ms`: median of `reps` calls, a sync after each) with
+    the collector paused."""
+    with collector_off():
+        return autotune.measure_ms(fn, device_type, warmup=warmup, reps=reps)
 
 
 def host_enqueue_ms(fn: Callable[[], object], reps: int = 5, sync: Callable[[], None] = torch.cuda.synchronize) -> float:
@@ -17,42 +43,46 @@ def host_enqueue_ms(fn: Callable[[], object], reps: int = 5, sync: Callable[[], 
     sync inside). Near `measure_ms`'s reading the call is host-bound: eager, the split's time at
     B1 T32768 H4 is its host's (docs/kernels.md, "The split")."""
     out = []
-    for _ in range(reps):
+    with collector_off():
+        for _ in range(reps):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
         sync()
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1e3)
-    sync()
     return statistics.median(out)
 
 
 def latency_ms(fn: Callable[[], object], reps: int, sync: Callable[[], None] = torch.cuda.synchronize) -> float:
     """Median wall time of one call between two syncs (what a step that waits on each call sees)."""
     out = []
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        out.append((time.perf_counter() - t0) * 1e3)
+    with collector_off():
+        for _ in range(reps):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            out.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(out)
 
 
 def back_to_back_ms(fn: Callable[[], object], n: int = 20, warmup: int = 2,
-                    sync: Callable[[], None] = torch.cuda.synchronize, rounds: int = 1) -> float:
+                    sync: Callable[[], None] = torch.cuda.synchronize, rounds: int = 3) -> float:
     """Mean ms per call of `n` calls enqueued back to back with one sync after them (GPU time, the
-    host's enqueue hidden behind the queue; median of `rounds`), beside `measure_ms`'s per-call
-    median (a sync after each: what a latency-bound step sees)."""
+    host's enqueue hidden behind the queue), the median of `rounds` such windows (one stall of the
+    host inside a window moves its mean by stall / n, the median not), beside `measure_ms`'s
+    per-call median (a sync after each: what a latency-bound step sees)."""
     for _ in range(warmup):
         fn()
     out = []
-    for _ in range(rounds):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        sync()
-        out.append((time.perf_counter() - t0) * 1e3 / n)
+    with collector_off():
+        for _ in range(rounds):
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            sync()
+            out.append((time.perf_counter() - t0) * 1e3 / n)
     return statistics.median(out)
 
 
@@ -65,7 +95,7 @@ def kernel_ms(fn: Callable[[], object], n: int = 10, sync: Callable[[], None] = 
 
     fn()
     sync()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with collector_off(), profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
             fn()
         sync()

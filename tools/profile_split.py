@@ -314,6 +314,7 @@ def main() -> int:
     p.add_argument("--B", type=int, default=1)
     p.add_argument("--T", type=int, default=32768)
     p.add_argument("--H", type=int, default=4)
+    p.add_argument("--seqlens", default="", help="a varlen pack instead of --B/--T: the lengths, comma-separated")
     p.add_argument("--h", choices=["given", "none"], default="given")
     p.add_argument("--segments", type=int, default=16)
     p.add_argument("--backends", default="tilelang_fused,fla")
@@ -343,13 +344,21 @@ def main() -> int:
                    help="FlashQLA's own whole backward (h=None) with auto_cp on and off at this shape and gate, "
                         "kernel by kernel; then stop")
     a = p.parse_args()
+
+    def spec(h: str) -> ShapeSpec:
+        if a.seqlens:
+            return ShapeSpec(seqlens=tuple(int(n) for n in a.seqlens.split(",")), H=a.H, h=h, gate=a.gate)
+        return ShapeSpec(B=a.B, T=a.T, H=a.H, h=h, gate=a.gate)
+
     if a.peer:
-        peer_backward(ShapeSpec(B=a.B, T=a.T, H=a.H, h="none", gate=a.gate), a.reps)
+        peer_backward(spec("none"), a.reps)
         return 0
     if a.forward:
-        forward_parts(ShapeSpec(B=a.B, T=a.T, H=a.H, gate=a.gate), a.forward, a.backends, a.reps)
+        if a.seqlens:
+            p.error("--forward times one dense sequence (--B, --T); --seqlens is for the backward's parts and --peer")
+        forward_parts(spec("given"), a.forward, a.backends, a.reps)
         return 0
-    call = validate(**call_kwargs(make_inputs(ShapeSpec(B=a.B, T=a.T, H=a.H, h=a.h, gate=a.gate), "cuda", seed=1)))
+    call = validate(**call_kwargs(make_inputs(spec(a.h), "cuda", seed=1)))
     if a.chain_prefetch:
         from gdr_dispatch.backends.kernels import segment_scan
 
