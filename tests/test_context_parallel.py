@@ -968,6 +968,21 @@ def test_pieces_kernels_equal_the_tensor_products(spec, need_starts, need_ends, 
     assert checked and (exact_checked or spec not in WEAK_PIECES_SHAPES)
 
 
+def test_pass_1_walks_fork_only_on_a_gpu_and_once_verified(monkeypatch):
+    """The backward walk beside the forward one on a second stream (segment_maps.concurrent_walks):
+    CUDA only, and only once its GPU test passed (or with GDR_ALLOW_UNVERIFIED=1)."""
+    from gdr_dispatch.backends.kernels import segment_maps as sm
+
+    gpu = torch.device("cuda", 0)
+    monkeypatch.delenv("GDR_ALLOW_UNVERIFIED", raising=False)
+    monkeypatch.setattr(sm, "CONCURRENT_WALKS_GPU_VERIFIED", False)
+    assert not sm.concurrent_walks(gpu)
+    monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+    assert sm.concurrent_walks(gpu) and not sm.concurrent_walks(torch.device("cpu"))
+    monkeypatch.setattr(sm, "CONCURRENT_WALKS", False)
+    assert not sm.concurrent_walks(gpu)
+
+
 def _reset_call(dtype: str, T: int = 4096, reset: int = 63):
     """One sequence of weak decay (-2 per chunk) with a reset token (log decay -1e9, a mask constant
     some models use) at the end of its first chunk: float32 sums of the segment's chunks round the

@@ -505,6 +505,75 @@ def test_split_decay_plan_and_pieces_on_gpu(gate, dtype, walk, factored, monkeyp
     assert worst < 1e-2, worst
 
 
+@pytest.mark.parametrize("gate", ["logsigmoid", "mixed"])
+def test_pass_1_walks_on_two_streams_equal_them_on_one_on_gpu(gate, monkeypatch):
+    """Pass 1's backward walk on a second stream beside the forward walk
+    (`segment_maps.concurrent_walks`): the same bytes as the two walks one after the other, eager,
+    replayed from a CUDA graph (the fork and join captured), and called from a side stream, where
+    the fork must wait for the caller's stream (its inputs written there just before)."""
+    from gdr_dispatch.backends.kernels import segment_maps as sm
+    from gdr_dispatch.backends.split import passes as cp
+
+    spec = ShapeSpec(seqlens=(4096, 1000, 65), H=4, Hg=2, K=128, V=128, dtype="bfloat16", h="none", gate=gate)
+    kwargs, _ = case(spec, device="cuda", with_oracle=False)
+    call = validate(**kwargs)
+    segs = cp.segments_of(tuple(call.seq_lens), 64, 8)
+    flat, offsets = cp._segments_inputs(call, segs.token_offsets)
+    seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
+    plan = sm.decay_plan(seg_call, cp.threshold(torch.float32), segs.s, segs.seq)
+    roles = torch.tensor(segs.roles, dtype=torch.int32, device="cuda")
+    exact = (plan[..., 0] == 0).cpu()
+
+    def walks(p=plan):
+        return sm.segment_pieces(seg_call, p, roles, max_chunks=segs.s)
+
+    def same(got, want, how):
+        # what pass 1 writes: no start for a sequence's first segment, no end for its last, maps where exact
+        for j, role in enumerate(segs.roles):
+            for h in range(call.H):
+                pairs = [] if role & 1 else [("start", got[1][j, h], want[1][j, h])]
+                pairs += [] if role & 2 else [("end", got[2][j, h], want[2][j, h])]
+                pairs += [("map", got[0][j, h], want[0][j, h])] if exact[j, h] and role != 3 else []
+                for what, g, w in pairs:
+                    assert torch.equal(g, w), (how, what, j, h)
+
+    monkeypatch.setattr(sm, "CONCURRENT_WALKS_GPU_VERIFIED", True)
+    monkeypatch.setattr(sm, "CONCURRENT_WALKS", False)
+    assert not sm.concurrent_walks(call.q.device)
+    want = [x.clone() for x in walks()]
+    monkeypatch.setattr(sm, "CONCURRENT_WALKS", True)
+    assert sm.concurrent_walks(call.q.device)
+    if gate == "mixed":
+        assert exact.any() and not exact.all(), "the mixed gate should leave some segments exact"
+    same(walks(), want, "eager")
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        walks()  # a warm-up on the capture's stream
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        out = walks()
+    for x in out:
+        x.zero_()
+    graph.replay()
+    same(out, want, "replayed")
+
+    # the plan written on the caller's stream just before the call, behind a busy kernel: a fork that
+    # did not wait for that stream would read the poisoned plan (every segment exact, no windows)
+    late = torch.zeros_like(plan)
+    torch.cuda.synchronize()
+    other = torch.cuda.Stream()
+    with torch.cuda.stream(other):
+        torch.cuda._sleep(50_000_000)
+        late.copy_(plan)
+        got = walks(late)
+    torch.cuda.current_stream().wait_stream(other)
+    torch.cuda.synchronize()
+    same(got, want, "from a side stream")
+
+
 @pytest.mark.parametrize("walk", ["whole", "pieces"])
 @pytest.mark.parametrize("backend", ["tilelang_fused", "flash_qla", "fla"])
 @pytest.mark.parametrize("gate", DECAY_GATES)

@@ -75,6 +75,15 @@ GPU_VERIFIED = True
 #: pieces against the tensor products, the split against the unsplit call at strong, weak and
 #: mixed gates). While False the split runs our exact maps (or the gate's alternatives) instead.
 PIECES_GPU_VERIFIED = True
+#: Pass 1's two walks (`_forward_maps`, `_backward_maps`) read nothing of each other: on a GPU
+#: the backward walk runs on a second stream beside the forward one (a fork and a join, captured
+#: into the split's graphs as two branches), so pass 1 takes about the longer walk instead of
+#: both. Where segments are exact (the mixed gate) each walk's time is its longest programs',
+#: with SM slots to spare (docs/kernels.md, "The split"). Off until its GPU test (the walks on
+#: two streams equal them on one, eager and captured) passes (`CONCURRENT_WALKS_GPU_VERIFIED`),
+#: except with GDR_ALLOW_UNVERIFIED=1.
+CONCURRENT_WALKS = True
+CONCURRENT_WALKS_GPU_VERIFIED = False
 
 
 @triton.jit
@@ -706,6 +715,26 @@ def walk_pieces(max_chunks: int) -> int:
     return max(1, min(PIECES, max_chunks // MIN_PIECE_CHUNKS))
 
 
+def concurrent_walks(dev: torch.device) -> bool:
+    """Whether pass 1's backward walk runs on a second stream beside the forward walk
+    (`CONCURRENT_WALKS`, CUDA devices only)."""
+    from gdr_dispatch.registry import unverified_allowed
+
+    return dev.type == "cuda" and CONCURRENT_WALKS and (CONCURRENT_WALKS_GPU_VERIFIED or unverified_allowed())
+
+
+_walk_streams: dict = {}
+
+
+def _walk_stream(dev: torch.device):
+    """The device's second stream for the backward walk (one per device, kept: a stream made
+    per call costs host time, and a captured fork may name any stream)."""
+    key = dev.index if dev.index is not None else torch.cuda.current_device()
+    if key not in _walk_streams:
+        _walk_streams[key] = torch.cuda.Stream(torch.device("cuda", key))
+    return _walk_streams[key]
+
+
 def _persistent_programs(dev: torch.device, items: int) -> int:
     """A persistent kernel's grid: two programs per SM (255 registers each), no more than items."""
     return max(1, min(items, 2 * _sm_count(dev.type, dev.index)))
@@ -760,10 +789,25 @@ def _maps(seg_call, plan, roles, need_r: bool, need_d: bool = True, pieces: int 
                           BT=BT, PLAN=with_plan, NEED_R=int(need_r), NEED_D=int(need_d), num_warps=FACTOR_WARPS,
                           num_stages=1)
     walk_forward = need_m or need_r
+    # the backward walk beside the forward one (no pieces: their composition reads both walks' maps)
+    fork = walk_forward and need_d and P == 1 and concurrent_walks(dev)
+    if fork:
+        main, side = torch.cuda.current_stream(dev), _walk_stream(dev)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            _backward_maps[(n_seg * H, V // bc)](q, k, a, g, b, do, cu, D, plan, roles, fw, fx, co,
+                                                 float(seg_call.scale), Hg, H, K=K, V=V, BT=BT, BC=bc,
+                                                 PLAN=with_plan, SKIP_EXACT=skip, FACTORED=int(factored),
+                                                 num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if walk_forward:
-        _forward_maps[(n_seg * H, ncol // bc)](k, v, a, g, b, cu, M, M if R is None else R, plan, roles, fw, fu,
-                                               co, Hg, H, K=K, V=V, BT=BT, BC=bc, PLAN=with_plan, SKIP_EXACT=skip,
-                                               FACTORED=int(factored), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        try:
+            _forward_maps[(n_seg * H, ncol // bc)](k, v, a, g, b, cu, M, M if R is None else R, plan, roles, fw,
+                                                   fu, co, Hg, H, K=K, V=V, BT=BT, BC=bc, PLAN=with_plan,
+                                                   SKIP_EXACT=skip, FACTORED=int(factored), num_warps=NUM_WARPS,
+                                                   num_stages=NUM_STAGES)
+        finally:  # the join: what follows pass 1, and every free of this call's tensors, waits for both walks
+            if fork:
+                main.wait_stream(side)
     if P > 1:
         pairs = n_seg * H
         listed = torch.empty(pairs, dtype=torch.int32, device=dev)
@@ -778,7 +822,7 @@ def _maps(seg_call, plan, roles, need_r: bool, need_d: bool = True, pieces: int 
         _compose_forward[(_persistent_programs(dev, pairs * (ncol // cb)),)](
             listed, count, roles, pm, pr, M, M if R is None else R, H, K=K, V=V, P=P, CB=cb, NCOL=ncol // cb,
             num_warps=COMPOSE_WARPS, num_stages=COMPOSE_STAGES)
-    if need_d:
+    if need_d and not fork:
         _backward_maps[(n_seg * H, V // bc)](q, k, a, g, b, do, cu, D, plan, roles, fw, fx, co,
                                              float(seg_call.scale), Hg, H, K=K, V=V, BT=BT, BC=bc, PLAN=with_plan,
                                              SKIP_EXACT=skip, FACTORED=int(factored), num_warps=NUM_WARPS,
