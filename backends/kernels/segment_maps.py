@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import threading
 
 import torch
 import triton
@@ -727,11 +728,12 @@ _walk_streams: dict = {}
 
 
 def _walk_stream(dev: torch.device):
-    """The device's second stream for the backward walk (one per device, kept: a stream made
-    per call costs host time, and a captured fork may name any stream)."""
-    key = dev.index if dev.index is not None else torch.cuda.current_device()
+    """The second stream for the backward walk, one per device and thread, kept (a stream made
+    per call costs host time; a stream can be in one capture at a time, and two threads may each
+    capture a split)."""
+    key = (dev.index if dev.index is not None else torch.cuda.current_device(), threading.get_ident())
     if key not in _walk_streams:
-        _walk_streams[key] = torch.cuda.Stream(torch.device("cuda", key))
+        _walk_streams[key] = torch.cuda.Stream(torch.device("cuda", key[0]))
     return _walk_streams[key]
 
 
