@@ -70,11 +70,13 @@ def summarize(results: list[tuple[ShapeSpec, dict, str]], names: list[str]) -> s
     return out
 
 
-def precompile(variants, device, only, workers: int, splits: bool = True, done: set | None = None) -> None:
+def precompile(variants, device, only, workers: int, splits: bool = True, done: set | None = None,
+               prune: bool = False) -> None:
     """Compile every kernel the sweep's backends would build on first use, in parallel processes
     (autotune.precompile), and say how long each took: a user's first-call cost. With `splits`,
     the split candidates' builds too (their segments are a varlen call with both states). `done`:
-    the builds an earlier group of the sweep ran, skipped here (and this group's added to it)."""
+    the builds an earlier group of the sweep ran, skipped here (and this group's added to it).
+    With `prune`, not the builds of the families `_losing` leaves out."""
     done = set() if done is None else done
     jobs: dict[tuple, list[str]] = {}
     print(f"collecting the kernel builds of {len(variants)} shapes", file=sys.stderr, flush=True)
@@ -86,6 +88,8 @@ def precompile(variants, device, only, workers: int, splits: bool = True, done: 
                   if (only is None or name in only) and backend.supported(problem)[0]}
         if splits:
             chosen.update(wrapped_candidates(problem, chosen, thorough=True))
+        if prune:
+            chosen = _losing(problem, chosen)[0]
         for job, names in compile_jobs_of(call, chosen).items():
             jobs.setdefault(job, []).extend(names)
         del inputs, call
@@ -96,6 +100,21 @@ def precompile(variants, device, only, workers: int, splits: bool = True, done: 
     done.update(map(build, fresh))
     if fresh:
         run_precompile(fresh, workers, lambda line: print(line, file=sys.stderr, flush=True))
+
+
+def _losing(problem: Problem, candidates: dict) -> tuple[dict, dict]:
+    """`(kept, left_out)` for `tune --prune`: the candidates of every backend family this device's
+    tables show never winning in the problem's regime (`autotune.losing_families`: full or
+    starved grids) are left out, with why; all are kept where that would leave none that is not a
+    reference backend."""
+    from .autotune import family_of, losing_families
+
+    losing = losing_families(problem)
+    left_out = {n: losing[family_of(n)] for n in candidates if family_of(n) in losing}
+    kept = {n: b for n, b in candidates.items() if n not in left_out}
+    if not any(not getattr(b, "reference", False) for b in kept.values()):
+        return dict(candidates), {}
+    return kept, left_out
 
 
 def cmd_tune(args) -> int:
@@ -155,7 +174,8 @@ def cmd_tune(args) -> int:
             needs.setdefault(b.optional_lib, set()).add(n)
     for i, spec in enumerate(variants, 1):
         if args.compile_jobs and id(spec) in starts:
-            precompile(starts[id(spec)], device, only, args.compile_jobs, splits=not args.no_splits, done=compiled)
+            precompile(starts[id(spec)], device, only, args.compile_jobs, splits=not args.no_splits, done=compiled,
+                       prune=args.prune)
         t0 = time.perf_counter()
         print(f"[{i}/{len(variants)}] {spec.label()} ...", file=sys.stderr, flush=True)
         inputs = make_inputs(spec, device, seed=i)
@@ -166,19 +186,22 @@ def cmd_tune(args) -> int:
         candidates = {n: b for n, b in registered_backends().items() if verdicts[n][0] and (only is None or n in only)}
         if not args.no_splits:  # starved grids: each candidate cut into 2/4/8 segments too, as the dispatcher would
             candidates.update(wrapped_candidates(problem, candidates, thorough=True))
+        left_out = {}
+        if args.prune:
+            candidates, left_out = _losing(problem, candidates)
         try:
             if not candidates:
                 raise NoBackendError("no supported backend among those asked for")
             # a line per candidate as it is measured: at 32K tokens a shape took minutes without one
             # and starved grids have dozens of candidates
-            entry, _ = autotune(call, problem, candidates, measure=measure,
+            entry, _ = autotune(call, problem, candidates, measure=measure, skipped=left_out or None,
                                 progress=lambda line: print(f"    {line}", file=sys.stderr, flush=True))
         except NoBackendError as e:
             entry = {"problem": problem.describe(), "winner": None, "candidates": {}, "error": str(e)}
         for n, (ok, reason) in verdicts.items():
             if not ok:
                 entry["candidates"][n] = {"unsupported": reason}
-            elif n not in candidates:
+            elif n not in candidates and n not in left_out:
                 entry["candidates"][n] = {"unsupported": "left out by --backends"}
         if entry["winner"]:
             tuning_table.record(dev.slug, dev.name, {problem.table_key(): entry,
@@ -355,6 +378,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--match", metavar="REGEX",
                    help="tune only the grid's shapes whose label matches (e.g. 'T8192 H16|varlen'); the table keeps the rest")
     t.add_argument("--backends", metavar="A,B", help="tune only these backends (and their split candidates)")
+    t.add_argument("--prune", action="store_true",
+                   help="leave out (and record as skipped) the backend families this device's tables show never "
+                        "winning in the shape's regime, full or starved grids: a sweep then compiles and times "
+                        "only what can win (GDR_AUTOTUNE_ALL's opposite, for tables)")
     t.add_argument("--no-splits", action="store_true",
                    help="leave out the context-parallel candidates <backend>@split<n> that grids with fewer sequence x "
                         "head programs than SMs get (GDR_CP set also leaves them out)")

@@ -219,6 +219,56 @@ def test_tune_measures_split_candidates_on_starved_grids(tmp_path, capsys, monke
     assert "torch@split" not in text  # the reference is never split
 
 
+def test_tune_prune_leaves_out_the_families_that_never_won_here(tmp_path, capsys, monkeypatch, with_backends):
+    """`tune --prune`: a family the device's tables show never winning in the shape's regime is
+    neither compiled nor timed, and its entry says why; without `--prune` it is both."""
+    import os as _os
+
+    from gdr_dispatch import tuning_table
+    from gdr_dispatch.backends.exact_torch import TorchBackend
+    from gdr_dispatch.problem import device_info
+
+    timed = []
+
+    class Fast(TorchBackend):
+        name, family_name, reference_rank, reference = "torch_fast", "fastfam", None, False
+
+        def run(self, call):
+            timed.append(self.name)
+            return super().run(call)
+
+    class Slow(Fast):
+        name, family_name = "torch_slow", "slowfam"
+
+        def compile_jobs(self, call):
+            return [("math", "sqrt", (float(call.K),))]
+
+    with_backends(Fast(), Slow())
+    out_dir = tmp_path / "user_tables"  # the user table the autouse fixture points GDR_TUNING_CACHE at
+    assert _os.environ["GDR_TUNING_CACHE"] == str(out_dir)
+    dev = device_info(torch.device("cpu"))
+    for T in (64, 128, 256):  # three other shapes (as many programs: one regime) where the slow family lost by 1.5x
+        p = ShapeSpec(B=1, T=T, H=2, K=32, V=32, dtype="float32", h="given").problem(torch.device("cpu"))
+        tuning_table.record(dev.slug, dev.name, {p.table_key(): {
+            "problem": p.describe(), "winner": "torch_fast",
+            "candidates": {"torch_fast": {"ms": 1.0}, "torch_slow": {"ms": 1.5}}}}, out_dir)
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("shapes:\n  - {B: 1, T: 100, H: 2, K: 32, V: 32, dtype: float32, h: given}\n")
+    args = ["tune", "--grid", str(grid), "--device", "cpu", "--out", str(out_dir), "--backends",
+            "torch,torch_fast,torch_slow", "--reps", "1", "--warmup", "0", "--compile-jobs", "2"]
+    assert cli.main(args + ["--prune"]) == 0
+    err = capsys.readouterr().err
+    assert "torch_slow" not in timed and "torch_fast" in timed, err
+    assert "compiled torch_slow" not in err
+    (table,) = out_dir.glob("*.yaml")
+    key = ShapeSpec(B=1, T=100, H=2, K=32, V=32, dtype="float32", h="given").problem(torch.device("cpu")).table_key()
+    entry = tuning_table.load_entries(table)[key]
+    assert "the slowfam family never won at the 3 " in entry["candidates"]["torch_slow"]["skipped"]
+    timed.clear()
+    assert cli.main(args) == 0
+    assert "torch_slow" in timed and "compiled torch_slow" in capsys.readouterr().err
+
+
 def test_tune_with_an_optional_peer_writes_the_entry_for_users_without_it(tmp_path, capsys, monkeypatch, with_backends):
     """A shipped table is tuned with flash_qla installed; users without it look up the key
     without it. The sweep writes both from one measurement: the peer's winner under its key,
