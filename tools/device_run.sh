@@ -76,7 +76,12 @@ for arg in "$@"; do
         done
       done > "$OUT/timing.log" 2>&1 ;;
     splitprof)
-      timeout "$(left)" python3 tools/profile_split.py ${SPLIT_ARGS:-} > "$OUT/splitprof.log" 2>&1 ;;
+      # SPLIT_ARGS: one run's arguments; several runs' separated by ';;' (e.g. --parts, then --peer)
+      IFS=$'\n' read -r -d '' -a runs < <(printf '%s' "${SPLIT_ARGS:-}" | sed 's/;;/\n/g'; printf '\0')
+      for run_args in "${runs[@]:-}"; do
+        echo "== profile_split.py $run_args"
+        timeout "$(left)" python3 tools/profile_split.py $run_args 2>&1 | grep -v TileLang
+      done > "$OUT/splitprof.log" 2>&1 ;;
     hotpath)
       timeout "$(left)" python3 bench/bench_hot_path.py ${HOTPATH_ARGS:-} --out "$OUT/bench" 2>&1 \
         | grep -v TileLang > "$OUT/hotpath.log" ;;
