@@ -105,14 +105,19 @@ def precompile(variants, device, only, workers: int, splits: bool = True, done: 
 def _losing(problem: Problem, candidates: dict) -> tuple[dict, dict]:
     """`(kept, left_out)` for `tune --prune`: the candidates of every backend family this device's
     tables show never winning in the problem's regime (`autotune.losing_families`: full or
-    starved grids) are left out, with why; all are kept where that would leave none that is not a
-    reference backend."""
+    starved grids) are left out, with why. Kept whatever its family: the most trusted reference
+    (`Backend.reference_rank`: the cross-check reads it). All are kept where that would leave no
+    candidate that is neither a reference nor in need of an optional peer (the table's entry for
+    users without the peer needs one)."""
     from .autotune import family_of, losing_families
 
     losing = losing_families(problem)
-    left_out = {n: losing[family_of(n)] for n in candidates if family_of(n) in losing}
+    ranked = sorted((b.reference_rank, n) for n, b in candidates.items() if b.reference_rank is not None)
+    trusted = ranked[0][1] if ranked else None
+    left_out = {n: losing[family_of(n)] for n in candidates if family_of(n) in losing and n != trusted}
     kept = {n: b for n, b in candidates.items() if n not in left_out}
-    if not any(not getattr(b, "reference", False) for b in kept.values()):
+    if not any(not getattr(b, "reference", False) and not getattr(getattr(b, "inner", b), "optional_lib", None)
+               for b in kept.values()):  # (a split's peer is its inner backend's)
         return dict(candidates), {}
     return kept, left_out
 

@@ -251,7 +251,7 @@ def test_tune_prune_leaves_out_the_families_that_never_won_here(tmp_path, capsys
         p = ShapeSpec(B=1, T=T, H=2, K=32, V=32, dtype="float32", h="given").problem(torch.device("cpu"))
         tuning_table.record(dev.slug, dev.name, {p.table_key(): {
             "problem": p.describe(), "winner": "torch_fast",
-            "candidates": {"torch_fast": {"ms": 1.0}, "torch_slow": {"ms": 1.5}}}}, out_dir)
+            "candidates": {"torch_fast": {"ms": 1.0}, "torch_slow": {"ms": 1.5}, "torch": {"ms": 20.0}}}}, out_dir)
     grid = tmp_path / "grid.yaml"
     grid.write_text("shapes:\n  - {B: 1, T: 100, H: 2, K: 32, V: 32, dtype: float32, h: given}\n")
     args = ["tune", "--grid", str(grid), "--device", "cpu", "--out", str(out_dir), "--backends",
@@ -264,9 +264,16 @@ def test_tune_prune_leaves_out_the_families_that_never_won_here(tmp_path, capsys
     key = ShapeSpec(B=1, T=100, H=2, K=32, V=32, dtype="float32", h="given").problem(torch.device("cpu")).table_key()
     entry = tuning_table.load_entries(table)[key]
     assert "the slowfam family never won at the 3 " in entry["candidates"]["torch_slow"]["skipped"]
+    assert "ms" in entry["candidates"]["torch"]  # it never won either, but the cross-check reads it
+    assert entry["cross_check"]["reference"] == "torch"
     timed.clear()
     assert cli.main(args) == 0
     assert "torch_slow" in timed and "compiled torch_slow" in capsys.readouterr().err
+    # the one winning family needs an optional peer: pruning would leave users without it no entry
+    monkeypatch.setattr(Fast, "optional_lib", "somepeer")
+    p = ShapeSpec(B=1, T=100, H=2, K=32, V=32, dtype="float32", h="given").problem(torch.device("cpu"))
+    cands = {n: registered_backends()[n] for n in ("torch", "torch_fast", "torch_slow")}
+    assert cli._losing(p, cands) == (cands, {})
 
 
 def test_tune_with_an_optional_peer_writes_the_entry_for_users_without_it(tmp_path, capsys, monkeypatch, with_backends):

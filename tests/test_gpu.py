@@ -537,15 +537,24 @@ def test_pass_1_walks_on_two_streams_equal_them_on_one_on_gpu(gate, monkeypatch)
                 for what, g, w in pairs:
                     assert torch.equal(g, w), (how, what, j, h)
 
+    monkeypatch.setattr(sm, "walk_pieces", lambda max_chunks: 1)  # the fork's path (pieces never fork)
     monkeypatch.setattr(sm, "CONCURRENT_WALKS_GPU_VERIFIED", True)
     monkeypatch.setattr(sm, "CONCURRENT_WALKS", False)
     assert not sm.concurrent_walks(call.q.device)
     want = [x.clone() for x in walks()]
     monkeypatch.setattr(sm, "CONCURRENT_WALKS", True)
     assert sm.concurrent_walks(call.q.device)
+    forks = []
+    real_stream = sm._walk_stream
+    monkeypatch.setattr(sm, "_walk_stream", lambda dev: forks.append(dev) or real_stream(dev))
     if gate == "mixed":
         assert exact.any() and not exact.all(), "the mixed gate should leave some segments exact"
+    # NaN in the blocks the outputs will take (the caching allocator hands freed blocks back):
+    # a walk that never ran, or ran after the read, leaves NaN where the one-stream walks wrote
+    poison = [torch.full_like(x, float("nan")) for x in want]
+    del poison
     same(walks(), want, "eager")
+    assert forks, "the backward walk did not fork"
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -556,7 +565,7 @@ def test_pass_1_walks_on_two_streams_equal_them_on_one_on_gpu(gate, monkeypatch)
     with torch.cuda.graph(graph, stream=side):
         out = walks()
     for x in out:
-        x.zero_()
+        x.fill_(float("nan"))
     graph.replay()
     same(out, want, "replayed")
 

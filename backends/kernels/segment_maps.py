@@ -730,7 +730,9 @@ _walk_streams: dict = {}
 def _walk_stream(dev: torch.device):
     """The second stream for the backward walk, one per device and thread, kept (a stream made
     per call costs host time; a stream can be in one capture at a time, and two threads may each
-    capture a split)."""
+    capture a split). torch hands streams out round-robin from a pool per device, so it may be
+    the caller's own stream or another kept one: the fork then runs the walks one after the
+    other, or waits on unrelated work, and never races."""
     key = (dev.index if dev.index is not None else torch.cuda.current_device(), threading.get_ident())
     if key not in _walk_streams:
         _walk_streams[key] = torch.cuda.Stream(torch.device("cuda", key[0]))
@@ -796,20 +798,21 @@ def _maps(seg_call, plan, roles, need_r: bool, need_d: bool = True, pieces: int 
     if fork:
         main, side = torch.cuda.current_stream(dev), _walk_stream(dev)
         side.wait_stream(main)
-        with torch.cuda.stream(side):
-            _backward_maps[(n_seg * H, V // bc)](q, k, a, g, b, do, cu, D, plan, roles, fw, fx, co,
-                                                 float(seg_call.scale), Hg, H, K=K, V=V, BT=BT, BC=bc,
-                                                 PLAN=with_plan, SKIP_EXACT=skip, FACTORED=int(factored),
-                                                 num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    if walk_forward:
-        try:
+    try:
+        if fork:
+            with torch.cuda.stream(side):
+                _backward_maps[(n_seg * H, V // bc)](q, k, a, g, b, do, cu, D, plan, roles, fw, fx, co,
+                                                     float(seg_call.scale), Hg, H, K=K, V=V, BT=BT, BC=bc,
+                                                     PLAN=with_plan, SKIP_EXACT=skip, FACTORED=int(factored),
+                                                     num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        if walk_forward:
             _forward_maps[(n_seg * H, ncol // bc)](k, v, a, g, b, cu, M, M if R is None else R, plan, roles, fw,
                                                    fu, co, Hg, H, K=K, V=V, BT=BT, BC=bc, PLAN=with_plan,
                                                    SKIP_EXACT=skip, FACTORED=int(factored), num_warps=NUM_WARPS,
                                                    num_stages=NUM_STAGES)
-        finally:  # the join: what follows pass 1, and every free of this call's tensors, waits for both walks
-            if fork:
-                main.wait_stream(side)
+    finally:  # the join, whatever raised: what follows pass 1, and every free of this call's tensors, waits
+        if fork:
+            main.wait_stream(side)
     if P > 1:
         pairs = n_seg * H
         listed = torch.empty(pairs, dtype=torch.int32, device=dev)
