@@ -405,21 +405,23 @@ def _reference_chain(lens_per_seq, plan, M, starts, ends, S0, G_end):
     return starts, ends
 
 
-@pytest.mark.parametrize("K, V, counts", [(16, 16, (1,)), (16, 32, (3, 0, 2)), (32, 64, (5, 4))])
+@pytest.mark.parametrize("K, V, counts", [(16, 16, (1,)), (16, 32, (3, 0, 2)), (32, 64, (5, 4)), (16, 16, (9, 2, 0))])
 @pytest.mark.parametrize("given", [True, False], ids=["states", "no_states"])
 @pytest.mark.parametrize("starts_wanted, ends_wanted", [(True, True), (False, True), (True, False)],
                          ids=["h_none", "h_given", "forward"])
-@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
-def test_chain_kernel_equals_the_step_by_step_chain(K, V, counts, given, starts_wanted, ends_wanted, prefetch,
+@pytest.mark.parametrize("how", ["serial", "prefetch", "prefix"])
+def test_chain_kernel_equals_the_step_by_step_chain(K, V, counts, given, starts_wanted, ends_wanted, how,
                                                     monkeypatch):
-    """The Triton chain (interpreted; with each link's map loaded a step ahead too) and the torch
-    chain against the chains step by step: exact links apply M, warm links keep pass 1's window,
-    every sequence's first start and last end are its states; sequences of several, one and no
-    segments."""
+    """The Triton chain (interpreted; serial, with each link's map loaded a step ahead, and as the
+    parallel prefix) and the torch chain against the chains step by step: exact links apply M,
+    warm links keep pass 1's window, every sequence's first start and last end are its states;
+    sequences of several, one and no segments."""
     from gdr_dispatch.backends.kernels import segment_scan
     from gdr_dispatch.backends.split import passes as cp
 
-    monkeypatch.setattr(segment_scan, "PREFETCH", prefetch)
+    monkeypatch.setattr(segment_scan, "PREFETCH", how == "prefetch")
+    if how == "prefix":  # whatever the device and the segment count
+        monkeypatch.setattr(segment_scan, "use_prefix", lambda max_segments, device: True)
 
     gen = torch.Generator().manual_seed(K + V + len(counts))
     S, H, N = sum(counts), 3, len(counts)
@@ -427,6 +429,7 @@ def test_chain_kernel_equals_the_step_by_step_chain(K, V, counts, given, starts_
     starts = torch.randn(S, H, K, V, generator=gen, dtype=torch.float64) if starts_wanted else None
     ends = torch.randn(S, H, K, V, generator=gen, dtype=torch.float64) if ends_wanted else None
     plan = torch.randint(0, 2, (S, H, 1), generator=gen).repeat(1, 1, 2).int() * 3  # 0: exact, 3: warm
+    plan[:, 0] = 0  # one head exact throughout: a chain as long as its sequence (every prefix level counts)
     S0 = torch.randn(N, H, K, V, generator=gen, dtype=torch.float64) if given else None
     G_end = torch.randn(N, H, K, V, generator=gen, dtype=torch.float64) if given else None
     want_s, want_e = _reference_chain(counts, plan, M, starts, ends, S0, G_end)
@@ -981,6 +984,21 @@ def test_pass_1_walks_fork_only_on_a_gpu_and_once_verified(monkeypatch):
     assert sm.concurrent_walks(gpu) and not sm.concurrent_walks(torch.device("cpu"))
     monkeypatch.setattr(sm, "CONCURRENT_WALKS", False)
     assert not sm.concurrent_walks(gpu)
+
+
+def test_pass_2_runs_as_a_prefix_only_on_a_gpu_at_many_segments_and_once_verified(monkeypatch):
+    """segment_scan.use_prefix: CUDA, PREFIX_MIN_SEGMENTS segments or more, and only once its GPU
+    test passed (or with GDR_ALLOW_UNVERIFIED=1)."""
+    from gdr_dispatch.backends.kernels import segment_scan as ss
+
+    monkeypatch.delenv("GDR_ALLOW_UNVERIFIED", raising=False)
+    monkeypatch.setattr(ss, "PREFIX_GPU_VERIFIED", False)
+    many = ss.PREFIX_MIN_SEGMENTS
+    assert not ss.use_prefix(many, "cuda")
+    monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+    assert ss.use_prefix(many, "cuda") and not ss.use_prefix(many - 1, "cuda") and not ss.use_prefix(many, "cpu")
+    monkeypatch.setattr(ss, "PREFIX", False)
+    assert not ss.use_prefix(many, "cuda")
 
 
 def _reset_call(dtype: str, T: int = 4096, reset: int = 63):

@@ -422,19 +422,24 @@ def test_tilelang_states_kernel_on_gpu(name, dtype):
     assert ((ht.double() - ht_want).norm() / ht_want.norm()).item() < 1e-2
 
 
-@pytest.mark.parametrize("counts", [(1,), (7, 0, 3), (64, 64)])
+@pytest.mark.parametrize("counts", [(1,), (7, 0, 3), (64, 64), (17, 33, 2)])
 @pytest.mark.parametrize("starts_wanted", [True, False], ids=["h_none", "h_given"])
-@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
-def test_split_chain_kernel_on_gpu(counts, starts_wanted, prefetch, monkeypatch):
-    """Pass 2's Triton chain (3xTF32 products, backends/kernels/segment_scan.py; with each link's
-    map loaded a step ahead too) at K = V = 128 against the chains step by step in float64, exact
-    and warm links mixed, on contracting maps like the split's."""
+@pytest.mark.parametrize("how", ["serial", "prefetch", "prefix"])
+def test_split_chain_kernel_on_gpu(counts, starts_wanted, how, monkeypatch):
+    """Pass 2's Triton chain (3xTF32 products, backends/kernels/segment_scan.py; serial, with each
+    link's map loaded a step ahead, and as the parallel prefix) at K = V = 128 against the chains
+    step by step in float64, exact and warm links mixed and one head exact throughout, on
+    contracting maps like the split's."""
     import itertools
 
     from gdr_dispatch.backends.kernels import segment_scan
     from test_context_parallel import _reference_chain
 
-    monkeypatch.setattr(segment_scan, "PREFETCH", prefetch)
+    monkeypatch.setattr(segment_scan, "PREFETCH", how == "prefetch")
+    monkeypatch.setattr(segment_scan, "PREFIX", how == "prefix")
+    monkeypatch.setattr(segment_scan, "PREFIX_MIN_SEGMENTS", 1)
+    monkeypatch.setattr(segment_scan, "PREFIX_GPU_VERIFIED", True)
+    assert segment_scan.use_prefix(max(counts), "cuda") == (how == "prefix")
 
     gen = torch.Generator().manual_seed(sum(counts))
     S, H, K, V, N = sum(counts), 3, 128, 128, len(counts)
@@ -442,6 +447,8 @@ def test_split_chain_kernel_on_gpu(counts, starts_wanted, prefetch, monkeypatch)
     starts = torch.randn(S, H, K, V, generator=gen, dtype=torch.float64) if starts_wanted else None
     ends = torch.randn(S, H, K, V, generator=gen, dtype=torch.float64)
     plan = torch.randint(0, 2, (S, H, 1), generator=gen).repeat(1, 1, 2).int() * 2
+    plan[:, 0] = 0  # one head exact throughout: every prefix level counts
+    M[:, 0] *= 0.5  # its maps contracting (spectral norm ~0.9, as the split's are at most 1)
     S0, G_end = (torch.randn(N, H, K, V, generator=gen, dtype=torch.float64) for _ in range(2))
     want_s, want_e = _reference_chain(counts, plan, M, starts, ends, S0, G_end)
     cuda = (lambda x: None if x is None else x.float().cuda())
