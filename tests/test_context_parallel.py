@@ -405,7 +405,8 @@ def _reference_chain(lens_per_seq, plan, M, starts, ends, S0, G_end):
     return starts, ends
 
 
-@pytest.mark.parametrize("K, V, counts", [(16, 16, (1,)), (16, 32, (3, 0, 2)), (32, 64, (5, 4)), (16, 16, (9, 2, 0))])
+@pytest.mark.parametrize("K, V, counts", [(16, 16, (1,)), (16, 32, (3, 0, 2)), (32, 64, (5, 4)), (16, 16, (9, 2, 0)),
+                                          (32, 48, (4, 3))])
 @pytest.mark.parametrize("given", [True, False], ids=["states", "no_states"])
 @pytest.mark.parametrize("starts_wanted, ends_wanted", [(True, True), (False, True), (True, False)],
                          ids=["h_none", "h_given", "forward"])

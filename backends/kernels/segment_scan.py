@@ -265,7 +265,7 @@ def chain_prefix(M: torch.Tensor, starts, ends, plan: torch.Tensor, seg_offsets:
     N = seg_offsets.shape[0] - 1
     some = ends if ends is not None else starts
     S, H, K, V = some.shape
-    bc = min(PREFIX_BC, K, V)
+    bc = PREFIX_BC if K % PREFIX_BC == 0 and V % PREFIX_BC == 0 else BV  # dividing both (V: a multiple of BV)
     levels = max(1, (max(1, max_segments) - 1).bit_length())
     dev = some.device
     for slots, state0, backward in ((starts, S0, False), (ends, G_end, True)):
