@@ -210,17 +210,14 @@ def _prefix_level(M, SLOTS, STATE0, PLAN, SEG_OFF, A_IN, C_IN, NZ_IN, A_OUT, C_O
         r = tl.maximum(q - d, 0)  # the partner (read only where q >= d)
         pair = (q >= d).to(tl.int32)
         nz_r = _prefix_nz(PLAN, NZ_IN, first, count, r, h, H, FIRST, BACKWARD) * pair
-        if cb < K // BC:  # a block of A's columns: A_q A_r, or A_q where q < d; nothing where zero
-            cols = cb * BC + rc
-            dst = A_OUT + (((first + q) * H + h).to(tl.int64) * K + rk[:, None]) * K + cols[None, :]
-            if nz != 0:
-                if pair != 0:
-                    if nz_r != 0:
-                        a = _prefix_a(M, A_IN, first, count, q, h, H, rk, rk, K, FIRST, BACKWARD)
-                        x = _prefix_a(M, A_IN, first, count, r, h, H, rk, cols, K, FIRST, BACKWARD)
-                        tl.store(dst, tl.dot(a, x, input_precision="tf32x3"))
-                else:
-                    tl.store(dst, _prefix_a(M, A_IN, first, count, q, h, H, rk, cols, K, FIRST, BACKWARD))
+        if cb < K // BC:  # a block of A's columns: A_q A_r where both are not zero
+            # (where q < d, A_q is zero: its window reaches position 0, whose map is zero)
+            if (nz * nz_r) != 0:
+                cols = cb * BC + rc
+                a = _prefix_a(M, A_IN, first, count, q, h, H, rk, rk, K, FIRST, BACKWARD)
+                x = _prefix_a(M, A_IN, first, count, r, h, H, rk, cols, K, FIRST, BACKWARD)
+                tl.store(A_OUT + (((first + q) * H + h).to(tl.int64) * K + rk[:, None]) * K + cols[None, :],
+                         tl.dot(a, x, input_precision="tf32x3"))
             if cb == 0:
                 tl.store(NZ_OUT + ((first + q) * H + h).to(tl.int64), tl.where(pair != 0, nz * nz_r, nz))
         else:  # a block of c's columns: A_q c_r + c_q, or c_q where q < d or A_q is zero
@@ -267,18 +264,23 @@ def chain_prefix(M: torch.Tensor, starts, ends, plan: torch.Tensor, seg_offsets:
     S, H, K, V = some.shape
     bc = PREFIX_BC if K % PREFIX_BC == 0 and V % PREFIX_BC == 0 else BV  # dividing both (V: a multiple of BV)
     levels = max(1, (max(1, max_segments) - 1).bit_length())
+    # one level (two segments at most) reads and writes the slots in one launch: its only partner is
+    # position 0, the sequence's state, never read from them
+    assert levels > 1 or max_segments <= 2
     dev = some.device
+    # the levels between the first and the last ping-pong between two sets, shared by the directions
+    # (their launches run one after the other on one stream)
+    bufs = [(torch.empty(S, H, K, K, dtype=torch.float32, device=dev),
+             torch.empty(S, H, K, V, dtype=torch.float32, device=dev),
+             torch.empty(S, H, dtype=torch.int32, device=dev)) for _ in range(min(2, levels - 1))]
     for slots, state0, backward in ((starts, S0, False), (ends, G_end, True)):
         if slots is None:
             continue
         state0 = None if state0 is None else state0.float().contiguous()
-        bufs = [(torch.empty(S, H, K, K, dtype=torch.float32, device=dev),
-                 torch.empty(S, H, K, V, dtype=torch.float32, device=dev),
-                 torch.empty(S, H, dtype=torch.int32, device=dev)) for _ in range(min(2, levels))]
         for level in range(levels):
             first, last = level == 0, level == levels - 1
             a_in, c_in, nz_in = bufs[(level - 1) % 2] if not first else (M, slots, plan)  # stand-ins at level 0
-            a_out, c_out, nz_out = bufs[level % 2]
+            a_out, c_out, nz_out = (M, slots, plan) if last else bufs[level % 2]  # stand-ins at the last
             blocks = (V if last else K + V) // bc
             _prefix_level[(N * H, max(1, max_segments), blocks)](
                 M, slots, slots if state0 is None else state0, plan, seg_offsets, a_in, c_in, nz_in, a_out, c_out,
