@@ -193,7 +193,7 @@ def _prefix_level(M, SLOTS, STATE0, PLAN, SEG_OFF, A_IN, C_IN, NZ_IN, A_OUT, C_O
                   BACKWARD: tl.constexpr, HAS_STATE0: tl.constexpr):
     """One level of pass 2's prefix (PREFIX) for one direction: program (sequence x head, position
     q, column block of `[A | c]`) forms `(A_q A_{q-d}, A_q c_{q-d} + c_q)` (q >= d; else keeps
-    `(A_q, c_q)`) into the OUT buffers, indexed first + q; the last level forms only c and writes
+    c_q, A_q being zero there) into the OUT buffers, indexed first + q; the last level forms only c and writes
     it into SLOTS at the segment position q stands for (starts[first + q], or ends[first + count -
     1 - q] for the end gradients)."""
     nh = tl.program_id(0)
@@ -250,14 +250,9 @@ def use_prefix(max_segments: int, device) -> bool:
 
 def chain_prefix(M: torch.Tensor, starts, ends, plan: torch.Tensor, seg_offsets: torch.Tensor,
                  max_segments: int, S0=None, G_end=None) -> None:
-    """`chain` as the parallel prefix (PREFIX): the same in-place completion of `starts` and `ends`
-    in ceil(log2(max_segments)) launches per direction (at least one: it writes each sequence's
-    first start and last end)."""
-    for name, x in (("starts", starts), ("ends", ends)):
-        if x is not None and not x.is_contiguous():
-            raise ValueError(f"chain: {name} must be contiguous (it is completed in place)")
-    if starts is None and ends is None:
-        raise ValueError("chain: nothing to complete (starts and ends both None)")
+    """`chain` as the parallel prefix (PREFIX), called by it after its checks: the same in-place
+    completion of `starts` and `ends` in ceil(log2(max_segments)) launches per direction (at least
+    one: it writes each sequence's first start and last end)."""
     M, plan = M.contiguous(), plan.contiguous()
     N = seg_offsets.shape[0] - 1
     some = ends if ends is not None else starts
