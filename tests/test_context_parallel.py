@@ -993,6 +993,7 @@ def test_pass_2_runs_as_a_prefix_only_on_a_gpu_at_many_segments_and_once_verifie
     from gdr_dispatch.backends.kernels import segment_scan as ss
 
     monkeypatch.delenv("GDR_ALLOW_UNVERIFIED", raising=False)
+    monkeypatch.setattr(ss, "PREFIX", True)
     monkeypatch.setattr(ss, "PREFIX_GPU_VERIFIED", False)
     many = ss.PREFIX_MIN_SEGMENTS
     assert not ss.use_prefix(many, "cuda")

@@ -39,13 +39,14 @@ GPU_VERIFIED = True
 #: products (`(A_q, c_q) <- (A_q A_{q-d}, A_q c_{q-d} + c_q)`, d = 1, 2, 4, ..), instead of one
 #: serial walk of ~3.4 us a step (0.1 ms at 32 segments where a head's links are exact: the mixed
 #: gate's weak heads). Zero maps (warm links) are flags, never loaded or multiplied. PREFIX_BC
-#: columns of `[A | c]` per program. Off until its GPU test passes (`PREFIX_GPU_VERIFIED`), except
-#: with GDR_ALLOW_UNVERIFIED=1.
-PREFIX = True
+#: columns of `[A | c]` per program. Its GPU test passes (`PREFIX_GPU_VERIFIED`), but it is off:
+#: every level composes all positions' maps (K + V columns, ~10x the serial chain's products), and
+#: on the H200 pass 2 went 0.111 -> 0.170 ms at B1 T32768 H4 /32, mixed gate (docs/kernels.md).
+PREFIX = False
 PREFIX_MIN_SEGMENTS = 16
 PREFIX_BC = 32
 PREFIX_WARPS, PREFIX_STAGES = 8, 1
-PREFIX_GPU_VERIFIED = False
+PREFIX_GPU_VERIFIED = True
 
 
 @triton.jit
