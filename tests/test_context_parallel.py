@@ -410,11 +410,11 @@ def _reference_chain(lens_per_seq, plan, M, starts, ends, S0, G_end):
 @pytest.mark.parametrize("given", [True, False], ids=["states", "no_states"])
 @pytest.mark.parametrize("starts_wanted, ends_wanted", [(True, True), (False, True), (True, False)],
                          ids=["h_none", "h_given", "forward"])
-@pytest.mark.parametrize("how", ["serial", "prefetch", "prefix"])
+@pytest.mark.parametrize("how", ["serial", "prefetch", "prefix", "blocked", "blocked_by_3"])
 def test_chain_kernel_equals_the_step_by_step_chain(K, V, counts, given, starts_wanted, ends_wanted, how,
                                                     monkeypatch):
-    """The Triton chain (interpreted; serial, with each link's map loaded a step ahead, and as the
-    parallel prefix) and the torch chain against the chains step by step: exact links apply M,
+    """The Triton chain (interpreted; serial, with each link's map loaded a step ahead, as the
+    parallel prefix and blocked) and the torch chain against the chains step by step: exact links apply M,
     warm links keep pass 1's window, every sequence's first start and last end are its states;
     sequences of several, one and no segments."""
     from gdr_dispatch.backends.kernels import segment_scan
@@ -423,6 +423,11 @@ def test_chain_kernel_equals_the_step_by_step_chain(K, V, counts, given, starts_
     monkeypatch.setattr(segment_scan, "PREFETCH", how == "prefetch")
     if how == "prefix":  # whatever the device and the segment count
         monkeypatch.setattr(segment_scan, "use_prefix", lambda max_segments, device: True)
+    if how.startswith("blocked"):  # groups as chosen, and of 3 (a group's inner positions filled in)
+        monkeypatch.setattr(segment_scan, "use_prefix", lambda max_segments, device: False)
+        monkeypatch.setattr(segment_scan, "use_blocked", lambda max_segments, device: True)
+        if how == "blocked_by_3":
+            monkeypatch.setattr(segment_scan, "group_size", lambda max_segments: 3)
 
     gen = torch.Generator().manual_seed(K + V + len(counts))
     S, H, N = sum(counts), 3, len(counts)
@@ -1001,6 +1006,23 @@ def test_pass_2_runs_as_a_prefix_only_on_a_gpu_at_many_segments_and_once_verifie
     assert ss.use_prefix(many, "cuda") and not ss.use_prefix(many - 1, "cuda") and not ss.use_prefix(many, "cpu")
     monkeypatch.setattr(ss, "PREFIX", False)
     assert not ss.use_prefix(many, "cuda")
+
+
+def test_pass_2_runs_blocked_only_on_a_gpu_at_many_segments_and_once_verified(monkeypatch):
+    """segment_scan.use_blocked: CUDA, BLOCKED_MIN_SEGMENTS segments or more, and only once its GPU
+    test passed (or with GDR_ALLOW_UNVERIFIED=1); its groups the fewest serial steps."""
+    from gdr_dispatch.backends.kernels import segment_scan as ss
+
+    monkeypatch.delenv("GDR_ALLOW_UNVERIFIED", raising=False)
+    monkeypatch.setattr(ss, "BLOCKED", True)
+    monkeypatch.setattr(ss, "BLOCKED_GPU_VERIFIED", False)
+    many = ss.BLOCKED_MIN_SEGMENTS
+    assert not ss.use_blocked(many, "cuda")
+    monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+    assert ss.use_blocked(many, "cuda") and not ss.use_blocked(many - 1, "cuda") and not ss.use_blocked(many, "cpu")
+    monkeypatch.setattr(ss, "BLOCKED", False)
+    assert not ss.use_blocked(many, "cuda")
+    assert [ss.group_size(c) for c in (1, 2, 3, 16, 32, 64)] == [1, 1, 1, 3, 4, 5]
 
 
 def _reset_call(dtype: str, T: int = 4096, reset: int = 63):

@@ -424,10 +424,10 @@ def test_tilelang_states_kernel_on_gpu(name, dtype):
 
 @pytest.mark.parametrize("counts", [(1,), (7, 0, 3), (64, 64), (17, 33, 2)])
 @pytest.mark.parametrize("starts_wanted", [True, False], ids=["h_none", "h_given"])
-@pytest.mark.parametrize("how", ["serial", "prefetch", "prefix"])
+@pytest.mark.parametrize("how", ["serial", "prefetch", "prefix", "blocked"])
 def test_split_chain_kernel_on_gpu(counts, starts_wanted, how, monkeypatch):
     """Pass 2's Triton chain (3xTF32 products, backends/kernels/segment_scan.py; serial, with each
-    link's map loaded a step ahead, and as the parallel prefix) at K = V = 128 against the chains
+    link's map loaded a step ahead, as the parallel prefix and blocked) at K = V = 128 against the chains
     step by step in float64, exact and warm links mixed and one head exact throughout, on
     contracting maps like the split's."""
     import itertools
@@ -439,7 +439,11 @@ def test_split_chain_kernel_on_gpu(counts, starts_wanted, how, monkeypatch):
     monkeypatch.setattr(segment_scan, "PREFIX", how == "prefix")
     monkeypatch.setattr(segment_scan, "PREFIX_MIN_SEGMENTS", 1)
     monkeypatch.setattr(segment_scan, "PREFIX_GPU_VERIFIED", True)
+    monkeypatch.setattr(segment_scan, "BLOCKED", how == "blocked")
+    monkeypatch.setattr(segment_scan, "BLOCKED_MIN_SEGMENTS", 1)
+    monkeypatch.setattr(segment_scan, "BLOCKED_GPU_VERIFIED", True)
     assert segment_scan.use_prefix(max(counts), "cuda") == (how == "prefix")
+    assert segment_scan.use_blocked(max(counts), "cuda") == (how == "blocked")
 
     gen = torch.Generator().manual_seed(sum(counts))
     S, H, K, V, N = sum(counts), 3, 128, 128, len(counts)
@@ -625,15 +629,20 @@ def test_decay_aware_split_equals_unsplit_on_gpu(backend, gate, h_mode, walk, mo
 
 
 @pytest.mark.parametrize("gate", DECAY_GATES)
-def test_decay_aware_split_in_float32_on_gpu(gate, monkeypatch):
+@pytest.mark.parametrize("segments", [8, 32])
+def test_decay_aware_split_in_float32_on_gpu(gate, segments, monkeypatch):
     """In fp32 (the torch backend, its decay-aware tensor products, the Triton chain for the fp32
-    maps) the split equals the unsplit call to fp32 rounding: what the warm-ups drop is below it."""
+    maps) the split equals the unsplit call to fp32 rounding: what the warm-ups drop is below it.
+    At 32 segments (16 and more per sequence) pass 2 runs blocked (segment_scan.BLOCKED)."""
+    from gdr_dispatch.backends.kernels import segment_scan
+
     monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+    assert segment_scan.use_blocked(segments, "cuda") == (segments >= segment_scan.BLOCKED_MIN_SEGMENTS)
     spec = ShapeSpec(seqlens=(4096, 200, 1000), H=2, K=64, V=64, dtype="float32", h="none", gate=gate)
     kwargs, _ = case(spec, device="cuda", with_oracle=False)
     monkeypatch.setenv("GDR_BACKEND", "torch")
     whole = fused_gdr_bwd(**kwargs)
-    monkeypatch.setenv("GDR_CP", "8")
+    monkeypatch.setenv("GDR_CP", str(segments))
     split = fused_gdr_bwd(**kwargs)
     for n in whole._fields:
         if getattr(whole, n) is not None:

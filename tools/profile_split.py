@@ -10,8 +10,8 @@ is host-bound at the starved shapes: docs/kernels.md, "The split"). `--graph` al
 (the time in a training step captured whole, where no launch costs host time) and checks the
 replay's gradients against the eager call's. `--parts` times each part of the split alone (replayed),
 with the decay plan's share of warm segments (`--pieces 4`: pass 1 with the exact walks in
-pieces against whole, per kernel; the unverified levers, two-stream walks and the prefix chain,
-beside the plain passes; `--chain-prefetch`: pass 2 with each link's map loaded a step
+pieces against whole, per kernel; the unverified levers (two-stream walks, pass 2's prefix or
+blocked chain) beside the plain passes; `--chain-prefetch`: pass 2 with each link's map loaded a step
 ahead, beside the plain chain). `--pass1` times pass 1's exact maps alone, fla's kernels
 against ours (backends/kernels/segment_maps.py); with GDR_ALLOW_UNVERIFIED=1 in the environment
 the splits above run pass 1 on ours (until their GPU tests pass). `--pyprof N` adds a cProfile
@@ -131,8 +131,8 @@ def parts(call, segments: int, backend: str, reps: int) -> None:
 
         steps["pass 2, maps loaded in the step"] = chain_plain
     # the unverified levers beside the plain passes, switched on in this process only: pass 1's
-    # exact walks on two streams (segment_maps.CONCURRENT_WALKS) and pass 2 as a parallel prefix
-    # (segment_scan.PREFIX, at PREFIX_MIN_SEGMENTS segments or more)
+    # exact walks on two streams (segment_maps.CONCURRENT_WALKS), pass 2 as a parallel prefix or
+    # blocked (segment_scan.PREFIX, BLOCKED, where on and at their segment counts)
     def lever(fn, *flags):
         def run():
             saved = [(mod, name, getattr(mod, name)) for mod, name in flags]
@@ -145,14 +145,18 @@ def parts(call, segments: int, backend: str, reps: int) -> None:
                     setattr(mod, name, value)
         return run
 
-    walks_flag = (sm, "CONCURRENT_WALKS_GPU_VERIFIED")
-    prefix_flag = (ss, "PREFIX_GPU_VERIFIED")
+    flags = []
     if not sm.CONCURRENT_WALKS_GPU_VERIFIED:
-        steps["pass 1, walks on two streams"] = lever(steps["pass 1 (windows, exact maps)"], walks_flag)
-    if not ss.PREFIX_GPU_VERIFIED and segs.max_per_sequence >= ss.PREFIX_MIN_SEGMENTS:
-        steps["pass 2 as a parallel prefix"] = lever(steps["pass 2 (chains, in place)"], prefix_flag)
-    if not (sm.CONCURRENT_WALKS_GPU_VERIFIED and ss.PREFIX_GPU_VERIFIED):
-        steps[f"{split.name} whole, both levers"] = lever(steps[f"{split.name} whole"], walks_flag, prefix_flag)
+        flags.append((sm, "CONCURRENT_WALKS_GPU_VERIFIED"))
+        steps["pass 1, walks on two streams"] = lever(steps["pass 1 (windows, exact maps)"], flags[-1])
+    many = segs.max_per_sequence
+    for on, verified, least, label in ((ss.PREFIX, "PREFIX_GPU_VERIFIED", ss.PREFIX_MIN_SEGMENTS, "as a parallel prefix"),
+                                       (ss.BLOCKED, "BLOCKED_GPU_VERIFIED", ss.BLOCKED_MIN_SEGMENTS, "blocked")):
+        if on and not getattr(ss, verified) and many >= least:
+            flags.append((ss, verified))
+            steps[f"pass 2 {label}"] = lever(steps["pass 2 (chains, in place)"], flags[-1])
+    if flags:
+        steps[f"{split.name} whole, the levers above"] = lever(steps[f"{split.name} whole"], *flags)
     if sm.walk_pieces(segs.s) > 1:  # the same pass 1 with the exact walks whole, and both per kernel
         def whole_walks():
             real = sm.walk_pieces

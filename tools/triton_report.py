@@ -5,6 +5,7 @@ device call; docs/kernels.md, "The split").
 
     python tools/triton_report.py                              # segment_maps' kernels, K = V = 128
     python tools/triton_report.py --configs 32,8/64,8/16,8     # BC,WARPS pairs
+    python tools/triton_report.py --only 'segment_scan'       # the kernels whose name matches
     python tools/triton_report.py --triton /tmp/tri36          # another Triton (the GPU machine has 3.6.0):
         pip install --no-deps --target /tmp/tri36 /opt/pypi/files/triton-3.6.0-cp311-*.whl
 
@@ -31,6 +32,7 @@ def main() -> int:
     p.add_argument("--K", type=int, default=128)
     p.add_argument("--V", type=int, default=128)
     p.add_argument("--triton", default=None, help="a folder holding another Triton package, put first on sys.path")
+    p.add_argument("--only", default=None, metavar="REGEX", help="only the kernels whose name matches")
     a = p.parse_args()
     if a.triton:
         sys.path.insert(0, a.triton)
@@ -62,6 +64,11 @@ def main() -> int:
     plan = dict(k_ptr=ptr, g_ptr=f32, b_ptr=ptr, cu_ptr=i32, plan_ptr=i32, grows_ptr=i32, threshold="fp32", Hg="i32",
                 H="i32")
     chain = dict(M=f32, STARTS=f32, ENDS=f32, PLAN=i32, SEG_OFF=i32, S0=f32, G_END=f32, H="i32")
+    blocked = dict(M=f32, STARTS=f32, ENDS=f32, PLAN=i32, SEG_OFF=i32, Q=f32, D=f32, NZ=i32, s="i32", S="i32",
+                   NH="i32", H="i32")
+    groups = {k: v for k, v in blocked.items() if k != "M"}
+    groups.update(S0=f32, G_END=f32)
+    fill = dict(M=f32, STARTS=f32, ENDS=f32, PLAN=i32, SEG_OFF=i32, s="i32", NH="i32", H="i32")
     listed = dict(list_ptr=i32, count_ptr=i32)
     fpieces = dict(**tok, **listed, pm_ptr=f32, pr_ptr=f32, Hg="i32", H="i32")
     bpieces = dict(q_ptr=ptr, k_ptr=ptr, a_ptr=ptr, g_ptr=f32, b_ptr=ptr, do_ptr=ptr, cu_ptr=i32, **listed,
@@ -105,7 +112,18 @@ def main() -> int:
             "segment_scan._chain PREFETCH": (ss._chain, chain, dict(K=a.K, V=a.V, BV=ss.BV, NSEG=64, HAS_S0=True,
                                                                    HAS_G_END=True, FIRST_DIRECTION=0, PREFETCH=1),
                                              ss.NUM_WARPS, ss.NUM_STAGES),
+            "segment_scan._blocked_compose": (ss._blocked_compose, blocked, dict(K=a.K, V=a.V, BC=ss.BV, FIRST_DIRECTION=0),
+                                              ss.NUM_WARPS, ss.NUM_STAGES),
+            "segment_scan._blocked_groups": (ss._blocked_groups, groups, dict(K=a.K, V=a.V, BV=ss.BV, HAS_S0=True,
+                                                                            HAS_G_END=True, FIRST_DIRECTION=0),
+                                             ss.NUM_WARPS, ss.NUM_STAGES),
+            "segment_scan._blocked_fill": (ss._blocked_fill, fill, dict(K=a.K, V=a.V, BV=ss.BV, FIRST_DIRECTION=0),
+                                           ss.NUM_WARPS, ss.NUM_STAGES),
         }
+        if a.only:
+            import re
+
+            kernels = {k: v for k, v in kernels.items() if re.search(a.only, k)}
         for name, (fn, sig, consts, nw, ns) in kernels.items():
             sig = {**sig, **{c: "constexpr" for c in consts}}
             src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)

@@ -47,6 +47,14 @@ PREFIX_MIN_SEGMENTS = 16
 PREFIX_BC = 32
 PREFIX_WARPS, PREFIX_STAGES = 8, 1
 PREFIX_GPU_VERIFIED = True
+#: Pass 2 blocked where sequences have BLOCKED_MIN_SEGMENTS segments or more: the c - 1 serial
+#: links cut into groups of s (group_size): each group's links composed in parallel (`x_E' = Q x_E + d`,
+#: K + V columns), one serial walk over the groups' ends, then each group's inner positions in
+#: parallel: ~2s + c/s steps (13 at 32 segments) instead of c - 1 (31). Off until its GPU test passes
+#: (`BLOCKED_GPU_VERIFIED`), except with GDR_ALLOW_UNVERIFIED=1.
+BLOCKED = True
+BLOCKED_MIN_SEGMENTS = 16
+BLOCKED_GPU_VERIFIED = False
 
 
 @triton.jit
@@ -240,6 +248,229 @@ def _prefix_level(M, SLOTS, STATE0, PLAN, SEG_OFF, A_IN, C_IN, NZ_IN, A_OUT, C_O
                 tl.store(C_OUT + (((first + q) * H + h).to(tl.int64) * K + rk[:, None]) * V + cols[None, :], c)
 
 
+@triton.jit
+def _slot_row(first, count, q, BACKWARD: tl.constexpr):
+    """The segment row chain position q stands for: starts[first + q], or ends[first + count - 1 - q]."""
+    if BACKWARD:
+        seg = first + count - 1 - q
+    else:
+        seg = first + q
+    return seg
+
+
+@triton.jit
+def _compose_body(M, SLOTS, PLAN, Q, D, NZ, first, count, lo, hi, h, H, row, cb, K: tl.constexpr,
+                  V: tl.constexpr, BC: tl.constexpr, BACKWARD: tl.constexpr):
+    """`_blocked_compose` for one direction: column block cb of `[Q | d]` of the links (lo, hi]."""
+    rk = tl.arange(0, K)
+    if cb < K // BC:  # Q's columns, from the identity; zero from a warm link on (a flag, no products)
+        cols = cb * BC + tl.arange(0, BC)
+        x = (rk[:, None] == cols[None, :]).to(tl.float32)
+        nzq = 1
+        for q in range(lo + 1, hi + 1):
+            if _prefix_nz(PLAN, PLAN, first, count, q, h, H, True, BACKWARD) * nzq != 0:
+                a = _prefix_a(M, M, first, count, q, h, H, rk, rk, K, True, BACKWARD)
+                x = tl.dot(a, x, input_precision="tf32x3")
+            else:
+                nzq = 0
+        tl.store(Q + (row * K + rk[:, None]) * K + cols[None, :], x)
+        if cb == 0:
+            tl.store(NZ + row, nzq)
+    else:  # d's columns, from zero at lo
+        cols = (cb - K // BC) * BC + tl.arange(0, BC)
+        x = tl.zeros([K, BC], dtype=tl.float32)
+        for q in range(lo + 1, hi + 1):
+            seg = _slot_row(first, count, q, BACKWARD)
+            c = tl.load(SLOTS + ((seg * H + h).to(tl.int64) * K + rk[:, None]) * V + cols[None, :])
+            if _prefix_nz(PLAN, PLAN, first, count, q, h, H, True, BACKWARD) != 0:
+                a = _prefix_a(M, M, first, count, q, h, H, rk, rk, K, True, BACKWARD)
+                x = tl.dot(a, x, input_precision="tf32x3") + c
+            else:
+                x = c
+        tl.store(D + (row * K + rk[:, None]) * V + cols[None, :], x)
+
+
+@triton.jit
+def _blocked_compose(M, STARTS, ENDS, PLAN, SEG_OFF, Q, D, NZ, s, S, NH, H, K: tl.constexpr, V: tl.constexpr,
+                     BC: tl.constexpr, FIRST_DIRECTION: tl.constexpr):
+    """Pass 2 blocked (BLOCKED), step 1 of 3: program (direction x sequence x head, group j, column
+    block of `[Q | d]`) composes group j's links, the chain positions (E_j, E_j+1] with E_j = j s:
+    `x_E_j+1 = Q_j x_E_j + d_j`, Q_j the product of the links' maps (NZ: whether it is not zero),
+    d_j the chain from zero at E_j, at row first + j of the direction's buffers. A group whose last
+    link is warm is skipped: its end is pass 1's slot as it stands."""
+    direction = tl.program_id(0) // NH + FIRST_DIRECTION
+    nh = tl.program_id(0) % NH
+    n = nh // H
+    h = nh % H
+    j = tl.program_id(1)
+    first = tl.load(SEG_OFF + n)
+    count = tl.load(SEG_OFF + n + 1) - first
+    lo = j * s
+    hi = tl.minimum(lo + s, count - 1)
+    if lo < hi:
+        row = ((first + j) * H + h).to(tl.int64)
+        at = direction.to(tl.int64) * S * H  # the direction's half of the buffers
+        if direction == 0:
+            if _prefix_nz(PLAN, PLAN, first, count, hi, h, H, True, False) != 0:
+                _compose_body(M, STARTS, PLAN, Q + at * K * K, D + at * K * V, NZ + at, first, count, lo, hi, h, H,
+                              row, tl.program_id(2), K, V, BC, False)
+        else:
+            if _prefix_nz(PLAN, PLAN, first, count, hi, h, H, True, True) != 0:
+                _compose_body(M, ENDS, PLAN, Q + at * K * K, D + at * K * V, NZ + at, first, count, lo, hi, h, H,
+                              row, tl.program_id(2), K, V, BC, True)
+
+
+@triton.jit
+def _groups_body(PLAN, SLOTS, STATE0, Q, D, NZ, n, first, count, s, h, H, rv, K: tl.constexpr, V: tl.constexpr,
+                 HAS_STATE0: tl.constexpr, BACKWARD: tl.constexpr):
+    """`_blocked_groups` for one direction: position 0 from the sequence's state, then every group's end."""
+    rk = tl.arange(0, K)
+    if HAS_STATE0:
+        x = tl.load(STATE0 + ((n * H + h).to(tl.int64) * K + rk[:, None]) * V + rv[None, :])
+    else:
+        x = tl.zeros([K, rv.shape[0]], dtype=tl.float32)
+    some = rk[:, None] < tl.minimum(count, 1) * K  # a vector mask: the interpreter takes no scalar bools
+    seg0 = _slot_row(first, count, 0, BACKWARD)
+    tl.store(SLOTS + ((seg0 * H + h).to(tl.int64) * K + rk[:, None]) * V + rv[None, :], x, mask=some)
+    held = 1  # x holds the previous group's end
+    for j in range(0, tl.cdiv(tl.maximum(count - 1, 0), s)):
+        hi = tl.minimum(j * s + s, count - 1)
+        seg = _slot_row(first, count, hi, BACKWARD)
+        out = SLOTS + ((seg * H + h).to(tl.int64) * K + rk[:, None]) * V + rv[None, :]
+        if _prefix_nz(PLAN, PLAN, first, count, hi, h, H, True, BACKWARD) != 0:  # else: the slot stands
+            row = ((first + j) * H + h).to(tl.int64)
+            dj = tl.load(D + (row * K + rk[:, None]) * V + rv[None, :])
+            if tl.load(NZ + row) != 0:
+                if held == 0:
+                    lo_seg = _slot_row(first, count, j * s, BACKWARD)
+                    x = tl.load(SLOTS + ((lo_seg * H + h).to(tl.int64) * K + rk[:, None]) * V + rv[None, :])
+                qj = tl.load(Q + (row * K + rk[:, None]) * K + rk[None, :])
+                x = tl.dot(qj, x, input_precision="tf32x3") + dj
+            else:
+                x = dj
+            tl.store(out, x)
+            held = 1
+        else:
+            held = 0
+
+
+@triton.jit
+def _blocked_groups(STARTS, ENDS, PLAN, SEG_OFF, S0, G_END, Q, D, NZ, s, S, NH, H, K: tl.constexpr,
+                    V: tl.constexpr, BV: tl.constexpr, HAS_S0: tl.constexpr, HAS_G_END: tl.constexpr,
+                    FIRST_DIRECTION: tl.constexpr):
+    """Pass 2 blocked, step 2 of 3: program (direction x sequence x head, block of value columns)
+    walks the groups serially, `x_E_j+1 = Q_j x_E_j + d_j`, writing each sequence's first start
+    (last end) and every group's end into the slots."""
+    direction = tl.program_id(0) // NH + FIRST_DIRECTION
+    nh = tl.program_id(0) % NH
+    n = nh // H
+    h = nh % H
+    rv = tl.program_id(1) * BV + tl.arange(0, BV)
+    first = tl.load(SEG_OFF + n)
+    count = tl.load(SEG_OFF + n + 1) - first
+    at = direction.to(tl.int64) * S * H
+    if direction == 0:
+        _groups_body(PLAN, STARTS, S0, Q + at * K * K, D + at * K * V, NZ + at, n, first, count, s, h, H, rv, K, V,
+                     HAS_S0, False)
+    else:
+        _groups_body(PLAN, ENDS, G_END, Q + at * K * K, D + at * K * V, NZ + at, n, first, count, s, h, H, rv, K, V,
+                     HAS_G_END, True)
+
+
+@triton.jit
+def _fill_body(M, PLAN, SLOTS, first, count, lo, hi, h, H, rv, K: tl.constexpr, V: tl.constexpr,
+               BACKWARD: tl.constexpr):
+    """`_blocked_fill` for one direction: the positions (lo, hi) from the true x at lo."""
+    rk = tl.arange(0, K)
+    x = tl.zeros([K, rv.shape[0]], dtype=tl.float32)
+    held = 0  # x holds the position before q (loaded when a link needs it)
+    for q in range(lo + 1, hi):
+        if _prefix_nz(PLAN, PLAN, first, count, q, h, H, True, BACKWARD) != 0:
+            if held == 0:
+                prev = _slot_row(first, count, q - 1, BACKWARD)
+                x = tl.load(SLOTS + ((prev * H + h).to(tl.int64) * K + rk[:, None]) * V + rv[None, :])
+            seg = _slot_row(first, count, q, BACKWARD)
+            out = SLOTS + ((seg * H + h).to(tl.int64) * K + rk[:, None]) * V + rv[None, :]
+            a = _prefix_a(M, M, first, count, q, h, H, rk, rk, K, True, BACKWARD)
+            x = tl.dot(a, x, input_precision="tf32x3") + tl.load(out)
+            tl.store(out, x)
+            held = 1
+        else:
+            held = 0
+
+
+@triton.jit
+def _blocked_fill(M, STARTS, ENDS, PLAN, SEG_OFF, s, NH, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                  FIRST_DIRECTION: tl.constexpr):
+    """Pass 2 blocked, step 3 of 3: program (direction x sequence x head, group j, block of value
+    columns) completes group j's inner positions (E_j, E_j+1) from its start's true value."""
+    direction = tl.program_id(0) // NH + FIRST_DIRECTION
+    nh = tl.program_id(0) % NH
+    n = nh // H
+    h = nh % H
+    j = tl.program_id(1)
+    rv = tl.program_id(2) * BV + tl.arange(0, BV)
+    first = tl.load(SEG_OFF + n)
+    count = tl.load(SEG_OFF + n + 1) - first
+    lo = j * s
+    hi = tl.minimum(lo + s, count - 1)
+    if lo + 1 < hi:
+        if direction == 0:
+            _fill_body(M, PLAN, STARTS, first, count, lo, hi, h, H, rv, K, V, False)
+        else:
+            _fill_body(M, PLAN, ENDS, first, count, lo, hi, h, H, rv, K, V, True)
+
+
+def group_size(max_segments: int) -> int:
+    """BLOCKED's group size s: the fewest serial steps `s + ceil((c - 1) / s) + s - 1` at c segments."""
+    links = max(1, max_segments - 1)
+    return min(range(1, links + 1), key=lambda g: 2 * g - 1 + -(-links // g))
+
+
+def use_blocked(max_segments: int, device) -> bool:
+    """Whether pass 2 runs blocked (`BLOCKED`, at BLOCKED_MIN_SEGMENTS segments or more, CUDA;
+    until its GPU test passes only with GDR_ALLOW_UNVERIFIED=1)."""
+    from gdr_dispatch.registry import unverified_allowed
+
+    return (BLOCKED and max_segments >= BLOCKED_MIN_SEGMENTS and torch.device(device).type == "cuda"
+            and (BLOCKED_GPU_VERIFIED or unverified_allowed()))
+
+
+def chain_blocked(M: torch.Tensor, starts, ends, plan: torch.Tensor, seg_offsets: torch.Tensor,
+                  max_segments: int, S0=None, G_end=None) -> None:
+    """`chain` blocked (BLOCKED), called by it after its checks: the same in-place completion in
+    three launches of ~s, c / s and s serial steps (group_size) instead of one of c - 1."""
+    M, plan = M.contiguous(), plan.contiguous()
+    N = seg_offsets.shape[0] - 1
+    some = ends if ends is not None else starts
+    S, H, K, V = some.shape
+    bv = min(BV, V)
+    bc = bv  # dividing both K and V (not_supported_reason: K and V multiples of BV)
+    s = group_size(max_segments)
+    groups = -(-max(1, max_segments - 1) // s)
+    directions = (starts is not None) + (ends is not None)
+    first_direction = 1 if starts is None else 0
+    dev = some.device
+    # each direction's half: row first + j holds group j's composite (directions run side by side)
+    Q = torch.empty(2, S, H, K, K, dtype=torch.float32, device=dev)
+    D = torch.empty(2, S, H, K, V, dtype=torch.float32, device=dev)
+    NZ = torch.empty(2, S, H, dtype=torch.int32, device=dev)
+    starts_, ends_ = (some if starts is None else starts), (some if ends is None else ends)
+    NH = N * H
+    _blocked_compose[(directions * NH, groups, (K + V) // bc)](
+        M, starts_, ends_, plan, seg_offsets, Q, D, NZ, s, S, NH, H, K=K, V=V, BC=bc,
+        FIRST_DIRECTION=first_direction, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    _blocked_groups[(directions * NH, V // bv)](
+        starts_, ends_, plan, seg_offsets, some if S0 is None else S0.float().contiguous(),
+        some if G_end is None else G_end.float().contiguous(), Q, D, NZ, s, S, NH, H, K=K, V=V, BV=bv,
+        HAS_S0=S0 is not None, HAS_G_END=G_end is not None, FIRST_DIRECTION=first_direction,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    if s > 1:
+        _blocked_fill[(directions * NH, groups, V // bv)](
+            M, starts_, ends_, plan, seg_offsets, s, NH, H, K=K, V=V, BV=bv, FIRST_DIRECTION=first_direction,
+            num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+
+
 def use_prefix(max_segments: int, device) -> bool:
     """Whether pass 2 runs as the parallel prefix (`PREFIX`, at PREFIX_MIN_SEGMENTS segments or
     more, CUDA; until its GPU test passes only with GDR_ALLOW_UNVERIFIED=1)."""
@@ -314,6 +545,8 @@ def chain(M: torch.Tensor, starts, ends, plan: torch.Tensor, seg_offsets: torch.
         raise ValueError("chain: nothing to complete (starts and ends both None)")
     if use_prefix(max_segments, some_device(starts, ends)):
         return chain_prefix(M, starts, ends, plan, seg_offsets, max_segments, S0, G_end)
+    if use_blocked(max_segments, some_device(starts, ends)):
+        return chain_blocked(M, starts, ends, plan, seg_offsets, max_segments, S0, G_end)
     M, plan = M.contiguous(), plan.contiguous()  # a provider's M may be a slice of its [M | R]
     N = seg_offsets.shape[0] - 1
     some = ends if ends is not None else starts
