@@ -18,7 +18,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from .graph_safe import offsets_of
+from .graph_safe import device_constant, offsets_of
 
 #: dtypes accepted for q/k/v/do. fp32 and fp64 exist for the torch backend and the oracle
 #: tests; the GPU backends state in their `supported` reasons that they take bf16/fp16.
@@ -267,6 +267,16 @@ def _check_common(q, k, v, gate, beta, names: dict, gate_dtypes, chunk_size, sta
     return B, T, Hg, K, H, V
 
 
+def offsets_to_device(cu_seqlens, q):
+    """`cu_seqlens` given on the CPU for a call on another device: its copy there, built once per
+    content and never read back (its values are known), so a varlen backward makes no host wait.
+    Anything else comes back as it is (the checks name what is wrong with it)."""
+    if (isinstance(cu_seqlens, torch.Tensor) and isinstance(q, torch.Tensor) and cu_seqlens.device.type == "cpu"
+            and q.device.type != "cpu" and cu_seqlens.dim() == 1 and cu_seqlens.dtype in (torch.int32, torch.int64)):
+        return device_constant(tuple(cu_seqlens.tolist()), cu_seqlens.dtype, q.device)
+    return cu_seqlens
+
+
 def sequence_lengths(cu_seqlens: Optional[torch.Tensor], B: int, T: int) -> tuple[int, ...]:
     """Each sequence's token count: `cu_seqlens`' values read (and checked) on every call, from
     memory only while a CUDA graph is being captured (graph_safe.offsets_of)."""
@@ -382,8 +392,10 @@ def validate(
     """Check a `fused_gdr_bwd` call and return it as a `GDRCall`.
 
     Raises TypeError (wrong kind or dtype) or ValueError (wrong shape or value) whose
-    message names the argument, what was expected and what came.
+    message names the argument, what was expected and what came. `cu_seqlens` may be on the CPU
+    (`offsets_to_device`).
     """
+    cu_seqlens = offsets_to_device(cu_seqlens, q)
     B, T, Hg, K, H, V = check_backward_structure(q, k, v, a, g, b, do, dht, h, initial_state=initial_state,
                                                  cu_seqlens=cu_seqlens, chunk_size=chunk_size,
                                                  state_v_first=state_v_first)

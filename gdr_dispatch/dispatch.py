@@ -25,7 +25,7 @@ import torch
 from . import caches, env, plans, tuning_table
 from .autotune import check_outputs, first_call, predict
 from .contract import (AUTOCAST_DEVICES, GDRCall, GDRGrads, check_backward_structure, check_backward_values,
-                       check_scale, make_call)
+                       check_scale, make_call, offsets_to_device)
 from .problem import Problem
 from .registry import Backend, NoBackendError, get_backend, parse_wrapped, registered_backends, wrappers
 
@@ -293,7 +293,13 @@ def fused_gdr_bwd(q, k, v, a, g, b, do, dht=None, h=None, *, scale=None, initial
     ranks' shares sum to it); `h`, when given, this rank's chunks of it. The returned `dh0` is
     this rank's share (their sum is the full gradient). Exact: docs/design.md, "Context
     parallelism across ranks".
+
+    `cu_seqlens` may be on the CPU: its device copy is built once per content and its values never
+    read back from the device, so the call makes no host wait (on q's device, they are read on every
+    eager call).
     """
+    if cu_seqlens is not None:
+        cu_seqlens = offsets_to_device(cu_seqlens, q)
     if isinstance(q, torch.Tensor) and q.device.type in AUTOCAST_DEVICES and torch.is_autocast_enabled(q.device.type):
         with torch.autocast(q.device.type, enabled=False):
             return fused_gdr_bwd(q, k, v, a, g, b, do, dht, h, scale=scale, initial_state=initial_state,

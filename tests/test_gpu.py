@@ -947,3 +947,24 @@ def test_split_backward_lends_its_outputs_only_while_nothing_holds_them_on_gpu(m
         second = fused_gdr_bwd(**kwargs)
         assert graphs.replays["lent"] == lent + 1, graphs.replays
         assert graphs.copied_bytes["out"] - copied == second.dh0.nbytes
+
+
+def test_cu_seqlens_on_the_cpu_equals_it_on_the_device_and_waits_for_nothing_on_gpu(monkeypatch):
+    """`fused_gdr_bwd` with `cu_seqlens` on the CPU (contract.offsets_to_device): the same gradients
+    as with it on the GPU, and, from the second call at these lengths on, no host wait (torch's
+    sync debug mode raises on one)."""
+    monkeypatch.setenv("GDR_BACKEND", "tilelang_fused")
+    spec = ShapeSpec(seqlens=(1, 63, 64, 65, 300), H=4, Hg=2, K=128, V=128, dtype="bfloat16", h="given")
+    kwargs, _ = case(spec, device="cuda", with_oracle=False)
+    on_gpu = fused_gdr_bwd(**kwargs)
+    cpu_kwargs = {**kwargs, "cu_seqlens": kwargs["cu_seqlens"].cpu()}
+    fused_gdr_bwd(**cpu_kwargs)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        on_cpu = fused_gdr_bwd(**cpu_kwargs)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for name in on_gpu._fields:
+        if getattr(on_gpu, name) is not None:
+            assert torch.equal(getattr(on_cpu, name), getattr(on_gpu, name)), name

@@ -166,3 +166,22 @@ def test_packed_keeps_canonical_tensors_and_copies_every_other_layout():
     assert packed(t) is not t and torch.equal(packed(t), t)
     empty = torch.empty(0, 3)
     assert packed(empty).shape == (0, 3) and packed(None) is None
+
+
+def test_cu_seqlens_on_the_cpu_becomes_a_kept_copy_on_the_device_of_q():
+    """contract.offsets_to_device: a CPU `cu_seqlens` for a call on another device (here `meta`, whose
+    tensors hold no values) becomes one copy there per content, whose values are known and never
+    read back; everything else comes back as it is, for the checks to name."""
+    from gdr_dispatch.contract import offsets_to_device
+    from gdr_dispatch.graph_safe import offsets_of
+
+    q = torch.empty(1, 10, 2, 16, device="meta")
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    on = offsets_to_device(cu, q)
+    assert on.device.type == "meta" and on.dtype == torch.int32 and tuple(on.shape) == (3,)
+    assert offsets_to_device(cu.clone(), q) is on  # once per content
+    assert offsets_to_device(cu.long(), q) is not on  # and dtype
+    assert offsets_of(on) == (0, 4, 10)  # known: a meta tensor could not be read
+    for other in (cu.float(), cu.view(1, 3), [0, 4, 10]):
+        assert offsets_to_device(other, q) is other
+    assert offsets_to_device(cu, torch.empty(1)) is cu  # a CPU call keeps its own

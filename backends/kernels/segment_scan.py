@@ -144,6 +144,16 @@ def _chain(M, STARTS, ENDS, PLAN, SEG_OFF, S0, G_END, H, K: tl.constexpr, V: tl.
 
 
 @triton.jit
+def _slot_row(first, count, q, BACKWARD: tl.constexpr):
+    """The segment row chain position q stands for: starts[first + q], or ends[first + count - 1 - q]."""
+    if BACKWARD:
+        seg = first + count - 1 - q
+    else:
+        seg = first + q
+    return seg
+
+
+@triton.jit
 def _prefix_a(M, A_IN, first, count, q, h, H, rk, cols, K: tl.constexpr, FIRST: tl.constexpr,
               BACKWARD: tl.constexpr):
     """Columns `cols` of position q's map `A_q` (K x K; `cols = rk` for all of it): at the first
@@ -183,10 +193,7 @@ def _prefix_c(SLOTS, STATE0, C_IN, n, first, count, q, h, H, rk, cols, K: tl.con
     """Columns `cols` of position q's offset `c_q` (K x BC): at the first level the sequence's
     state (q = 0) or pass 1's slot, later the level before's."""
     if FIRST:
-        if BACKWARD:
-            seg = first + count - 1 - q
-        else:
-            seg = first + q
+        seg = _slot_row(first, count, q, BACKWARD)
         slot = tl.load(SLOTS + ((seg * H + h).to(tl.int64) * K + rk[:, None]) * V + cols[None, :])
         if HAS_STATE0:
             s0 = tl.load(STATE0 + ((n * H + h).to(tl.int64) * K + rk[:, None]) * V + cols[None, :])
@@ -241,23 +248,10 @@ def _prefix_level(M, SLOTS, STATE0, PLAN, SEG_OFF, A_IN, C_IN, NZ_IN, A_OUT, C_O
                                HAS_STATE0)
                 c = tl.dot(a, cr, input_precision="tf32x3") + c
             if LAST:
-                if BACKWARD:
-                    seg = first + count - 1 - q
-                else:
-                    seg = first + q
+                seg = _slot_row(first, count, q, BACKWARD)
                 tl.store(SLOTS + ((seg * H + h).to(tl.int64) * K + rk[:, None]) * V + cols[None, :], c)
             else:
                 tl.store(C_OUT + (((first + q) * H + h).to(tl.int64) * K + rk[:, None]) * V + cols[None, :], c)
-
-
-@triton.jit
-def _slot_row(first, count, q, BACKWARD: tl.constexpr):
-    """The segment row chain position q stands for: starts[first + q], or ends[first + count - 1 - q]."""
-    if BACKWARD:
-        seg = first + count - 1 - q
-    else:
-        seg = first + q
-    return seg
 
 
 @triton.jit
