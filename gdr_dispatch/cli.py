@@ -146,11 +146,21 @@ def cmd_tune(args) -> int:
             return 2
         source += f", the shapes matching {args.match!r}"
     dev = device_info(device)
+    out_dir = Path(args.out) if args.out else tuning_table.user_table_dir()
+    if args.missing:  # a sweep that resumes: what the table already holds for this device and versions stays
+        path = tuning_table.table_path(out_dir, dev.slug)
+        held = tuning_table.load_entries(path) if path.exists() else {}
+        before = len(variants)
+        variants = [v for v in variants if v.problem(device).table_key() not in held]
+        print(f"--missing: {before - len(variants)} of {before} shapes already in {path}, {len(variants)} to tune",
+              file=sys.stderr)
+        if not variants:
+            return 0
+        source += ", those the table lacks"
     if device.type != "cuda":
         print("note: no CUDA device, so nothing the dispatcher autotunes can be measured here: this sweep times "
               "the backends that run on the CPU (the torch backend) and writes a cpu table, which checks the "
               "sweep itself; run it on the GPU you train on for a table that matters", file=sys.stderr)
-    out_dir = Path(args.out) if args.out else tuning_table.user_table_dir()
     only = set(args.backends.split(",")) if args.backends else None
     if only:
         unknown = only - set(registered_backends())
@@ -382,6 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", metavar="DIR", help="table directory (default: $GDR_TUNING_CACHE or ~/.cache/gdr_dispatch)")
     t.add_argument("--match", metavar="REGEX",
                    help="tune only the grid's shapes whose label matches (e.g. 'T8192 H16|varlen'); the table keeps the rest")
+    t.add_argument("--missing", action="store_true",
+                   help="tune only the shapes the table in --out does not hold yet for this device and these library "
+                        "versions: a sweep stopped part way resumes where it stopped")
     t.add_argument("--backends", metavar="A,B", help="tune only these backends (and their split candidates)")
     t.add_argument("--prune", action="store_true",
                    help="leave out (and record as skipped) the backend families this device's tables show never "

@@ -331,3 +331,23 @@ def test_the_tools_grids_load_and_cover_the_models_tensor_parallel_degrees():
     for H, Hk in ((32, 16), (64, 16)):
         for tp in (1, 2, 4, 8):
             assert (H // tp, Hk // tp) in layouts and (H // tp, H // tp) in layouts, (H, Hk, tp)
+
+
+def test_tune_missing_resumes_where_the_table_stops(tmp_path, capsys):
+    """`tune --missing`: the shapes the table already holds for this device and these versions are
+    left as they are, the rest tuned; with nothing left, nothing runs."""
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("shapes:\n  - {B: 1, T: 33, H: 2, K: 16, V: 16, dtype: float32, h: none, dht: false}\n")
+    base = ["tune", "--grid", str(grid), "--out", str(tmp_path), "--reps", "1", "--warmup", "0"]
+    assert cli.main(base) == 0
+    first = yaml.safe_load((tmp_path / "cpu.yaml").read_text())["entries"]
+    grid.write_text("shapes:\n  - {B: 1, T: 33, H: 2, K: 16, V: 16, dtype: float32, h: none, dht: false}\n"
+                    "  - {B: 2, T: 40, H: 2, K: 16, V: 16, dtype: float32, h: given}\n")
+    capsys.readouterr()
+    assert cli.main(base + ["--missing"]) == 0
+    err = capsys.readouterr().err
+    assert "--missing: 1 of 2 shapes already in" in err and "[1/1] B2 T40" in err
+    entries = yaml.safe_load((tmp_path / "cpu.yaml").read_text())["entries"]
+    assert len(entries) == 2 and all(entries[k] == v for k, v in first.items())
+    assert cli.main(base + ["--missing"]) == 0
+    assert "--missing: 2 of 2 shapes already in" in capsys.readouterr().err
