@@ -8,7 +8,8 @@ For each shape, with `h` given and with `h=None`:
     which runs once as the exact reference for the error column;
   * `dispatched`: `fused_gdr_bwd` with nothing forced (the tables' pick, named in the JSON
     row's `dispatched_pick` and the markdown's notes); at varlen rows also
-    `dispatched-cpu-offsets`, the same call with `cu_seqlens` on the CPU (no host wait per call);
+    `dispatched-cpu-offsets`, the same call with `cu_seqlens` on the CPU (no host wait per call
+    after the first: its device copy is kept);
   * `fla-op`: fla-core's own `chunk_gated_delta_rule_bwd`, fed fla's conventions prepared
     outside the timing (as its forward would have saved them); it always recomputes `h`;
   * `flashqla`: FlashQLA, when importable. With `h` given: its fused kernel plus the
@@ -231,7 +232,7 @@ def bench_shape(spec, warmup, reps, skip, splits=(), split_backends=(), rounds=1
         runners = {n: fn for n, fn in runners.items() if "@split" in n}
     if "dispatched" not in skip:  # what the tables pick (the row's `dispatched_pick`)
         runners["dispatched"] = dispatched(kwargs)
-        if kwargs.get("cu_seqlens") is not None:  # the same with the offsets on the CPU: no host wait per call
+        if kwargs.get("cu_seqlens") is not None:  # the offsets on the CPU: after the first call, no host wait
             runners["dispatched-cpu-offsets"] = dispatched({**kwargs, "cu_seqlens": kwargs["cu_seqlens"].cpu()})
     if "fla-op" not in skip:
         runners["fla-op"] = fla_op_runner(x)

@@ -269,10 +269,11 @@ def _check_common(q, k, v, gate, beta, names: dict, gate_dtypes, chunk_size, sta
 
 def offsets_to_device(cu_seqlens, q):
     """`cu_seqlens` given on the CPU for a call on another device: its copy there, built once per
-    content and never read back (its values are known), so a varlen backward makes no host wait.
-    Anything else comes back as it is (the checks name what is wrong with it)."""
+    content and kept (graph_safe.device_constant), its values never read back: only a content's
+    first call waits, for the copy. Anything else comes back as it is, for the checks to name."""
     if (isinstance(cu_seqlens, torch.Tensor) and isinstance(q, torch.Tensor) and cu_seqlens.device.type == "cpu"
-            and q.device.type != "cpu" and cu_seqlens.dim() == 1 and cu_seqlens.dtype in (torch.int32, torch.int64)):
+            and q.device.type != "cpu"):
+        check_cu_seqlens_form(cu_seqlens, 1)  # its form named first (B is checked on the copy)
         return device_constant(tuple(cu_seqlens.tolist()), cu_seqlens.dtype, q.device)
     return cu_seqlens
 

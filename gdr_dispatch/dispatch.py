@@ -294,9 +294,9 @@ def fused_gdr_bwd(q, k, v, a, g, b, do, dht=None, h=None, *, scale=None, initial
     this rank's share (their sum is the full gradient). Exact: docs/design.md, "Context
     parallelism across ranks".
 
-    `cu_seqlens` may be on the CPU: its device copy is built once per content and its values never
-    read back from the device, so the call makes no host wait (on q's device, they are read on every
-    eager call).
+    `cu_seqlens` may be on the CPU: its device copy is built once per content and kept, its values
+    never read back from the device, so only a content's first call waits (on q's device they are
+    read on every eager call, which waits for the work queued before it).
     """
     if cu_seqlens is not None:
         cu_seqlens = offsets_to_device(cu_seqlens, q)

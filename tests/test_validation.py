@@ -182,6 +182,9 @@ def test_cu_seqlens_on_the_cpu_becomes_a_kept_copy_on_the_device_of_q():
     assert offsets_to_device(cu.clone(), q) is on  # once per content
     assert offsets_to_device(cu.long(), q) is not on  # and dtype
     assert offsets_of(on) == (0, 4, 10)  # known: a meta tensor could not be read
-    for other in (cu.float(), cu.view(1, 3), [0, 4, 10]):
-        assert offsets_to_device(other, q) is other
+    assert offsets_to_device([0, 4, 10], q) == [0, 4, 10]  # not a tensor: the checks name it
     assert offsets_to_device(cu, torch.empty(1)) is cu  # a CPU call keeps its own
+    with pytest.raises(TypeError, match="cu_seqlens:.*int32"):  # its own fault named, not the device
+        offsets_to_device(cu.float(), q)
+    with pytest.raises(ValueError, match=r"cu_seqlens: expected a 1-D tensor"):
+        offsets_to_device(cu.view(1, 3), q)

@@ -10,8 +10,8 @@ is host-bound at the starved shapes: docs/kernels.md, "The split"). `--graph` al
 (the time in a training step captured whole, where no launch costs host time) and checks the
 replay's gradients against the eager call's. `--parts` times each part of the split alone (replayed),
 with the decay plan's share of warm segments (`--pieces 4`: pass 1 with the exact walks in
-pieces against whole, per kernel; the unverified levers (two-stream walks, pass 2's prefix or
-blocked chain) beside the plain passes; `--chain-prefetch`: pass 2 with each link's map loaded a step
+pieces against whole, per kernel; the levers, pass 1's walks on one stream or two and pass 2
+serial, as a prefix or blocked, each the other way beside what runs by default; `--chain-prefetch`: pass 2 with each link's map loaded a step
 ahead, beside the plain chain). `--pass1` times pass 1's exact maps alone, fla's kernels
 against ours (backends/kernels/segment_maps.py); with GDR_ALLOW_UNVERIFIED=1 in the environment
 the splits above run pass 1 on ours (until their GPU tests pass). `--pyprof N` adds a cProfile
@@ -130,14 +130,14 @@ def parts(call, segments: int, backend: str, reps: int) -> None:
                 ss.PREFETCH = True
 
         steps["pass 2, maps loaded in the step"] = chain_plain
-    # the unverified levers beside the plain passes, switched on in this process only: pass 1's
-    # exact walks on two streams (segment_maps.CONCURRENT_WALKS), pass 2 as a parallel prefix or
-    # blocked (segment_scan.PREFIX, BLOCKED, where on and at their segment counts)
-    def lever(fn, *flags):
+    # the levers beside what runs by default, each switched the other way in this process only:
+    # pass 1's exact walks on one stream or two (segment_maps.CONCURRENT_WALKS), pass 2 as a
+    # parallel prefix or blocked (segment_scan.PREFIX, BLOCKED; at their segment counts)
+    def lever(fn, *settings):
         def run():
-            saved = [(mod, name, getattr(mod, name)) for mod, name in flags]
-            for mod, name in flags:
-                setattr(mod, name, True)
+            saved = [(mod, name, getattr(mod, name)) for mod, name, _ in settings]
+            for mod, name, value in settings:
+                setattr(mod, name, value)
             try:
                 return fn()
             finally:
@@ -145,18 +145,22 @@ def parts(call, segments: int, backend: str, reps: int) -> None:
                     setattr(mod, name, value)
         return run
 
-    flags = []
-    if not sm.CONCURRENT_WALKS_GPU_VERIFIED:
-        flags.append((sm, "CONCURRENT_WALKS_GPU_VERIFIED"))
-        steps["pass 1, walks on two streams"] = lever(steps["pass 1 (windows, exact maps)"], flags[-1])
+    whole = steps[f"{split.name} whole"]
+    two = sm.concurrent_walks(dev)
+    walks = ((sm, "CONCURRENT_WALKS", not two), (sm, "CONCURRENT_WALKS_GPU_VERIFIED", True))
+    label = "pass 1, walks on one stream" if two else "pass 1, walks on two streams"
+    steps[label] = lever(steps["pass 1 (windows, exact maps)"], *walks)
+    steps[f"{split.name} whole, {label[8:]}"] = lever(whole, *walks)
     many = segs.max_per_sequence
-    for on, verified, least, label in ((ss.PREFIX, "PREFIX_GPU_VERIFIED", ss.PREFIX_MIN_SEGMENTS, "as a parallel prefix"),
-                                       (ss.BLOCKED, "BLOCKED_GPU_VERIFIED", ss.BLOCKED_MIN_SEGMENTS, "blocked")):
-        if on and not getattr(ss, verified) and many >= least:
-            flags.append((ss, verified))
-            steps[f"pass 2 {label}"] = lever(steps["pass 2 (chains, in place)"], flags[-1])
-    if flags:
-        steps[f"{split.name} whole, the levers above"] = lever(steps[f"{split.name} whole"], *flags)
+    serial = ((ss, "PREFIX", False), (ss, "BLOCKED", False))
+    for flag, verified, least, label in (("PREFIX", "PREFIX_GPU_VERIFIED", ss.PREFIX_MIN_SEGMENTS, "as a parallel prefix"),
+                                         ("BLOCKED", "BLOCKED_GPU_VERIFIED", ss.BLOCKED_MIN_SEGMENTS, "blocked")):
+        if many >= least:
+            settings = (*serial, (ss, flag, True), (ss, verified, True))
+            steps[f"pass 2 {label}"] = lever(steps["pass 2 (chains, in place)"], *settings)
+            steps[f"{split.name} whole, pass 2 {label}"] = lever(whole, *settings)
+    if ss.use_prefix(many, dev) or ss.use_blocked(many, dev):
+        steps["pass 2 serial"] = lever(steps["pass 2 (chains, in place)"], *serial)
     if sm.walk_pieces(segs.s) > 1:  # the same pass 1 with the exact walks whole, and both per kernel
         def whole_walks():
             real = sm.walk_pieces

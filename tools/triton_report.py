@@ -79,6 +79,7 @@ def main() -> int:
     cb, P = sm.COMPOSE_CB, 4  # the pieces kernels as they build with 4 pieces (sm.PIECES may be 1: off)
     maps = dict(K=a.K, V=a.V, BT=64)
     print(f"Triton {triton.__version__}, sm_90a, K={a.K} V={a.V} {a.dtype}")
+    done = set()
     for cfg in a.configs.split("/"):
         bc, warps, stages = ([int(x) for x in cfg.split(",")] + [1])[:3]
         kernels = {  # name: (kernel, signature, constexprs, warps, stages)
@@ -125,6 +126,10 @@ def main() -> int:
 
             kernels = {k: v for k, v in kernels.items() if re.search(a.only, k)}
         for name, (fn, sig, consts, nw, ns) in kernels.items():
+            built = (name, nw, ns, tuple(sorted(consts.items())))
+            if built in done:  # a kernel whose options do not follow --configs: once
+                continue
+            done.add(built)
             sig = {**sig, **{c: "constexpr" for c in consts}}
             src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
             kern = triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps": nw, "num_stages": ns})
@@ -134,7 +139,8 @@ def main() -> int:
                 usage = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
             line = [x for x in usage.splitlines() if "REG:" in x][-1].split()
             fields = {k: v for k, v in (x.split(":", 1) for x in line if ":" in x)}
-            print(f"{name} BC={bc} warps={nw} stages={ns}: registers {fields.get('REG')}, stack {fields.get('STACK')} B, "
+            cols = consts.get("BC", consts.get("BV", consts.get("CB", "-")))
+            print(f"{name} BC={cols} warps={nw} stages={ns}: registers {fields.get('REG')}, stack {fields.get('STACK')} B, "
                   f"shared {kern.metadata.shared} B", flush=True)
     return 0
 

@@ -425,7 +425,7 @@ def group_size(max_segments: int) -> int:
 
 def use_blocked(max_segments: int, device) -> bool:
     """Whether pass 2 runs blocked (`BLOCKED`, at BLOCKED_MIN_SEGMENTS segments or more, CUDA;
-    until its GPU test passes only with GDR_ALLOW_UNVERIFIED=1)."""
+    while BLOCKED_GPU_VERIFIED is False only with GDR_ALLOW_UNVERIFIED=1)."""
     from gdr_dispatch.registry import unverified_allowed
 
     return (BLOCKED and max_segments >= BLOCKED_MIN_SEGMENTS and torch.device(device).type == "cuda"
@@ -469,7 +469,7 @@ def chain_blocked(M: torch.Tensor, starts, ends, plan: torch.Tensor, seg_offsets
 
 def use_prefix(max_segments: int, device) -> bool:
     """Whether pass 2 runs as the parallel prefix (`PREFIX`, at PREFIX_MIN_SEGMENTS segments or
-    more, CUDA; until its GPU test passes only with GDR_ALLOW_UNVERIFIED=1)."""
+    more, CUDA; while PREFIX_GPU_VERIFIED is False only with GDR_ALLOW_UNVERIFIED=1)."""
     from gdr_dispatch.registry import unverified_allowed
 
     return (PREFIX and max_segments >= PREFIX_MIN_SEGMENTS and torch.device(device).type == "cuda"
