@@ -992,36 +992,27 @@ def test_pass_1_walks_fork_only_on_a_gpu_and_once_verified(monkeypatch):
     assert not sm.concurrent_walks(gpu)
 
 
-def test_pass_2_runs_as_a_prefix_only_on_a_gpu_at_many_segments_and_once_verified(monkeypatch):
-    """segment_scan.use_prefix: CUDA, PREFIX_MIN_SEGMENTS segments or more, and only once its GPU
-    test passed (or with GDR_ALLOW_UNVERIFIED=1)."""
+@pytest.mark.parametrize("form", ["PREFIX", "BLOCKED"])
+def test_pass_2_forms_run_only_on_a_gpu_at_many_segments_and_once_verified(form, monkeypatch):
+    """segment_scan.use_prefix and use_blocked: switched on, CUDA, their MIN_SEGMENTS segments or
+    more, and only once their GPU tests passed (or with GDR_ALLOW_UNVERIFIED=1)."""
     from gdr_dispatch.backends.kernels import segment_scan as ss
 
+    use = ss.use_prefix if form == "PREFIX" else ss.use_blocked
     monkeypatch.delenv("GDR_ALLOW_UNVERIFIED", raising=False)
-    monkeypatch.setattr(ss, "PREFIX", True)
-    monkeypatch.setattr(ss, "PREFIX_GPU_VERIFIED", False)
-    many = ss.PREFIX_MIN_SEGMENTS
-    assert not ss.use_prefix(many, "cuda")
+    monkeypatch.setattr(ss, form, True)
+    monkeypatch.setattr(ss, f"{form}_GPU_VERIFIED", False)
+    many = getattr(ss, f"{form}_MIN_SEGMENTS")
+    assert not use(many, "cuda")
     monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
-    assert ss.use_prefix(many, "cuda") and not ss.use_prefix(many - 1, "cuda") and not ss.use_prefix(many, "cpu")
-    monkeypatch.setattr(ss, "PREFIX", False)
-    assert not ss.use_prefix(many, "cuda")
+    assert use(many, "cuda") and not use(many - 1, "cuda") and not use(many, "cpu")
+    monkeypatch.setattr(ss, form, False)
+    assert not use(many, "cuda")
 
 
-def test_pass_2_runs_blocked_only_on_a_gpu_at_many_segments_and_once_verified(monkeypatch):
-    """segment_scan.use_blocked: CUDA, BLOCKED_MIN_SEGMENTS segments or more, and only once its GPU
-    test passed (or with GDR_ALLOW_UNVERIFIED=1); its groups the fewest serial steps."""
+def test_blocked_groups_take_the_fewest_serial_steps():
     from gdr_dispatch.backends.kernels import segment_scan as ss
 
-    monkeypatch.delenv("GDR_ALLOW_UNVERIFIED", raising=False)
-    monkeypatch.setattr(ss, "BLOCKED", True)
-    monkeypatch.setattr(ss, "BLOCKED_GPU_VERIFIED", False)
-    many = ss.BLOCKED_MIN_SEGMENTS
-    assert not ss.use_blocked(many, "cuda")
-    monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
-    assert ss.use_blocked(many, "cuda") and not ss.use_blocked(many - 1, "cuda") and not ss.use_blocked(many, "cpu")
-    monkeypatch.setattr(ss, "BLOCKED", False)
-    assert not ss.use_blocked(many, "cuda")
     assert [ss.group_size(c) for c in (1, 2, 3, 16, 32, 64)] == [1, 1, 1, 3, 4, 5]
 
 

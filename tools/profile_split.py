@@ -121,19 +121,9 @@ def parts(call, segments: int, backend: str, reps: int) -> None:
         f"pass 3 {backend}, h=None": lambda: inner.run(no_h),
         f"{split.name} whole": lambda: split._run(call),
     }
-    if ss.PREFETCH:  # the same pass 2 with each link's map loaded when it is used
-        def chain_plain():
-            ss.PREFETCH = False
-            try:
-                ss.chain(M, starts, ends, plan, seg_off, segs.max_per_sequence, S0, G_end)
-            finally:
-                ss.PREFETCH = True
 
-        steps["pass 2, maps loaded in the step"] = chain_plain
-    # the levers beside what runs by default, each switched the other way in this process only:
-    # pass 1's exact walks on one stream or two (segment_maps.CONCURRENT_WALKS), pass 2 as a
-    # parallel prefix or blocked (segment_scan.PREFIX, BLOCKED; at their segment counts)
     def lever(fn, *settings):
+        """`fn` with each `(module, name, value)` of `settings` set while it runs, in this process only."""
         def run():
             saved = [(mod, name, getattr(mod, name)) for mod, name, _ in settings]
             for mod, name, value in settings:
@@ -145,6 +135,11 @@ def parts(call, segments: int, backend: str, reps: int) -> None:
                     setattr(mod, name, value)
         return run
 
+    if ss.PREFETCH:  # the same pass 2 with each link's map loaded when it is used
+        steps["pass 2, maps loaded in the step"] = lever(steps["pass 2 (chains, in place)"], (ss, "PREFETCH", False))
+    # the levers beside what runs by default, each switched the other way: pass 1's exact walks on
+    # one stream or two (segment_maps.CONCURRENT_WALKS), pass 2 as a parallel prefix or blocked
+    # (segment_scan.PREFIX, BLOCKED; at their segment counts)
     whole = steps[f"{split.name} whole"]
     two = sm.concurrent_walks(dev)
     walks = ((sm, "CONCURRENT_WALKS", not two), (sm, "CONCURRENT_WALKS_GPU_VERIFIED", True))
@@ -162,15 +157,8 @@ def parts(call, segments: int, backend: str, reps: int) -> None:
     if ss.use_prefix(many, dev) or ss.use_blocked(many, dev):
         steps["pass 2 serial"] = lever(steps["pass 2 (chains, in place)"], *serial)
     if sm.walk_pieces(segs.s) > 1:  # the same pass 1 with the exact walks whole, and both per kernel
-        def whole_walks():
-            real = sm.walk_pieces
-            sm.walk_pieces = lambda max_chunks: 1
-            try:
-                return sm.segment_pieces(seg_call, plan, roles, need, max_chunks=segs.s)
-            finally:
-                sm.walk_pieces = real
-
-        steps["pass 1, exact walks whole"] = whole_walks
+        steps["pass 1, exact walks whole"] = lever(steps["pass 1 (windows, exact maps)"],
+                                                   (sm, "walk_pieces", lambda max_chunks: 1))
         for name in ("pass 1 (windows, exact maps)", "pass 1, exact walks whole"):
             print(f"  {name}, per kernel (us per call):\n" + kernel_table(steps[name], reps), flush=True)
     for name, fn in steps.items():

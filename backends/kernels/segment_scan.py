@@ -423,13 +423,19 @@ def group_size(max_segments: int) -> int:
     return min(range(1, links + 1), key=lambda g: 2 * g - 1 + -(-links // g))
 
 
+def _form_on(on: bool, least: int, verified: bool, max_segments: int, device) -> bool:
+    """Whether one of pass 2's other forms runs: switched `on`, at `least` segments or more, CUDA;
+    while not `verified` only with GDR_ALLOW_UNVERIFIED=1."""
+    from gdr_dispatch.registry import unverified_allowed
+
+    return (on and max_segments >= least and torch.device(device).type == "cuda"
+            and (verified or unverified_allowed()))
+
+
 def use_blocked(max_segments: int, device) -> bool:
     """Whether pass 2 runs blocked (`BLOCKED`, at BLOCKED_MIN_SEGMENTS segments or more, CUDA;
     while BLOCKED_GPU_VERIFIED is False only with GDR_ALLOW_UNVERIFIED=1)."""
-    from gdr_dispatch.registry import unverified_allowed
-
-    return (BLOCKED and max_segments >= BLOCKED_MIN_SEGMENTS and torch.device(device).type == "cuda"
-            and (BLOCKED_GPU_VERIFIED or unverified_allowed()))
+    return _form_on(BLOCKED, BLOCKED_MIN_SEGMENTS, BLOCKED_GPU_VERIFIED, max_segments, device)
 
 
 def chain_blocked(M: torch.Tensor, starts, ends, plan: torch.Tensor, seg_offsets: torch.Tensor,
@@ -470,10 +476,7 @@ def chain_blocked(M: torch.Tensor, starts, ends, plan: torch.Tensor, seg_offsets
 def use_prefix(max_segments: int, device) -> bool:
     """Whether pass 2 runs as the parallel prefix (`PREFIX`, at PREFIX_MIN_SEGMENTS segments or
     more, CUDA; while PREFIX_GPU_VERIFIED is False only with GDR_ALLOW_UNVERIFIED=1)."""
-    from gdr_dispatch.registry import unverified_allowed
-
-    return (PREFIX and max_segments >= PREFIX_MIN_SEGMENTS and torch.device(device).type == "cuda"
-            and (PREFIX_GPU_VERIFIED or unverified_allowed()))
+    return _form_on(PREFIX, PREFIX_MIN_SEGMENTS, PREFIX_GPU_VERIFIED, max_segments, device)
 
 
 def chain_prefix(M: torch.Tensor, starts, ends, plan: torch.Tensor, seg_offsets: torch.Tensor,
