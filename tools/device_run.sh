@@ -82,6 +82,13 @@ for arg in "$@"; do
         echo "== profile_split.py $run_args"
         timeout "$(left)" python3 tools/profile_split.py $run_args 2>&1 | grep -v TileLang
       done > "$OUT/splitprof.log" 2>&1 ;;
+    probe)
+      # PROBE_ARGS: tools/ws_probe.py runs, separated by ';;' (e.g. --only tiny --check --mode kvcols)
+      IFS=$'\n' read -r -d '' -a runs < <(printf '%s' "${PROBE_ARGS:-}" | sed 's/;;/\n/g'; printf '\0')
+      for run_args in "${runs[@]:-}"; do
+        echo "== ws_probe.py $run_args"
+        timeout "$(( $(left) < 120 ? $(left) : 120 ))" python3 tools/ws_probe.py $run_args 2>&1 | grep -v TileLang
+      done > "$OUT/probe.log" 2>&1 ;;
     hotpath)
       timeout "$(left)" python3 bench/bench_hot_path.py ${HOTPATH_ARGS:-} --out "$OUT/bench" 2>&1 \
         | grep -v TileLang > "$OUT/hotpath.log" ;;

@@ -54,16 +54,18 @@ def _cuobjdump_on_path() -> None:
 
 def sass_of(build: str, H: int, Hg: int, dtype: str, kernel: str = "ws") -> str:
     _cuobjdump_on_path()
-    if build not in ("default", "timing"):
-        raise ValueError(f"--builds: default or timing, got {build!r}")
-    timing = build == "timing"
+    timing = build.startswith("timing")
+    mode = build.removeprefix("timing").lstrip("-") if timing else build
+    mode = "full" if mode in ("", "default") else mode
+    if mode != "full" and kernel != "ws":
+        raise ValueError(f"--builds: default or timing for {kernel}, got {build!r}")
     if kernel == "states":
         from gdr_dispatch.backends.kernels.tilelang_states import build_states
 
         return build_states(H, Hg, dtype, False, timing=timing)._get_sass()
     from gdr_dispatch.backends.kernels.tilelang_ws_bwd import build_ws_bwd
 
-    return build_ws_bwd(H, Hg, 128 ** -0.5, dtype, dtype, timing=timing)._get_sass()
+    return build_ws_bwd(H, Hg, 128 ** -0.5, dtype, dtype, timing=timing, mode=mode)._get_sass()
 
 
 def label_regions(caps: list[int], kernel: str = "ws") -> list[str]:
@@ -133,7 +135,8 @@ def main(argv=None) -> int:
     p.add_argument("--kernel", choices=sorted(KERNELS), default="ws",
                    help="ws: the backward (tilelang_ws_bwd.py); states: the state kernel (tilelang_states.py)")
     p.add_argument("--builds", default="default",
-                   help="comma-separated builds: default, timing (with cycle counters)")
+                   help="comma-separated builds: default, timing (with cycle counters), a mode of "
+                        "tilelang_ws_bwd.MODES (kvcols) or timing-<mode>")
     p.add_argument("--H", type=int, default=2)
     p.add_argument("--Hg", type=int, default=2)
     p.add_argument("--dtype", default="bfloat16")
