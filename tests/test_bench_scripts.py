@@ -303,6 +303,51 @@ def test_sass_report_cuts_each_consumer_group_at_its_mbarrier_arrivals(monkeypat
     assert got["S"] == got["KV"] == [(2, 1, 0), (2, 0, 1)]
 
 
+def test_sass_report_builds_name_a_mode_and_the_timing_build(monkeypatch):
+    """`--builds`: default, timing, a mode of the backward (`nowait`) or `timing-<mode>` reach
+    `build_ws_bwd` as (timing, mode); a mode of the state kernel, or an unknown mode, is refused."""
+    monkeypatch.syspath_prepend(str(TOOLS))
+    import sass_report
+    from gdr_dispatch.backends.kernels import tilelang_ws_bwd
+
+    seen = []
+
+    class Built:
+        def _get_sass(self):
+            return ""
+
+    def fake(H, Hg, scale, dtype, b_dtype, timing=False, mode="full"):
+        if mode not in tilelang_ws_bwd.MODES:
+            raise ValueError(f"mode: {mode!r}")
+        seen.append((timing, mode))
+        return Built()
+
+    monkeypatch.setattr(sass_report, "_cuobjdump_on_path", lambda: None)
+    monkeypatch.setattr(tilelang_ws_bwd, "build_ws_bwd", fake)
+    for build in ("default", "timing", "nowait", "timing-nowait", "timing-reconly"):
+        sass_report.sass_of(build, 2, 2, "bfloat16")
+    assert seen == [(False, "full"), (True, "full"), (False, "nowait"), (True, "nowait"), (True, "reconly")]
+    with pytest.raises(ValueError, match="states"):
+        sass_report.sass_of("nowait", 2, 2, "bfloat16", kernel="states")
+    with pytest.raises(ValueError, match="mode"):
+        sass_report.sass_of("timing-bogus", 2, 2, "bfloat16")
+
+
+def test_ws_probe_runs_a_prototype_mode_alone(capsys):
+    """A prototype build's results are wrong: `--check` or `--peer` with it is refused before any
+    device is asked for; the full build is the only mode with right results."""
+    sys.path.insert(0, str(TOOLS))
+    import ws_probe
+    from gdr_dispatch.backends.kernels.tilelang_ws_bwd import EXACT_MODES, MODES
+
+    assert EXACT_MODES == ("full",) and set(EXACT_MODES) <= set(MODES)
+    for extra in (["--check"], ["--peer"]):
+        with pytest.raises(SystemExit) as e:
+            ws_probe.main(["--mode", "nowait", *extra])
+        assert e.value.code == 2
+        assert "prototype" in capsys.readouterr().err
+
+
 def test_ncu_groups_compares_a_peer_group_by_group(tmp_path, capsys):
     """`--peer`: both pages split at their USETMAXREG lines in nvcc's order; instructions per
     warp and step, and samples on an mbarrier poll (a branch after a try-wait) kept apart from

@@ -83,7 +83,7 @@ for arg in "$@"; do
         timeout "$(left)" python3 tools/profile_split.py $run_args 2>&1 | grep -v TileLang
       done > "$OUT/splitprof.log" 2>&1 ;;
     probe)
-      # PROBE_ARGS: tools/ws_probe.py runs, separated by ';;' (e.g. --only tiny --check --mode kvcols)
+      # PROBE_ARGS: tools/ws_probe.py runs, separated by ';;' (e.g. --only tiny --check;; --only B4T4096H16 --timing)
       IFS=$'\n' read -r -d '' -a runs < <(printf '%s' "${PROBE_ARGS:-}" | sed 's/;;/\n/g'; printf '\0')
       for run_args in "${runs[@]:-}"; do
         echo "== ws_probe.py $run_args"

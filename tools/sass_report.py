@@ -136,7 +136,7 @@ def main(argv=None) -> int:
                    help="ws: the backward (tilelang_ws_bwd.py); states: the state kernel (tilelang_states.py)")
     p.add_argument("--builds", default="default",
                    help="comma-separated builds: default, timing (with cycle counters), a mode of "
-                        "tilelang_ws_bwd.MODES (kvcols) or timing-<mode>")
+                        "tilelang_ws_bwd.MODES (reconly, nowait) or timing-<mode>")
     p.add_argument("--H", type=int, default=2)
     p.add_argument("--Hg", type=int, default=2)
     p.add_argument("--dtype", default="bfloat16")

@@ -63,12 +63,11 @@ TIMING_SLOTS = 18
 #: backward: the next decomposition"): `reconly`, S and KV run only the recurrence (K dS',
 #: the 16-bit dU, Ag^T dU, dUs, K^T dUs + Q^T dO_g, the 16-bit dS) and A only keeps the phases;
 #: `nowait`, every consumer group arrives at the phase barriers without waiting (the producer's
-#: `full` still paces the chunks). `full` is the kernel. `kvcols` (right results, measured
-#: against `full`): the column terms of Ag and Pg (dG's column sums, db's column part) come from
-#: KV by row identities instead of A's transposes (docs/kernels.md, "Fused backward").
-MODES = ("full", "reconly", "nowait", "kvcols")
-#: The modes whose results are right (tools/ws_probe.py checks and times them beside FlashQLA).
-EXACT_MODES = ("full", "kvcols")
+#: `full` still paces the chunks). `full` is the kernel.
+MODES = ("full", "reconly", "nowait")
+#: The modes whose results are right (tools/ws_probe.py checks a variant listed here and times it
+#: beside the full build in the same rounds).
+EXACT_MODES = ("full",)
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,7 +92,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     """
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-    reconly, nowait, kvcols = mode == "reconly", mode == "nowait", mode == "kvcols"
+    reconly, nowait = mode == "reconly", mode == "nowait"
     accum = "float32"
     TT = T.dynamic("num_tokens")
     NC = T.dynamic("num_chunks")
@@ -305,8 +304,6 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                 glk_s = T.alloc_shared((BT,), accum)  # the G_L term: rows of dk's part * K (KV, phase 5)
                 gscan_s = T.alloc_shared((2, BT), accum)  # S, phase 7: dG's reverse cumsum, the G_L sum
                 db_s = T.alloc_shared((BT,), accum)  # db's column part (A, phase 4)
-                if kvcols:
-                    dbk_s = T.alloc_shared((BT,), accum)  # db's column part (KV, phase 3)
                 tm_s = T.alloc_shared((3, NS), "int32")  # timing builds: the counters
 
                 # ---- registers ----
@@ -318,8 +315,6 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                 kv1_f = T.alloc_fragment((BT, V), accum)  # KV
                 kv2_f = T.alloc_fragment((BT, K), accum)
                 kvr_f = T.alloc_fragment((BT,), accum)
-                if kvcols:
-                    kvc_f = T.alloc_fragment((BT,), accum)  # db's column part (phase 3), dk * K rows (6)
                 kvx_f = T.alloc_fragment((BT, BT), accum)  # A^T dAr (phase 5 only)
                 pg_f = T.alloc_fragment((BT, BT), accum)  # A
                 sq_f = T.alloc_fragment((BT, BT), accum)
@@ -335,8 +330,6 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                 start = T.alloc_barrier(arrive_count=384)  # dS' copy of dht is in dh_s
                 phase = T.alloc_barrier(arrive_count=[384] * PHASES)
                 kfree = T.alloc_barrier(arrive_count=128)  # KV's phase-7 gemm has read k_s
-                if kvcols:
-                    wfree = T.alloc_barrier(arrive_count=128)  # KV has read W in w_s (phase 3)
 
                 T.annotate_layout({
                     q_s: tilelang.layout.make_swizzled_layout(q_s),
@@ -423,17 +416,11 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         T.barrier_arrive(phase[5])
                         T.copy(dS_f, dh_s)
                         T.fence_proxy_async()
-                        if not reconly and not kvcols:
+                        if not reconly:
                             store_dg(gscan_s, dGk_s, dGa_s, gls_s, glk_s, dg, t0, L, hh)  # every dG part is in by now
                         phase_sync(phase, 5, it % 2, 6, 0, tick, tm_s, arrive=False)
-                        # 7: db = its two parts (A's row part lands in phase 6); with kvcols dg too
-                        # (KV's last dG part, Pg's column sums, lands in phase 6)
-                        if kvcols:
-                            store_dg(gscan_s, dGk_s, dGa_s, gls_s, glk_s, dg, t0, L, hh)
-                            for i in T.Parallel(BT):
-                                if i < L:
-                                    db[t0 + i, hh] = T.cast(db_s[i] + dbk_s[i], b_dtype)
-                        elif not reconly:
+                        # 7: db = its two parts (A's row part lands in phase 6)
+                        if not reconly:
                             for i in T.Parallel(BT):
                                 if i < L:
                                     db[t0 + i, hh] = T.cast(db_s[i], b_dtype)
@@ -474,21 +461,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         T.fence_proxy_async()
                         phase_sync(phase, 1, it % 2, 2, 1, tick, tm_s)
                         # 3: dv = Ag^T dV' (b is inside Ag); dUs = -e^G dv; dG += rows of dUs * U
-                        if kvcols:
-                            # Y = (Gam A)^T dV' (x3_s holds Gam A without b); with W from w_s, as A's
-                            # dAg = dV' W^T reads it, db's column part is rows of Y * W (sum_i dAg_ij
-                            # Gam_ij A_ij = W_j . Y_j) and dG's column sums of dAg * Ag are b times it;
-                            # dv = b Y. A writes V' over W once KV has read it (`wfree`)
-                            T.gemm(x3_s, dvp_s, kv1_f, transpose_A=True, clear_accum=True)
-                            for i, j in T.Parallel(BT, V):
-                                kv2_f[i, j] = kv1_f[i, j] * T.cast(w_s[i, j], accum)
-                                kv1_f[i, j] = kv1_f[i, j] * b_s[i]
-                            T.reduce_sum(kv2_f, kvc_f, dim=1)
-                            T.barrier_arrive(wfree)
-                            for i in T.Parallel(BT):
-                                dbk_s[i] = kvc_f[i]
-                        else:
-                            T.gemm(ag_s, dvp_s, kv1_f, transpose_A=True, clear_accum=True)
+                        T.gemm(ag_s, dvp_s, kv1_f, transpose_A=True, clear_accum=True)
                         if reconly:
                             for i, j in T.Parallel(BT, V):
                                 kv1_f[i, j] = -kv1_f[i, j] * eG_s[i]
@@ -498,12 +471,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                                 kv1_f[i, j] = -kv1_f[i, j] * eG_s[i]
                                 kv2_f[i, j] = kv1_f[i, j] * T.cast(u_s[i, j], accum)
                             T.reduce_sum(kv2_f, kvr_f, dim=1)
-                            if kvcols:
-                                for i in T.Parallel(BT):
-                                    dGk_s[i] = kvr_f[i] - b_s[i] * kvc_f[i]
-                            else:
-                                for i in T.Parallel(BT):
-                                    dGk_s[i] = kvr_f[i]
+                            for i in T.Parallel(BT):
+                                dGk_s[i] = kvr_f[i]
                         phase_sync(phase, 2, it % 2, 3, 1, tick, tm_s)
                         # 4: dUs into u_s (U is read by now)
                         T.copy(kv1_f, u_s)
@@ -520,29 +489,17 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                                 dGk_s[i] = dGk_s[i] - kvr_f[i]
                                 glk_s[i] = kvr_f[i]  # the G_L term's rows, summed by S in phase 7
                             # and A^T dAr (dAr in x3_s since A's phase 4) into ag_s, free since phase 3
-                            # (kvcols: dAr in ag_s, A^T dAr into x3_s, which KV read last in phase 3)
-                            T.wgmma_gemm(a_s, ag_s if kvcols else x3_s, kvx_f, transpose_A=True, clear_accum=True)
+                            T.wgmma_gemm(a_s, x3_s, kvx_f, transpose_A=True, clear_accum=True)
                             T.wgmma_gemm(u_s, h_s, kv2_f, transpose_B=True)
                             T.wait_wgmma(1)
                             fence(kvx_f)
-                            T.copy(kvx_f, x3_s if kvcols else ag_s)
+                            T.copy(kvx_f, ag_s)
                             T.fence_proxy_async()
                             T.wait_wgmma(0)
                             fence(kv2_f)
                         phase_sync(phase, 4, it % 2, 5, 1, tick, tm_s)
-                        # 6: dk += dP^T Q (kvcols: apart first, for dG's column sums of dPg * Pg =
-                        # rows of dP^T Q * K)
-                        if kvcols:  # rows of dk * K after the gemm less before it (no second accumulator)
-                            for i, j in T.Parallel(BT, K):
-                                kv1_f[i, j] = kv2_f[i, j] * T.cast(k_s[i, j], accum)
-                            T.reduce_sum(kv1_f, kvc_f, dim=1)
-                            T.gemm(pg_s, q_s, kv2_f, transpose_A=True)
-                            for i, j in T.Parallel(BT, K):
-                                kv1_f[i, j] = kv2_f[i, j] * T.cast(k_s[i, j], accum)
-                            T.reduce_sum(kv1_f, kvr_f, dim=1)
-                            for i in T.Parallel(BT):
-                                dGk_s[i] = dGk_s[i] - (kvr_f[i] - kvc_f[i])
-                        elif not reconly:
+                        # 6: dk += dP^T Q
+                        if not reconly:
                             T.gemm(pg_s, q_s, kv2_f, transpose_A=True)
                         phase_sync(phase, 5, it % 2, 6, 1, tick, tm_s)
                         # 7: dk += (dkk + dkk^T) K
@@ -580,15 +537,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                                 gam_f[i, j] = T.exp2(T.if_then_else(j <= i, (G_s[i] - G_s[j]) * LOG2E, T.cast(-1e30, accum)))
                             # 1: Pg = scale Gam Q K^T; Ag = Gam A b (formed while the gemm runs; KV forms U and W)
                             T.wgmma_gemm(q_s, k_s, pg_f, transpose_B=True, clear_accum=True)
-                            if kvcols:  # Gam A for KV's Y (x3_s is free until phase 4's dAr)
-                                for i, j in T.Parallel(BT, BT):
-                                    sq_f[i, j] = gam_f[i, j] * T.cast(a_s[i, j], accum)
-                                T.copy(sq_f, x3_s)
-                                for i, j in T.Parallel(BT, BT):
-                                    sq_f[i, j] = sq_f[i, j] * b_s[j]
-                            else:
-                                for i, j in T.Parallel(BT, BT):  # sq_f is free until phase 3
-                                    sq_f[i, j] = gam_f[i, j] * T.cast(a_s[i, j], accum) * b_s[j]
+                            for i, j in T.Parallel(BT, BT):  # sq_f is free until phase 3
+                                sq_f[i, j] = gam_f[i, j] * T.cast(a_s[i, j], accum) * b_s[j]
                             T.copy(sq_f, ag_s)
                             T.wait_wgmma(0)
                             fence(pg_f)
@@ -607,29 +557,21 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             # 4: V' into w_s; through Ag = Gam A b: dG (rows - columns of dAg Ag), db's
                             # column part (the column sums through an exact transpose in x3_s, free until dAr),
                             # dAr = Gam b dAg (the ungated inverse's gradient) into x3_s (KV may still read Ag)
-                            if kvcols:
-                                T.barrier_wait(wfree, it % 2)  # KV's phase 3 has read W
                             T.copy(a1_f, w_s)
-                            if kvcols:  # the column terms are KV's; dAr into ag_s (A's V' gemm read it)
-                                for i, j in T.Parallel(BT, BT):
-                                    sq_f[i, j] = gam_f[i, j] * sq_f[i, j] * b_s[j]  # dAr
-                                    sq2_f[i, j] = sq_f[i, j] * T.cast(a_s[i, j], accum)  # dAg * Ag
-                                T.copy(sq_f, ag_s)
-                            else:
-                                for i, j in T.Parallel(BT, BT):
-                                    sq2_f[i, j] = gam_f[i, j] * sq_f[i, j] * T.cast(a_s[i, j], accum)
-                                # db's column part from a 16-bit copy; dG's column parts in phase 5
-                                for i, j in T.Parallel(BT, BT):
-                                    x3_s[i, j] = T.cast(sq2_f[i, j], dtype)
-                                for i, j in T.Parallel(BT, BT):
-                                    pg_f[i, j] = T.cast(x3_s[j, i], accum)
-                                T.reduce_sum(pg_f, ac_f, dim=1)
-                                for i, j in T.Parallel(BT, BT):
-                                    sq2_f[i, j] = sq2_f[i, j] * b_s[j]  # dAg * Ag, summed with dPg * Pg in phase 5
-                                for i in T.Parallel(BT):
-                                    db_s[i] = ac_f[i]
-                                for i, j in T.Parallel(BT, BT):
-                                    x3_s[i, j] = T.cast(gam_f[i, j] * sq_f[i, j] * b_s[j], dtype)
+                            for i, j in T.Parallel(BT, BT):
+                                sq2_f[i, j] = gam_f[i, j] * sq_f[i, j] * T.cast(a_s[i, j], accum)
+                            # db's column part from a 16-bit copy; dG's column parts in phase 5
+                            for i, j in T.Parallel(BT, BT):
+                                x3_s[i, j] = T.cast(sq2_f[i, j], dtype)
+                            for i, j in T.Parallel(BT, BT):
+                                pg_f[i, j] = T.cast(x3_s[j, i], accum)
+                            T.reduce_sum(pg_f, ac_f, dim=1)
+                            for i, j in T.Parallel(BT, BT):
+                                sq2_f[i, j] = sq2_f[i, j] * b_s[j]  # dAg * Ag, summed with dPg * Pg in phase 5
+                            for i in T.Parallel(BT):
+                                db_s[i] = ac_f[i]
+                            for i, j in T.Parallel(BT, BT):
+                                x3_s[i, j] = T.cast(gam_f[i, j] * sq_f[i, j] * b_s[j], dtype)
                             T.fence_proxy_async()
                             phase_arrive(phase, 3, 4, 2, tick, tm_s)  # phase 5 reads and writes only A's own tiles
                             # 5: dPg = dO V'^T, its dG (rows - columns of dPg Pg), dP = scale Gam dPg;
@@ -637,50 +579,32 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             T.wgmma_gemm(do_s, w_s, sq_f, transpose_B=True, clear_accum=True)
                             T.wait_wgmma(0)  # dO S^T waits until dPg's dG terms: its accumulator not live beside theirs
                             fence(sq_f)
-                            # dG of Ag and Pg at once: rows - columns of dAg * Ag + dPg * Pg (kvcols:
-                            # Pg's rows are q . (dP K), taken with dq's own below, its columns KV's)
-                            if not kvcols:
-                                for i, j in T.Parallel(BT, BT):
-                                    sq2_f[i, j] = sq2_f[i, j] + sq_f[i, j] * T.cast(pg_s[i, j], accum)
+                            # dG of Ag and Pg at once: rows - columns of dAg * Ag + dPg * Pg
+                            for i, j in T.Parallel(BT, BT):
+                                sq2_f[i, j] = sq2_f[i, j] + sq_f[i, j] * T.cast(pg_s[i, j], accum)
                             T.reduce_sum(sq2_f, ar_f, dim=1)
-                            if kvcols:  # the column sums are KV's (phases 3 and 6)
-                                for i in T.Parallel(BT):
-                                    dGa_s[i] = ar_f[i]
-                            else:
-                                column_sums(sq2_f, pg_s, pg_f, ac_f)  # Pg is read; pg_s takes dP next
-                                for i in T.Parallel(BT):
-                                    dGa_s[i] = ar_f[i] - ac_f[i]
+                            column_sums(sq2_f, pg_s, pg_f, ac_f)  # Pg is read; pg_s takes dP next
+                            for i in T.Parallel(BT):
+                                dGa_s[i] = ar_f[i] - ac_f[i]
                             T.wgmma_gemm(do_s, h_s, a1_f, transpose_B=True, clear_accum=True)
                             for i, j in T.Parallel(BT, BT):  # dP in dPg's registers (not read again), stored with stmatrix
                                 sq_f[i, j] = gated(sq_f, gam_f, i, j)
                             T.copy(sq_f, pg_s)
                             T.wait_wgmma(0)
                             fence(a1_f)
-                            if kvcols:  # dG += q . dq, both of dq's terms (fla's identity)
-                                for i, j in T.Parallel(BT, K):
-                                    a1_f[i, j] = a1_f[i, j] * scale * eG_s[i]
-                                T.fence_proxy_async()
-                                T.gemm(pg_s, k_s, a1_f)
-                                for i, j in T.Parallel(BT, K):
-                                    a2_f[i, j] = a1_f[i, j] * T.cast(q_s[i, j], accum)
-                                T.reduce_sum(a2_f, ar_f, dim=1)
-                                for i in T.Parallel(BT):
-                                    dGa_s[i] = dGa_s[i] + ar_f[i]
-                            else:
-                                for i, j in T.Parallel(BT, K):
-                                    a1_f[i, j] = a1_f[i, j] * scale * eG_s[i]
-                                    a2_f[i, j] = a1_f[i, j] * T.cast(q_s[i, j], accum)
-                                T.reduce_sum(a2_f, ar_f, dim=1)
-                                for i in T.Parallel(BT):
-                                    dGa_s[i] = dGa_s[i] + ar_f[i]
-                                T.fence_proxy_async()
-                                T.gemm(pg_s, k_s, a1_f)
+                            for i, j in T.Parallel(BT, K):
+                                a1_f[i, j] = a1_f[i, j] * scale * eG_s[i]
+                                a2_f[i, j] = a1_f[i, j] * T.cast(q_s[i, j], accum)
+                            T.reduce_sum(a2_f, ar_f, dim=1)
+                            for i in T.Parallel(BT):
+                                dGa_s[i] = dGa_s[i] + ar_f[i]
+                            T.fence_proxy_async()
+                            T.gemm(pg_s, k_s, a1_f)
                             phase_sync(phase, 4, it % 2, 5, 2, tick, tm_s)
                             # 6: through A = M^-1: dA = A^T dAr A^T, dM = -dA strictly lower,
                             # db += rows of dM * (K K^T), dkk = b dM; dkk + dkk^T into ag_s
                             T.wgmma_gemm(k_s, k_s, sq2_f, transpose_B=True, clear_accum=True)
-                            # KV put A^T dAr in ag_s (kvcols: in x3_s)
-                            T.wgmma_gemm(x3_s if kvcols else ag_s, a_s, sq_f, transpose_B=True, clear_accum=True)
+                            T.wgmma_gemm(ag_s, a_s, sq_f, transpose_B=True, clear_accum=True)  # KV put A^T dAr in ag_s
                             T.wait_wgmma(0)
                             fence(sq2_f)
                             fence(sq_f)
@@ -688,12 +612,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                                 sq_f[i, j] = T.if_then_else(j < i, -sq_f[i, j], T.cast(0, accum))  # dM
                                 sq2_f[i, j] = sq_f[i, j] * sq2_f[i, j]
                             T.reduce_sum(sq2_f, ar_f, dim=1)
-                            if kvcols:
-                                for i in T.Parallel(BT):
-                                    db_s[i] = ar_f[i]
-                            else:
-                                for i in T.Parallel(BT):
-                                    db_s[i] = db_s[i] + ar_f[i] * 1.0
+                            for i in T.Parallel(BT):
+                                db_s[i] = db_s[i] + ar_f[i] * 1.0
                             for i, j in T.Parallel(BT, BT):  # dkk, then dkk + dkk^T, in dM's registers
                                 sq_f[i, j] = sq_f[i, j] * b_s[i]
                             T.copy(sq_f, x3_s)
