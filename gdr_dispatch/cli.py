@@ -92,6 +92,9 @@ def precompile(variants, device, only, workers: int, splits: bool = True, done: 
             chosen = _losing(problem, chosen)[0]
         for job, names in compile_jobs_of(call, chosen).items():
             jobs.setdefault(job, []).extend(names)
+        if splits and device.type == "cuda":  # where the sweep measures the op's forward (_tune_forward)
+            for job, name in _forward_jobs(inputs).items():
+                jobs.setdefault(job, []).append(f"the op's forward {name}")
         del inputs, call
     def build(job):  # what a job builds: a warm run's key (one_warm_run_per_key's), else the job
         return warm_key(job) if job[1] == warm_backend.__name__ else job
@@ -100,6 +103,37 @@ def precompile(variants, device, only, workers: int, splits: bool = True, done: 
     done.update(map(build, fresh))
     if fresh:
         run_precompile(fresh, workers, lambda line: print(line, file=sys.stderr, flush=True))
+
+
+def _forward_jobs(inputs: dict) -> dict:
+    """`{job: candidate}`: the builds of the op's forward candidates `_tune_forward` measures at a
+    starved shape (none at a full grid), so they compile in the sweep's parallel processes
+    instead of one kernel after another in its own (the training op's first forward starts the
+    same jobs: training._start_forward_compiles). A provider's splits share one build."""
+    from .autotune import forward_job
+    from .contract import sequence_lengths
+    from .registry import base_name, parse_wrapped
+    from .training import forward_candidates, forward_problem
+
+    q, v, g, beta = inputs["q"], inputs["v"], inputs["g_raw"], inputs["b"]
+    h0, cu, v_first = inputs["initial_state"], inputs["cu_seqlens"], inputs["state_v_first"]
+    try:
+        offers, candidates, _ = forward_candidates(forward_problem(q, v, beta, h0, cu, v_first))
+    except RuntimeError:  # no forward provider here: _tune_forward says so
+        return {}
+    if all(n in offers for n in candidates):
+        return {}
+    lens = sequence_lengths(cu, q.shape[0], q.shape[1])
+    jobs, split_job = {}, {}
+    for name in candidates:
+        split = parse_wrapped(name)[1] > 1
+        job = split_job.get(base_name(name)) if split else None
+        if job is None:
+            job = forward_job(name, q, v, g, beta, h0, cu, lens, q.shape[-1] ** -0.5, v_first, True, False)
+            jobs[job] = name
+            if split:
+                split_job[base_name(name)] = job
+    return jobs
 
 
 def _losing(problem: Problem, candidates: dict) -> tuple[dict, dict]:

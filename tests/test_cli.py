@@ -351,3 +351,28 @@ def test_tune_missing_resumes_where_the_table_stops(tmp_path, capsys):
     assert len(entries) == 2 and all(entries[k] == v for k, v in first.items())
     assert cli.main(base + ["--missing"]) == 0
     assert "--missing: 2 of 2 shapes already in" in capsys.readouterr().err
+
+
+def test_tune_precompile_builds_the_op_forward_candidates_once_per_provider(monkeypatch):
+    """At a starved shape the sweep measures the op's forward (`_tune_forward`): its pre-compile
+    holds one build for the whole provider and one its splits share (their segments' varlen call
+    builds the same kernels at every count); at a full grid, where nothing is measured, none."""
+    from gdr_dispatch import training
+    from gdr_dispatch.shapes import ShapeSpec, make_inputs
+
+    inputs = make_inputs(ShapeSpec(B=1, T=256, H=2, K=16, V=16, dtype="float32", h="none"), torch.device("cpu"), seed=0)
+    prov = object()
+    whole = {"prov": prov}
+    split = {"prov": prov, "prov@split2": prov, "prov@split4": prov, "prov@split8": prov}
+    monkeypatch.setattr(training, "forward_candidates", lambda problem: (whole, split, []))
+    jobs = cli._forward_jobs(inputs)
+    assert sorted(jobs.values()) == ["prov", "prov@split2"]
+    assert all(job[1] == "warm_forward" and job[2][0] == name for job, name in jobs.items())
+    monkeypatch.setattr(training, "forward_candidates", lambda problem: (whole, whole, []))
+    assert cli._forward_jobs(inputs) == {}
+
+    def none(problem):
+        raise RuntimeError("no backend's forward takes it")
+
+    monkeypatch.setattr(training, "forward_candidates", none)
+    assert cli._forward_jobs(inputs) == {}
