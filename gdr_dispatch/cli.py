@@ -71,12 +71,13 @@ def summarize(results: list[tuple[ShapeSpec, dict, str]], names: list[str]) -> s
 
 
 def precompile(variants, device, only, workers: int, splits: bool = True, done: set | None = None,
-               prune: bool = False) -> None:
+               prune: bool = False, forward: bool = False) -> None:
     """Compile every kernel the sweep's backends would build on first use, in parallel processes
     (autotune.precompile), and say how long each took: a user's first-call cost. With `splits`,
     the split candidates' builds too (their segments are a varlen call with both states). `done`:
     the builds an earlier group of the sweep ran, skipped here (and this group's added to it).
-    With `prune`, not the builds of the families `_losing` leaves out."""
+    With `prune`, not the builds of the families `_losing` leaves out. With `forward` (a sweep
+    that measures the op's forward), its candidates' builds at the starved shapes too."""
     done = set() if done is None else done
     jobs: dict[tuple, list[str]] = {}
     print(f"collecting the kernel builds of {len(variants)} shapes", file=sys.stderr, flush=True)
@@ -92,9 +93,12 @@ def precompile(variants, device, only, workers: int, splits: bool = True, done: 
             chosen = _losing(problem, chosen)[0]
         for job, names in compile_jobs_of(call, chosen).items():
             jobs.setdefault(job, []).extend(names)
-        if splits and device.type == "cuda":  # where the sweep measures the op's forward (_tune_forward)
-            for job, name in _forward_jobs(inputs).items():
-                jobs.setdefault(job, []).append(f"the op's forward {name}")
+        if forward and device.type == "cuda":  # where the sweep measures the op's forward (_tune_forward)
+            key, forward_jobs = _forward_jobs(inputs)
+            if ("forward", key) not in done:  # one build per forward key, as _tune_forward measures one
+                done.add(("forward", key))
+                for job, name in forward_jobs.items():
+                    jobs.setdefault(job, []).append(f"the op's forward {name}")
         del inputs, call
     def build(job):  # what a job builds: a warm run's key (one_warm_run_per_key's), else the job
         return warm_key(job) if job[1] == warm_backend.__name__ else job
@@ -105,11 +109,12 @@ def precompile(variants, device, only, workers: int, splits: bool = True, done: 
         run_precompile(fresh, workers, lambda line: print(line, file=sys.stderr, flush=True))
 
 
-def _forward_jobs(inputs: dict) -> dict:
-    """`{job: candidate}`: the builds of the op's forward candidates `_tune_forward` measures at a
-    starved shape (none at a full grid), so they compile in the sweep's parallel processes
-    instead of one kernel after another in its own (the training op's first forward starts the
-    same jobs: training._start_forward_compiles). A provider's splits share one build."""
+def _forward_jobs(inputs: dict) -> tuple:
+    """`(forward table key, {job: candidate})`: the builds of the op's forward candidates
+    `_tune_forward` measures at a starved shape (none at a full grid), so they compile in the
+    sweep's parallel processes instead of one kernel after another in its own (jobs of the kind the
+    training op's first forward starts: autotune.forward_job). A provider's splits share one
+    build. A build is an optimisation: a failure to make its jobs is said and makes none."""
     from .autotune import forward_job
     from .contract import sequence_lengths
     from .registry import base_name, parse_wrapped
@@ -118,22 +123,27 @@ def _forward_jobs(inputs: dict) -> dict:
     q, v, g, beta = inputs["q"], inputs["v"], inputs["g_raw"], inputs["b"]
     h0, cu, v_first = inputs["initial_state"], inputs["cu_seqlens"], inputs["state_v_first"]
     try:
-        offers, candidates, _ = forward_candidates(forward_problem(q, v, beta, h0, cu, v_first))
-    except RuntimeError:  # no forward provider here: _tune_forward says so
-        return {}
-    if all(n in offers for n in candidates):
-        return {}
-    lens = sequence_lengths(cu, q.shape[0], q.shape[1])
-    jobs, split_job = {}, {}
-    for name in candidates:
-        split = parse_wrapped(name)[1] > 1
-        job = split_job.get(base_name(name)) if split else None
-        if job is None:
-            job = forward_job(name, q, v, g, beta, h0, cu, lens, q.shape[-1] ** -0.5, v_first, True, False)
-            jobs[job] = name
-            if split:
-                split_job[base_name(name)] = job
-    return jobs
+        problem = forward_problem(q, v, beta, h0, cu, v_first)
+        try:
+            offers, candidates, _ = forward_candidates(problem)
+        except RuntimeError:  # no forward provider here: _tune_forward says so
+            return problem.table_key(), {}
+        if all(n in offers for n in candidates):
+            return problem.table_key(), {}
+        lens = sequence_lengths(cu, q.shape[0], q.shape[1])
+        jobs, split_job = {}, {}
+        for name in candidates:
+            split = parse_wrapped(name)[1] > 1
+            job = split_job.get(base_name(name)) if split else None
+            if job is None:  # as _tune_forward runs it: the final state, no chunk states
+                job = forward_job(name, q, v, g, beta, h0, cu, lens, q.shape[-1] ** -0.5, v_first, True, False)
+                jobs[job] = name
+                if split:
+                    split_job[base_name(name)] = job
+        return problem.table_key(), jobs
+    except Exception as e:  # noqa: BLE001 - the measurement builds them itself
+        print(f"    the op's forward: no parallel builds ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+        return None, {}
 
 
 def _losing(problem: Problem, candidates: dict) -> tuple[dict, dict]:
@@ -224,7 +234,7 @@ def cmd_tune(args) -> int:
     for i, spec in enumerate(variants, 1):
         if args.compile_jobs and id(spec) in starts:
             precompile(starts[id(spec)], device, only, args.compile_jobs, splits=not args.no_splits, done=compiled,
-                       prune=args.prune)
+                       prune=args.prune, forward=not args.no_splits)
         t0 = time.perf_counter()
         print(f"[{i}/{len(variants)}] {spec.label()} ...", file=sys.stderr, flush=True)
         inputs = make_inputs(spec, device, seed=i)

@@ -329,14 +329,15 @@ def test_sass_report_builds_name_a_mode_and_the_timing_build(monkeypatch):
     assert seen == [(False, "full"), (True, "full"), (False, "nowait"), (True, "nowait"), (True, "reconly")]
     with pytest.raises(ValueError, match="states"):
         sass_report.sass_of("nowait", 2, 2, "bfloat16", kernel="states")
-    with pytest.raises(ValueError, match="mode"):
-        sass_report.sass_of("timing-bogus", 2, 2, "bfloat16")
+    for bogus in ("timing-bogus", "timingnowait"):
+        with pytest.raises(ValueError, match="mode"):
+            sass_report.sass_of(bogus, 2, 2, "bfloat16")
 
 
-def test_ws_probe_runs_a_prototype_mode_alone(capsys):
+def test_ws_probe_runs_a_prototype_mode_alone(capsys, monkeypatch):
     """A prototype build's results are wrong: `--check` or `--peer` with it is refused before any
     device is asked for; the full build is the only mode with right results."""
-    sys.path.insert(0, str(TOOLS))
+    monkeypatch.syspath_prepend(str(TOOLS))
     import ws_probe
     from gdr_dispatch.backends.kernels.tilelang_ws_bwd import EXACT_MODES, MODES
 

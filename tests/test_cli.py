@@ -365,14 +365,26 @@ def test_tune_precompile_builds_the_op_forward_candidates_once_per_provider(monk
     whole = {"prov": prov}
     split = {"prov": prov, "prov@split2": prov, "prov@split4": prov, "prov@split8": prov}
     monkeypatch.setattr(training, "forward_candidates", lambda problem: (whole, split, []))
-    jobs = cli._forward_jobs(inputs)
+    key, jobs = cli._forward_jobs(inputs)
+    assert key == training.forward_problem(inputs["q"], inputs["v"], inputs["b"], inputs["initial_state"],
+                                           inputs["cu_seqlens"], inputs["state_v_first"]).table_key()
     assert sorted(jobs.values()) == ["prov", "prov@split2"]
-    assert all(job[1] == "warm_forward" and job[2][0] == name for job, name in jobs.items())
+    for job, name in jobs.items():  # as _tune_forward runs it: the raw gate, the final state, no chunk states
+        assert job[1] == "warm_forward" and job[2][0] == name
+        spec = dict(job[2][1])
+        assert spec["need_final"] is True and spec["need_states"] is False and spec["scale"] == 16 ** -0.5
+        assert spec["g_dtype"] == "float32" and spec["T"] == 256 and spec["H"] == 2
     monkeypatch.setattr(training, "forward_candidates", lambda problem: (whole, whole, []))
-    assert cli._forward_jobs(inputs) == {}
+    assert cli._forward_jobs(inputs) == (key, {})
 
     def none(problem):
         raise RuntimeError("no backend's forward takes it")
 
     monkeypatch.setattr(training, "forward_candidates", none)
-    assert cli._forward_jobs(inputs) == {}
+    assert cli._forward_jobs(inputs) == (key, {})
+
+    def broken(problem):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(training, "forward_candidates", broken)
+    assert cli._forward_jobs(inputs) == (None, {})  # said, and the sweep goes on

@@ -83,11 +83,15 @@ for arg in "$@"; do
         timeout "$(left)" python3 tools/profile_split.py $run_args 2>&1 | grep -v TileLang
       done > "$OUT/splitprof.log" 2>&1 ;;
     probe)
-      # PROBE_ARGS: tools/ws_probe.py runs, separated by ';;' (e.g. --only tiny --check;; --only B4T4096H16 --timing)
+      # PROBE_ARGS: tools/ws_probe.py runs, separated by ';;' (e.g. --only tiny --check;; --only B4T4096H16 --timing),
+      # each under PROBE_RUN_S (default 120) and what is left of the step
+      [ -n "${PROBE_ARGS:-}" ] || { echo "probe: PROBE_ARGS is empty" > "$OUT/probe.log"; continue; }
       IFS=$'\n' read -r -d '' -a runs < <(printf '%s' "${PROBE_ARGS:-}" | sed 's/;;/\n/g'; printf '\0')
       for run_args in "${runs[@]:-}"; do
         echo "== ws_probe.py $run_args"
-        timeout "$(( $(left) < 120 ? $(left) : 120 ))" python3 tools/ws_probe.py $run_args 2>&1 | grep -v TileLang
+        run_s=${PROBE_RUN_S:-120}
+        timeout "$(( $(left) < run_s ? $(left) : run_s ))" python3 tools/ws_probe.py $run_args 2>&1 | grep -v TileLang
+        echo "== exit ${PIPESTATUS[0]}"
       done > "$OUT/probe.log" 2>&1 ;;
     hotpath)
       timeout "$(left)" python3 bench/bench_hot_path.py ${HOTPATH_ARGS:-} --out "$OUT/bench" 2>&1 \

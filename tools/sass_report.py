@@ -54,8 +54,8 @@ def _cuobjdump_on_path() -> None:
 
 def sass_of(build: str, H: int, Hg: int, dtype: str, kernel: str = "ws") -> str:
     _cuobjdump_on_path()
-    timing = build.startswith("timing")
-    mode = build.removeprefix("timing").lstrip("-") if timing else build
+    timing = build == "timing" or build.startswith("timing-")
+    mode = build.removeprefix("timing").removeprefix("-") if timing else build
     mode = "full" if mode in ("", "default") else mode
     if mode != "full" and kernel != "ws":
         raise ValueError(f"--builds: default or timing for {kernel}, got {build!r}")

@@ -140,7 +140,8 @@ def check(name, x, repeat: int, mode: str = "full") -> None:
             moved = max((o - f).abs().max().item() for o, f in zip((o for o in out if o is not None), first))
             if moved > 0:
                 print(name, f"run {rep + 1} differs from run 1 by up to {moved:.3e}", flush=True)
-    print(name, "" if mode == "full" else f"({mode} build)", f"{max(2, repeat)} runs, worst error against the torch backend:",
+    label = name if mode == "full" else f"{name} ({mode} build)"
+    print(label, f"{max(2, repeat)} runs, worst error against the torch backend:",
           {n: f"{e:.2e}" for n, e in worst.items()}, flush=True)
 
 
