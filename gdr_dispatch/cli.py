@@ -115,10 +115,8 @@ def _forward_jobs(inputs: dict) -> tuple:
     sweep's parallel processes instead of one kernel after another in its own (jobs of the kind the
     training op's first forward starts: autotune.forward_job). A provider's splits share one
     build. A build is an optimisation: a failure to make its jobs is said and makes none."""
-    from .autotune import forward_job
     from .contract import sequence_lengths
-    from .registry import base_name, parse_wrapped
-    from .training import forward_candidates, forward_problem
+    from .training import forward_candidate_jobs, forward_candidates, forward_problem
 
     q, v, g, beta = inputs["q"], inputs["v"], inputs["g_raw"], inputs["b"]
     h0, cu, v_first = inputs["initial_state"], inputs["cu_seqlens"], inputs["state_v_first"]
@@ -131,15 +129,10 @@ def _forward_jobs(inputs: dict) -> tuple:
         if all(n in offers for n in candidates):
             return problem.table_key(), {}
         lens = sequence_lengths(cu, q.shape[0], q.shape[1])
-        jobs, split_job = {}, {}
-        for name in candidates:
-            split = parse_wrapped(name)[1] > 1
-            job = split_job.get(base_name(name)) if split else None
-            if job is None:  # as _tune_forward runs it: the final state, no chunk states
-                job = forward_job(name, q, v, g, beta, h0, cu, lens, q.shape[-1] ** -0.5, v_first, True, False)
-                jobs[job] = name
-                if split:
-                    split_job[base_name(name)] = job
+        jobs = {}  # as _tune_forward runs it: the final state, no chunk states
+        for name, job in forward_candidate_jobs(candidates, q, v, g, beta, h0, cu, lens, q.shape[-1] ** -0.5,
+                                                v_first, True, False).items():
+            jobs.setdefault(job, name)
         return problem.table_key(), jobs
     except Exception as e:  # noqa: BLE001 - the measurement builds them itself
         print(f"    the op's forward: no parallel builds ({type(e).__name__}: {e})", file=sys.stderr, flush=True)

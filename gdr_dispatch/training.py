@@ -349,27 +349,36 @@ def _forward_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_fin
             packed(a.to(q.dtype)), packed(h) if save_states else _empty(q))
 
 
+def forward_candidate_jobs(candidates, q, v, g, beta, initial_state, cu_seqlens, lens, scale, state_v_first,
+                           need_final, need_states) -> dict:
+    """`{candidate: job}` (autotune.forward_job) for the op's forward candidates: a provider's
+    splits build its same kernels at every count (the segments' varlen call; our small Triton
+    passes differ by count and build at the measurement), so they share one job."""
+    from .autotune import forward_job
+    from .registry import base_name
+
+    jobs, first_split = {}, {}
+    for name in candidates:
+        split = parse_wrapped(name)[1] > 1
+        same = first_split.get(base_name(name)) if split else None
+        jobs[name] = same or forward_job(name, q, v, g, beta, initial_state, cu_seqlens, lens, scale,
+                                         state_v_first, need_final, need_states)
+        if split:
+            first_split.setdefault(base_name(name), jobs[name])
+    return jobs
+
+
 def _start_forward_compiles(problem, q, v, g, beta, initial_state, cu_seqlens, lens, scale, output_final_state,
                             state_v_first, save_states) -> dict:
     """The forwards a first call at `problem` will measure (`forward_to_measure`), each built in a
     background process now (autotune.forward_job): `{candidate: job}` for `measure_forwards` to
     wait on before timing it, so their compiles overlap each other's and the backward's instead
     of running one after another in this process."""
-    from .autotune import build_bytes, forward_job, start_compiles
-    from .registry import base_name
+    from .autotune import build_bytes, start_compiles
 
     try:
-        candidates = forward_to_measure(problem)
-        jobs, first_split = {}, {}
-        for name in candidates:
-            # a provider's splits build its same kernels at every count (the segments' varlen call;
-            # our small Triton passes differ by count and build at the measurement): one build for all
-            split = parse_wrapped(name)[1] > 1
-            same = first_split.get(base_name(name)) if split else None
-            jobs[name] = same or forward_job(name, q, v, g, beta, initial_state, cu_seqlens, lens, scale,
-                                             state_v_first, output_final_state, save_states)
-            if split:
-                first_split.setdefault(base_name(name), jobs[name])
+        jobs = forward_candidate_jobs(forward_to_measure(problem), q, v, g, beta, initial_state, cu_seqlens, lens,
+                                      scale, state_v_first, output_final_state, save_states)
         # each runs the forward at full size (q and k, v and o, beta, g): room for that beside the caller
         # (one too long for a command-line argument is not started, and its wait returns at once)
         started = start_compiles(list(dict.fromkeys(jobs.values())), device=q.device,
