@@ -336,12 +336,13 @@ def test_sass_report_builds_name_a_mode_and_the_timing_build(monkeypatch):
 
 def test_ws_probe_runs_a_prototype_mode_alone(capsys, monkeypatch):
     """A prototype build's results are wrong: `--check` or `--peer` with it is refused before any
-    device is asked for; the full build is the only mode with right results."""
+    device is asked for; `--mode` takes the kernel's own modes only."""
     monkeypatch.syspath_prepend(str(TOOLS))
     import ws_probe
-    from gdr_dispatch.backends.kernels.tilelang_ws_bwd import EXACT_MODES, MODES
 
-    assert EXACT_MODES == ("full",) and set(EXACT_MODES) <= set(MODES)
+    with pytest.raises(SystemExit) as e:
+        ws_probe.main(["--mode", "bogus"])
+    assert e.value.code == 2 and "nowait" in capsys.readouterr().err
     for extra in (["--check"], ["--peer"]):
         with pytest.raises(SystemExit) as e:
             ws_probe.main(["--mode", "nowait", *extra])

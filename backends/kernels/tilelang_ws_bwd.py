@@ -65,9 +65,6 @@ TIMING_SLOTS = 18
 #: `nowait`, every consumer group arrives at the phase barriers without waiting (the producer's
 #: `full` still paces the chunks). `full` is the kernel.
 MODES = ("full", "reconly", "nowait")
-#: The modes whose results are right (tools/ws_probe.py checks a variant listed here and times it
-#: beside the full build in the same rounds).
-EXACT_MODES = ("full",)
 
 
 @functools.lru_cache(maxsize=None)
