@@ -19,7 +19,9 @@ Three readings each: `latency_ms` (a sync before and after every call: what a st
 it sees; median), `b2b_ms` (20 calls enqueued, then one sync: mean per call; median of the
 rounds), `host_us` (one call's enqueue after a sync, to its return; median of 4 x `--reps` calls
 with the runners taking turns call by call, so the host's drift falls on all alike;
-`host_us_min` their lowest, `host_us_alone` the median timed one runner after another). The
+`host_us_min` their lowest, `host_cpu_us` the median of the calling thread's CPU time over the
+same calls (`time.thread_time`: what the host spends, without the time the thread was switched
+out), `host_us_alone` the median timed one runner after another). The
 Markdown adds, per row, `dispatched` against the pick's own call: the host time it adds (median
 and lowest readings) and its latency ratio.
 
@@ -174,15 +176,19 @@ def interleaved_host_us(fns: dict, sync, reps: int) -> dict:
     alike, where timing one runner after another reads the drift as a difference between them;
     the lowest reading is the call's cost with the least interference."""
     seen = {name: [] for name in fns}
+    cpu = {name: [] for name in fns}
     for _ in range(reps):
         for name, (fn, env) in fns.items():
             with environment(**env):
                 sync()
-                t0 = time.perf_counter()
+                c0, t0 = time.thread_time(), time.perf_counter()
                 fn()
-                seen[name].append((time.perf_counter() - t0) * 1e6)
+                t1, c1 = time.perf_counter(), time.thread_time()
+                seen[name].append((t1 - t0) * 1e6)
+                cpu[name].append((c1 - c0) * 1e6)
     sync()
-    return {name: (round(statistics.median(v), 1), round(min(v), 1)) for name, v in seen.items()}
+    return {name: (round(statistics.median(v), 1), round(min(v), 1), round(statistics.median(cpu[name]), 1))
+            for name, v in seen.items()}
 
 
 def profile(fns: dict, sync, out: Path, stem: str, device: torch.device, with_stack: bool = False) -> list[str]:
@@ -235,11 +241,13 @@ def bench_shape(spec: ShapeSpec, device: torch.device, backends, reps: int, roun
             row["runs"][name] = {"failed": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
         print(f"    {name}: {row['runs'][name]}", file=sys.stderr, flush=True)
     ran = {n: fns[n] for n, r in row["runs"].items() if "host_us" in r}
-    for name, (us, low) in interleaved_host_us(ran, sync, 4 * reps).items():  # the runners taking turns
+    for name, (us, low, cpu) in interleaved_host_us(ran, sync, 4 * reps).items():  # the runners taking turns
         row["runs"][name]["host_us_alone"] = row["runs"][name]["host_us"]
         row["runs"][name]["host_us"], row["runs"][name]["host_us_min"] = us, low
-    print(f"    host us, interleaved (median, lowest): "
-          f"{({n: (row['runs'][n]['host_us'], row['runs'][n]['host_us_min']) for n in ran})}", file=sys.stderr, flush=True)
+        row["runs"][name]["host_cpu_us"] = cpu
+    print(f"    host us, interleaved (median, lowest, thread CPU median): "
+          f"{({n: (row['runs'][n]['host_us'], row['runs'][n]['host_us_min'], row['runs'][n]['host_cpu_us']) for n in ran})}",
+          file=sys.stderr, flush=True)
     row["added"] = added(row)
     if out is not None:
         own = f"own {pick.split('@')[0]}"
@@ -262,8 +270,7 @@ def added(row: dict) -> dict:
     if base_name is None or "latency_ms" not in mine:
         return {}
     base = runs[base_name]
-    lowest = {"host_us_min": round(mine["host_us_min"] - base["host_us_min"], 1)} \
-        if "host_us_min" in mine and "host_us_min" in base else {}
+    lowest = {k: round(mine[k] - base[k], 1) for k in ("host_us_min", "host_cpu_us") if k in mine and k in base}
     return {"against": base_name, "host_us": round(mine["host_us"] - base["host_us"], 1), **lowest,
             "latency_ratio": round(mine["latency_ms"] / base["latency_ms"], 3),
             "b2b_ratio": round(mine["b2b_ms"] / base["b2b_ms"], 3)}
@@ -282,7 +289,9 @@ def to_markdown(rows: list, device: str) -> str:
             cells.append(f"{run['latency_ms']:.3f} / {run['b2b_ms']:.3f} / {run['host_us']:.0f}" if "latency_ms" in run
                          else ("failed" if "failed" in run else "-"))
         a = r.get("added", {})
-        low = f" (lowest {a['host_us_min']:.0f})" if "host_us_min" in a else ""
+        low = "".join(f", {label} {a[k]:.0f}" for k, label in (("host_us_min", "lowest"), ("host_cpu_us", "thread CPU"))
+                      if k in a)
+        low = f" ({low[2:]})" if low else ""
         cells += [f"{a['host_us']:.0f}{low} ({a['against']})", f"{a['latency_ratio']:.3f}", f"{a['b2b_ratio']:.3f}"] if a \
             else ["-", "-", "-"]
         lines.append("| " + " | ".join(cells) + " |")
