@@ -47,7 +47,7 @@ def compile_one(H: int, Hg: int, dtype: str, schedule: str = "ws", K: int = 128)
             build_states(H, Hg, dtype, "vfirst" in words, timing=True)
         else:
             build_states(H, Hg, dtype, "vfirst" in words)  # positional: the launcher's cache key
-    elif words[0] == "ws":  # the fused backward: ws[-timing][-reconly|-nowait] (the prototype builds)
+    elif words[0] == "ws":  # the fused backward: ws[-timing][-<mode>] (the prototype builds)
         from gdr_dispatch.backends.kernels.tilelang_ws_bwd import MODES, build_ws_bwd
 
         mode = next((w for w in words[1:] if w in MODES), "full")
@@ -62,7 +62,7 @@ def compile_one(H: int, Hg: int, dtype: str, schedule: str = "ws", K: int = 128)
         _flashqla_backward(H, Hg, dtype, varlen="varlen" in words, h_none="hnone" in words, K=K,
                            h0="noh0" not in words, dht="nodht" not in words)
     else:
-        raise ValueError(f"unknown schedule {schedule!r}: ws[-timing][-reconly|-nowait], states[-vfirst][-timing] "
+        raise ValueError(f"unknown schedule {schedule!r}: ws[-timing][-<mode>], states[-vfirst][-timing] "
                          "or flashqla[-varlen][-hnone][-noh0][-nodht]")
     how = "kernel cache" if not seen else ("cubin cache" if all(seen) else "nvcc")
     return time.perf_counter() - t0, how
@@ -125,9 +125,9 @@ def _flashqla_backward(H: int, Hg: int, dtype: str, varlen: bool, h_none: bool, 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", action="append", required=True,
-                   help="H,Hg,dtype[,ws[-timing][-reconly|-nowait] | ,states[-vfirst][-timing] | "
+                   help="H,Hg,dtype[,ws[-timing][-<mode>] | ,states[-vfirst][-timing] | "
                         ",flashqla[-varlen][-hnone][-noh0][-nodht]] (K = V = 128, chunk 64; ws, the default: the "
-                        "fused backward; -timing: with cycle counters; -reconly/-nowait: the prototype builds; "
+                        "fused backward; -timing: with cycle counters; -<mode>: a build of tilelang_ws_bwd.MODES; "
                         "states: the h=None state kernel; flashqla: FlashQLA's backward as our backend calls it)")
     p.add_argument("--jobs", type=int, default=8)
     args = p.parse_args()
