@@ -14,11 +14,16 @@ Per shape and h mode, each runner:
     reverse `chunk_local_cumsum` of dg: the same gradients the contract returns), their inputs
     in its forms made outside the timing;
   * `own tilelang_fused`: our launcher called directly (`ws_bwd_given_h`, after `chunk_states`
-    with h=None).
+    with h=None);
+  * `via canned` / `run canned`: a backend that hands back outputs made once, through
+    `fused_gdr_bwd` and alone: their difference is `fused_gdr_bwd`'s own Python per call on this
+    host, with no launch beside it (registered for the shape's runs: a new registry generation,
+    so every runner's first calls make new plans).
 Three readings each: `latency_ms` (a sync before and after every call: what a step that waits on
 it sees; median), `b2b_ms` (20 calls enqueued, then one sync: mean per call; median of the
 rounds), `host_us` (one call's enqueue after a sync, to its return; median of 4 x `--reps` calls
-with the runners taking turns call by call, so the host's drift falls on all alike;
+with the runners taking turns call by call, in a shuffled order each round, so the host's drift
+and what the runner before left in the CPU's caches fall on all alike;
 `host_us_min` their lowest, `host_cpu_us` the median of the calling thread's CPU time over the
 same calls (`time.thread_time`: what the host spends, without the time the thread was switched
 out), `host_us_alone` the median timed one runner after another). The
@@ -41,6 +46,7 @@ import io
 import json
 import os
 import pstats
+import random
 import re
 import statistics
 import sys
@@ -51,8 +57,8 @@ from typing import Callable, Optional
 
 import torch
 
-from gdr_dispatch import Problem, fused_gdr_bwd, get_backend
-from gdr_dispatch.contract import packed, validate
+from gdr_dispatch import Backend, Problem, fused_gdr_bwd, get_backend, registry
+from gdr_dispatch.contract import GDRGrads, packed, validate
 from gdr_dispatch.dispatch import select_backend
 from gdr_dispatch.problem import device_info, library_versions
 from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs
@@ -136,11 +142,32 @@ def own_tilelang_fused(call):
 OWN = {"flash_qla": own_flash_qla, "tilelang_fused": own_tilelang_fused}
 
 
-def runners(kwargs: dict, pick: str, backends) -> dict:
-    """name -> (a function of no arguments, the environment it runs in) or a reason it does not run."""
+class Canned(Backend):
+    """Hands back outputs made once: `via canned` against `run canned` is the Python that
+    `fused_gdr_bwd` itself spends per call on this host (neither launches anything)."""
+
+    name, static_rank, gpu_verified = "hot_path_canned", 10 ** 6, True
+
+    def __init__(self, call):
+        self.out = GDRGrads(*(None if x is None else torch.empty_like(x)
+                              for x in (call.q, call.k, call.v, call.g, call.b, call.initial_state)))
+
+    def not_supported_reasons(self, problem):
+        return []
+
+    def run(self, call):
+        return self.out
+
+
+def runners(kwargs: dict, pick: str, backends, canned: Optional[Canned] = None) -> dict:
+    """name -> (a function of no arguments, the environment it runs in) or a reason it does not run;
+    `canned` (registered by the caller): its `via` and `run` too."""
     call = validate(**kwargs)
     problem = Problem.from_call(call)
     out = {"dispatched": (lambda: fused_gdr_bwd(**kwargs), {"GDR_BACKEND": None, "GDR_CP": None})}
+    if canned is not None:
+        out["via canned"] = (lambda: fused_gdr_bwd(**kwargs), {"GDR_BACKEND": canned.name, "GDR_CP": None})
+        out["run canned"] = (lambda: canned.run(call), {})
     for name in dict.fromkeys([pick, *backends]):
         try:
             backend = get_backend(name)
@@ -171,14 +198,17 @@ def measure(fn, env: dict, sync, reps: int, rounds: int) -> dict:
 
 
 def interleaved_host_us(fns: dict, sync, reps: int) -> dict:
-    """name -> (median, lowest) host us of one call's enqueue, the runners taking turns call by
-    call: a host whose speed drifts (a shared machine, clock changes) then slows every runner
+    """name -> (median, lowest, thread CPU median) host us of one call's enqueue, the runners taking
+    turns call by call in a shuffled order each round: a host whose speed drifts (a shared machine, clock changes) then slows every runner
     alike, where timing one runner after another reads the drift as a difference between them;
     the lowest reading is the call's cost with the least interference."""
     seen = {name: [] for name in fns}
     cpu = {name: [] for name in fns}
+    order, shuffle = list(fns), random.Random(0).shuffle
     for _ in range(reps):
-        for name, (fn, env) in fns.items():
+        shuffle(order)  # no runner always follows the same one (whose code and data it would find cached)
+        for name in order:
+            fn, env = fns[name]
             with environment(**env):
                 sync()
                 c0, t0 = time.thread_time(), time.perf_counter()
@@ -230,7 +260,14 @@ def bench_shape(spec: ShapeSpec, device: torch.device, backends, reps: int, roun
         fused_gdr_bwd(**kwargs)  # decides (a table hit, else the first call) and makes the plan
         pick = select_backend(Problem.from_call(validate(**kwargs))).backend.name
     row = {"shape": spec.label(), "h": spec.h, "pick": pick, "runs": {}}
-    fns = runners(kwargs, pick, backends)
+    canned = Canned(validate(**kwargs))
+    with registry.scoped(add=(canned,)):  # a new registry generation: the first calls below make new plans
+        return _bench_runners(row, kwargs, pick, backends, canned, sync, reps, rounds, device, out, with_stack)
+
+
+def _bench_runners(row, kwargs, pick, backends, canned, sync, reps, rounds, device, out, with_stack) -> dict:
+    spec_label = row["shape"]
+    fns = runners(kwargs, pick, backends, canned)
     for name, fn in fns.items():
         if isinstance(fn, str):
             row["runs"][name] = {"skipped": fn}
@@ -252,7 +289,7 @@ def bench_shape(spec: ShapeSpec, device: torch.device, backends, reps: int, roun
     if out is not None:
         own = f"own {pick.split('@')[0]}"
         chosen = {n: fns[n] for n in ("dispatched", f"run {pick}", own) if not isinstance(fns.get(n, ""), str)}
-        stem = f"{device_info(device).slug}-hot-path-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", spec.label())
+        stem = f"{device_info(device).slug}-hot-path-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", spec_label)
         try:
             row["profile"] = profile(chosen, sync, out, stem, device, with_stack)
         except Exception as e:  # noqa: BLE001 - the readings stand; the row says the profile failed
@@ -271,7 +308,10 @@ def added(row: dict) -> dict:
         return {}
     base = runs[base_name]
     lowest = {k: round(mine[k] - base[k], 1) for k in ("host_us_min", "host_cpu_us") if k in mine and k in base}
-    return {"against": base_name, "host_us": round(mine["host_us"] - base["host_us"], 1), **lowest,
+    ours = {}
+    if "host_cpu_us" in runs.get("via canned", {}) and "host_cpu_us" in runs.get("run canned", {}):
+        ours = {"dispatcher_cpu_us": round(runs["via canned"]["host_cpu_us"] - runs["run canned"]["host_cpu_us"], 1)}
+    return {"against": base_name, "host_us": round(mine["host_us"] - base["host_us"], 1), **lowest, **ours,
             "latency_ratio": round(mine["latency_ms"] / base["latency_ms"], 3),
             "b2b_ratio": round(mine["b2b_ms"] / base["b2b_ms"], 3)}
 
@@ -289,7 +329,8 @@ def to_markdown(rows: list, device: str) -> str:
             cells.append(f"{run['latency_ms']:.3f} / {run['b2b_ms']:.3f} / {run['host_us']:.0f}" if "latency_ms" in run
                          else ("failed" if "failed" in run else "-"))
         a = r.get("added", {})
-        low = "".join(f", {label} {a[k]:.0f}" for k, label in (("host_us_min", "lowest"), ("host_cpu_us", "thread CPU"))
+        low = "".join(f", {label} {a[k]:.0f}" for k, label in (("host_us_min", "lowest"), ("host_cpu_us", "thread CPU"),
+                                                               ("dispatcher_cpu_us", "fused_gdr_bwd alone"))
                       if k in a)
         low = f" ({low[2:]})" if low else ""
         cells += [f"{a['host_us']:.0f}{low} ({a['against']})", f"{a['latency_ratio']:.3f}", f"{a['b2b_ratio']:.3f}"] if a \

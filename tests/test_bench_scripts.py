@@ -438,11 +438,14 @@ def test_hot_path_bench_times_every_runner_and_profiles_on_a_cpu(tmp_path, monke
             assert {"latency_ms", "b2b_ms", "host_us"} <= set(runs[name]), (name, runs[name])
         assert "unsupported" in runs["via tilelang_fused"]["skipped"]
         assert row["added"]["against"] == "own flash_qla" and row["added"]["latency_ratio"] > 0
+        assert {"host_cpu_us"} <= set(runs["via canned"]) and {"host_cpu_us"} <= set(runs["run canned"])
+        assert "dispatcher_cpu_us" in row["added"]
         assert all(Path(f).stat().st_size > 0 for f in row["profile"])
     assert "fused_gdr_h" in calls and "chunk_local_cumsum" in calls and "group_reduce_vector" in calls
     md = (tmp_path / "cpu-hot-path.md").read_text()
     assert "| B1 T64 H2 Hg1 K16 V16 float16 | given | flash_qla |" in md and "own flash_qla" in md
     assert "GDR_BACKEND" not in bh.os.environ
+    assert "hot_path_canned" not in bh.registry.registered_backends()  # registered for the bench's runs only
     assert "cProfile, 200 calls of dispatched" in Path(doc["rows"][0]["profile"][1]).read_text()
 
 

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from gdr_dispatch.backends.kernels.tilelang_ws_bwd import EXACT_MODES, MODES, ws_bwd_given_h  # noqa: E402
+from gdr_dispatch.backends.kernels.tilelang_ws_bwd import MODES, ws_bwd_given_h  # noqa: E402
 from gdr_dispatch.shapes import ShapeSpec, make_inputs  # noqa: E402
 from timing import measure_ms, more_rounds, relative_error  # noqa: E402
 
@@ -119,7 +119,7 @@ def phase_table(name, x, spec, mode: str = "full") -> dict:
     return {"shape": name, "mode": mode, "cycles_per_step": table, "loop_cycles_per_step": [round(v) for v in loop]}
 
 
-def check(name, x, repeat: int, mode: str = "full") -> None:
+def check(name, x, repeat: int) -> None:
     """Per-output errors against the torch backend over `repeat` runs, and whether reruns are
     bit-identical (a race moves the result between runs)."""
     from gdr_dispatch.chunked_math import chunked_backward
@@ -128,7 +128,7 @@ def check(name, x, repeat: int, mode: str = "full") -> None:
 
     ref = chunked_backward(validate(**call_kwargs(x)))
     names = ("dq", "dk", "dv", "dg", "db", "dh0")
-    fn = runner(x, mode=mode)
+    fn = runner(x)
     worst, first = {}, None
     for rep in range(max(2, repeat)):
         out = fn()
@@ -140,8 +140,7 @@ def check(name, x, repeat: int, mode: str = "full") -> None:
             moved = max((o - f).abs().max().item() for o, f in zip((o for o in out if o is not None), first))
             if moved > 0:
                 print(name, f"run {rep + 1} differs from run 1 by up to {moved:.3e}", flush=True)
-    label = name if mode == "full" else f"{name} ({mode} build)"
-    print(label, f"{max(2, repeat)} runs, worst error against the torch backend:",
+    print(name, f"{max(2, repeat)} runs, worst error against the torch backend:",
           {n: f"{e:.2e}" for n, e in worst.items()}, flush=True)
 
 
@@ -164,12 +163,11 @@ def main(argv=None) -> int:
                         "in N processes, and exit")
     p.add_argument("--shapes", default=None, help="--warm-peer: shape names, comma- or space-separated")
     p.add_argument("--mode", default="full", choices=MODES,
-                   help="another build of ours (tilelang_ws_bwd.MODES): a prototype (wrong results: --timing's "
-                        "cycles and the wall time only, no --check, no --peer) or a variant with right results "
-                        "(EXACT_MODES: checked, and timed beside the full build in the same rounds)")
+                   help="a prototype build of ours (tilelang_ws_bwd.MODES; wrong results: --timing's cycles and "
+                        "the wall time only, no --check, no --peer)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    if args.mode not in EXACT_MODES and (args.check or args.peer or args.kernel != "ws"):
+    if args.mode != "full" and (args.check or args.peer or args.kernel != "ws"):
         p.error("--mode: a prototype build's results are wrong; it runs alone (no --check, --peer, --kernel)")
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
@@ -200,12 +198,10 @@ def main(argv=None) -> int:
             rows.append(phase_table(name, x, spec, args.mode))
             continue
         if args.check:
-            check(name, x, args.repeat, args.mode)
+            check(name, x, args.repeat)
         steps = max(spec.seq_lens) // 64
         fns = {"ws" if args.mode == "full" else f"ws {args.mode}": runner(x, mode=args.mode),
                **(peer_runners(x) if args.peer else {})}
-        if args.mode != "full" and args.mode in EXACT_MODES:  # a variant: beside the full build
-            fns = {"ws": runner(x), **fns}
 
         def measure(fn):
             return measure_ms(fn, "cuda", warmup=3, reps=args.reps)

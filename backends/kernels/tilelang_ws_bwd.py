@@ -63,11 +63,8 @@ TIMING_SLOTS = 18
 #: backward: the next decomposition"): `reconly`, S and KV run only the recurrence (K dS',
 #: the 16-bit dU, Ag^T dU, dUs, K^T dUs + Q^T dO_g, the 16-bit dS) and A only keeps the phases;
 #: `nowait`, every consumer group arrives at the phase barriers without waiting (the producer's
-#: `full` still paces the chunks). `full` is the kernel. `earlyvp` (right results, timed beside
-#: `full`): A issues V' = Ag W in phase 2, where it waits for dV', instead of in phase 3.
-MODES = ("full", "reconly", "nowait", "earlyvp")
-#: The builds with right results (checked and timed beside `full` by tools/ws_probe.py).
-EXACT_MODES = ("full", "earlyvp")
+#: `full` still paces the chunks). `full` is the kernel.
+MODES = ("full", "reconly", "nowait")
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,7 +89,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     """
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-    reconly, nowait, earlyvp = mode == "reconly", mode == "nowait", mode == "earlyvp"
+    reconly, nowait = mode == "reconly", mode == "nowait"
     accum = "float32"
     TT = T.dynamic("num_tokens")
     NC = T.dynamic("num_chunks")
@@ -545,14 +542,11 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             store_pg(pg_f, pg_s, gam_f)
                             T.fence_proxy_async()
                             phase_sync(phase, 0, it % 2, 1, 2, tick, tm_s)
-                            # 2: nothing (earlyvp: V' = Ag W, W being in w_s since phase 1)
-                            if earlyvp:
-                                T.wgmma_gemm(ag_s, w_s, a1_f, clear_accum=True)
+                            # 2: nothing
                             phase_sync(phase, 1, it % 2, 2, 2, tick, tm_s)
                             # 3: dAg = dV' W^T; V' = Ag W
                             T.wgmma_gemm(dvp_s, w_s, sq_f, transpose_B=True, clear_accum=True)
-                            if not earlyvp:
-                                T.wgmma_gemm(ag_s, w_s, a1_f, clear_accum=True)
+                            T.wgmma_gemm(ag_s, w_s, a1_f, clear_accum=True)
                             T.wait_wgmma(0)
                             fence(sq_f)
                             fence(a1_f)
