@@ -58,6 +58,7 @@ from typing import Callable, Optional
 import torch
 
 from gdr_dispatch import Backend, Problem, fused_gdr_bwd, get_backend, registry
+from gdr_dispatch import env as gdr_env
 from gdr_dispatch.contract import GDRGrads, packed, validate
 from gdr_dispatch.dispatch import select_backend
 from gdr_dispatch.problem import device_info, library_versions
@@ -153,7 +154,8 @@ class Canned(Backend):
                               for x in (call.q, call.k, call.v, call.g, call.b, call.initial_state)))
 
     def not_supported_reasons(self, problem):
-        return []
+        # a stand-in, never a candidate: a table miss while it is registered must not time it
+        return [] if gdr_env.forced_backend_name() == self.name else [f"{self.name}: only where GDR_BACKEND names it"]
 
     def run(self, call):
         return self.out
@@ -199,9 +201,10 @@ def measure(fn, env: dict, sync, reps: int, rounds: int) -> dict:
 
 def interleaved_host_us(fns: dict, sync, reps: int) -> dict:
     """name -> (median, lowest, thread CPU median) host us of one call's enqueue, the runners taking
-    turns call by call in a shuffled order each round: a host whose speed drifts (a shared machine, clock changes) then slows every runner
-    alike, where timing one runner after another reads the drift as a difference between them;
-    the lowest reading is the call's cost with the least interference."""
+    turns call by call in a shuffled order each round: a host whose speed drifts (a shared machine,
+    clock changes) then slows every runner alike, where timing one runner after another reads the
+    drift as a difference between them; the lowest reading is the call's cost with the least
+    interference."""
     seen = {name: [] for name in fns}
     cpu = {name: [] for name in fns}
     order, shuffle = list(fns), random.Random(0).shuffle
