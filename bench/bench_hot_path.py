@@ -27,8 +27,10 @@ and what the runner before left in the CPU's caches fall on all alike;
 `host_us_min` their lowest, `host_cpu_us` the median of the calling thread's CPU time over the
 same calls (`time.thread_time`: what the host spends, without the time the thread was switched
 out), `host_us_alone` the median timed one runner after another). The
-Markdown adds, per row, `dispatched` against the pick's own call: the host time it adds (median
-and lowest readings) and its latency ratio.
+Markdown adds, per row, `dispatched` against the pick's own call: the host time it adds (median,
+lowest and thread CPU readings), `fused_gdr_bwd` alone (`via canned` against `run canned`, thread
+CPU medians) and the latency and back-to-back ratios. The latency and back-to-back readings run
+one runner after another (the pick's `dispatched` first); only the host readings take turns.
 
 `--profile`: for each shape, a torch.profiler trace (Chrome JSON) and its `key_averages` table of
 20 dispatched calls, 20 of the pick's `run` and 20 of its own call, and a cProfile summary of 200
@@ -147,7 +149,8 @@ class Canned(Backend):
     """Hands back outputs made once: `via canned` against `run canned` is the Python that
     `fused_gdr_bwd` itself spends per call on this host (neither launches anything)."""
 
-    name, static_rank, gpu_verified = "hot_path_canned", 10 ** 6, True
+    name = "hot_path_canned"
+    static_rank = 10 ** 6  # a backstop: it refuses every call GDR_BACKEND does not name it for
 
     def __init__(self, call):
         self.out = GDRGrads(*(None if x is None else torch.empty_like(x)
@@ -161,7 +164,7 @@ class Canned(Backend):
         return self.out
 
 
-def runners(kwargs: dict, pick: str, backends, canned: Optional[Canned] = None) -> dict:
+def runners(kwargs: dict, pick: str, backends, canned: Canned) -> dict:
     """name -> (a function of no arguments, the environment it runs in) or a reason it does not run;
     `canned` (registered by the caller): its `via` and `run` too."""
     call = validate(**kwargs)
@@ -183,9 +186,9 @@ def runners(kwargs: dict, pick: str, backends, canned: Optional[Canned] = None) 
         if base in OWN and not isinstance(out[f"run {name}"], str):
             own = OWN[base](call)
             out[f"own {base}"] = own if isinstance(own, str) else (own, {})
-    if canned is not None:  # last: its readings leave the GPU idle, which the next runner's first calls would meet
-        out["via canned"] = (lambda: fused_gdr_bwd(**kwargs), {"GDR_BACKEND": canned.name, "GDR_CP": None})
-        out["run canned"] = (lambda: canned.run(call), {})
+    # last: the GPU idles through its readings, which would raise the next runner's latency
+    out["via canned"] = (lambda: fused_gdr_bwd(**kwargs), {"GDR_BACKEND": canned.name, "GDR_CP": None})
+    out["run canned"] = (lambda: canned.run(call), {})
     return out
 
 
@@ -259,12 +262,14 @@ def bench_shape(spec: ShapeSpec, device: torch.device, backends, reps: int, roun
                 out: Optional[Path] = None, with_stack: bool = False) -> dict:
     sync = syncer(device)
     kwargs = call_kwargs(make_inputs(spec, device, seed=1))
-    with environment(GDR_BACKEND=None, GDR_CP=None):
-        fused_gdr_bwd(**kwargs)  # decides (a table hit, else the first call) and makes the plan
-        pick = select_backend(Problem.from_call(validate(**kwargs))).backend.name
-    row = {"shape": spec.label(), "h": spec.h, "pick": pick, "runs": {}}
     canned = Canned(validate(**kwargs))
-    with registry.scoped(add=(canned,)):  # a new registry generation: the first calls below make new plans
+    # registered for the whole shape (a new registry generation clears the decisions): the pick
+    # is made inside, so the runners below time the backend it names
+    with registry.scoped(add=(canned,)):
+        with environment(GDR_BACKEND=None, GDR_CP=None):
+            fused_gdr_bwd(**kwargs)  # decides (a table hit, else the first call) and makes the plan
+            pick = select_backend(Problem.from_call(validate(**kwargs))).backend.name
+        row = {"shape": spec.label(), "h": spec.h, "pick": pick, "runs": {}}
         return _bench_runners(row, kwargs, pick, backends, canned, sync, reps, rounds, device, out, with_stack)
 
 
@@ -302,19 +307,19 @@ def _bench_runners(row, kwargs, pick, backends, canned, sync, reps, rounds, devi
 
 
 def added(row: dict) -> dict:
-    """`dispatched` against the pick's own call (else its `run`): host us added, latency and
-    back-to-back ratios."""
+    """`dispatched` against the pick's own call (else its `run`): host us added (median, lowest,
+    thread CPU), `fused_gdr_bwd` alone on the stand-in, latency and back-to-back ratios."""
     runs, pick = row["runs"], row["pick"]
     base_name = next((n for n in (f"own {pick.split('@')[0]}", f"run {pick}") if "latency_ms" in runs.get(n, {})), None)
     mine = runs.get("dispatched", {})
     if base_name is None or "latency_ms" not in mine:
         return {}
     base = runs[base_name]
-    lowest = {k: round(mine[k] - base[k], 1) for k in ("host_us_min", "host_cpu_us") if k in mine and k in base}
+    more = {k: round(mine[k] - base[k], 1) for k in ("host_us_min", "host_cpu_us") if k in mine and k in base}
     ours = {}
     if "host_cpu_us" in runs.get("via canned", {}) and "host_cpu_us" in runs.get("run canned", {}):
         ours = {"dispatcher_cpu_us": round(runs["via canned"]["host_cpu_us"] - runs["run canned"]["host_cpu_us"], 1)}
-    return {"against": base_name, "host_us": round(mine["host_us"] - base["host_us"], 1), **lowest, **ours,
+    return {"against": base_name, "host_us": round(mine["host_us"] - base["host_us"], 1), **more, **ours,
             "latency_ratio": round(mine["latency_ms"] / base["latency_ms"], 3),
             "b2b_ratio": round(mine["b2b_ms"] / base["b2b_ms"], 3)}
 
@@ -332,11 +337,10 @@ def to_markdown(rows: list, device: str) -> str:
             cells.append(f"{run['latency_ms']:.3f} / {run['b2b_ms']:.3f} / {run['host_us']:.0f}" if "latency_ms" in run
                          else ("failed" if "failed" in run else "-"))
         a = r.get("added", {})
-        low = "".join(f", {label} {a[k]:.0f}" for k, label in (("host_us_min", "lowest"), ("host_cpu_us", "thread CPU"),
-                                                               ("dispatcher_cpu_us", "fused_gdr_bwd alone"))
+        low = "".join(f", {label} {a[k]:.0f}" for k, label in (("host_us_min", "lowest"), ("host_cpu_us", "thread CPU"))
                       if k in a)
-        low = f" ({low[2:]})" if low else ""
-        cells += [f"{a['host_us']:.0f}{low} ({a['against']})", f"{a['latency_ratio']:.3f}", f"{a['b2b_ratio']:.3f}"] if a \
+        alone = f"; fused_gdr_bwd alone {a['dispatcher_cpu_us']:.0f}" if "dispatcher_cpu_us" in a else ""
+        cells += [f"{a['host_us']:.0f} against {a['against']}{low}{alone}", f"{a['latency_ratio']:.3f}", f"{a['b2b_ratio']:.3f}"] if a \
             else ["-", "-", "-"]
         lines.append("| " + " | ".join(cells) + " |")
     notes = sorted({f"{n}: {v.get('skipped') or v.get('failed')}" for r in rows for n, v in r["runs"].items()

@@ -415,8 +415,9 @@ def test_bench_states_timing_reads_each_groups_counters_per_chunk(monkeypatch):
 def test_hot_path_bench_times_every_runner_and_profiles_on_a_cpu(tmp_path, monkeypatch, with_backends):
     """bench_hot_path.py's plumbing on a CPU with FlashQLA faked (tests/fake_flash_qla.py): the
     dispatched call, the pick through GDR_BACKEND, its `run` and its own call each get their three
-    readings; the row says what dispatched adds against the own call; the profile's files exist;
-    GDR_BACKEND is restored after the runner that sets it."""
+    readings, and the stand-in its thread CPU time; the row says what dispatched adds against the
+    own call and what fused_gdr_bwd costs alone; the profile's files exist; GDR_BACKEND is restored
+    after the runner that sets it; the stand-in takes only calls GDR_BACKEND names it for."""
     import bench_hot_path as bh
     import fake_flash_qla
 
@@ -446,6 +447,14 @@ def test_hot_path_bench_times_every_runner_and_profiles_on_a_cpu(tmp_path, monke
     assert "| B1 T64 H2 Hg1 K16 V16 float16 | given | flash_qla |" in md and "own flash_qla" in md
     assert "GDR_BACKEND" not in bh.os.environ
     assert "hot_path_canned" not in bh.registry.registered_backends()  # registered for the bench's runs only
+    from gdr_dispatch.shapes import ShapeSpec, call_kwargs, make_inputs
+
+    call = bh.validate(**call_kwargs(make_inputs(ShapeSpec(B=1, T=64, H=2, K=16, V=16, dtype="float16",
+                                                           h="given"), "cpu")))
+    stand_in, problem = bh.Canned(call), bh.Problem.from_call(call)
+    assert not stand_in.supported(problem)[0]  # never a candidate: only where GDR_BACKEND names it
+    monkeypatch.setenv("GDR_BACKEND", stand_in.name)
+    assert stand_in.supported(problem)[0]
     assert "cProfile, 200 calls of dispatched" in Path(doc["rows"][0]["profile"][1]).read_text()
 
 

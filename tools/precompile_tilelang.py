@@ -50,6 +50,9 @@ def compile_one(H: int, Hg: int, dtype: str, schedule: str = "ws", K: int = 128)
     elif words[0] == "ws":  # the fused backward: ws[-timing][-<mode>] (the prototype builds)
         from gdr_dispatch.backends.kernels.tilelang_ws_bwd import MODES, build_ws_bwd
 
+        unknown = set(words[1:]) - {"timing", *MODES}
+        if unknown:
+            raise ValueError(f"ws: unknown words {sorted(unknown)} (timing, or a mode of {MODES})")
         mode = next((w for w in words[1:] if w in MODES), "full")
         if "timing" in words or mode != "full":  # keywords as tools/ws_probe.py passes them
             build_ws_bwd(H, Hg, float(K ** -0.5), dtype, dtype, timing="timing" in words, mode=mode)
