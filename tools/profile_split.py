@@ -308,6 +308,32 @@ def peer_backward(spec: ShapeSpec, reps: int) -> None:
         print(kernel_table(run, reps), flush=True)
 
 
+def set_constant(p: argparse.ArgumentParser, assignment: str) -> None:
+    """`--set MODULE.NAME=VALUE`: an existing module constant replaced for this process (a lever's
+    other setting timed without editing the module)."""
+    import ast
+    import importlib
+
+    target, _, text = assignment.partition("=")
+    module, _, name = target.rpartition(".")
+    for package in ("gdr_dispatch.backends.kernels", "gdr_dispatch.backends.split"):
+        try:
+            mod = importlib.import_module(f"{package}.{module}")
+            break
+        except ImportError:
+            continue
+    else:
+        p.error(f"--set {assignment}: no module {module!r} in backends/kernels or backends/split")
+    if not name or not hasattr(mod, name):
+        p.error(f"--set {assignment}: {mod.__name__} has no {name!r}")
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        p.error(f"--set {assignment}: {text!r} is not a Python literal")
+    print(f"--set: {mod.__name__}.{name} = {value!r} (was {getattr(mod, name)!r})", flush=True)
+    setattr(mod, name, value)
+
+
 def python_profile(fn, n: int) -> None:
     """cProfile over `n` enqueues (the GPU drained before each, as `host_enqueue_ms`): the functions with
     the most own time and the most time inside them, per call."""
@@ -360,10 +386,15 @@ def main() -> int:
     p.add_argument("--forward", default=None, metavar="COUNTS",
                    help="the op's forward instead: each of --backends (forward providers) whole and split in these "
                         "segment counts (comma-separated), then the split forward's parts; then stop")
+    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                   help="set a kernel module's constant for this run (a module of gdr_dispatch.backends.kernels or "
+                        "gdr_dispatch.backends.split, e.g. segment_maps.NUM_STAGES=2; a Python literal), repeatable")
     p.add_argument("--peer", action="store_true",
                    help="FlashQLA's own whole backward (h=None) with auto_cp on and off at this shape and gate, "
                         "kernel by kernel; then stop")
     a = p.parse_args()
+    for assignment in a.set:
+        set_constant(p, assignment)
 
     def spec(h: str) -> ShapeSpec:
         if a.seqlens:

@@ -107,19 +107,23 @@ LEND_GPU_VERIFIED = True
 LEND_BLOCKS = 2
 #: The backward's outputs lent: dq, dk, dv, dg, db (GDRGrads' order); dh0 is copied out.
 LENT_GRADS = GDRGrads._fields.index("dh0")
-_lent = caches.memo("split graph lent outputs", limit=256)  # key -> [(static output, its use count when lent)]
+# key -> [(a static output, its storage, its use count when lent)]: the output kept so its storage outlives the
+# graph's eviction while listed here
+_lent = caches.memo("split graph lent outputs", limit=256)
 _lend_blocked = caches.memo("split graph lend blocked", limit=256)  # key -> calls that found its outputs held
 # (key, addresses) -> an in-place hit as in _graphs; its pins under the same key in _pins
 _placed = caches.memo("split graphs in place", limit=LIMIT * ADDRESS_SETS,
                       on_evict=lambda key, hit: (_release(key), _forget_lent(key[0])))
-_recent = caches.memo("split graph recent addresses", limit=256)  # key -> its last calls' address sets
+# key -> its last `RECENT` calls' address sets, in order, and each one's count among them
+_recent = caches.memo("split graph recent addresses", limit=256)
 _streams = caches.memo("split graph capture streams", limit=256)  # key -> the stream its graphs are captured on
 _placed_captures = caches.memo("split graph in-place captures", limit=256)  # key -> captures so far
 
 
 def signature(tensors) -> tuple:
-    """Each tensor's shape and dtype (None for an absent one): what a graph key holds of them."""
-    return tuple(None if x is None else (tuple(x.shape), x.dtype) for x in tensors)
+    """Each tensor's shape and dtype (None for an absent one): what a graph key holds of them
+    (`torch.Size` is a tuple: it hashes and compares as one)."""
+    return tuple(None if x is None else (x.shape, x.dtype) for x in tensors)
 
 
 def key_of(name: str, call: GDRCall) -> tuple:
@@ -158,12 +162,14 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
     at the addresses it was captured on; outputs come back as fresh copies (module docstring), the
     first `lend` of them as the graph's own buffers while nothing holds them from the call before
     (`LEND_GPU_VERIFIED`)."""
-    allowed = in_place_allowed()
+    allowed, multi, lend_ok = _modes()  # `multi`: an in-place graph per address set that comes back
     if allowed:  # stable lengths' addresses: what lets the op's backward replay in place
-        tensors = tuple(_lengths_constant(x) for x in tensors)
+        tensors = tuple(x if x is None or x.is_floating_point() else _lengths_constant(x) for x in tensors)
     where = addresses(tensors)
-    before, _callers[key] = _callers.get(key), where
-    multi = allowed and placed_allowed()  # an in-place graph per address set that comes back
+    # the previous call's addresses: what one in-place graph per key goes by (`multi` goes by `_recent`)
+    before = None
+    if not multi:
+        before, _callers[key] = _callers.get(key), where
     state = _seen.get(key)
     if state is None:
         _seen[key] = "eager"
@@ -174,7 +180,7 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
         return fn(tensors)
     if _held(key):  # outputs it lent are still held: a replay would overwrite them
         return fn(tensors)
-    lend = lend if lend_allowed() and _lend_blocked.get(key, 0) < LEND_BLOCKS else 0
+    lend = lend if lend_ok and _lend_blocked.get(key, 0) < LEND_BLOCKS else 0
     captures, copies_only = state if isinstance(state, tuple) else (0, False)
     if multi:  # an in-place graph for these addresses, kept or captured now; else copies (below)
         placed = _placed_hit(name, key, tensors, fn, seq_lens, where)
@@ -244,21 +250,52 @@ def _replay(key: tuple, hit: tuple, tensors: tuple, lend: int = 0) -> tuple:
     graph.replay()
     # lent: aliases of its buffers (each holds its storage while alive, which `_held` counts);
     # the rest copied out
+    result = list(out)
     lent = [x for x in out[:lend] if x is not None]
-    copied = [x for x in out[lend:] if x is not None]
-    if lent:  # the use counts before the aliases handed out
-        _lent[key] = [(x, _uses(x)) for x in lent]
+    if lent:  # the use counts before the aliases handed out (`_storage_uses`)
+        _lent[key] = [(x, u, _storage_uses(u)) for x, u in zip(lent, map(_storage_of, lent))]
         replays["lent"] += 1
-    fresh = [torch.empty_like(x) for x in copied]
+    copied = []
+    for i, x in enumerate(out):
+        if x is not None:
+            if i < lend:
+                result[i] = x.detach()
+            else:
+                copied.append((torch.empty_like(x), x))
+                result[i] = copied[-1][0]
     if copied:
-        copy_all(list(zip(fresh, copied)))
-        copied_bytes["out"] += sum(x.nbytes for x in copied)
+        copy_all(copied)
+        copied_bytes["out"] += sum(x.nbytes for _, x in copied)
     if stream is not None:
         event = last[1] if last is not None else torch.cuda.Event()
         event.record(stream)
         _last_use[key] = (stream, event, bool(lent))
-    copies = iter(fresh)
-    return tuple(None if x is None else (x.detach() if i < lend else next(copies)) for i, x in enumerate(out))
+    return tuple(result)
+
+
+def _modes() -> tuple:
+    """`(in_place_allowed(), placed_allowed() where in place, lend_allowed())` in one read of the
+    gates they share (every replay asks)."""
+    from gdr_dispatch.registry import unverified_allowed
+
+    copied = graph_inputs_copied()
+    unverified = None  # read once, where a gate needs it
+
+    def gate(verified: bool) -> bool:
+        nonlocal unverified
+        if verified:
+            return True
+        if unverified is None:
+            unverified = unverified_allowed()
+        return unverified
+
+    allowed = not copied and gate(IN_PLACE_GPU_VERIFIED)
+    multi = allowed and ADDRESS_SETS > 1 and gate(PLACED_GPU_VERIFIED)
+    lend = not copied and _COUNTS_USES and gate(LEND_GPU_VERIFIED)
+    return allowed, multi, lend
+
+
+_COUNTS_USES = hasattr(torch._C, "_storage_Use_Count")
 
 
 def lend_allowed() -> bool:
@@ -267,13 +304,19 @@ def lend_allowed() -> bool:
     with the next's)."""
     from gdr_dispatch.registry import unverified_allowed
 
-    return (hasattr(torch._C, "_storage_Use_Count") and not graph_inputs_copied()
-            and (LEND_GPU_VERIFIED or unverified_allowed()))
+    return _COUNTS_USES and not graph_inputs_copied() and (LEND_GPU_VERIFIED or unverified_allowed())
 
 
-def _uses(x: torch.Tensor) -> int:
-    """How many tensors (and storage objects) hold `x`'s storage now."""
-    return torch._C._storage_Use_Count(x.untyped_storage()._cdata)
+def _storage_of(x: torch.Tensor) -> int:
+    """`x`'s storage, as the handle `_storage_uses` reads (taken once, when lent: a storage object
+    made per check costs host time and holds a use while alive). Valid while `x` lives:
+    `_lent` keeps `x` beside it, so it outlives the graph's eviction while listed."""
+    return x.untyped_storage()._cdata
+
+
+def _storage_uses(storage: int) -> int:
+    """How many tensors (and storage objects) hold the storage `storage` (`_storage_of`) now."""
+    return torch._C._storage_Use_Count(storage)
 
 
 def _held(key: tuple) -> bool:
@@ -283,7 +326,7 @@ def _held(key: tuple) -> bool:
     lent = _lent.get(key)
     if not lent:
         return False
-    if all(_uses(x) <= n for x, n in lent):
+    if all(_storage_uses(u) <= n for _, u, n in lent):
         _lent.pop(key, None)
         return False
     replays["blocked"] += 1
@@ -314,7 +357,7 @@ def _placed_hit(name: str, key: tuple, tensors: tuple, fn, seq_lens: tuple, wher
     seen = _note(key, where)
     hit = _placed.get((key, where))
     if hit is not None:
-        _placed[(key, where)] = hit  # most recently used
+        _placed.move_to_end((key, where))  # most recently used
         return hit
     captures = _placed_captures.get(key, 0)
     if not seen or captures >= 2 * ADDRESS_SETS or not _few_sets(key):
@@ -331,20 +374,30 @@ def _few_sets(key: tuple) -> bool:
     sets that come back (seen before within `RECENT` calls; one-off sets do not count): a cycle of
     more sets than kept (more layers at one shape, or tensors the allocator places anew) would
     give each graph away before it replays, a capture per call."""
-    recent = list(_recent.get(key) or ())
-    back = {w for w in recent[-(ADDRESS_SETS + 1):] if recent.count(w) > 1}  # one-off sets do not count
+    recent, counts = _recent.get(key) or ((), {})
+    tail = list(recent)[-(ADDRESS_SETS + 1):]
+    back = {w for w in tail if counts[w] > 1}  # one-off sets do not count
     return len(back) <= ADDRESS_SETS
 
 
 def _note(key: tuple, where: tuple) -> bool:
     """Remember `where` among the key's last `RECENT` calls' addresses; whether it was there
     already."""
-    recent = _recent.get(key)
-    if recent is None:
-        recent = collections.deque(maxlen=RECENT)
-    seen = where in recent
+    entry = _recent.get(key)
+    if entry is None:
+        entry = _recent[key] = (collections.deque(), {})  # the addresses in order, and how often each is among them
+    else:
+        _recent.move_to_end(key)  # (changed in place below)
+    recent, counts = entry
+    seen = where in counts
+    if len(recent) == RECENT:
+        old = recent.popleft()
+        if counts[old] == 1:
+            del counts[old]
+        else:
+            counts[old] -= 1
     recent.append(where)
-    _recent[key] = recent
+    counts[where] = counts.get(where, 0) + 1
     return seen
 
 
