@@ -308,6 +308,55 @@ def peer_backward(spec: ShapeSpec, reps: int) -> None:
         print(kernel_table(run, reps), flush=True)
 
 
+def graph_nodes(graph) -> dict:
+    """The node count of a captured torch CUDA graph by node type (the driver's cuGraphGetNodes and
+    cuGraphNodeGetType: what each replay's launch submits)."""
+    import ctypes
+
+    names = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "child graph", 5: "empty", 6: "event wait",
+             7: "event record", 8: "semaphore signal", 9: "semaphore wait", 10: "mem alloc", 11: "mem free"}
+    cuda = ctypes.CDLL("libcuda.so.1")
+    handle = ctypes.c_void_p(graph.raw_cuda_graph())
+    count = ctypes.c_size_t(0)
+    if cuda.cuGraphGetNodes(handle, None, ctypes.byref(count)) != 0:
+        return {"error": 1}
+    nodes = (ctypes.c_void_p * count.value)()
+    cuda.cuGraphGetNodes(handle, nodes, ctypes.byref(count))
+    out: dict = {}
+    for node in nodes:
+        kind = ctypes.c_int(-1)
+        cuda.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind))
+        name = names.get(kind.value, str(kind.value))
+        out[name] = out.get(name, 0) + 1
+    return out
+
+
+def replay_report(reps: int) -> None:
+    """Each split graph kept now: its nodes by type, and the host time of its `replay()` alone (the
+    GPU drained before each), against the whole call's host enqueue above."""
+    import statistics
+    import time
+
+    from gdr_dispatch.backends.split import graphs
+
+    kept = list(graphs._graphs.items()) + list(graphs._placed.items())
+    for key, (graph, *_rest) in kept:
+        try:
+            nodes = graph_nodes(graph)
+        except Exception as e:  # noqa: BLE001 - a report line, not a failure
+            nodes = {"unreadable": f"{type(e).__name__}: {e}"}
+        out = []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            graph.replay()
+            out.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+        name = key[0][0] if isinstance(key[0], tuple) else key[0]
+        print(f"graph {name}: {sum(v for v in nodes.values() if isinstance(v, int))} nodes {nodes}; replay() "
+              f"host {statistics.median(out):.3f} ms median, {min(out):.3f} lowest", flush=True)
+
+
 def set_constant(p: argparse.ArgumentParser, assignment: str) -> None:
     """`--set MODULE.NAME=VALUE`: an existing module constant replaced for this process (a lever's
     other setting timed without editing the module)."""
@@ -449,6 +498,7 @@ def main() -> int:
                           flush=True)
             if a.pyprof and backend is not inner:
                 python_profile(fn, a.pyprof)
+                replay_report(a.reps)
             print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60), flush=True)
             print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60), flush=True)
     return 0
