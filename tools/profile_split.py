@@ -15,8 +15,9 @@ serial, as a prefix or blocked, each the other way beside what runs by default; 
 ahead, beside the plain chain). `--pass1` times pass 1's exact maps alone, fla's kernels
 against ours (backends/kernels/segment_maps.py); with GDR_ALLOW_UNVERIFIED=1 in the environment
 the splits above run pass 1 on ours (until their GPU tests pass). `--pyprof N` adds a cProfile
-of N enqueues of each split call (which Python spends the host time). `--forward 8,16` times the
-op's forward instead: each provider of --backends whole and split, and the split forward's parts.
+of N enqueues of each split call (which Python spends the host time) and the host time of its
+graph's `replay()` alone. `--set segment_maps.NUM_STAGES=2` (repeatable) runs with a kernel
+module's constant replaced. `--forward 8,16` times the op's forward instead: each provider of --backends whole and split, and the split forward's parts.
 `--peer` times FlashQLA's own whole backward (`chunk_gated_delta_rule_bwd`, h=None) with
 `auto_cp` on and off at the shape and gate instead: median, host enqueue and each kernel's time.
 """
@@ -308,32 +309,9 @@ def peer_backward(spec: ShapeSpec, reps: int) -> None:
         print(kernel_table(run, reps), flush=True)
 
 
-def graph_nodes(graph) -> dict:
-    """The node count of a captured torch CUDA graph by node type (the driver's cuGraphGetNodes and
-    cuGraphNodeGetType: what each replay's launch submits)."""
-    import ctypes
-
-    names = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "child graph", 5: "empty", 6: "event wait",
-             7: "event record", 8: "semaphore signal", 9: "semaphore wait", 10: "mem alloc", 11: "mem free"}
-    cuda = ctypes.CDLL("libcuda.so.1")
-    handle = ctypes.c_void_p(graph.raw_cuda_graph())
-    count = ctypes.c_size_t(0)
-    if cuda.cuGraphGetNodes(handle, None, ctypes.byref(count)) != 0:
-        return {"error": 1}
-    nodes = (ctypes.c_void_p * count.value)()
-    cuda.cuGraphGetNodes(handle, nodes, ctypes.byref(count))
-    out: dict = {}
-    for node in nodes:
-        kind = ctypes.c_int(-1)
-        cuda.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind))
-        name = names.get(kind.value, str(kind.value))
-        out[name] = out.get(name, 0) + 1
-    return out
-
-
 def replay_report(reps: int) -> None:
-    """Each split graph kept now: its nodes by type, and the host time of its `replay()` alone (the
-    GPU drained before each), against the whole call's host enqueue above."""
+    """The host time of each kept split graph's `replay()` alone (the GPU drained before each),
+    against the whole call's host enqueue above."""
     import statistics
     import time
 
@@ -341,10 +319,6 @@ def replay_report(reps: int) -> None:
 
     kept = list(graphs._graphs.items()) + list(graphs._placed.items())
     for key, (graph, *_rest) in kept:
-        try:
-            nodes = graph_nodes(graph)
-        except Exception as e:  # noqa: BLE001 - a report line, not a failure
-            nodes = {"unreadable": f"{type(e).__name__}: {e}"}
         out = []
         for _ in range(reps):
             torch.cuda.synchronize()
@@ -353,8 +327,8 @@ def replay_report(reps: int) -> None:
             out.append((time.perf_counter() - t0) * 1e3)
         torch.cuda.synchronize()
         name = key[0][0] if isinstance(key[0], tuple) else key[0]
-        print(f"graph {name}: {sum(v for v in nodes.values() if isinstance(v, int))} nodes {nodes}; replay() "
-              f"host {statistics.median(out):.3f} ms median, {min(out):.3f} lowest", flush=True)
+        print(f"graph {name}: replay() host {statistics.median(out):.3f} ms median, {min(out):.3f} lowest",
+              flush=True)
 
 
 def set_constant(p: argparse.ArgumentParser, assignment: str) -> None:
