@@ -345,11 +345,8 @@ def _forward_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_fin
     if save_states:
         h = h.to(q.dtype) if h.dtype != q.dtype and q.dtype in (torch.bfloat16, torch.float16) else h
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    dt = q.dtype  # (`.to` of a tensor already in the dtype parses its arguments all the same: ~1.4 us each)
-    return (packed(o if o.dtype == dt else o.to(dt)),
-            (packed(ht if ht.dtype == acc else ht.to(acc)) if output_final_state else _empty(q)),
-            packed(G if G.dtype == acc else G.to(acc)), packed(a if a.dtype == dt else a.to(dt)),
-            packed(h) if save_states else _empty(q))
+    return (packed(o.to(q.dtype)), packed(ht.to(acc)) if output_final_state else _empty(q), packed(G.to(acc)),
+            packed(a.to(q.dtype)), packed(h) if save_states else _empty(q))
 
 
 def forward_candidate_jobs(candidates, q, v, g, beta, initial_state, cu_seqlens, lens, scale, state_v_first,

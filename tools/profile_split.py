@@ -17,7 +17,8 @@ against ours (backends/kernels/segment_maps.py); with GDR_ALLOW_UNVERIFIED=1 in 
 the splits above run pass 1 on ours (until their GPU tests pass). `--pyprof N` adds a cProfile
 of N enqueues of each split call (which Python spends the host time) and the host time of its
 graph's `replay()` alone. `--set segment_maps.NUM_STAGES=2` (repeatable) runs with a kernel
-module's constant replaced. `--forward 8,16` times the op's forward instead: each provider of --backends whole and split, and the split forward's parts.
+module's constant replaced. `--forward 8,16` times the op's forward instead: each provider of
+--backends whole and split, and the split forward's parts.
 `--peer` times FlashQLA's own whole backward (`chunk_gated_delta_rule_bwd`, h=None) with
 `auto_cp` on and off at the shape and gate instead: median, host enqueue and each kernel's time.
 """

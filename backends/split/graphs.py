@@ -162,10 +162,11 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
     at the addresses it was captured on; outputs come back as fresh copies (module docstring), the
     first `lend` of them as the graph's own buffers while nothing holds them from the call before
     (`LEND_GPU_VERIFIED`)."""
-    allowed, multi, lend_ok = _modes()  # `multi`: an in-place graph per address set that comes back
+    allowed = in_place_allowed()
     if allowed:  # stable lengths' addresses: what lets the op's backward replay in place
-        tensors = tuple(x if x is None or x.is_floating_point() else _lengths_constant(x) for x in tensors)
+        tensors = tuple(_lengths_constant(x) for x in tensors)
     where = addresses(tensors)
+    multi = allowed and placed_allowed()  # an in-place graph per address set that comes back
     # the previous call's addresses: what one in-place graph per key goes by (`multi` goes by `_recent`)
     before = None
     if not multi:
@@ -180,7 +181,7 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
         return fn(tensors)
     if _held(key):  # outputs it lent are still held: a replay would overwrite them
         return fn(tensors)
-    lend = lend if lend_ok and _lend_blocked.get(key, 0) < LEND_BLOCKS else 0
+    lend = lend if lend_allowed() and _lend_blocked.get(key, 0) < LEND_BLOCKS else 0
     captures, copies_only = state if isinstance(state, tuple) else (0, False)
     if multi:  # an in-place graph for these addresses, kept or captured now; else copies (below)
         placed = _placed_hit(name, key, tensors, fn, seq_lens, where)
@@ -273,38 +274,14 @@ def _replay(key: tuple, hit: tuple, tensors: tuple, lend: int = 0) -> tuple:
     return tuple(result)
 
 
-def _modes() -> tuple:
-    """`(in_place_allowed(), placed_allowed() where in place, lend_allowed())` in one read of the
-    gates they share (every replay asks)."""
-    from gdr_dispatch.registry import unverified_allowed
-
-    copied = graph_inputs_copied()
-    unverified = None  # read once, where a gate needs it
-
-    def gate(verified: bool) -> bool:
-        nonlocal unverified
-        if verified:
-            return True
-        if unverified is None:
-            unverified = unverified_allowed()
-        return unverified
-
-    allowed = not copied and gate(IN_PLACE_GPU_VERIFIED)
-    multi = allowed and ADDRESS_SETS > 1 and gate(PLACED_GPU_VERIFIED)
-    lend = not copied and _COUNTS_USES and gate(LEND_GPU_VERIFIED)
-    return allowed, multi, lend
-
-
-_COUNTS_USES = hasattr(torch._C, "_storage_Use_Count")
-
-
 def lend_allowed() -> bool:
     """Whether replays may lend their outputs: verified (or GDR_ALLOW_UNVERIFIED=1), torch counts
     storage uses, and not inside the autotuner's timing (it may keep one run's outputs to compare
     with the next's)."""
     from gdr_dispatch.registry import unverified_allowed
 
-    return _COUNTS_USES and not graph_inputs_copied() and (LEND_GPU_VERIFIED or unverified_allowed())
+    return (hasattr(torch._C, "_storage_Use_Count") and not graph_inputs_copied()
+            and (LEND_GPU_VERIFIED or unverified_allowed()))
 
 
 def _storage_of(x: torch.Tensor) -> int:
