@@ -108,6 +108,22 @@ def plumbing_errors(backend: str, spec: ShapeSpec, h_mode: str, monkeypatch) -> 
     return rel_errors(fused_gdr_bwd(**kwargs), ref)
 
 
+#: pass 1's walks (backends/kernels/segment_maps.py): forming each chunk, reading `_factors`' chunks,
+#: or reading them with TMA (`use_tma_walks`; on a CPU under Triton's interpreter)
+WALKS = ("form", "factors", "tma")
+
+
+def set_walks(monkeypatch, walks: str) -> None:
+    from gdr_dispatch.backends.kernels import segment_maps as sm
+
+    monkeypatch.setattr(sm, "FACTORS", walks != "form")
+    monkeypatch.setattr(sm, "FACTORS_GPU_VERIFIED", True)
+    monkeypatch.setattr(sm, "TMA_WALKS", walks == "tma")
+    monkeypatch.setattr(sm, "TMA_WALKS_GPU_VERIFIED", True)
+    if walks == "tma" and not torch.cuda.is_available():
+        monkeypatch.setattr(sm, "tma_capable", lambda dev: True)
+
+
 from gdr_dispatch import registry as _registry  # noqa: E402
 
 

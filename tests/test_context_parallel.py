@@ -126,7 +126,7 @@ from gdr_dispatch.problem import DeviceInfo  # noqa: E402
 STARVED = ShapeSpec(B=1, T=600, H=2, K=8, V=8, dtype="float64", h="none")  # 2 programs, 10 chunks
 
 
-from conftest import TorchAsPlain as Plain  # noqa: E402
+from conftest import TorchAsPlain as Plain, WALKS, set_walks  # noqa: E402
 
 
 @pytest.fixture
@@ -631,20 +631,20 @@ def test_segments_know_their_sequences_and_places(lens, segments):
 
 
 # -- pass 1 as Triton kernels (backends/kernels/segment_maps.py; Triton's interpreter on the CPU) -----
-@pytest.mark.parametrize("factored", [False, True], ids=["walks_form_chunks", "walks_read_factors"])
+@pytest.mark.parametrize("walks", WALKS)
 @pytest.mark.parametrize("spec", FLA_PASS_SHAPES, ids=lambda s: s.label())
-def test_triton_pass_1_composes_the_same_maps_as_the_torch_products(spec, factored, monkeypatch):
+def test_triton_pass_1_composes_the_same_maps_as_the_torch_products(spec, walks, monkeypatch):
     """Our kernels' [M | R] (the state walk from [I | 0]) and D (the dh walk from zero) against
-    the batched products (`_assert_same_maps`), the walks forming each chunk or reading
-    `_factors`' chunks. Without `need_r` R is None and M, D are the same."""
+    the batched products (`_assert_same_maps`), the walks forming each chunk, reading `_factors`'
+    chunks, or reading them with TMA. Without `need_r` R is None and M, D are the same."""
     from gdr_dispatch.backends.split import passes as cp
     from gdr_dispatch.backends.kernels import segment_maps as sm
     from gdr_dispatch.backends.kernels.segment_maps import segment_maps
 
-    monkeypatch.setattr(sm, "FACTORS", factored)
-    monkeypatch.setattr(sm, "FACTORS_GPU_VERIFIED", True)
+    set_walks(monkeypatch, walks)
     call, s, n_seg, pick, seg_call = _segments_call(spec, 3)
-    assert sm.use_factors(seg_call, True, True) == factored
+    assert sm.use_factors(seg_call, True, True) == (walks != "form")
+    assert sm.use_tma_walks(seg_call) == (walks == "tma")
     got = segment_maps(seg_call)
     _assert_same_maps(got, cp._torch_pass_1(call, s, n_seg), call.K, pick)
     m, r, d = segment_maps(seg_call, need_r=False)
@@ -936,12 +936,12 @@ WEAK_PIECES_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("walk_pieces, factored", [(1, False), (1, True), (3, False)],
-                         ids=["walks_whole", "walks_whole_on_factors", "walks_in_3_pieces"])
+@pytest.mark.parametrize("walk_pieces, walks", [(1, "form"), (1, "factors"), (1, "tma"), (3, "form")],
+                         ids=["walks_whole", "walks_whole_on_factors", "walks_whole_on_tma", "walks_in_3_pieces"])
 @pytest.mark.parametrize("need_starts, need_ends", [(True, True), (False, True), (True, False)],
                          ids=["h_none", "h_given", "forward"])
 @pytest.mark.parametrize("spec", PIECES_SHAPES + WEAK_PIECES_SHAPES, ids=lambda s: s.label())
-def test_pieces_kernels_equal_the_tensor_products(spec, need_starts, need_ends, walk_pieces, factored, monkeypatch):
+def test_pieces_kernels_equal_the_tensor_products(spec, need_starts, need_ends, walk_pieces, walks, monkeypatch):
     """`segment_pieces` on a plan: every segment's warm-up window or exact map where the chains
     read them (starts[j] for j not first, ends[j] for j not last, M[j] where exact), to fp16
     rounding of the tensor products (the same windows: zero maps outside them); the exact
@@ -954,8 +954,7 @@ def test_pieces_kernels_equal_the_tensor_products(spec, need_starts, need_ends, 
     plan, M, starts, ends = cp._torch_pieces(call, segs, need_starts=need_starts)
     roles = torch.tensor(segs.roles, dtype=torch.int32)
     monkeypatch.setattr(segment_maps, "walk_pieces", lambda max_chunks: walk_pieces)
-    monkeypatch.setattr(segment_maps, "FACTORS", factored)
-    monkeypatch.setattr(segment_maps, "FACTORS_GPU_VERIFIED", True)
+    set_walks(monkeypatch, walks)
     gM, gstarts, gends = segment_maps.segment_pieces(seg_call, plan, roles, need_starts, need_ends, segs.s)
     assert (gstarts is None) == (not need_starts) and (gends is None) == (not need_ends)
     exact = plan[..., 0] == 0

@@ -9,7 +9,7 @@ these tests are what verifies them.
 import pytest
 import torch
 
-from conftest import case, rel_errors
+from conftest import WALKS, case, rel_errors, set_walks
 from fixtures import fused_stage_case
 from gdr_dispatch import Problem, fused_gdr_bwd, registered_backends
 from gdr_dispatch import dispatch as dsp
@@ -186,22 +186,21 @@ def test_split_with_fla_pass_1_on_gpu(name, h_mode, monkeypatch):
     _check_backend("fla", name, "bfloat16", h_mode, monkeypatch)
 
 
-@pytest.mark.parametrize("factored", [False, True], ids=["walks_form_chunks", "walks_read_factors"])
+@pytest.mark.parametrize("walks", WALKS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("name", ["varlen_1_63_64_65_vfirst", "T100_grouped_strong_decay", "T128_h0_only"])
-def test_split_pass_1_kernels_on_gpu(name, dtype, factored, monkeypatch):
+def test_split_pass_1_kernels_on_gpu(name, dtype, walks, monkeypatch):
     """Pass 1's Triton kernels (backends/kernels/segment_maps.py) at K = V = 128 against the batched
     products in float64 on the same segments (3 per sequence): M against the identity's size,
     R and D relative, within 16-bit rounding of the products' operands; the walks forming each
-    chunk or reading `_factors`' chunks."""
+    chunk, reading `_factors`' chunks, or reading them with TMA."""
     from dataclasses import replace
 
     from gdr_dispatch.backends.split import passes as cp
     from gdr_dispatch.backends.kernels import segment_maps as sm
     from gdr_dispatch.backends.kernels.segment_maps import segment_maps
 
-    monkeypatch.setattr(sm, "FACTORS", factored)
-    monkeypatch.setattr(sm, "FACTORS_GPU_VERIFIED", True)
+    set_walks(monkeypatch, walks)
 
     spec = replace(SHAPES[name], dtype=dtype, h="none")
     kwargs, _ = case(spec, device="cuda", with_oracle=False)
@@ -210,6 +209,7 @@ def test_split_pass_1_kernels_on_gpu(name, dtype, factored, monkeypatch):
     flat = {n: getattr(call, n).reshape(1, -1, *getattr(call, n).shape[2:]) for n in ("q", "k", "v", "a", "g", "b", "do")}
     offsets = torch.tensor([0] + seg_lens, device="cuda").cumsum(0).to(torch.int32)
     seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=call.chunk_size)
+    assert sm.use_tma_walks(seg_call) == (walks == "tma")
     got = segment_maps(seg_call)
     call64 = validate(**{n: (x.double() if torch.is_tensor(x) and x.is_floating_point() else x) for n, x in kwargs.items()})
     want = cp._torch_pass_1(call64, s, n_seg)
@@ -467,11 +467,11 @@ def test_split_chain_kernel_on_gpu(counts, starts_wanted, how, monkeypatch):
 DECAY_GATES = ("logsigmoid", "logsigmoid16", "mixed")
 
 
-@pytest.mark.parametrize("walk, factored", [(1, False), (1, True), (4, False)],
-                         ids=["walks_whole", "walks_whole_on_factors", "walks_in_4_pieces"])
+@pytest.mark.parametrize("walk, walks", [(1, "form"), (1, "factors"), (1, "tma"), (4, "form")],
+                         ids=["walks_whole", "walks_whole_on_factors", "walks_whole_on_tma", "walks_in_4_pieces"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("gate", DECAY_GATES)
-def test_split_decay_plan_and_pieces_on_gpu(gate, dtype, walk, factored, monkeypatch):
+def test_split_decay_plan_and_pieces_on_gpu(gate, dtype, walk, walks, monkeypatch):
     """The decay-aware pass 1 (backends/kernels/segment_maps.py: `decay_plan`, `segment_pieces`)
     at K = V = 128 against the tensor products in float64 on the same plan and segments: the
     kernel's plan is the tensor rule's, every window and exact map within 16-bit rounding; the
@@ -500,8 +500,8 @@ def test_split_decay_plan_and_pieces_on_gpu(gate, dtype, walk, factored, monkeyp
         cp.threshold = real
     assert (plan != want_plan).sum().item() <= 2, (plan[..., 0], want_plan[..., 0])  # a sum at the threshold may round
     monkeypatch.setattr(segment_maps, "walk_pieces", lambda max_chunks: walk)
-    monkeypatch.setattr(segment_maps, "FACTORS", factored)
-    monkeypatch.setattr(segment_maps, "FACTORS_GPU_VERIFIED", True)
+    set_walks(monkeypatch, walks)
+    assert segment_maps.use_tma_walks(seg_call) == (walks == "tma")
     gM, gstarts, gends = segment_maps.segment_pieces(seg_call, want_plan.cuda(), torch.tensor(
         segs.roles, dtype=torch.int32, device="cuda"), max_chunks=segs.s)
     exact = want_plan[..., 0] == 0

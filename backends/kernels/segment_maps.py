@@ -27,6 +27,7 @@ their sequence (backends/split/passes.segment_plan), so `g`'s chunk-local cumsum
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import threading
@@ -65,6 +66,18 @@ FACTOR_WARPS = 4
 #: against the unsplit call with them) have passed in this form; while False they run only with
 #: GDR_ALLOW_UNVERIFIED=1.
 FACTORS_GPU_VERIFIED = True
+#: The factored walks as `_tma_forward_maps` / `_tma_backward_maps` where the GPU has a tensor memory
+#: accelerator (sm_90 on): the carried block transposed, so it is the left operand of both of a
+#: step's products from registers, and the factors (with diag(e^{G_L - G}) K, a buffer more) loaded
+#: by TMA STAGES chunks ahead; the Triton walks above spend ~6 / 4 us a chunk step on their loads
+#: however they are laid out (docs/kernels.md, "The split"). Until their GPU tests pass
+#: (`TMA_WALKS_GPU_VERIFIED`) only with GDR_ALLOW_UNVERIFIED=1.
+TMA_WALKS = True
+TMA_STAGES = 2
+#: dO too from a copy `_factors` writes per visited chunk (padded rows 0), loaded by TMA, instead of
+#: a masked load from the caller's tensor inside the walk.
+TMA_DO = True
+TMA_WALKS_GPU_VERIFIED = False
 #: Whether the pieces' GPU tests (tests/test_gpu.py: the decay-aware split against the unsplit
 #: call with them) have passed; while False they run only with GDR_ALLOW_UNVERIFIED=1.
 PIECES_WALK_GPU_VERIFIED = True
@@ -214,9 +227,9 @@ def _visits(plan_ptr, role_ptr, n, nh, c, nc, PLAN: tl.constexpr, NEED_R: tl.con
 
 
 @triton.jit
-def _factors(q_ptr, k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, ci_ptr, plan_ptr, role_ptr, w_ptr, u_ptr, x_ptr, scale,
-             Hg, H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, PLAN: tl.constexpr, NEED_R: tl.constexpr,
-             NEED_D: tl.constexpr):
+def _factors(q_ptr, k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, ci_ptr, plan_ptr, role_ptr, w_ptr, u_ptr, x_ptr, kd_ptr,
+             do_ptr, fdo_ptr, scale, Hg, H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, PLAN: tl.constexpr,
+             NEED_R: tl.constexpr, NEED_D: tl.constexpr, TMA: tl.constexpr = 0, TMA_DO: tl.constexpr = 0):
     """Chunk i (a row of `ci`: its segment and chunk there) of head h, where a walk visits it
     (`_visits`), as `[BT, K]` / `[BT, V]` tiles in k's dtype (`[NT, H, BT, *]`; padded rows 0):
     W = (Gam * A) diag(b e^G) K (`w`), U0 = (Gam * A) diag(b) V (`u`, with NEED_R) and
@@ -224,7 +237,10 @@ def _factors(q_ptr, k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, ci_ptr, plan_ptr,
     S <- e^{G_L} S + K^T diag(e^{G_L - G}) (U0 - W S) and
     dS <- e^{G_L} dS + X^T dO - W^T diag(e^{G_L - G}) K dS: X^T dO is the dh step's part that does
     not depend on the gradient, (scale Q e^G)^T dO - W^T dV_loc, dV_loc = scale (Gam * Q K^T)^T dO.
-    W's and U0's diagonals scale the `[BT, BT]` factor's columns, not a `[BT, K]` operand's rows."""
+    W's and U0's diagonals scale the `[BT, BT]` factor's columns, not a `[BT, K]` operand's rows.
+    With TMA (for `_tma_forward_maps` / `_tma_backward_maps`) also diag(e^{G_L - G}) K (`kd`, `[NT,
+    H, BT, K]`), and U0 transposed (`u` `[NT, H, V, BT]`); with TMA_DO the backward's chunks of dO
+    too (`fdo` `[NT, H, BT, V]`, padded rows 0: past a segment's end lies another sequence)."""
     i = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.load(ci_ptr + i * 2)
@@ -244,17 +260,28 @@ def _factors(q_ptr, k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, ci_ptr, plan_ptr,
         w = tl.dot((ag.to(tl.float32) * (b * tl.exp(G))[None, :]).to(k.dtype), k).to(k.dtype)
         base = i.to(tl.int64) * H + h
         tl.store(w_ptr + (base * BT + rt[:, None]) * K + rk[None, :], w)
+        if TMA:  # padded rows: k is 0 there
+            kd = k.to(tl.float32) * tl.exp(gL - G)[:, None]
+            tl.store(kd_ptr + (base * BT + rt[:, None]) * K + rk[None, :], kd.to(k.dtype))
         if NEED_R:
             if fwd > 0:
                 rv = tl.arange(0, V)
                 v = tl.load(v_ptr + (t[:, None].to(tl.int64) * H + h) * V + rv[None, :], mask=valid[:, None], other=0.0)
                 u0 = tl.dot((ag.to(tl.float32) * b[None, :]).to(k.dtype), v)
-                tl.store(u_ptr + (base * BT + rt[:, None]) * V + rv[None, :], u0.to(k.dtype))
+                if TMA:
+                    tl.store(u_ptr + (base * V + rv[None, :]) * BT + rt[:, None], u0.to(k.dtype))
+                else:
+                    tl.store(u_ptr + (base * BT + rt[:, None]) * V + rv[None, :], u0.to(k.dtype))
         if bwd > 0:
             q = tl.load(q_ptr + (t[:, None].to(tl.int64) * Hg + hg) * K + rk[None, :], mask=valid[:, None], other=0.0)
             p = (scale * gam) * tl.dot(q, tl.trans(k))  # scale (Gam * Q K^T)
             x = q.to(tl.float32) * (scale * tl.exp(G))[:, None] - tl.dot(p.to(k.dtype), w)
             tl.store(x_ptr + (base * BT + rt[:, None]) * K + rk[None, :], x.to(k.dtype))
+            if TMA_DO:
+                rv = tl.arange(0, V)
+                do = tl.load(do_ptr + (t[:, None].to(tl.int64) * H + h) * V + rv[None, :], mask=valid[:, None],
+                             other=0.0)
+                tl.store(fdo_ptr + (base * BT + rt[:, None]) * V + rv[None, :], do)
 
 
 @triton.jit
@@ -414,6 +441,92 @@ def _backward_maps(q_ptr, k_ptr, a_ptr, g_ptr, b_ptr, do_ptr, cu_ptr, out_ptr, p
                             scale, K, V, BT, BC)
     row64 = row.to(tl.int64)
     tl.store(out_ptr + (row64 * K + rk[:, None]) * V + c0 + rc[None, :], dS, mask=rk[:, None] < work * K)
+
+
+@triton.jit
+def _tma_forward_maps(w_desc, kd_desc, ut_desc, g_ptr, cu_ptr, m_ptr, r_ptr, plan_ptr, role_ptr, co_ptr, Hg, H,
+                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PLAN: tl.constexpr,
+                      NEED_R: tl.constexpr, STAGES: tl.constexpr):
+    """`_forward_maps` on `_factors`' chunks (with TMA), the block of columns carried transposed:
+    `S^T <- e^{G_L} S^T + (U0^T - S^T W^T) (diag(e^{G_L - G}) K)`. The carried `[BC, K]` block is
+    both products' left operand, from registers; their right operands (W, diag(e^{G_L - G}) K) and
+    U0^T are tensor-memory tiles loaded ahead of the walk (`STAGES`), so a step waits on its two
+    products only (docs/kernels.md, "The split"). Padded rows are 0 in every factor."""
+    nh, h, hg, c0, bos, eos = _program(cu_ptr, Hg, H, BC)
+    rk = tl.arange(0, K)
+    rc = tl.arange(0, BC)
+    St = tl.where(c0 + rc[:, None] == rk[None, :], 1.0, 0.0)  # [I | 0]^T's rows c0..
+    lo = bos
+    hi = eos
+    row = nh
+    work = 1
+    if PLAN:  # as `_forward_maps`
+        n_f = tl.load(plan_ptr + nh * 2)
+        role = tl.load(role_ptr + nh // H)
+        if c0 >= K:
+            work = ((role & 2) == 0).to(tl.int32)
+            row = nh + H
+            lo = tl.where(n_f > 0, bos + (tl.cdiv(eos - bos, BT) - n_f) * BT, bos)
+        else:
+            work = (n_f == 0).to(tl.int32) * (role != 3).to(tl.int32)
+        hi = tl.where(work != 0, eos, lo)
+    row0 = tl.load(co_ptr + nh // H)
+    has_u = c0 >= K
+    for t0 in tl.range(lo, hi, BT, num_stages=STAGES):
+        base = ((row0 + (t0 - bos) // BT) * H + h).to(tl.int32)  # TMA coordinates are 32-bit
+        w = w_desc.load([base * BT, 0])
+        kd = kd_desc.load([base * BT, 0])
+        gL = tl.load(g_ptr + (tl.minimum(t0 + BT, eos) - 1).to(tl.int64) * H + h)
+        ut = -tl.dot(St.to(w.dtype), tl.trans(w))  # [BC, BT]
+        if NEED_R:  # R's columns: the values U0 (M's block loads a tile it drops)
+            u0t = ut_desc.load([base * V + tl.maximum(c0 - K, 0), 0])
+            ut += tl.where(has_u, u0t.to(tl.float32), 0.0)
+        St = tl.exp(gL) * St + tl.dot(ut.to(w.dtype), kd)
+    row64 = row.to(tl.int64)
+    if c0 >= K:
+        tl.store(r_ptr + (row64 * K + rk[None, :]) * V + c0 - K + rc[:, None], St, mask=rk[None, :] < work * K)
+    else:
+        tl.store(m_ptr + (row64 * K + rk[None, :]) * K + c0 + rc[:, None], St, mask=rk[None, :] < work * K)
+
+
+@triton.jit
+def _tma_backward_maps(kd_desc, w_desc, x_desc, do_desc, do_ptr, g_ptr, cu_ptr, out_ptr, plan_ptr, role_ptr, co_ptr,
+                       Hg, H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                       PLAN: tl.constexpr, STAGES: tl.constexpr, TMA_DO: tl.constexpr):
+    """`_backward_maps` on `_factors`' chunks (with TMA), carried transposed as
+    `_tma_forward_maps`: `dS^T <- e^{G_L} dS^T + dO^T X - (dS^T (diag(e^{G_L - G}) K)^T) W`. dO
+    from `_factors`' copy by TMA (TMA_DO) or from the caller's, masked."""
+    nh, h, hg, c0, bos, eos = _program(cu_ptr, Hg, H, BC)
+    rk = tl.arange(0, K)
+    rc = tl.arange(0, BC)
+    rt = tl.arange(0, BT)
+    dSt = tl.zeros([BC, K], dtype=tl.float32)
+    n_chunks = tl.cdiv(eos - bos, BT)
+    row = nh
+    work = 1
+    if PLAN:  # as `_backward_maps`
+        n_b = tl.load(plan_ptr + nh * 2 + 1)
+        work = 1 - (tl.load(role_ptr + nh // H) & 1)
+        row = nh - H
+        n_chunks = tl.where(work == 0, 0, tl.where(n_b > 0, n_b, n_chunks))
+    row0 = tl.load(co_ptr + nh // H)
+    for j in tl.range(0, n_chunks, num_stages=STAGES):
+        t0 = bos + (n_chunks - 1 - j) * BT
+        base = ((row0 + (t0 - bos) // BT) * H + h).to(tl.int32)
+        kd = kd_desc.load([base * BT, 0])
+        w = w_desc.load([base * BT, 0])
+        x = x_desc.load([base * BT, 0])
+        if TMA_DO:
+            dot = tl.trans(do_desc.load([base * BT, c0]))
+        else:  # dO^T `[BC, BT]` masked: the rows past the segment's end are another sequence's
+            t = t0 + rt
+            dot = tl.load(do_ptr + (t[None, :].to(tl.int64) * H + h) * V + (c0 + rc)[:, None],
+                          mask=(t < eos)[None, :], other=0.0)
+        gL = tl.load(g_ptr + (tl.minimum(t0 + BT, eos) - 1).to(tl.int64) * H + h)
+        dut = tl.dot(dSt.to(kd.dtype), tl.trans(kd))  # [BC, BT]
+        dSt = tl.exp(gL) * dSt + tl.dot(dot, x) - tl.dot(dut.to(kd.dtype), w)
+    row64 = row.to(tl.int64)
+    tl.store(out_ptr + (row64 * K + rk[None, :]) * V + c0 + rc[:, None], dSt, mask=rk[None, :] < work * K)
 
 
 @triton.jit
@@ -701,8 +814,29 @@ def use_factors(seg_call, need_r: bool, need_d: bool) -> bool:
     K, V, BT = seg_call.K, seg_call.V, seg_call.chunk_size
     if V & (V - 1):  # `_factors` forms U0's V columns in one tile (a power of two in Triton)
         return False
-    per_chunk = (1 + need_d) * BT * K * seg_call.k.element_size() + need_r * BT * V * seg_call.k.element_size()
-    return sum(chunk_counts(seg_call.seq_lens, BT)) * seg_call.H * per_chunk <= FACTOR_BYTES_MAX
+    tma = use_tma_walks(seg_call)
+    per_chunk = (1 + need_d + tma) * BT * K + (need_r + need_d * tma * TMA_DO) * BT * V
+    return sum(chunk_counts(seg_call.seq_lens, BT)) * seg_call.H * per_chunk * seg_call.k.element_size() \
+        <= FACTOR_BYTES_MAX
+
+
+def use_tma_walks(seg_call) -> bool:
+    """Whether the factored walks are `_tma_forward_maps` / `_tma_backward_maps`: `TMA_WALKS`, a GPU
+    with TMA (`tma_capable`), and, until their GPU tests pass (`TMA_WALKS_GPU_VERIFIED`),
+    GDR_ALLOW_UNVERIFIED=1."""
+    from gdr_dispatch.registry import unverified_allowed
+
+    return TMA_WALKS and (TMA_WALKS_GPU_VERIFIED or unverified_allowed()) and tma_capable(seg_call.q.device)
+
+
+def tma_capable(dev: torch.device) -> bool:
+    """A CUDA device of compute capability 9 or more (Hopper's tensor memory accelerator)."""
+    return dev.type == "cuda" and _capability(dev.index)[0] >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index) -> tuple:
+    return torch.cuda.get_device_capability(index if index is not None else torch.cuda.current_device())
 
 
 def walk_pieces(max_chunks: int) -> int:
@@ -777,8 +911,9 @@ def _maps(seg_call, plan, roles, need_r: bool, need_d: bool = True, pieces: int 
     skip = int(P > 1)
     q, do = (seg_call.q.contiguous(), seg_call.do.contiguous()) if need_d else (k, k)
     # the factors' buffers, or stand-ins (M) where the walks form them
-    fw = fu = fx = co = M
+    fw = fu = fx = fkd = co = M
     factored = P == 1 and use_factors(seg_call, need_r, need_d)
+    tma = factored and use_tma_walks(seg_call)
     if factored:
         from .chunk_grid import varlen_chunk_indices, varlen_chunk_offsets
 
@@ -787,11 +922,17 @@ def _maps(seg_call, plan, roles, need_r: bool, need_d: bool = True, pieces: int 
         co = varlen_chunk_offsets(lens, BT, dev)
         nt = ci.shape[0]
         fw = torch.empty(nt, H, BT, K, dtype=k.dtype, device=dev)
-        fu = torch.empty(nt, H, BT, V, dtype=k.dtype, device=dev) if need_r else M
+        fu = torch.empty((nt, H) + ((V, BT) if tma else (BT, V)), dtype=k.dtype, device=dev) if need_r else M
         fx = torch.empty_like(fw) if need_d else M
-        _factors[(nt, H)](q, k, v, a, g, b, cu, ci, plan, roles, fw, fu, fx, float(seg_call.scale), Hg, H, K=K, V=V,
-                          BT=BT, PLAN=with_plan, NEED_R=int(need_r), NEED_D=int(need_d), num_warps=FACTOR_WARPS,
-                          num_stages=1)
+        fkd = torch.empty_like(fw) if tma else M
+        tma_do = tma and need_d and TMA_DO
+        fdo = torch.empty(nt, H, BT, V, dtype=k.dtype, device=dev) if tma_do else M
+        _factors[(nt, H)](q, k, v, a, g, b, cu, ci, plan, roles, fw, fu, fx, fkd, do, fdo, float(seg_call.scale), Hg,
+                          H, K=K, V=V, BT=BT, PLAN=with_plan, NEED_R=int(need_r), NEED_D=int(need_d), TMA=int(tma),
+                          TMA_DO=int(tma_do), num_warps=FACTOR_WARPS, num_stages=1)
+    if tma:
+        return _tma_maps(seg_call, plan, roles, with_plan, need_r, need_d, need_m, M, R, D, fw, fu, fx, fkd,
+                         fdo if tma_do else None, co, g, cu, do, bc)
     walk_forward = need_m or need_r
     # the backward walk beside the forward one (no pieces: their composition reads both walks' maps)
     fork = walk_forward and need_d and P == 1 and concurrent_walks(dev)
@@ -840,6 +981,45 @@ def _maps(seg_call, plan, roles, need_r: bool, need_d: bool = True, pieces: int 
             _compose_backward[(_persistent_programs(dev, pairs * (V // cb)),)](
                 listed, count, roles, pm, pd, D, H, K=K, V=V, P=P, CB=cb, NCOL=V // cb,
                 num_warps=COMPOSE_WARPS, num_stages=COMPOSE_STAGES)
+    return M, R, D
+
+
+def _tma_maps(seg_call, plan, roles, with_plan, need_r, need_d, need_m, M, R, D, fw, fu, fx, fkd, fdo, co, g, cu, do,
+              bc):
+    """`_maps`' walks on the factors with TMA (`use_tma_walks`), the backward one beside the
+    forward one as there."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    K, V, H, Hg, BT = seg_call.K, seg_call.V, seg_call.H, seg_call.Hg, seg_call.chunk_size
+    dev = seg_call.q.device
+    n_seg = seg_call.N
+
+    def tiles(x, cols, block_rows):
+        return TensorDescriptor.from_tensor(x.view(-1, cols), [block_rows, cols])
+
+    w_desc, kd_desc = tiles(fw, K, BT), tiles(fkd, K, BT)
+    walk_forward = need_m or need_r
+    fork = walk_forward and need_d and concurrent_walks(dev)
+    if fork:
+        main, side = torch.cuda.current_stream(dev), _walk_stream(dev)
+        side.wait_stream(main)
+    try:
+        if need_d:
+            with torch.cuda.stream(side) if fork else contextlib.nullcontext():
+                do_desc = w_desc if fdo is None else TensorDescriptor.from_tensor(fdo.view(-1, V), [BT, bc])
+                _tma_backward_maps[(n_seg * H, V // bc)](kd_desc, w_desc, tiles(fx, K, BT), do_desc, do, g, cu, D,
+                                                         plan, roles, co, Hg, H, K=K, V=V, BT=BT, BC=bc,
+                                                         PLAN=with_plan, STAGES=TMA_STAGES,
+                                                         TMA_DO=int(fdo is not None), num_warps=NUM_WARPS)
+        if walk_forward:
+            ut_desc = tiles(fu, BT, bc) if need_r else w_desc
+            ncol = K + V if need_r else K
+            _tma_forward_maps[(n_seg * H, ncol // bc)](w_desc, kd_desc, ut_desc, g, cu, M, M if R is None else R, plan,
+                                                       roles, co, Hg, H, K=K, V=V, BT=BT, BC=bc, PLAN=with_plan,
+                                                       NEED_R=int(need_r), STAGES=TMA_STAGES, num_warps=NUM_WARPS)
+    finally:
+        if fork:
+            main.wait_stream(side)
     return M, R, D
 
 
