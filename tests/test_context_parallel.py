@@ -976,6 +976,30 @@ def test_pieces_kernels_equal_the_tensor_products(spec, need_starts, need_ends, 
     assert checked and (exact_checked or spec not in WEAK_PIECES_SHAPES)
 
 
+def test_tma_walks_run_only_on_a_tma_gpu_and_once_verified(monkeypatch):
+    """segment_maps.use_tma_walks: switched on, a GPU of compute capability 9 or more (never the
+    CPU), and only once their GPU tests passed (or with GDR_ALLOW_UNVERIFIED=1)."""
+    from types import SimpleNamespace
+
+    from gdr_dispatch.backends.kernels import segment_maps as sm
+
+    def on(index=0):
+        return sm.use_tma_walks(SimpleNamespace(q=SimpleNamespace(device=torch.device("cuda", index))))
+
+    monkeypatch.setattr(sm, "_capability", lambda index: (9, 0) if index == 0 else (8, 0))
+    monkeypatch.delenv("GDR_ALLOW_UNVERIFIED", raising=False)
+    monkeypatch.setattr(sm, "TMA_WALKS", True)
+    monkeypatch.setattr(sm, "TMA_WALKS_GPU_VERIFIED", True)
+    assert on(0) and not on(1)
+    assert not sm.use_tma_walks(SimpleNamespace(q=SimpleNamespace(device=torch.device("cpu"))))
+    monkeypatch.setattr(sm, "TMA_WALKS_GPU_VERIFIED", False)
+    assert not on(0)
+    monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+    assert on(0)
+    monkeypatch.setattr(sm, "TMA_WALKS", False)
+    assert not on(0)
+
+
 def test_pass_1_walks_fork_only_on_a_gpu_and_once_verified(monkeypatch):
     """The backward walk beside the forward one on a second stream (segment_maps.concurrent_walks):
     CUDA only, and only once its GPU test passed (or with GDR_ALLOW_UNVERIFIED=1)."""

@@ -633,11 +633,12 @@ def test_decay_aware_split_equals_unsplit_on_gpu(backend, gate, h_mode, walk, mo
 def test_decay_aware_split_in_float32_on_gpu(gate, segments, monkeypatch):
     """In fp32 (the torch backend, its decay-aware tensor products, the Triton chain for the fp32
     maps) the split equals the unsplit call to fp32 rounding: what the warm-ups drop is below it.
-    At 32 segments (16 and more per sequence) pass 2 runs blocked (segment_scan.BLOCKED)."""
+    At 32 segments (16 and more per sequence) pass 2 runs blocked where segment_scan.BLOCKED is on."""
     from gdr_dispatch.backends.kernels import segment_scan
 
     monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
-    assert segment_scan.use_blocked(segments, "cuda") == (segments >= segment_scan.BLOCKED_MIN_SEGMENTS)
+    assert segment_scan.use_blocked(segments, "cuda") == (segment_scan.BLOCKED
+                                                          and segments >= segment_scan.BLOCKED_MIN_SEGMENTS)
     spec = ShapeSpec(seqlens=(4096, 200, 1000), H=2, K=64, V=64, dtype="float32", h="none", gate=gate)
     kwargs, _ = case(spec, device="cuda", with_oracle=False)
     monkeypatch.setenv("GDR_BACKEND", "torch")

@@ -81,7 +81,7 @@ def parts(call, segments: int, backend: str, reps: int) -> None:
     pass 1's windows and maps, the chains, pass 3's states (our Triton walk) and pass 3's
     backward (h given, and h=None on the backend's own states), and the whole split; with the
     plan's share of warm (segment, head) pairs and their mean window (docs/kernels.md, "The
-    split")."""
+    split"); then pass 1's kernels each."""
     from dataclasses import replace
 
     from gdr_dispatch import chunked_math as cm
@@ -170,6 +170,8 @@ def parts(call, segments: int, backend: str, reps: int) -> None:
                   flush=True)
         except Exception as e:  # noqa: BLE001 - a part that cannot run here is the answer
             print(f"  {name}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+    print("  pass 1's kernels (eager, us per call; the two walks overlap on two streams):", flush=True)
+    print(kernel_table(steps["pass 1 (windows, exact maps)"], reps), flush=True)
 
 
 def forward_parts(spec: ShapeSpec, segments: str, providers: str, reps: int) -> None:

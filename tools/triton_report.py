@@ -58,15 +58,14 @@ def main() -> int:
                plan_ptr=i32, role_ptr=i32, w_ptr=ptr, x_ptr=ptr, co_ptr="*i64", scale="fp32", Hg="i32",
                H="i32")
     factors = dict(q_ptr=ptr, k_ptr=ptr, v_ptr=ptr, a_ptr=ptr, g_ptr=f32, b_ptr=ptr, cu_ptr=i32, ci_ptr=i32,
-                   plan_ptr=i32, role_ptr=i32, w_ptr=ptr, u_ptr=ptr, x_ptr=ptr, kd_ptr=ptr, do_ptr=ptr, fdo_ptr=ptr, scale="fp32", Hg="i32",
+                   plan_ptr=i32, role_ptr=i32, w_ptr=ptr, u_ptr=ptr, x_ptr=ptr, kd_ptr=ptr, scale="fp32", Hg="i32",
                    H="i32")
     def desc(rows, cols):
         return f"tensordesc<{a.dtype}[{rows}, {cols}]>"
 
     tma_fwd = dict(w_desc=desc(64, a.K), kd_desc=desc(64, a.K), ut_desc=desc(min(sm.BC, a.K, a.V), 64), g_ptr=f32,
                    cu_ptr=i32, m_ptr=f32, r_ptr=f32, plan_ptr=i32, role_ptr=i32, co_ptr="*i64", Hg="i32", H="i32")
-    tma_bwd = dict(kd_desc=desc(64, a.K), w_desc=desc(64, a.K), x_desc=desc(64, a.K),
-                   do_desc=desc(64, min(sm.BC, a.K, a.V)), do_ptr=ptr, g_ptr=f32,
+    tma_bwd = dict(kd_desc=desc(64, a.K), w_desc=desc(64, a.K), x_desc=desc(64, a.K), do_ptr=ptr, g_ptr=f32,
                    cu_ptr=i32, out_ptr=f32, plan_ptr=i32, role_ptr=i32, co_ptr="*i64", Hg="i32", H="i32")
     states = dict(**tok, co_ptr=i32, init_ptr=f32, h_ptr=ptr, Hg="i32", H="i32")
     plan = dict(k_ptr=ptr, g_ptr=f32, b_ptr=ptr, cu_ptr=i32, plan_ptr=i32, grows_ptr=i32, threshold="fp32", Hg="i32",
@@ -100,15 +99,12 @@ def main() -> int:
             "_backward_maps PLAN FACTORED": (sm._backward_maps, bwd, dict(**maps, BC=bc, PLAN=True, SKIP_EXACT=0,
                                                                           FACTORED=1), warps, stages),
             "_factors": (sm._factors, factors, dict(**maps, PLAN=True, NEED_R=1, NEED_D=1, TMA=0), sm.FACTOR_WARPS, 1),
-            "_factors TMA": (sm._factors, factors, dict(**maps, PLAN=True, NEED_R=1, NEED_D=1, TMA=1, TMA_DO=1),
+            "_factors TMA": (sm._factors, factors, dict(**maps, PLAN=True, NEED_R=1, NEED_D=1, TMA=1),
                              sm.FACTOR_WARPS, 1),
             "_tma_forward_maps": (sm._tma_forward_maps, tma_fwd, dict(**maps, BC=bc, PLAN=True, NEED_R=1,
                                                                       STAGES=sm.TMA_STAGES), warps, 1),
             "_tma_backward_maps": (sm._tma_backward_maps, tma_bwd, dict(**maps, BC=bc, PLAN=True,
-                                                                        STAGES=sm.TMA_STAGES, TMA_DO=1), warps, 1),
-            "_tma_backward_maps masked dO": (sm._tma_backward_maps, tma_bwd, dict(**maps, BC=bc, PLAN=True,
-                                                                                  STAGES=sm.TMA_STAGES, TMA_DO=0),
-                                             warps, 1),
+                                                                        STAGES=sm.TMA_STAGES), warps, 1),
             "_forward_states": (sm._forward_states, states, dict(**maps, BC=bc, V_FIRST=False), warps, stages),
             "_decay_plan": (sm._decay_plan, plan, dict(K=a.K, BT=64, CMAX=64), 4, 1),
             "_forward_maps PLAN SKIP_EXACT": (sm._forward_maps, fwd, dict(**maps, BC=bc, PLAN=True, SKIP_EXACT=1, FACTORED=0),

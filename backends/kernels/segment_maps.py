@@ -69,15 +69,13 @@ FACTORS_GPU_VERIFIED = True
 #: The factored walks as `_tma_forward_maps` / `_tma_backward_maps` where the GPU has a tensor memory
 #: accelerator (sm_90 on): the carried block transposed, so it is the left operand of both of a
 #: step's products from registers, and the factors (with diag(e^{G_L - G}) K, a buffer more) loaded
-#: by TMA STAGES chunks ahead; the Triton walks above spend ~6 / 4 us a chunk step on their loads
-#: however they are laid out (docs/kernels.md, "The split"). Until their GPU tests pass
-#: (`TMA_WALKS_GPU_VERIFIED`) only with GDR_ALLOW_UNVERIFIED=1.
+#: by TMA STAGES chunks ahead, where the Triton walks above wait on their loads every step. H200, B1
+#: T32768 H4 /32 mixed gate: the walks 61.5 / 64.8 -> 31.5 / 39.5 us, `_factors` 37.8 -> 46.3 us,
+#: pass 1 replayed 0.126 -> 0.097 ms (docs/kernels.md, "The split"). While `TMA_WALKS_GPU_VERIFIED`
+#: is False only with GDR_ALLOW_UNVERIFIED=1.
 TMA_WALKS = True
 TMA_STAGES = 2
-#: dO too from a copy `_factors` writes per visited chunk (padded rows 0), loaded by TMA, instead of
-#: a masked load from the caller's tensor inside the walk.
-TMA_DO = True
-TMA_WALKS_GPU_VERIFIED = False
+TMA_WALKS_GPU_VERIFIED = True
 #: Whether the pieces' GPU tests (tests/test_gpu.py: the decay-aware split against the unsplit
 #: call with them) have passed; while False they run only with GDR_ALLOW_UNVERIFIED=1.
 PIECES_WALK_GPU_VERIFIED = True
@@ -228,8 +226,8 @@ def _visits(plan_ptr, role_ptr, n, nh, c, nc, PLAN: tl.constexpr, NEED_R: tl.con
 
 @triton.jit
 def _factors(q_ptr, k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, ci_ptr, plan_ptr, role_ptr, w_ptr, u_ptr, x_ptr, kd_ptr,
-             do_ptr, fdo_ptr, scale, Hg, H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, PLAN: tl.constexpr,
-             NEED_R: tl.constexpr, NEED_D: tl.constexpr, TMA: tl.constexpr = 0, TMA_DO: tl.constexpr = 0):
+             scale, Hg, H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, PLAN: tl.constexpr,
+             NEED_R: tl.constexpr, NEED_D: tl.constexpr, TMA: tl.constexpr = 0):
     """Chunk i (a row of `ci`: its segment and chunk there) of head h, where a walk visits it
     (`_visits`), as `[BT, K]` / `[BT, V]` tiles in k's dtype (`[NT, H, BT, *]`; padded rows 0):
     W = (Gam * A) diag(b e^G) K (`w`), U0 = (Gam * A) diag(b) V (`u`, with NEED_R) and
@@ -239,8 +237,7 @@ def _factors(q_ptr, k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, ci_ptr, plan_ptr,
     not depend on the gradient, (scale Q e^G)^T dO - W^T dV_loc, dV_loc = scale (Gam * Q K^T)^T dO.
     W's and U0's diagonals scale the `[BT, BT]` factor's columns, not a `[BT, K]` operand's rows.
     With TMA (for `_tma_forward_maps` / `_tma_backward_maps`) also diag(e^{G_L - G}) K (`kd`, `[NT,
-    H, BT, K]`), and U0 transposed (`u` `[NT, H, V, BT]`); with TMA_DO the backward's chunks of dO
-    too (`fdo` `[NT, H, BT, V]`, padded rows 0: past a segment's end lies another sequence)."""
+    H, BT, K]`), and U0 transposed (`u` `[NT, H, V, BT]`)."""
     i = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.load(ci_ptr + i * 2)
@@ -277,11 +274,6 @@ def _factors(q_ptr, k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, ci_ptr, plan_ptr,
             p = (scale * gam) * tl.dot(q, tl.trans(k))  # scale (Gam * Q K^T)
             x = q.to(tl.float32) * (scale * tl.exp(G))[:, None] - tl.dot(p.to(k.dtype), w)
             tl.store(x_ptr + (base * BT + rt[:, None]) * K + rk[None, :], x.to(k.dtype))
-            if TMA_DO:
-                rv = tl.arange(0, V)
-                do = tl.load(do_ptr + (t[:, None].to(tl.int64) * H + h) * V + rv[None, :], mask=valid[:, None],
-                             other=0.0)
-                tl.store(fdo_ptr + (base * BT + rt[:, None]) * V + rv[None, :], do)
 
 
 @triton.jit
@@ -490,12 +482,14 @@ def _tma_forward_maps(w_desc, kd_desc, ut_desc, g_ptr, cu_ptr, m_ptr, r_ptr, pla
 
 
 @triton.jit
-def _tma_backward_maps(kd_desc, w_desc, x_desc, do_desc, do_ptr, g_ptr, cu_ptr, out_ptr, plan_ptr, role_ptr, co_ptr,
-                       Hg, H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                       PLAN: tl.constexpr, STAGES: tl.constexpr, TMA_DO: tl.constexpr):
+def _tma_backward_maps(kd_desc, w_desc, x_desc, do_ptr, g_ptr, cu_ptr, out_ptr, plan_ptr, role_ptr, co_ptr, Hg, H,
+                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PLAN: tl.constexpr,
+                       STAGES: tl.constexpr):
     """`_backward_maps` on `_factors`' chunks (with TMA), carried transposed as
-    `_tma_forward_maps`: `dS^T <- e^{G_L} dS^T + dO^T X - (dS^T (diag(e^{G_L - G}) K)^T) W`. dO
-    from `_factors`' copy by TMA (TMA_DO) or from the caller's, masked."""
+    `_tma_forward_maps`: `dS^T <- e^{G_L} dS^T + dO^T X - (dS^T (diag(e^{G_L - G}) K)^T) W`. dO is
+    read from the caller's tensor, masked (past a segment's end lies another sequence): a copy of
+    its chunks by `_factors` for TMA cost that kernel more than it saved the walk (H200, B1 T32768
+    H4 /32 mixed: `_factors` 46.3 -> 54.4 us, the walk 39.5 -> 37.0)."""
     nh, h, hg, c0, bos, eos = _program(cu_ptr, Hg, H, BC)
     rk = tl.arange(0, K)
     rc = tl.arange(0, BC)
@@ -516,12 +510,9 @@ def _tma_backward_maps(kd_desc, w_desc, x_desc, do_desc, do_ptr, g_ptr, cu_ptr, 
         kd = kd_desc.load([base * BT, 0])
         w = w_desc.load([base * BT, 0])
         x = x_desc.load([base * BT, 0])
-        if TMA_DO:
-            dot = tl.trans(do_desc.load([base * BT, c0]))
-        else:  # dO^T `[BC, BT]` masked: the rows past the segment's end are another sequence's
-            t = t0 + rt
-            dot = tl.load(do_ptr + (t[None, :].to(tl.int64) * H + h) * V + (c0 + rc)[:, None],
-                          mask=(t < eos)[None, :], other=0.0)
+        t = t0 + rt
+        dot = tl.load(do_ptr + (t[None, :].to(tl.int64) * H + h) * V + (c0 + rc)[:, None], mask=(t < eos)[None, :],
+                      other=0.0)  # dO^T `[BC, BT]`
         gL = tl.load(g_ptr + (tl.minimum(t0 + BT, eos) - 1).to(tl.int64) * H + h)
         dut = tl.dot(dSt.to(kd.dtype), tl.trans(kd))  # [BC, BT]
         dSt = tl.exp(gL) * dSt + tl.dot(dot, x) - tl.dot(dut.to(kd.dtype), w)
@@ -815,7 +806,7 @@ def use_factors(seg_call, need_r: bool, need_d: bool) -> bool:
     if V & (V - 1):  # `_factors` forms U0's V columns in one tile (a power of two in Triton)
         return False
     tma = use_tma_walks(seg_call)
-    per_chunk = (1 + need_d + tma) * BT * K + (need_r + need_d * tma * TMA_DO) * BT * V
+    per_chunk = (1 + need_d + tma) * BT * K + need_r * BT * V
     return sum(chunk_counts(seg_call.seq_lens, BT)) * seg_call.H * per_chunk * seg_call.k.element_size() \
         <= FACTOR_BYTES_MAX
 
@@ -925,14 +916,12 @@ def _maps(seg_call, plan, roles, need_r: bool, need_d: bool = True, pieces: int 
         fu = torch.empty((nt, H) + ((V, BT) if tma else (BT, V)), dtype=k.dtype, device=dev) if need_r else M
         fx = torch.empty_like(fw) if need_d else M
         fkd = torch.empty_like(fw) if tma else M
-        tma_do = tma and need_d and TMA_DO
-        fdo = torch.empty(nt, H, BT, V, dtype=k.dtype, device=dev) if tma_do else M
-        _factors[(nt, H)](q, k, v, a, g, b, cu, ci, plan, roles, fw, fu, fx, fkd, do, fdo, float(seg_call.scale), Hg,
-                          H, K=K, V=V, BT=BT, PLAN=with_plan, NEED_R=int(need_r), NEED_D=int(need_d), TMA=int(tma),
-                          TMA_DO=int(tma_do), num_warps=FACTOR_WARPS, num_stages=1)
+        _factors[(nt, H)](q, k, v, a, g, b, cu, ci, plan, roles, fw, fu, fx, fkd, float(seg_call.scale), Hg, H, K=K,
+                          V=V, BT=BT, PLAN=with_plan, NEED_R=int(need_r), NEED_D=int(need_d), TMA=int(tma),
+                          num_warps=FACTOR_WARPS, num_stages=1)
     if tma:
-        return _tma_maps(seg_call, plan, roles, with_plan, need_r, need_d, need_m, M, R, D, fw, fu, fx, fkd,
-                         fdo if tma_do else None, co, g, cu, do, bc)
+        return _tma_maps(seg_call, plan, roles, with_plan, need_r, need_d, need_m, M, R, D, fw, fu, fx, fkd, co, g, cu,
+                         do, bc)
     walk_forward = need_m or need_r
     # the backward walk beside the forward one (no pieces: their composition reads both walks' maps)
     fork = walk_forward and need_d and P == 1 and concurrent_walks(dev)
@@ -984,8 +973,7 @@ def _maps(seg_call, plan, roles, need_r: bool, need_d: bool = True, pieces: int 
     return M, R, D
 
 
-def _tma_maps(seg_call, plan, roles, with_plan, need_r, need_d, need_m, M, R, D, fw, fu, fx, fkd, fdo, co, g, cu, do,
-              bc):
+def _tma_maps(seg_call, plan, roles, with_plan, need_r, need_d, need_m, M, R, D, fw, fu, fx, fkd, co, g, cu, do, bc):
     """`_maps`' walks on the factors with TMA (`use_tma_walks`), the backward one beside the
     forward one as there."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -1006,11 +994,9 @@ def _tma_maps(seg_call, plan, roles, with_plan, need_r, need_d, need_m, M, R, D,
     try:
         if need_d:
             with torch.cuda.stream(side) if fork else contextlib.nullcontext():
-                do_desc = w_desc if fdo is None else TensorDescriptor.from_tensor(fdo.view(-1, V), [BT, bc])
-                _tma_backward_maps[(n_seg * H, V // bc)](kd_desc, w_desc, tiles(fx, K, BT), do_desc, do, g, cu, D,
-                                                         plan, roles, co, Hg, H, K=K, V=V, BT=BT, BC=bc,
-                                                         PLAN=with_plan, STAGES=TMA_STAGES,
-                                                         TMA_DO=int(fdo is not None), num_warps=NUM_WARPS)
+                _tma_backward_maps[(n_seg * H, V // bc)](kd_desc, w_desc, tiles(fx, K, BT), do, g, cu, D, plan, roles,
+                                                         co, Hg, H, K=K, V=V, BT=BT, BC=bc, PLAN=with_plan,
+                                                         STAGES=TMA_STAGES, num_warps=NUM_WARPS)
         if walk_forward:
             ut_desc = tiles(fu, BT, bc) if need_r else w_desc
             ncol = K + V if need_r else K
