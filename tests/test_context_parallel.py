@@ -410,17 +410,18 @@ def _reference_chain(lens_per_seq, plan, M, starts, ends, S0, G_end):
 @pytest.mark.parametrize("given", [True, False], ids=["states", "no_states"])
 @pytest.mark.parametrize("starts_wanted, ends_wanted", [(True, True), (False, True), (True, False)],
                          ids=["h_none", "h_given", "forward"])
-@pytest.mark.parametrize("how", ["serial", "prefetch", "prefix", "blocked", "blocked_by_3"])
+@pytest.mark.parametrize("how", ["serial", "prefetch", "prefix", "blocked", "blocked_by_3", "tma"])
 def test_chain_kernel_equals_the_step_by_step_chain(K, V, counts, given, starts_wanted, ends_wanted, how,
                                                     monkeypatch):
     """The Triton chain (interpreted; serial, with each link's map loaded a step ahead, as the
-    parallel prefix and blocked) and the torch chain against the chains step by step: exact links apply M,
-    warm links keep pass 1's window, every sequence's first start and last end are its states;
-    sequences of several, one and no segments."""
+    parallel prefix and blocked, and over the exact links only on TMA) and the torch chain against
+    the chains step by step: exact links apply M, warm links keep pass 1's window, every sequence's
+    first start and last end are its states; sequences of several, one and no segments."""
     from gdr_dispatch.backends.kernels import segment_scan
     from gdr_dispatch.backends.split import passes as cp
 
     monkeypatch.setattr(segment_scan, "PREFETCH", how == "prefetch")
+    monkeypatch.setattr(segment_scan, "use_tma_chain", lambda device: how == "tma")
     if how == "prefix":  # whatever the device and the segment count
         monkeypatch.setattr(segment_scan, "use_prefix", lambda max_segments, device: True)
     if how.startswith("blocked"):  # groups as chosen, and of 3 (a group's inner positions filled in)
@@ -444,7 +445,7 @@ def test_chain_kernel_equals_the_step_by_step_chain(K, V, counts, given, starts_
     got_s, got_e = f32(starts), f32(ends)
     wide = torch.cat([f32(M), torch.zeros(S, H, K, V)], -1)  # M as a provider hands it over: a slice of [M | R]
     segment_scan.chain(wide[..., :K], got_s, got_e, plan, torch.tensor(offsets, dtype=torch.int32), max(counts),
-                       f32(S0), f32(G_end))
+                       f32(S0), f32(G_end), tf32=True)
     lens = tuple(64 * c for c in counts)  # segments of one chunk: the Segments of these counts
     segs = cp.segments_of(lens, 64, max(counts))
     assert segs.seg_offsets == offsets
@@ -974,6 +975,38 @@ def test_pieces_kernels_equal_the_tensor_products(spec, need_starts, need_ends, 
                 assert ((g.double() - w.double()).norm() / size).item() < 5e-3, (j, h)
                 checked += 1
     assert checked and (exact_checked or spec not in WEAK_PIECES_SHAPES)
+
+
+def test_tma_chain_runs_only_on_a_tma_gpu_for_16_bit_calls_and_once_verified(monkeypatch):
+    """segment_scan.use_tma_chain: switched on, a GPU of compute capability 9 or more, and only once
+    its GPU tests passed (or with GDR_ALLOW_UNVERIFIED=1); `chain` takes it for 16-bit calls only
+    (`tf32`), fp32 maps of fp32 calls keep the 3xTF32 chain."""
+    from gdr_dispatch.backends.kernels import segment_maps as sm
+    from gdr_dispatch.backends.kernels import segment_scan as ss
+
+    monkeypatch.setattr(sm, "_capability", lambda index: (9, 0) if index == 0 else (8, 0))
+    monkeypatch.delenv("GDR_ALLOW_UNVERIFIED", raising=False)
+    monkeypatch.setattr(ss, "TMA_CHAIN", True)
+    monkeypatch.setattr(ss, "TMA_CHAIN_GPU_VERIFIED", True)
+    assert ss.use_tma_chain("cuda:0") and not ss.use_tma_chain("cuda:1") and not ss.use_tma_chain("cpu")
+    monkeypatch.setattr(ss, "TMA_CHAIN_GPU_VERIFIED", False)
+    assert not ss.use_tma_chain("cuda:0")
+    monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+    assert ss.use_tma_chain("cuda:0")
+    monkeypatch.setattr(ss, "TMA_CHAIN", False)
+    assert not ss.use_tma_chain("cuda:0")
+    # an fp32 call's chain (tf32 False) never asks: it launches the 3xTF32 chain
+    launched = []
+
+    class Launcher:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(grid)
+
+    monkeypatch.setattr(ss, "use_tma_chain", lambda device: pytest.fail("asked for an fp32 call"))
+    monkeypatch.setattr(ss, "_chain", Launcher())
+    ss.chain(torch.zeros(1, 1, 16, 16), torch.zeros(1, 1, 16, 16), None, torch.zeros(1, 1, 2, dtype=torch.int32),
+             torch.tensor([0, 1], dtype=torch.int32), 1)
+    assert launched == [(1, 1, 1)]
 
 
 def test_tma_walks_run_only_on_a_tma_gpu_and_once_verified(monkeypatch):

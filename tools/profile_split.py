@@ -108,7 +108,8 @@ def parts(call, segments: int, backend: str, reps: int) -> None:
     M, starts, ends = sm.segment_pieces(seg_call, plan, roles, need, max_chunks=segs.s)
     S0 = None if call.initial_state is None else cm.states_in(call.initial_state, call.state_v_first).float()
     G_end = None if call.dht is None else cm.states_in(call.dht, call.state_v_first).float()
-    ss.chain(M, starts, ends, plan, seg_off, segs.max_per_sequence, S0, G_end)
+    tf32 = call.q.dtype in (torch.float16, torch.bfloat16)  # as the split's pass 2 takes it
+    ss.chain(M, starts, ends, plan, seg_off, segs.max_per_sequence, S0, G_end, tf32=tf32)
     init = starts if need else torch.zeros_like(ends)
     h = sm.segment_states(seg_call, init)
     with_h = replace(seg_call, dht=ends, h=h, initial_state=init)
@@ -117,7 +118,8 @@ def parts(call, segments: int, backend: str, reps: int) -> None:
     steps = {
         "decay plan": lambda: sm.decay_plan(seg_call, thr, segs.s, segs.seq),
         "pass 1 (windows, exact maps)": lambda: sm.segment_pieces(seg_call, plan, roles, need, max_chunks=segs.s),
-        "pass 2 (chains, in place)": lambda: ss.chain(M, starts, ends, plan, seg_off, segs.max_per_sequence, S0, G_end),
+        "pass 2 (chains, in place)": lambda: ss.chain(M, starts, ends, plan, seg_off, segs.max_per_sequence, S0, G_end,
+                                                      tf32=tf32),
         "pass 3 states (our Triton walk)": lambda: sm.segment_states(seg_call, init),
         f"pass 3 {backend}, h given": lambda: inner.run(with_h),
         f"pass 3 {backend}, h=None": lambda: inner.run(no_h),
@@ -158,6 +160,12 @@ def parts(call, segments: int, backend: str, reps: int) -> None:
             steps[f"{split.name} whole, pass 2 {label}"] = lever(whole, *settings)
     if ss.use_prefix(many, dev) or ss.use_blocked(many, dev):
         steps["pass 2 serial"] = lever(steps["pass 2 (chains, in place)"], *serial)
+    # pass 2 on TMA over the exact links (segment_scan.TMA_CHAIN) switched the other way
+    on_tma = tf32 and ss.use_tma_chain(dev)
+    tma = ((ss, "TMA_CHAIN", not on_tma), (ss, "TMA_CHAIN_GPU_VERIFIED", True))
+    label = "pass 2, 3xTF32 chain" if on_tma else "pass 2 on TMA"
+    steps[label] = lever(steps["pass 2 (chains, in place)"], *tma)
+    steps[f"{split.name} whole, {label[8:]}"] = lever(whole, *tma)
     if sm.walk_pieces(segs.s) > 1:  # the same pass 1 with the exact walks whole, and both per kernel
         steps["pass 1, exact walks whole"] = lever(steps["pass 1 (windows, exact maps)"],
                                                    (sm, "walk_pieces", lambda max_chunks: 1))

@@ -57,6 +57,19 @@ PREFIX_GPU_VERIFIED = True
 BLOCKED = False
 BLOCKED_MIN_SEGMENTS = 16
 BLOCKED_GPU_VERIFIED = True
+#: The serial chain on TMA for calls whose inputs are 16-bit (`_tma_chain`, sm_90 on): the loop runs
+#: over the exact links only (warm links need nothing), each link's map loaded by TMA TMA_STAGES
+#: links ahead into shared memory, the carried block transposed (`[BV, K]`, the product's left
+#: operand) and the product plain TF32 (a 10-bit mantissa: ~5e-4 relative per link, which the
+#: contracting maps do not accumulate; the walks and the backends round their states to 16 bits
+#: every chunk). Wanted: a step bound by its product, not by its 64 KB map load (~3.4 us a step,
+#: 0.11 ms at B1 T32768 H4 /32 mixed). The backward direction reads the maps transposed
+#: (TF32 products take both operands K-major), one copy of M per call. Not yet measured on a GPU:
+#: while TMA_CHAIN_GPU_VERIFIED is False only with GDR_ALLOW_UNVERIFIED=1.
+TMA_CHAIN = True
+TMA_CHAIN_BV = 64
+TMA_CHAIN_WARPS, TMA_CHAIN_STAGES = 8, 2
+TMA_CHAIN_GPU_VERIFIED = False
 
 
 @triton.jit
@@ -141,6 +154,54 @@ def _chain(M, STARTS, ENDS, PLAN, SEG_OFF, S0, G_END, H, K: tl.constexpr, V: tl.
                 held = 0
             if PREFETCH:
                 mt = mt_next
+
+
+@triton.jit
+def _tma_chain(m_desc, STARTS, ENDS, PLAN, SEG_OFF, S0, G_END, S, H, K: tl.constexpr, V: tl.constexpr,
+               BV: tl.constexpr, NSEG: tl.constexpr, HAS_S0: tl.constexpr, HAS_G_END: tl.constexpr,
+               FIRST_DIRECTION: tl.constexpr, STAGES: tl.constexpr):
+    """`_chain` over the exact links only, carried transposed: `X^T <- X^T B + slot^T` with B = M^T
+    forwards and M backwards, read as the rows of M (`m_desc` rows [0, S H K)) and of M^T (rows
+    from S H K on), so B is K-major; TF32; each link's map loaded by TMA STAGES links ahead. A
+    link whose previous one was warm starts from pass 1's slot, one whose previous one was exact
+    from the carried block (never re-read from memory this program wrote). One loop for both
+    directions (separate ones would each hold their maps' buffers in shared memory)."""
+    nh = tl.program_id(0)
+    n = nh // H
+    h = nh % H
+    back = tl.program_id(2) + FIRST_DIRECTION  # 0: start states, forwards; 1: end gradients, backwards
+    rk = tl.arange(0, K)
+    rv = tl.program_id(1) * BV + tl.arange(0, BV)
+    first = tl.load(SEG_OFF + n)
+    count = tl.load(SEG_OFF + n + 1) - first
+    ri = tl.arange(0, NSEG)
+    exact = (tl.load(PLAN + ((first + ri) * H + h).to(tl.int64) * 2, mask=ri < count, other=1) == 0).to(tl.int32)
+    at = rk[None, :] * V + rv[:, None]  # a `[BV, K]` block of a `[K, V]` state, transposed
+    X = STARTS
+    given = S0
+    if back == 1:
+        X = ENDS
+        given = G_END
+    has = tl.where(back == 1, HAS_G_END, HAS_S0)
+    start = first + back * (count - 1)  # the sequence's first start or last end
+    Xt = tl.load(given + (n * H + h).to(tl.int64) * K * V + at, mask=(rk[None, :] < has * K), other=0.0)
+    tl.store(X + (start * H + h).to(tl.int64) * K * V + at, Xt, mask=rk[None, :] < tl.minimum(count, 1) * K)
+    # the links, each segment whose map joins it to the next (forwards) or the previous (backwards)
+    links = exact * tl.where(back == 1, (ri >= 1) & (ri < count), ri < count - 1).to(tl.int32)
+    total = tl.sum(links, 0)
+    upto = tl.cumsum(links, 0)
+    order = tl.where(back == 1, total - upto + links, upto)  # 1 for the first link walked, ..
+    step = 1 - 2 * back
+    prev = start - first - step  # the carried block is segment prev + step's
+    for j in tl.range(0, total, num_stages=STAGES):
+        i = tl.sum(tl.where((order == j + 1) & (links != 0), ri, 0), 0)
+        m = m_desc.load([((back * S + first + i) * H + h).to(tl.int32) * K, 0])
+        mine = X + ((first + i) * H + h).to(tl.int64) * K * V + at
+        Xt = tl.where(prev == i - step, Xt, tl.load(mine))
+        out = mine + step * H * K * V
+        Xt = tl.dot(Xt, tl.trans(m), input_precision="tf32") + tl.load(out)
+        tl.store(out, Xt)
+        prev = i
 
 
 @triton.jit
@@ -529,14 +590,48 @@ def some_device(starts, ends):
     return (starts if starts is not None else ends).device
 
 
+def use_tma_chain(device) -> bool:
+    """Whether a 16-bit call's chain runs on `_tma_chain`: `TMA_CHAIN`, a GPU with TMA, and, until
+    its GPU tests pass (`TMA_CHAIN_GPU_VERIFIED`), GDR_ALLOW_UNVERIFIED=1."""
+    from gdr_dispatch.registry import unverified_allowed
+
+    from .segment_maps import tma_capable
+
+    return TMA_CHAIN and (TMA_CHAIN_GPU_VERIFIED or unverified_allowed()) and tma_capable(torch.device(device))
+
+
+def _chain_on_tma(M, starts, ends, plan, seg_offsets, max_segments, S0, G_end, some, N, H, K, V) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    # the backward direction's right operand is M itself, K-major only as M^T's rows: M's rows, then
+    # M^T's (at row S H K of the descriptor: S = 0 where only the backward direction runs)
+    if ends is None:
+        rows, second = M, 0
+    elif starts is None:
+        rows, second = M.mT.contiguous(), 0
+    else:
+        rows, second = torch.cat([M, M.mT]), M.shape[0]
+    m_desc = TensorDescriptor.from_tensor(rows.view(-1, K), [K, K])
+    bv = min(TMA_CHAIN_BV, V & -V)  # a power of two dividing V
+    directions = (starts is not None) + (ends is not None)
+    _tma_chain[(N * H, V // bv, directions)](
+        m_desc, some if starts is None else starts, some if ends is None else ends, plan, seg_offsets,
+        some if S0 is None else S0.contiguous(), some if G_end is None else G_end.contiguous(), second, H, K=K,
+        V=V, BV=bv,
+        NSEG=triton.next_power_of_2(max(1, max_segments)), HAS_S0=S0 is not None, HAS_G_END=G_end is not None,
+        FIRST_DIRECTION=1 if starts is None else 0, STAGES=TMA_CHAIN_STAGES, num_warps=TMA_CHAIN_WARPS)
+
+
 def chain(M: torch.Tensor, starts, ends, plan: torch.Tensor, seg_offsets: torch.Tensor,
-          max_segments: int, S0=None, G_end=None) -> None:
+          max_segments: int, S0=None, G_end=None, tf32: bool = False) -> None:
     """Completes pass 1's `starts` and `ends` (`[S, H, K, V]` fp32, module docstring) in place:
     every segment's exact start state (None: not wanted, `h` is given) and end-state gradient
     (None: not wanted, the op's forward; not both None).
     `M` `[S, H, K, K]` (read where `plan` `[S, H, 2]` says exact), `seg_offsets` int32 `[N + 1]`
     (sequence n's segments), `max_segments` the most any sequence has, `S0` / `G_end` `[N, H,
-    K, V]` fp32 the sequences' initial states and final-state gradients (None: 0)."""
+    K, V]` fp32 the sequences' initial states and final-state gradients (None: 0). `tf32`: the
+    call's inputs are 16-bit, so plain TF32 products are within their rounding (`_tma_chain`, where
+    `use_tma_chain`); else 3xTF32."""
     for name, x in (("starts", starts), ("ends", ends)):
         if x is not None and not x.is_contiguous():
             raise ValueError(f"chain: {name} must be contiguous (it is completed in place)")
@@ -550,6 +645,8 @@ def chain(M: torch.Tensor, starts, ends, plan: torch.Tensor, seg_offsets: torch.
     N = seg_offsets.shape[0] - 1
     some = ends if ends is not None else starts
     H, K, V = some.shape[1], some.shape[2], some.shape[3]
+    if tf32 and use_tma_chain(some.device):
+        return _chain_on_tma(M, starts, ends, plan, seg_offsets, max_segments, S0, G_end, some, N, H, K, V)
     bv = min(BV, V)
     directions = (starts is not None) + (ends is not None)
     # absent tensors: `some` stands in as a pointer never read

@@ -334,7 +334,7 @@ def pass_2(call: GDRCall, segs: Segments, plan, M, starts, ends) -> None:
     kernels = _chain_kernels(call.K, call.V, acc, dev)
     if kernels is not None:
         kernels.chain(M, starts, ends, plan, device_constant(segs.seg_offsets, torch.int32, dev),
-                      segs.max_per_sequence, S0, G_end)
+                      segs.max_per_sequence, S0, G_end, tf32=call.q.dtype in (torch.float16, torch.bfloat16))
     else:
         _chain_torch(segs, plan, M, starts, ends, S0, G_end)
 
