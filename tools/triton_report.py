@@ -67,6 +67,8 @@ def main() -> int:
                    cu_ptr=i32, m_ptr=f32, r_ptr=f32, plan_ptr=i32, role_ptr=i32, co_ptr="*i64", Hg="i32", H="i32")
     tma_bwd = dict(kd_desc=desc(64, a.K), w_desc=desc(64, a.K), x_desc=desc(64, a.K), do_ptr=ptr, g_ptr=f32,
                    cu_ptr=i32, out_ptr=f32, plan_ptr=i32, role_ptr=i32, co_ptr="*i64", Hg="i32", H="i32")
+    tma_chain = dict(m_desc=f"tensordesc<fp32[{a.K}, {a.K}]>", STARTS=f32, ENDS=f32, PLAN=i32, SEG_OFF=i32, S0=f32,
+                     G_END=f32, S="i32", H="i32")
     states = dict(**tok, co_ptr=i32, init_ptr=f32, h_ptr=ptr, Hg="i32", H="i32")
     plan = dict(k_ptr=ptr, g_ptr=f32, b_ptr=ptr, cu_ptr=i32, plan_ptr=i32, grows_ptr=i32, threshold="fp32", Hg="i32",
                 H="i32")
@@ -126,6 +128,10 @@ def main() -> int:
             "segment_scan._chain PREFETCH": (ss._chain, chain, dict(K=a.K, V=a.V, BV=ss.BV, NSEG=64, HAS_S0=True,
                                                                    HAS_G_END=True, FIRST_DIRECTION=0, PREFETCH=1),
                                              ss.NUM_WARPS, ss.NUM_STAGES),
+            "segment_scan._tma_chain": (ss._tma_chain, tma_chain, dict(K=a.K, V=a.V, BV=min(ss.TMA_CHAIN_BV, a.V),
+                                                                         NSEG=64, HAS_S0=True, HAS_G_END=True,
+                                                                         FIRST_DIRECTION=0, STAGES=ss.TMA_CHAIN_STAGES),
+                                        ss.TMA_CHAIN_WARPS, 1),
             "segment_scan._blocked_compose": (ss._blocked_compose, blocked, dict(K=a.K, V=a.V, BC=ss.BV, FIRST_DIRECTION=0),
                                               ss.NUM_WARPS, ss.NUM_STAGES),
             "segment_scan._blocked_groups": (ss._blocked_groups, groups, dict(K=a.K, V=a.V, BV=ss.BV, HAS_S0=True,
