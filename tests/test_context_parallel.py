@@ -1033,6 +1033,39 @@ def test_tma_walks_run_only_on_a_tma_gpu_and_once_verified(monkeypatch):
     assert not on(0)
 
 
+@pytest.mark.parametrize("walks", WALKS)
+def test_another_sequences_nan_stays_out_of_a_sequences_pass_1(walks, monkeypatch):
+    """A pack whose second sequence is all NaN (q, k, v, dO, beta): the first sequence's windows and
+    maps are the same bytes as with clean neighbours, whichever walks run. Its last chunk is partial,
+    so every walk reads rows of the next sequence there and must mask them (the TMA walks' factors
+    are zero past a segment's end, their dO load masked)."""
+    from gdr_dispatch.backends.kernels import segment_maps
+    from gdr_dispatch.backends.split import passes as cp
+
+    set_walks(monkeypatch, walks)
+    spec = ShapeSpec(seqlens=(700, 300), H=2, K=16, V=16, gate="mixed")
+    call, segs, seg_call = _pieces_call(spec, 4)
+    plan, *_ = cp._torch_pieces(call, segs, need_starts=True)
+    roles = torch.tensor(segs.roles, dtype=torch.int32)
+    clean = segment_maps.segment_pieces(seg_call, plan, roles, True, True, segs.s)
+    bad = {}
+    for name in ("q", "k", "v", "do", "b"):
+        x = getattr(seg_call, name).clone()
+        x[:, 700:] = float("nan")
+        bad[name] = x
+    poisoned = segment_maps.segment_pieces(replace(seg_call, **bad), plan, roles, True, True, segs.s)
+    mine = [j for j, n in enumerate(segs.seq) if n == 0]
+    exact = plan[..., 0] == 0
+    for j in mine:
+        for h in range(call.H):
+            pairs = [] if segs.roles[j] & 1 else [("start", 1)]
+            pairs += [] if segs.roles[j] & 2 else [("end", 2)]
+            pairs += [("map", 0)] if exact[j, h] and segs.roles[j] != 3 else []
+            for what, at in pairs:
+                assert torch.isfinite(poisoned[at][j, h]).all(), (what, j, h)
+                assert torch.equal(poisoned[at][j, h], clean[at][j, h]), (what, j, h)
+
+
 def test_pass_1_walks_fork_only_on_a_gpu_and_once_verified(monkeypatch):
     """The backward walk beside the forward one on a second stream (segment_maps.concurrent_walks):
     CUDA only, and only once its GPU test passed (or with GDR_ALLOW_UNVERIFIED=1)."""
