@@ -981,10 +981,13 @@ def test_tma_chain_runs_only_on_a_tma_gpu_for_16_bit_calls_and_once_verified(mon
     """segment_scan.use_tma_chain: switched on, a GPU of compute capability 9 or more, and only once
     its GPU tests passed (or with GDR_ALLOW_UNVERIFIED=1); `chain` takes it for 16-bit calls only
     (`tf32`), fp32 maps of fp32 calls keep the 3xTF32 chain."""
-    from gdr_dispatch.backends.kernels import segment_maps as sm
+    from types import SimpleNamespace
+
+    from gdr_dispatch import problem
     from gdr_dispatch.backends.kernels import segment_scan as ss
 
-    monkeypatch.setattr(sm, "_capability", lambda index: (9, 0) if index == 0 else (8, 0))
+    monkeypatch.setattr(problem, "device_info",
+                        lambda dev: SimpleNamespace(capability=(9, 0) if dev.index == 0 else (8, 0)))
     monkeypatch.delenv("GDR_ALLOW_UNVERIFIED", raising=False)
     monkeypatch.setattr(ss, "TMA_CHAIN", True)
     monkeypatch.setattr(ss, "TMA_CHAIN_GPU_VERIFIED", True)
@@ -1014,12 +1017,14 @@ def test_tma_walks_run_only_on_a_tma_gpu_and_once_verified(monkeypatch):
     CPU), and only once their GPU tests passed (or with GDR_ALLOW_UNVERIFIED=1)."""
     from types import SimpleNamespace
 
+    from gdr_dispatch import problem
     from gdr_dispatch.backends.kernels import segment_maps as sm
 
     def on(index=0):
         return sm.use_tma_walks(SimpleNamespace(q=SimpleNamespace(device=torch.device("cuda", index))))
 
-    monkeypatch.setattr(sm, "_capability", lambda index: (9, 0) if index == 0 else (8, 0))
+    monkeypatch.setattr(problem, "device_info",
+                        lambda dev: SimpleNamespace(capability=(9, 0) if dev.index == 0 else (8, 0)))
     monkeypatch.delenv("GDR_ALLOW_UNVERIFIED", raising=False)
     monkeypatch.setattr(sm, "TMA_WALKS", True)
     monkeypatch.setattr(sm, "TMA_WALKS_GPU_VERIFIED", True)
@@ -1061,9 +1066,9 @@ def test_another_sequences_nan_stays_out_of_a_sequences_pass_1(walks, monkeypatc
             pairs = [] if segs.roles[j] & 1 else [("start", 1)]
             pairs += [] if segs.roles[j] & 2 else [("end", 2)]
             pairs += [("map", 0)] if exact[j, h] and segs.roles[j] != 3 else []
-            for what, at in pairs:
-                assert torch.isfinite(poisoned[at][j, h]).all(), (what, j, h)
-                assert torch.equal(poisoned[at][j, h], clean[at][j, h]), (what, j, h)
+            for what, out in pairs:
+                assert torch.isfinite(poisoned[out][j, h]).all(), (what, j, h)
+                assert torch.equal(poisoned[out][j, h], clean[out][j, h]), (what, j, h)
 
 
 def test_pass_1_walks_fork_only_on_a_gpu_and_once_verified(monkeypatch):

@@ -329,6 +329,49 @@ def _factored_backward(dS, k_ptr, w_ptr, x_ptr, do_ptr, g_ptr, row0, lo, n_chunk
 
 
 @triton.jit
+def _forward_range(plan_ptr, role_ptr, nh, H, c0, bos, eos, K: tl.constexpr, BT: tl.constexpr, PLAN: tl.constexpr,
+                   SKIP_EXACT: tl.constexpr):
+    """A forward walk's tokens [lo, hi), the row of `m` / `r` it stores to and whether it stores
+    (`work`: 0 or 1, an int, not a bool: the interpreter's masks need vectors), as
+    `_forward_maps` says under PLAN."""
+    lo = bos
+    hi = eos
+    row = nh
+    work = 1
+    if PLAN:
+        n_f = tl.load(plan_ptr + nh * 2)
+        role = tl.load(role_ptr + nh // H)
+        if c0 >= K:
+            work = ((role & 2) == 0).to(tl.int32)
+            if SKIP_EXACT:  # an exact segment's walk is `_forward_pieces`' (composed after)
+                work = work * (n_f > 0).to(tl.int32)
+            row = nh + H
+            lo = tl.where(n_f > 0, bos + (tl.cdiv(eos - bos, BT) - n_f) * BT, bos)
+        else:
+            work = (n_f == 0).to(tl.int32) * (role != 3).to(tl.int32) * (1 - SKIP_EXACT)
+        hi = tl.where(work != 0, eos, lo)
+    return lo, hi, row, work
+
+
+@triton.jit
+def _backward_range(plan_ptr, role_ptr, nh, H, bos, eos, BT: tl.constexpr, PLAN: tl.constexpr,
+                    SKIP_EXACT: tl.constexpr):
+    """A backward walk's chunk count from the segment's start, the row of `out` it stores to and
+    whether it stores, as `_backward_maps` says under PLAN."""
+    n_chunks = tl.cdiv(eos - bos, BT)
+    row = nh
+    work = 1
+    if PLAN:
+        n_b = tl.load(plan_ptr + nh * 2 + 1)
+        work = 1 - (tl.load(role_ptr + nh // H) & 1)
+        if SKIP_EXACT:  # an exact segment's walk is `_backward_pieces`' (composed after)
+            work = work * (n_b > 0).to(tl.int32)
+        row = nh - H
+        n_chunks = tl.where(work == 0, 0, tl.where(n_b > 0, n_b, n_chunks))
+    return n_chunks, row, work
+
+
+@triton.jit
 def _forward_maps(k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, m_ptr, r_ptr, plan_ptr, role_ptr, w_ptr, u_ptr, co_ptr,
                   Hg, H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                   PLAN: tl.constexpr, SKIP_EXACT: tl.constexpr = 0, FACTORED: tl.constexpr = 0):
@@ -349,22 +392,7 @@ def _forward_maps(k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, m_ptr, r_ptr, plan_
     rc = tl.arange(0, BC)
     # [I | 0]: a block lies wholly in M (columns < K) or wholly in R (BC divides K)
     S = tl.where(rk[:, None] == c0 + rc[None, :], 1.0, 0.0)
-    lo = bos
-    hi = eos
-    row = nh
-    work = 1  # 0: this program stores nothing (an int, not a bool: the interpreter's masks need vectors)
-    if PLAN:
-        n_f = tl.load(plan_ptr + nh * 2)
-        role = tl.load(role_ptr + nh // H)
-        if c0 >= K:
-            work = ((role & 2) == 0).to(tl.int32)
-            if SKIP_EXACT:  # an exact segment's walk is `_forward_pieces`' (composed after)
-                work = work * (n_f > 0).to(tl.int32)
-            row = nh + H
-            lo = tl.where(n_f > 0, bos + (tl.cdiv(eos - bos, BT) - n_f) * BT, bos)
-        else:
-            work = (n_f == 0).to(tl.int32) * (role != 3).to(tl.int32) * (1 - SKIP_EXACT)
-        hi = tl.where(work != 0, eos, lo)
+    lo, hi, row, work = _forward_range(plan_ptr, role_ptr, nh, H, c0, bos, eos, K, BT, PLAN, SKIP_EXACT)
     if FACTORED:
         S = _factored_forward(S, k_ptr, w_ptr, u_ptr, g_ptr, tl.load(co_ptr + nh // H), lo, hi, bos, eos, hg, h, Hg,
                               H, c0, K, V, BT, BC)
@@ -414,17 +442,7 @@ def _backward_maps(q_ptr, k_ptr, a_ptr, g_ptr, b_ptr, do_ptr, cu_ptr, out_ptr, p
     rk = tl.arange(0, K)
     rc = tl.arange(0, BC)
     dS = tl.zeros([K, BC], dtype=tl.float32)
-    n_chunks = tl.cdiv(eos - bos, BT)
-    row = nh
-    work = 1  # as in `_forward_maps`
-    if PLAN:
-        n_b = tl.load(plan_ptr + nh * 2 + 1)
-        first = tl.load(role_ptr + nh // H) & 1
-        work = 1 - first
-        if SKIP_EXACT:  # an exact segment's walk is `_backward_pieces`' (composed after)
-            work = work * (n_b > 0).to(tl.int32)
-        row = nh - H
-        n_chunks = tl.where(work == 0, 0, tl.where(n_b > 0, n_b, n_chunks))
+    n_chunks, row, work = _backward_range(plan_ptr, role_ptr, nh, H, bos, eos, BT, PLAN, SKIP_EXACT)
     if FACTORED:
         dS = _factored_backward(dS, k_ptr, w_ptr, x_ptr, do_ptr, g_ptr, tl.load(co_ptr + nh // H), bos, n_chunks,
                                 bos, eos, hg, h, Hg, H, c0, K, V, BT, BC)
@@ -448,20 +466,7 @@ def _tma_forward_maps(w_desc, kd_desc, ut_desc, g_ptr, cu_ptr, m_ptr, r_ptr, pla
     rk = tl.arange(0, K)
     rc = tl.arange(0, BC)
     St = tl.where(c0 + rc[:, None] == rk[None, :], 1.0, 0.0)  # [I | 0]^T's rows c0..
-    lo = bos
-    hi = eos
-    row = nh
-    work = 1
-    if PLAN:  # as `_forward_maps`
-        n_f = tl.load(plan_ptr + nh * 2)
-        role = tl.load(role_ptr + nh // H)
-        if c0 >= K:
-            work = ((role & 2) == 0).to(tl.int32)
-            row = nh + H
-            lo = tl.where(n_f > 0, bos + (tl.cdiv(eos - bos, BT) - n_f) * BT, bos)
-        else:
-            work = (n_f == 0).to(tl.int32) * (role != 3).to(tl.int32)
-        hi = tl.where(work != 0, eos, lo)
+    lo, hi, row, work = _forward_range(plan_ptr, role_ptr, nh, H, c0, bos, eos, K, BT, PLAN, 0)
     row0 = tl.load(co_ptr + nh // H)
     has_u = c0 >= K
     for t0 in tl.range(lo, hi, BT, num_stages=STAGES):
@@ -495,14 +500,7 @@ def _tma_backward_maps(kd_desc, w_desc, x_desc, do_ptr, g_ptr, cu_ptr, out_ptr, 
     rc = tl.arange(0, BC)
     rt = tl.arange(0, BT)
     dSt = tl.zeros([BC, K], dtype=tl.float32)
-    n_chunks = tl.cdiv(eos - bos, BT)
-    row = nh
-    work = 1
-    if PLAN:  # as `_backward_maps`
-        n_b = tl.load(plan_ptr + nh * 2 + 1)
-        work = 1 - (tl.load(role_ptr + nh // H) & 1)
-        row = nh - H
-        n_chunks = tl.where(work == 0, 0, tl.where(n_b > 0, n_b, n_chunks))
+    n_chunks, row, work = _backward_range(plan_ptr, role_ptr, nh, H, bos, eos, BT, PLAN, 0)
     row0 = tl.load(co_ptr + nh // H)
     for j in tl.range(0, n_chunks, num_stages=STAGES):
         t0 = bos + (n_chunks - 1 - j) * BT
@@ -822,12 +820,9 @@ def use_tma_walks(seg_call) -> bool:
 
 def tma_capable(dev: torch.device) -> bool:
     """A CUDA device of compute capability 9 or more (Hopper's tensor memory accelerator)."""
-    return dev.type == "cuda" and _capability(dev.index)[0] >= 9
+    from gdr_dispatch import problem
 
-
-@functools.lru_cache(maxsize=None)
-def _capability(index) -> tuple:
-    return torch.cuda.get_device_capability(index if index is not None else torch.cuda.current_device())
+    return dev.type == "cuda" and problem.device_info(dev).capability[0] >= 9
 
 
 def walk_pieces(max_chunks: int) -> int:
@@ -862,6 +857,23 @@ def _walk_stream(dev: torch.device):
     if key not in _walk_streams:
         _walk_streams[key] = torch.cuda.Stream(torch.device("cuda", key[0]))
     return _walk_streams[key]
+
+
+@contextlib.contextmanager
+def _beside(dev: torch.device, fork: bool):
+    """Pass 1's fork and join: yields what to enter around the backward walk's launch, the second
+    stream (`_walk_stream`, after it waits for the caller's) with `fork`, else nothing; the join
+    runs on leaving, whatever raised (what follows pass 1, and every free of this call's tensors,
+    waits for it)."""
+    if not fork:
+        yield contextlib.nullcontext
+        return
+    main, side = torch.cuda.current_stream(dev), _walk_stream(dev)
+    side.wait_stream(main)
+    try:
+        yield lambda: torch.cuda.stream(side)
+    finally:
+        main.wait_stream(side)
 
 
 def _persistent_programs(dev: torch.device, items: int) -> int:
@@ -925,12 +937,9 @@ def _maps(seg_call, plan, roles, need_r: bool, need_d: bool = True, pieces: int 
     walk_forward = need_m or need_r
     # the backward walk beside the forward one (no pieces: their composition reads both walks' maps)
     fork = walk_forward and need_d and P == 1 and concurrent_walks(dev)
-    if fork:
-        main, side = torch.cuda.current_stream(dev), _walk_stream(dev)
-        side.wait_stream(main)
-    try:
+    with _beside(dev, fork) as beside:
         if fork:
-            with torch.cuda.stream(side):
+            with beside():
                 _backward_maps[(n_seg * H, V // bc)](q, k, a, g, b, do, cu, D, plan, roles, fw, fx, co,
                                                      float(seg_call.scale), Hg, H, K=K, V=V, BT=BT, BC=bc,
                                                      PLAN=with_plan, SKIP_EXACT=skip, FACTORED=int(factored),
@@ -940,9 +949,6 @@ def _maps(seg_call, plan, roles, need_r: bool, need_d: bool = True, pieces: int 
                                                    fu, co, Hg, H, K=K, V=V, BT=BT, BC=bc, PLAN=with_plan,
                                                    SKIP_EXACT=skip, FACTORED=int(factored), num_warps=NUM_WARPS,
                                                    num_stages=NUM_STAGES)
-    finally:  # the join, whatever raised: what follows pass 1, and every free of this call's tensors, waits
-        if fork:
-            main.wait_stream(side)
     if P > 1:
         pairs = n_seg * H
         listed = torch.empty(pairs, dtype=torch.int32, device=dev)
@@ -988,12 +994,9 @@ def _tma_maps(seg_call, plan, roles, with_plan, need_r, need_d, need_m, M, R, D,
     w_desc, kd_desc = tiles(fw, K, BT), tiles(fkd, K, BT)
     walk_forward = need_m or need_r
     fork = walk_forward and need_d and concurrent_walks(dev)
-    if fork:
-        main, side = torch.cuda.current_stream(dev), _walk_stream(dev)
-        side.wait_stream(main)
-    try:
+    with _beside(dev, fork) as beside:
         if need_d:
-            with torch.cuda.stream(side) if fork else contextlib.nullcontext():
+            with beside():
                 _tma_backward_maps[(n_seg * H, V // bc)](kd_desc, w_desc, tiles(fx, K, BT), do, g, cu, D, plan, roles,
                                                          co, Hg, H, K=K, V=V, BT=BT, BC=bc, PLAN=with_plan,
                                                          STAGES=TMA_STAGES, num_warps=NUM_WARPS)
@@ -1003,9 +1006,6 @@ def _tma_maps(seg_call, plan, roles, with_plan, need_r, need_d, need_m, M, R, D,
             _tma_forward_maps[(n_seg * H, ncol // bc)](w_desc, kd_desc, ut_desc, g, cu, M, M if R is None else R, plan,
                                                        roles, co, Hg, H, K=K, V=V, BT=BT, BC=bc, PLAN=with_plan,
                                                        NEED_R=int(need_r), STAGES=TMA_STAGES, num_warps=NUM_WARPS)
-    finally:
-        if fork:
-            main.wait_stream(side)
     return M, R, D
 
 

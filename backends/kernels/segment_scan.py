@@ -73,12 +73,10 @@ TMA_CHAIN_GPU_VERIFIED = False
 
 
 @triton.jit
-def _chain(M, STARTS, ENDS, PLAN, SEG_OFF, S0, G_END, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-           NSEG: tl.constexpr, HAS_S0: tl.constexpr, HAS_G_END: tl.constexpr, FIRST_DIRECTION: tl.constexpr,
-           PREFETCH: tl.constexpr = 0):
-    """Sequence n's segments [SEG_OFF[n], SEG_OFF[n + 1]) (module docstring); grid axis 2 picks the
-    direction (0: the start states, from S0[n] or 0; 1: the end gradients, from G_END[n] or 0),
-    offset by FIRST_DIRECTION (1: the end gradients alone, where `h` is given)."""
+def _chain_program(PLAN, SEG_OFF, H, K: tl.constexpr, BV: tl.constexpr, NSEG: tl.constexpr):
+    """A chain program's sequence n and head h (grid axis 0), its state rows `rk` and value columns
+    `rv` (grid axis 1), the sequence's first segment and segment count, and `exact` `[NSEG]`: 1
+    where a segment is joined exactly (the plan's window 0), read once for the whole chain."""
     nh = tl.program_id(0)
     n = nh // H
     h = nh % H
@@ -87,8 +85,18 @@ def _chain(M, STARTS, ENDS, PLAN, SEG_OFF, S0, G_END, H, K: tl.constexpr, V: tl.
     first = tl.load(SEG_OFF + n)
     count = tl.load(SEG_OFF + n + 1) - first
     ri = tl.arange(0, NSEG)
-    # 1 where a segment is joined exactly (the plan's window 0), read once for the whole chain
     exact = (tl.load(PLAN + ((first + ri) * H + h).to(tl.int64) * 2, mask=ri < count, other=1) == 0).to(tl.int32)
+    return n, h, rk, rv, first, count, ri, exact
+
+
+@triton.jit
+def _chain(M, STARTS, ENDS, PLAN, SEG_OFF, S0, G_END, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+           NSEG: tl.constexpr, HAS_S0: tl.constexpr, HAS_G_END: tl.constexpr, FIRST_DIRECTION: tl.constexpr,
+           PREFETCH: tl.constexpr = 0):
+    """Sequence n's segments [SEG_OFF[n], SEG_OFF[n + 1]) (module docstring); grid axis 2 picks the
+    direction (0: the start states, from S0[n] or 0; 1: the end gradients, from G_END[n] or 0),
+    offset by FIRST_DIRECTION (1: the end gradients alone, where `h` is given)."""
+    n, h, rk, rv, first, count, ri, exact = _chain_program(PLAN, SEG_OFF, H, K, BV, NSEG)
     some = rk[:, None] < tl.minimum(count, 1) * K  # a vector mask: the interpreter takes no scalar bools
     if tl.program_id(2) + FIRST_DIRECTION == 0:
         if HAS_S0:
@@ -166,16 +174,8 @@ def _tma_chain(m_desc, STARTS, ENDS, PLAN, SEG_OFF, S0, G_END, S, H, K: tl.const
     link whose previous one was warm starts from pass 1's slot, one whose previous one was exact
     from the carried block (never re-read from memory this program wrote). One loop for both
     directions (separate ones would each hold their maps' buffers in shared memory)."""
-    nh = tl.program_id(0)
-    n = nh // H
-    h = nh % H
+    n, h, rk, rv, first, count, ri, exact = _chain_program(PLAN, SEG_OFF, H, K, BV, NSEG)
     back = tl.program_id(2) + FIRST_DIRECTION  # 0: start states, forwards; 1: end gradients, backwards
-    rk = tl.arange(0, K)
-    rv = tl.program_id(1) * BV + tl.arange(0, BV)
-    first = tl.load(SEG_OFF + n)
-    count = tl.load(SEG_OFF + n + 1) - first
-    ri = tl.arange(0, NSEG)
-    exact = (tl.load(PLAN + ((first + ri) * H + h).to(tl.int64) * 2, mask=ri < count, other=1) == 0).to(tl.int32)
     at = rk[None, :] * V + rv[:, None]  # a `[BV, K]` block of a `[K, V]` state, transposed
     X = STARTS
     given = S0
