@@ -445,6 +445,7 @@ def test_split_chain_kernel_on_gpu(counts, starts_wanted, how, monkeypatch):
     monkeypatch.setattr(segment_scan, "BLOCKED_GPU_VERIFIED", True)
     assert segment_scan.use_prefix(max(counts), "cuda") == (how == "prefix")
     assert segment_scan.use_blocked(max(counts), "cuda") == (how == "blocked")
+    monkeypatch.setattr(segment_scan, "TMA_CHAIN", True)
     monkeypatch.setattr(segment_scan, "TMA_CHAIN_GPU_VERIFIED", True)
     assert segment_scan.use_tma_chain("cuda")
 

@@ -180,6 +180,8 @@ def parts(call, segments: int, backend: str, reps: int) -> None:
             print(f"  {name}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
     print("  pass 1's kernels (eager, us per call; the two walks overlap on two streams):", flush=True)
     print(kernel_table(steps["pass 1 (windows, exact maps)"], reps), flush=True)
+    print("  pass 2's kernels (eager, us per call):", flush=True)
+    print(kernel_table(steps["pass 2 (chains, in place)"], reps), flush=True)
 
 
 def forward_parts(spec: ShapeSpec, segments: str, providers: str, reps: int) -> None:

@@ -33,6 +33,7 @@ def main() -> int:
     p.add_argument("--V", type=int, default=128)
     p.add_argument("--triton", default=None, help="a folder holding another Triton package, put first on sys.path")
     p.add_argument("--only", default=None, metavar="REGEX", help="only the kernels whose name matches")
+    p.add_argument("--asm", default=None, metavar="DIR", help="also write each kernel's TTGIR and PTX there")
     a = p.parse_args()
     if a.triton:
         sys.path.insert(0, a.triton)
@@ -152,6 +153,10 @@ def main() -> int:
             sig = {**sig, **{c: "constexpr" for c in consts}}
             src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
             kern = triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps": nw, "num_stages": ns})
+            if a.asm:
+                Path(a.asm).mkdir(parents=True, exist_ok=True)
+                for ext in ("ttgir", "ptx"):
+                    (Path(a.asm) / f"{name.replace(' ', '_')}.w{nw}.{ext}").write_text(kern.asm[ext])
             with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
                 f.write(kern.asm["cubin"])
                 f.flush()

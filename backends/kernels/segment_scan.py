@@ -61,15 +61,14 @@ BLOCKED_GPU_VERIFIED = True
 #: over the exact links only (warm links need nothing), each link's map loaded by TMA TMA_STAGES
 #: links ahead into shared memory, the carried block transposed (`[BV, K]`, the product's left
 #: operand) and the product plain TF32 (a 10-bit mantissa: ~5e-4 relative per link, which the
-#: contracting maps do not accumulate; the walks and the backends round their states to 16 bits
-#: every chunk). Wanted: a step bound by its product, not by its 64 KB map load (~3.4 us a step,
-#: 0.11 ms at B1 T32768 H4 /32 mixed). The backward direction reads the maps transposed
-#: (TF32 products take both operands K-major), one copy of M per call. Not yet measured on a GPU:
-#: while TMA_CHAIN_GPU_VERIFIED is False only with GDR_ALLOW_UNVERIFIED=1.
-TMA_CHAIN = True
+#: contracting maps do not accumulate). The backward direction reads the maps transposed (TF32
+#: products take both operands K-major), one copy of M per call. Off: slower than the 3xTF32 chain
+#: (H200, B1 H4 /32 mixed, pass 2 replayed: T32768 0.19 vs 0.11 ms, T65536 0.029 vs 0.011;
+#: B1 T8192 H16 /8 0.065 vs 0.033; docs/kernels.md). Its GPU tests pass.
+TMA_CHAIN = False
 TMA_CHAIN_BV = 64
 TMA_CHAIN_WARPS, TMA_CHAIN_STAGES = 8, 2
-TMA_CHAIN_GPU_VERIFIED = False
+TMA_CHAIN_GPU_VERIFIED = True
 
 
 @triton.jit
