@@ -104,6 +104,10 @@ def main() -> int:
             "_factors": (sm._factors, factors, dict(**maps, PLAN=True, NEED_R=1, NEED_D=1, TMA=0), sm.FACTOR_WARPS, 1),
             "_factors TMA": (sm._factors, factors, dict(**maps, PLAN=True, NEED_R=1, NEED_D=1, TMA=1),
                              sm.FACTOR_WARPS, 1),
+            "_factors TMA part 0": (sm._factors, factors, dict(**maps, PLAN=True, NEED_R=1, NEED_D=1, TMA=1, PART=0),
+                                    sm.FACTOR_WARPS, 1),
+            "_factors TMA part 1": (sm._factors, factors, dict(**maps, PLAN=True, NEED_R=1, NEED_D=1, TMA=1, PART=1),
+                                    sm.FACTOR_WARPS, 1),
             "_tma_forward_maps": (sm._tma_forward_maps, tma_fwd, dict(**maps, BC=bc, PLAN=True, NEED_R=1,
                                                                       STAGES=sm.TMA_STAGES), warps, 1),
             "_tma_backward_maps": (sm._tma_backward_maps, tma_bwd, dict(**maps, BC=bc, PLAN=True,
@@ -152,7 +156,7 @@ def main() -> int:
             done.add(built)
             sig = {**sig, **{c: "constexpr" for c in consts}}
             src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
-            kern = triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps": nw, "num_stages": ns})
+            kern = triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps": nw, "num_stages": ns, **({"maxnreg": int(os.environ["MAXNREG"])} if os.environ.get("MAXNREG") else {})})
             if a.asm:
                 Path(a.asm).mkdir(parents=True, exist_ok=True)
                 for ext in ("ttgir", "ptx"):
