@@ -426,12 +426,13 @@ def signature(*args) -> Optional[tuple]:
     call takes the checked path, which names it."""
     out = []
     extend = out.extend
+    tensor = torch.Tensor
     for x in args:
         kind = type(x)
-        if kind in _SCALARS:
-            extend((kind, x))
-        elif isinstance(x, torch.Tensor):
+        if kind is tensor or (kind not in _SCALARS and isinstance(x, tensor)):  # plain tensors first: most are
             extend((kind, x.shape, x.dtype, x.device))
+        elif kind in _SCALARS:
+            extend((kind, x))
         else:
             return None
     return tuple(out)
