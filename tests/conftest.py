@@ -109,9 +109,8 @@ def plumbing_errors(backend: str, spec: ShapeSpec, h_mode: str, monkeypatch) -> 
 
 
 #: pass 1's walks (backends/kernels/segment_maps.py): forming each chunk, reading `_factors`' chunks,
-#: or reading them with TMA (`use_tma_walks`; on a CPU under Triton's interpreter), the factors formed
-#: in one launch or two (`FACTOR_SPLIT`)
-WALKS = ("form", "factors", "tma", "tma_split")
+#: or reading them with TMA (`use_tma_walks`; on a CPU under Triton's interpreter)
+WALKS = ("form", "factors", "tma")
 
 
 def set_walks(monkeypatch, walks: str) -> None:
@@ -119,10 +118,9 @@ def set_walks(monkeypatch, walks: str) -> None:
 
     monkeypatch.setattr(sm, "FACTORS", walks != "form")
     monkeypatch.setattr(sm, "FACTORS_GPU_VERIFIED", True)
-    monkeypatch.setattr(sm, "TMA_WALKS", walks.startswith("tma"))
+    monkeypatch.setattr(sm, "TMA_WALKS", walks == "tma")
     monkeypatch.setattr(sm, "TMA_WALKS_GPU_VERIFIED", True)
-    monkeypatch.setattr(sm, "FACTOR_SPLIT", walks.endswith("split"))
-    if walks.startswith("tma") and not torch.cuda.is_available():
+    if walks == "tma" and not torch.cuda.is_available():
         monkeypatch.setattr(sm, "tma_capable", lambda dev: True)
 
 

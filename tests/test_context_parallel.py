@@ -645,7 +645,7 @@ def test_triton_pass_1_composes_the_same_maps_as_the_torch_products(spec, walks,
     set_walks(monkeypatch, walks)
     call, s, n_seg, pick, seg_call = _segments_call(spec, 3)
     assert sm.use_factors(seg_call, True, True) == (walks != "form")
-    assert sm.use_tma_walks(seg_call) == walks.startswith("tma")
+    assert sm.use_tma_walks(seg_call) == (walks == "tma")
     got = segment_maps(seg_call)
     _assert_same_maps(got, cp._torch_pass_1(call, s, n_seg), call.K, pick)
     m, r, d = segment_maps(seg_call, need_r=False)

@@ -209,7 +209,7 @@ def test_split_pass_1_kernels_on_gpu(name, dtype, walks, monkeypatch):
     flat = {n: getattr(call, n).reshape(1, -1, *getattr(call, n).shape[2:]) for n in ("q", "k", "v", "a", "g", "b", "do")}
     offsets = torch.tensor([0] + seg_lens, device="cuda").cumsum(0).to(torch.int32)
     seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=call.chunk_size)
-    assert sm.use_tma_walks(seg_call) == walks.startswith("tma")
+    assert sm.use_tma_walks(seg_call) == (walks == "tma")
     got = segment_maps(seg_call)
     call64 = validate(**{n: (x.double() if torch.is_tensor(x) and x.is_floating_point() else x) for n, x in kwargs.items()})
     want = cp._torch_pass_1(call64, s, n_seg)
@@ -472,9 +472,8 @@ def test_split_chain_kernel_on_gpu(counts, starts_wanted, how, monkeypatch):
 DECAY_GATES = ("logsigmoid", "logsigmoid16", "mixed")
 
 
-@pytest.mark.parametrize("walk, walks", [(1, "form"), (1, "factors"), (1, "tma"), (1, "tma_split"), (4, "form")],
-                         ids=["walks_whole", "walks_whole_on_factors", "walks_whole_on_tma",
-                              "walks_whole_on_tma_split_factors", "walks_in_4_pieces"])
+@pytest.mark.parametrize("walk, walks", [(1, "form"), (1, "factors"), (1, "tma"), (4, "form")],
+                         ids=["walks_whole", "walks_whole_on_factors", "walks_whole_on_tma", "walks_in_4_pieces"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("gate", DECAY_GATES)
 def test_split_decay_plan_and_pieces_on_gpu(gate, dtype, walk, walks, monkeypatch):
@@ -507,7 +506,7 @@ def test_split_decay_plan_and_pieces_on_gpu(gate, dtype, walk, walks, monkeypatc
     assert (plan != want_plan).sum().item() <= 2, (plan[..., 0], want_plan[..., 0])  # a sum at the threshold may round
     monkeypatch.setattr(segment_maps, "walk_pieces", lambda max_chunks: walk)
     set_walks(monkeypatch, walks)
-    assert segment_maps.use_tma_walks(seg_call) == walks.startswith("tma")
+    assert segment_maps.use_tma_walks(seg_call) == (walks == "tma")
     gM, gstarts, gends = segment_maps.segment_pieces(seg_call, want_plan.cuda(), torch.tensor(
         segs.roles, dtype=torch.int32, device="cuda"), max_chunks=segs.s)
     exact = want_plan[..., 0] == 0

@@ -33,6 +33,7 @@ def main() -> int:
     p.add_argument("--V", type=int, default=128)
     p.add_argument("--triton", default=None, help="a folder holding another Triton package, put first on sys.path")
     p.add_argument("--only", default=None, metavar="REGEX", help="only the kernels whose name matches")
+    p.add_argument("--maxnreg", type=int, default=None, help="a register cap for every kernel (the compiler's choice without)")
     p.add_argument("--asm", default=None, metavar="DIR", help="also write each kernel's TTGIR and PTX there")
     a = p.parse_args()
     if a.triton:
@@ -104,10 +105,6 @@ def main() -> int:
             "_factors": (sm._factors, factors, dict(**maps, PLAN=True, NEED_R=1, NEED_D=1, TMA=0), sm.FACTOR_WARPS, 1),
             "_factors TMA": (sm._factors, factors, dict(**maps, PLAN=True, NEED_R=1, NEED_D=1, TMA=1),
                              sm.FACTOR_WARPS, 1),
-            "_factors TMA part 0": (sm._factors, factors, dict(**maps, PLAN=True, NEED_R=1, NEED_D=1, TMA=1, PART=0),
-                                    sm.FACTOR_WARPS, 1),
-            "_factors TMA part 1": (sm._factors, factors, dict(**maps, PLAN=True, NEED_R=1, NEED_D=1, TMA=1, PART=1),
-                                    sm.FACTOR_WARPS, 1),
             "_tma_forward_maps": (sm._tma_forward_maps, tma_fwd, dict(**maps, BC=bc, PLAN=True, NEED_R=1,
                                                                       STAGES=sm.TMA_STAGES), warps, 1),
             "_tma_backward_maps": (sm._tma_backward_maps, tma_bwd, dict(**maps, BC=bc, PLAN=True,
@@ -156,7 +153,8 @@ def main() -> int:
             done.add(built)
             sig = {**sig, **{c: "constexpr" for c in consts}}
             src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
-            kern = triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps": nw, "num_stages": ns, **({"maxnreg": int(os.environ["MAXNREG"])} if os.environ.get("MAXNREG") else {})})
+            kern = triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps": nw, "num_stages": ns,
+                                                                               **({"maxnreg": a.maxnreg} if a.maxnreg else {})})
             if a.asm:
                 Path(a.asm).mkdir(parents=True, exist_ok=True)
                 for ext in ("ttgir", "ptx"):

@@ -62,12 +62,6 @@ COMPOSE_CB, COMPOSE_WARPS, COMPOSE_STAGES = 16, 8, 2
 FACTORS = True
 FACTOR_BYTES_MAX = 1 << 30
 FACTOR_WARPS = 4
-#: `_factors` in two launches (W, kd and U0; X, forming W again) where X is wanted: the whole form
-#: holds 255 registers and spills (Triton 3.6, sm_90a), and so does each part. Off: slower (H200,
-#: B1 T32768 H4 /32 mixed: 62.9 us for both launches vs 46.6, pass 1 0.113 vs 0.100 ms replayed).
-FACTOR_SPLIT = False
-#: A register cap for `_factors` (None: the compiler's choice).
-FACTOR_MAXNREG = None
 #: Whether the factors' GPU tests (tests/test_gpu.py: the maps against float64 and the split
 #: against the unsplit call with them) have passed in this form; while False they run only with
 #: GDR_ALLOW_UNVERIFIED=1.
@@ -233,7 +227,7 @@ def _visits(plan_ptr, role_ptr, n, nh, c, nc, PLAN: tl.constexpr, NEED_R: tl.con
 @triton.jit
 def _factors(q_ptr, k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, ci_ptr, plan_ptr, role_ptr, w_ptr, u_ptr, x_ptr, kd_ptr,
              scale, Hg, H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, PLAN: tl.constexpr,
-             NEED_R: tl.constexpr, NEED_D: tl.constexpr, TMA: tl.constexpr = 0, PART: tl.constexpr = -1):
+             NEED_R: tl.constexpr, NEED_D: tl.constexpr, TMA: tl.constexpr = 0):
     """Chunk i (a row of `ci`: its segment and chunk there) of head h, where a walk visits it
     (`_visits`), as `[BT, K]` / `[BT, V]` tiles in k's dtype (`[NT, H, BT, *]`; padded rows 0):
     W = (Gam * A) diag(b e^G) K (`w`), U0 = (Gam * A) diag(b) V (`u`, with NEED_R) and
@@ -243,9 +237,7 @@ def _factors(q_ptr, k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, ci_ptr, plan_ptr,
     not depend on the gradient, (scale Q e^G)^T dO - W^T dV_loc, dV_loc = scale (Gam * Q K^T)^T dO.
     W's and U0's diagonals scale the `[BT, BT]` factor's columns, not a `[BT, K]` operand's rows.
     With TMA (for `_tma_forward_maps` / `_tma_backward_maps`) also diag(e^{G_L - G}) K (`kd`, `[NT,
-    H, BT, K]`), and U0 transposed (`u` `[NT, H, V, BT]`). PART 0 forms W, kd and U0 alone, 1 X
-    alone (W again, a product, to keep it from memory), -1 all: two launches of fewer live tiles
-    per program (`FACTOR_SPLIT`)."""
+    H, BT, K]`), and U0 transposed (`u` `[NT, H, V, BT]`)."""
     i = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.load(ci_ptr + i * 2)
@@ -255,13 +247,7 @@ def _factors(q_ptr, k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, ci_ptr, plan_ptr,
     eos = tl.load(cu_ptr + n + 1)
     fwd, bwd = _visits(plan_ptr, role_ptr, n, n * H + h, c, tl.cdiv(eos - bos, BT), PLAN, NEED_R)
     bwd = bwd * NEED_D
-    todo = fwd + bwd
-    if PART == 0:  # where a walk visits
-        bwd = 0
-    if PART == 1:  # where the backward walk visits
-        todo = bwd
-        fwd = 0
-    if todo > 0:
+    if (fwd + bwd) > 0:
         t0 = bos + c * BT
         rt = tl.arange(0, BT)
         rk = tl.arange(0, K)
@@ -270,11 +256,10 @@ def _factors(q_ptr, k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, ci_ptr, plan_ptr,
         k, G, gL, b, gam, ag = _chunk(k_ptr, a_ptr, g_ptr, b_ptr, t0, eos, hg, h, Hg, H, K, BT, False)
         w = tl.dot((ag.to(tl.float32) * (b * tl.exp(G))[None, :]).to(k.dtype), k).to(k.dtype)
         base = i.to(tl.int64) * H + h
-        if PART != 1:
-            tl.store(w_ptr + (base * BT + rt[:, None]) * K + rk[None, :], w)
-            if TMA:  # padded rows: k is 0 there
-                kd = k.to(tl.float32) * tl.exp(gL - G)[:, None]
-                tl.store(kd_ptr + (base * BT + rt[:, None]) * K + rk[None, :], kd.to(k.dtype))
+        tl.store(w_ptr + (base * BT + rt[:, None]) * K + rk[None, :], w)
+        if TMA:  # padded rows: k is 0 there
+            kd = k.to(tl.float32) * tl.exp(gL - G)[:, None]
+            tl.store(kd_ptr + (base * BT + rt[:, None]) * K + rk[None, :], kd.to(k.dtype))
         if NEED_R:
             if fwd > 0:
                 rv = tl.arange(0, V)
@@ -943,11 +928,9 @@ def _maps(seg_call, plan, roles, need_r: bool, need_d: bool = True, pieces: int 
         fu = torch.empty((nt, H) + ((V, BT) if tma else (BT, V)), dtype=k.dtype, device=dev) if need_r else M
         fx = torch.empty_like(fw) if need_d else M
         fkd = torch.empty_like(fw) if tma else M
-        for part in (0, 1) if FACTOR_SPLIT and need_d else (-1,):
-            _factors[(nt, H)](q, k, v, a, g, b, cu, ci, plan, roles, fw, fu, fx, fkd, float(seg_call.scale), Hg, H,
-                              K=K, V=V, BT=BT, PLAN=with_plan, NEED_R=int(need_r), NEED_D=int(need_d), TMA=int(tma),
-                              PART=part, num_warps=FACTOR_WARPS, num_stages=1,
-                              **({"maxnreg": FACTOR_MAXNREG} if FACTOR_MAXNREG else {}))
+        _factors[(nt, H)](q, k, v, a, g, b, cu, ci, plan, roles, fw, fu, fx, fkd, float(seg_call.scale), Hg, H, K=K,
+                          V=V, BT=BT, PLAN=with_plan, NEED_R=int(need_r), NEED_D=int(need_d), TMA=int(tma),
+                          num_warps=FACTOR_WARPS, num_stages=1)
     if tma:
         return _tma_maps(seg_call, plan, roles, with_plan, need_r, need_d, need_m, M, R, D, fw, fu, fx, fkd, co, g, cu,
                          do, bc)
