@@ -864,6 +864,20 @@ PIECES_SHAPES = [
 ]
 
 
+#: the plan kernel's forms: one program per (segment, head) finished by tensor ops; spread over
+#: programs of PLAN_CHUNKS chunks (2: a chunk's program sees a window's other chunk elsewhere; 1:
+#: as many programs as chunks) and finished by `_plan_combine`
+PLAN_FORMS = {"one_program": (False, 2), "spread_2_chunks": (True, 2), "spread_1_chunk": (True, 1)}
+
+
+def set_plan_form(monkeypatch, form: str) -> None:
+    from gdr_dispatch.backends.kernels import segment_maps
+
+    spread, chunks = PLAN_FORMS[form]
+    monkeypatch.setattr(segment_maps, "PLAN_SPREAD", spread)
+    monkeypatch.setattr(segment_maps, "PLAN_CHUNKS", chunks)
+
+
 def _pieces_call(spec, segments: int, **kw):
     from gdr_dispatch.backends.split import passes as cp
 
@@ -875,13 +889,15 @@ def _pieces_call(spec, segments: int, **kw):
     return call, segs, validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
 
 
-def test_a_nan_key_in_a_window_joins_its_segment_exactly():
+@pytest.mark.parametrize("form", list(PLAN_FORMS))
+def test_a_nan_key_in_a_window_joins_its_segment_exactly(form, monkeypatch):
     """A NaN key (or beta) inside a warm-up window is no contraction either: that segment is joined
-    exactly, so the NaN reaches what follows as in the unsplit call, in the kernel plan and the
-    tensor rule alike."""
+    exactly, so the NaN reaches what follows as in the unsplit call, in the kernel plan (each
+    form) and the tensor rule alike."""
     from gdr_dispatch.backends.kernels import segment_maps
     from gdr_dispatch.backends.split import passes as cp
 
+    set_plan_form(monkeypatch, form)
     spec = ShapeSpec(B=1, T=640, H=2, K=16, V=16, dtype="float16", h="none")
     x = call_kwargs(make_inputs(spec, "cpu", seed=8))
     x["k"] = x["k"].clone()
@@ -894,12 +910,15 @@ def test_a_nan_key_in_a_window_joins_its_segment_exactly():
     assert torch.equal(segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs.s, segs.seq), plan)
 
 
-def test_decay_plan_kernel_joins_a_rising_head_exactly():
+@pytest.mark.parametrize("form", list(PLAN_FORMS))
+def test_decay_plan_kernel_joins_a_rising_head_exactly(form, monkeypatch):
     """The plan kernel, as the tensor rule: a (sequence, head) whose log decay rises anywhere has
-    every segment exact, the other sequence's heads keep their windows."""
+    every segment exact, the other sequence's heads keep their windows (in each form: the rise
+    lies in one program's chunks, the sequence's other segments are zeroed by the combine)."""
     from gdr_dispatch.backends.kernels import segment_maps
     from gdr_dispatch.backends.split import passes as cp
 
+    set_plan_form(monkeypatch, form)
     spec = ShapeSpec(seqlens=(384, 640), H=2, K=16, V=16, dtype="float16", h="none")
     kwargs = _rising_gate(spec)  # tokens 64-127: inside the first sequence only
     call = validate(**kwargs)
@@ -913,21 +932,48 @@ def test_decay_plan_kernel_joins_a_rising_head_exactly():
     assert (got[first] == 0).all() and (got[~first][..., 0] > 0).any(), got
 
 
+@pytest.mark.parametrize("form", list(PLAN_FORMS))
 @pytest.mark.parametrize("hostile", [False, True], ids=["normalised_keys", "growing_keys"])
 @pytest.mark.parametrize("spec", PIECES_SHAPES, ids=lambda s: s.label())
-def test_decay_plan_kernel_follows_the_tensor_rule(spec, hostile):
+def test_decay_plan_kernel_follows_the_tensor_rule(spec, hostile, form, monkeypatch):
     """`segment_maps.decay_plan` (the warm-up windows per segment and head, 0 where exact) is
-    `passes._windows`' rule: the same plan, and windows that are really partial somewhere."""
+    `passes._windows`' rule: the same plan, and windows that are really partial somewhere; in
+    each of the kernel's forms (`PLAN_FORMS`)."""
     from gdr_dispatch.backends.kernels import segment_maps
     from gdr_dispatch.backends.split import passes as cp
 
+    set_plan_form(monkeypatch, form)
     kw = dict(tokens=(250, 251, 252, 253), factor=8.0) if hostile else {}
     call, segs, seg_call = _pieces_call(spec, 3, **kw)
+    assert segment_maps.plan_spread(seg_call.q.device) == PLAN_FORMS[form][0]
     want = cp._torch_pieces(call, segs, need_starts=True)[0]
     got = segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs.s, segs.seq)
     assert torch.equal(got, want), (got[..., 0], want[..., 0])
     if spec.gate != "mixed":
         assert (want[..., 0] > 0).any() and (want[..., 0] == 0).any() if hostile else (want[..., 0] > 0).any()
+
+
+@pytest.mark.parametrize("form", list(PLAN_FORMS))
+def test_decay_plan_kernel_checks_every_chunk_of_a_long_first_window(form, monkeypatch):
+    """Keys that break the contraction inside a segment's first (backward) window, four chunks in
+    and outside its last window, make that segment exact in the tensor rule and in each kernel
+    form: the spread forms check that chunk in a program other than the window's first."""
+    from gdr_dispatch.backends.kernels import segment_maps
+    from gdr_dispatch.backends.split import passes as cp
+
+    set_plan_form(monkeypatch, form)
+    spec = ShapeSpec(B=1, T=2560, H=2, K=16, V=16, dtype="float16", h="none", gate="logsigmoid16")
+    plain = validate(**call_kwargs(make_inputs(spec, "cpu", seed=8)))
+    segs, before = _plan_of(plain, 3)  # 14-chunk segments, windows of ~6 chunks
+    first = segs.s * 64  # segment 1's first token
+    assert (before[1, :, 1] >= 5).all() and (before[1, :, 0] <= segs.s - 5).all(), before
+    call = validate(**_hostile_keys(spec, tokens=tuple(range(first + 3 * 64 + 10, first + 3 * 64 + 14)), factor=8.0))
+    segs, want = _plan_of(call, 3)
+    assert (want[1] == 0).all() and torch.equal(want[[0, 2]], before[[0, 2]]), (before, want)
+    flat, offsets = cp._segments_inputs(call, segs.token_offsets)
+    seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
+    got = segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs.s, segs.seq)
+    assert torch.equal(got, want), (got, want)
 
 
 #: shapes whose 4-5 chunk segments are exact for some heads and warm for others

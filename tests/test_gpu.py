@@ -521,6 +521,46 @@ def test_split_decay_plan_and_pieces_on_gpu(gate, dtype, walk, walks, monkeypatc
     assert worst < 1e-2, worst
 
 
+@pytest.mark.parametrize("hostile", ["plain", "keys", "rise"])
+@pytest.mark.parametrize("segments", [2, 8, 32])
+@pytest.mark.parametrize("gate", DECAY_GATES)
+def test_spread_decay_plan_equals_one_program_on_gpu(gate, segments, hostile, monkeypatch):
+    """The decay plan spread over programs (`segment_maps.plan_spread`: a segment's chunks over up
+    to 16 programs, the exact segments zeroed by `_plan_combine`) is the one-program plan bit for
+    bit at K = V = 128, from 1 to 16 programs per segment, with keys that break the contraction
+    inside windows and a rising log decay in one sequence; and some windows are warm and some
+    segments exact, so the comparison can tell them apart."""
+    from gdr_dispatch.backends.kernels import segment_maps as sm
+    from gdr_dispatch.backends.split import passes as cp
+
+    spec = ShapeSpec(seqlens=(4096, 1000, 65), H=4, Hg=2, K=128, V=128, dtype="bfloat16", h="none", gate=gate)
+    kwargs, _ = case(spec, device="cuda", with_oracle=False)
+    if hostile == "keys":  # b |k|^2 far above 2 in many chunks, both ends of segments among them
+        kwargs["k"] = kwargs["k"].clone()
+        kwargs["k"][:, 100::301] *= 8.0
+    elif hostile == "rise":  # the first sequence's log decay rises at one token of head 1
+        kwargs["g"] = kwargs["g"].clone()
+        kwargs["g"][0, 2050, 1] = kwargs["g"][0, 2049, 1] + 0.5
+    call = validate(**kwargs)
+    segs = cp.segments_of(tuple(call.seq_lens), 64, segments)
+    flat, offsets = cp._segments_inputs(call, segs.token_offsets)
+    seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
+    thr = cp.threshold(torch.float32)
+    plans = {}
+    for spread in (False, True):
+        monkeypatch.setattr(sm, "PLAN_SPREAD", spread)
+        monkeypatch.setattr(sm, "PLAN_SPREAD_GPU_VERIFIED", True)
+        assert sm.plan_spread(call.q.device) == spread
+        plans[spread] = sm.decay_plan(seg_call, thr, segs.s, segs.seq)
+    assert torch.equal(plans[True], plans[False]), (plans[True][..., 0], plans[False][..., 0])
+    one = plans[False].cpu()
+    assert (one[..., 0] > 0).any(), one[..., 0]
+    if gate == "mixed" or hostile == "keys":
+        assert (one[..., 0] == 0).any(), one[..., 0]
+    if hostile == "rise":
+        assert (one[:segs.seg_offsets[1], 1] == 0).all(), one[..., 0]
+
+
 @pytest.mark.parametrize("gate", ["logsigmoid", "mixed"])
 def test_pass_1_walks_on_two_streams_equal_them_on_one_on_gpu(gate, monkeypatch):
     """Pass 1's backward walk on a second stream beside the forward walk

@@ -26,6 +26,7 @@ module's constant replaced. `--forward 8,16` times the op's forward instead: eac
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -76,12 +77,13 @@ def kernel_table(fn, reps: int) -> str:
     return "\n".join(f"    {t:8.1f}  x{n:.0f}  {key[:90]}" for key, t, n in sorted(rows, key=lambda r: -r[1]))
 
 
-def parts(call, segments: int, backend: str, reps: int) -> None:
+def parts(call, segments: int, backend: str, reps: int, skip: str = "") -> None:
     """Each part of `<backend>@split<segments>` alone, replayed from a CUDA graph: the decay plan,
     pass 1's windows and maps, the chains, pass 3's states (our Triton walk) and pass 3's
     backward (h given, and h=None on the backend's own states), and the whole split; with the
     plan's share of warm (segment, head) pairs and their mean window (docs/kernels.md, "The
-    split"); then pass 1's kernels each."""
+    split"); then pass 1's kernels each. `skip`: a regular expression; the parts whose names match
+    it are not timed."""
     from dataclasses import replace
 
     from gdr_dispatch import chunked_math as cm
@@ -166,18 +168,29 @@ def parts(call, segments: int, backend: str, reps: int) -> None:
     label = "pass 2, 3xTF32 chain" if on_tma else "pass 2 on TMA"
     steps[label] = lever(steps["pass 2 (chains, in place)"], *tma)
     steps[f"{split.name} whole, {label[8:]}"] = lever(whole, *tma)
+    # the decay plan spread over programs per segment (segment_maps.PLAN_SPREAD) switched the other way
+    spread = sm.plan_spread(dev)
+    settings = ((sm, "PLAN_SPREAD", not spread), (sm, "PLAN_SPREAD_GPU_VERIFIED", True))
+    label = "decay plan, one program per segment" if spread else "decay plan spread"
+    steps[label] = lever(steps["decay plan"], *settings)
+    steps[f"{split.name} whole, {label[11:]}"] = lever(whole, *settings)
     if sm.walk_pieces(segs.s) > 1:  # the same pass 1 with the exact walks whole, and both per kernel
         steps["pass 1, exact walks whole"] = lever(steps["pass 1 (windows, exact maps)"],
                                                    (sm, "walk_pieces", lambda max_chunks: 1))
         for name in ("pass 1 (windows, exact maps)", "pass 1, exact walks whole"):
             print(f"  {name}, per kernel (us per call):\n" + kernel_table(steps[name], reps), flush=True)
     for name, fn in steps.items():
+        if skip and re.search(skip, name):
+            continue
         try:
             replay, _ = graph_ms(fn, reps)
             print(f"  {name}: {replay:.4f} ms replayed, {measure_ms(fn, 'cuda', warmup=3, reps=reps):.4f} ms eager",
                   flush=True)
         except Exception as e:  # noqa: BLE001 - a part that cannot run here is the answer
             print(f"  {name}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+    print(f"  the decay plan's kernels (eager, us per call; {'spread' if spread else 'one program per segment'}):",
+          flush=True)
+    print(kernel_table(steps["decay plan"], reps), flush=True)
     print("  pass 1's kernels (eager, us per call; the two walks overlap on two streams):", flush=True)
     print(kernel_table(steps["pass 1 (windows, exact maps)"], reps), flush=True)
     print("  pass 2's kernels (eager, us per call):", flush=True)
@@ -405,6 +418,8 @@ def main() -> int:
     p.add_argument("--gate", default="uniform", help="the shape's gate (shapes.GATES)")
     p.add_argument("--parts", action="store_true",
                    help="time each part of the split around the first of --backends (graph replays), then stop")
+    p.add_argument("--skip", default="", metavar="REGEX",
+                   help="--parts: leave out the parts whose names match REGEX (e.g. 'prefix|TMA')")
     p.add_argument("--pieces", type=int, default=0, metavar="N",
                    help="--parts: walk the exact segments in N pieces (segment_maps.PIECES), and time pass 1 "
                         "both ways, per kernel")
@@ -456,7 +471,7 @@ def main() -> int:
         segment_maps.PIECES = a.pieces or segment_maps.PIECES
         segment_maps.COMPOSE_CB = a.compose_cb or segment_maps.COMPOSE_CB
     if a.parts:
-        parts(call, a.segments, a.backends.split(",")[0], a.reps)
+        parts(call, a.segments, a.backends.split(",")[0], a.reps, a.skip)
         return 0
     if a.pass1 is not None:
         pass1_configs(call, a.segments, a.pass1, a.reps)

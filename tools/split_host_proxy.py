@@ -41,7 +41,8 @@ def main() -> int:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: None
 
-    for mod, names in ((segment_maps, ("_factors", "_forward_maps", "_backward_maps", "_forward_states", "_decay_plan")),
+    for mod, names in ((segment_maps, ("_factors", "_forward_maps", "_backward_maps", "_forward_states", "_decay_plan",
+                                      "_plan_combine")),
                        (segment_scan, ("_chain",))):
         for n in names:
             setattr(mod, n, NoLaunch())

@@ -72,7 +72,7 @@ def main() -> int:
     tma_chain = dict(m_desc=f"tensordesc<fp32[{a.K}, {a.K}]>", STARTS=f32, ENDS=f32, PLAN=i32, SEG_OFF=i32, S0=f32,
                      G_END=f32, S="i32", H="i32")
     states = dict(**tok, co_ptr=i32, init_ptr=f32, h_ptr=ptr, Hg="i32", H="i32")
-    plan = dict(k_ptr=ptr, g_ptr=f32, b_ptr=ptr, cu_ptr=i32, plan_ptr=i32, grows_ptr=i32, threshold="fp32", Hg="i32",
+    plan = dict(k_ptr=ptr, g_ptr=f32, b_ptr=ptr, cu_ptr=i32, plan_ptr=i32, flag_ptr=i32, threshold="fp32", Hg="i32",
                 H="i32")
     chain = dict(M=f32, STARTS=f32, ENDS=f32, PLAN=i32, SEG_OFF=i32, S0=f32, G_END=f32, H="i32")
     blocked = dict(M=f32, STARTS=f32, ENDS=f32, PLAN=i32, SEG_OFF=i32, Q=f32, D=f32, NZ=i32, s="i32", S="i32",
@@ -111,6 +111,8 @@ def main() -> int:
                                                                         STAGES=sm.TMA_STAGES), warps, 1),
             "_forward_states": (sm._forward_states, states, dict(**maps, BC=bc, V_FIRST=False), warps, stages),
             "_decay_plan": (sm._decay_plan, plan, dict(K=a.K, BT=64, CMAX=64), 4, 1),
+            "_plan_combine": (sm._plan_combine, dict(plan_ptr=i32, flag_ptr=i32, seg_off_ptr=i32, H="i32", P="i32"),
+                              dict(NSEG=64, PB=16), 1, 1),
             "_forward_maps PLAN SKIP_EXACT": (sm._forward_maps, fwd, dict(**maps, BC=bc, PLAN=True, SKIP_EXACT=1, FACTORED=0),
                                               warps, stages),
             "_backward_maps PLAN SKIP_EXACT": (sm._backward_maps, bwd, dict(**maps, BC=bc, PLAN=True, SKIP_EXACT=1, FACTORED=0),

@@ -96,6 +96,15 @@ PIECES_GPU_VERIFIED = True
 #: captured) passes (`CONCURRENT_WALKS_GPU_VERIFIED`; while False only GDR_ALLOW_UNVERIFIED=1 forks).
 CONCURRENT_WALKS = True
 CONCURRENT_WALKS_GPU_VERIFIED = True
+#: The decay plan's serial chunk loads (the windows' keys for the contraction test, every token's
+#: log decay for the rise test) spread over up to PLAN_MAX_PROGRAMS programs per (segment, head),
+#: PLAN_CHUNKS chunks each, and the exact segments zeroed by one more launch (`_plan_combine`)
+#: instead of four tensor ops. One program per segment and head walked them all: 0.024 / 0.051 ms
+#: replayed at B1 T32768 / T65536 H4 /32 mixed on the H200 (docs/kernels.md, "The split").
+#: While `PLAN_SPREAD_GPU_VERIFIED` is False the GPU plan spreads only with GDR_ALLOW_UNVERIFIED=1.
+PLAN_SPREAD = True
+PLAN_CHUNKS, PLAN_MAX_PROGRAMS = 2, 16
+PLAN_SPREAD_GPU_VERIFIED = False
 
 
 @triton.jit
@@ -668,19 +677,9 @@ def _breaks_contraction(k_ptr, b_ptr, t0, eos, hg, h, Hg, H, K: tl.constexpr, BT
 
 
 @triton.jit
-def _decay_plan(k_ptr, g_ptr, b_ptr, cu_ptr, plan_ptr, grows_ptr, threshold, Hg, H, K: tl.constexpr,
-                BT: tl.constexpr, CMAX: tl.constexpr):
-    """Per (segment, head): `plan[n, h] = (n_f, n_b)`, the fewest last / first chunks of the
-    segment whose summed log decay is below `threshold`, or (0, 0) (exact) where the whole
-    segment's is not, or where a token of those chunks breaks the contraction
-    (`_breaks_contraction`); `grows[n, h]` 1 where a token's log decay is positive or NaN (the
-    state grows there, so no window bounds what it drops: `decay_plan` makes the sequence's
-    segments of that head exact). docs/kernels.md, "The split"."""
-    nh = tl.program_id(0)
-    h = nh % H
-    hg = h // (H // Hg)
-    bos = tl.load(cu_ptr + nh // H)
-    eos = tl.load(cu_ptr + nh // H + 1)
+def _windows(g_ptr, bos, eos, h, H, threshold, BT: tl.constexpr, CMAX: tl.constexpr):
+    """A segment's chunk count and its warm-up windows: the fewest last (`n_f`) and first (`n_b`)
+    chunks whose summed log decay is below `threshold`, 0 where none is."""
     nc = tl.cdiv(eos - bos, BT)
     rc = tl.arange(0, CMAX)
     valid = rc < nc
@@ -695,25 +694,74 @@ def _decay_plan(k_ptr, g_ptr, b_ptr, cu_ptr, plan_ptr, grows_ptr, threshold, Hg,
     tail = tl.cumsum(ge_back, axis=0)  # over chunks [nc - 1 - r, nc)
     r_f = tl.min(tl.where(valid & (tail < threshold), rc, CMAX), axis=0)
     c_b = tl.min(tl.where(valid & (head < threshold), rc, CMAX), axis=0)
-    n_f = tl.where(r_f < CMAX, r_f + 1, 0)
-    n_b = tl.where(c_b < CMAX, c_b + 1, 0)
-    bad = ((n_f == 0) | (n_b == 0)).to(tl.int32)
-    for c in range(nc - n_f, nc):
-        bad = tl.maximum(bad, _breaks_contraction(k_ptr, b_ptr, bos + c * BT, eos, hg, h, Hg, H, K, BT))
-    for c in range(0, n_b):
-        bad = tl.maximum(bad, _breaks_contraction(k_ptr, b_ptr, bos + c * BT, eos, hg, h, Hg, H, K, BT))
-    tl.store(plan_ptr + nh * 2, tl.where(bad != 0, 0, n_f))
-    tl.store(plan_ptr + nh * 2 + 1, tl.where(bad != 0, 0, n_b))
-    # each token's log decay: G minus the previous token's in its chunk (G itself at a chunk start)
+    return nc, tl.where(r_f < CMAX, r_f + 1, 0), tl.where(c_b < CMAX, c_b + 1, 0)
+
+
+@triton.jit
+def _rises(g_ptr, t0, eos, h, H, BT: tl.constexpr):
+    """1 where a token of the chunk from t0 has a positive or NaN log decay (G minus the previous
+    token's in its chunk; G itself at the chunk's start), else 0."""
     rt = tl.arange(0, BT)
+    t = t0 + rt
+    ok = t < eos
+    G = tl.load(g_ptr + t.to(tl.int64) * H + h, mask=ok, other=0.0)
+    before = tl.load(g_ptr + (t - 1).to(tl.int64) * H + h, mask=ok & (rt > 0), other=0.0)
+    return tl.max((ok & ((G > before) | (G != G))).to(tl.int32), axis=0)
+
+
+@triton.jit
+def _decay_plan(k_ptr, g_ptr, b_ptr, cu_ptr, plan_ptr, flag_ptr, threshold, Hg, H, K: tl.constexpr,
+                BT: tl.constexpr, CMAX: tl.constexpr):
+    """Per (segment, head) (grid axis 0), program p of P (axis 1): the segment's windows
+    (`_windows`; program 0 writes `plan[n, h] = (n_f, n_b)`) and `flag[n, h, p]`: bit 0 where a
+    window is missing (program 0) or a token of the windows' chunks p, p + P, .. breaks the
+    contraction (`_breaks_contraction`), bit 1 where a token's log decay rises in the segment's
+    chunks p, p + P, .. (the state can grow there, so no window bounds what it drops). P > 1
+    spreads a segment's serial chunk loads over programs (`plan_programs`); `_plan_combine` then
+    zeroes the plan where the flags say exact. docs/kernels.md, "The split"."""
+    nh = tl.program_id(0)
+    p = tl.program_id(1)
+    P = tl.num_programs(1)
+    h = nh % H
+    hg = h // (H // Hg)
+    bos = tl.load(cu_ptr + nh // H)
+    eos = tl.load(cu_ptr + nh // H + 1)
+    nc, n_f, n_b = _windows(g_ptr, bos, eos, h, H, threshold, BT, CMAX)
+    missing = ((n_f == 0) | (n_b == 0)).to(tl.int32)
+    bad = missing * (p == 0).to(tl.int32)
+    for i in range(p, n_f * (1 - missing), P):  # the last window: chunks nc - n_f ..
+        bad = tl.maximum(bad, _breaks_contraction(k_ptr, b_ptr, bos + (nc - n_f + i) * BT, eos, hg, h, Hg, H, K, BT))
+    for c in range(p, n_b * (1 - missing), P):  # the first window
+        bad = tl.maximum(bad, _breaks_contraction(k_ptr, b_ptr, bos + c * BT, eos, hg, h, Hg, H, K, BT))
     up = 0
-    for c in range(0, nc):
-        t = bos + c * BT + rt
-        ok = t < eos
-        G = tl.load(g_ptr + t.to(tl.int64) * H + h, mask=ok, other=0.0)
-        before = tl.load(g_ptr + (t - 1).to(tl.int64) * H + h, mask=ok & (rt > 0), other=0.0)
-        up = tl.maximum(up, tl.max((ok & ((G > before) | (G != G))).to(tl.int32), axis=0))
-    tl.store(grows_ptr + nh, up)
+    for c in range(p, nc, P):
+        up = tl.maximum(up, _rises(g_ptr, bos + c * BT, eos, h, H, BT))
+    tl.store(flag_ptr + nh * P + p, bad + 2 * up)
+    if p == 0:
+        tl.store(plan_ptr + nh * 2, n_f)
+        tl.store(plan_ptr + nh * 2 + 1, n_b)
+
+
+@triton.jit
+def _plan_combine(plan_ptr, flag_ptr, seg_off_ptr, H, P, NSEG: tl.constexpr, PB: tl.constexpr):
+    """Per (sequence, head): every segment's plan zeroed (exact) where a flag of its says a window
+    is missing or broken (bit 0), and all of the sequence's where any of its segments' log decay
+    rises (bit 1)."""
+    nh = tl.program_id(0)
+    n = nh // H
+    h = nh % H
+    first = tl.load(seg_off_ptr + n)
+    count = tl.load(seg_off_ptr + n + 1) - first
+    ri = tl.arange(0, NSEG)
+    rp = tl.arange(0, PB)
+    row = (first + ri) * H + h
+    seg = ri < count
+    fl = tl.load(flag_ptr + row[:, None] * P + rp[None, :], mask=seg[:, None] & (rp < P)[None, :], other=0)
+    grows = tl.max(tl.max((fl >> 1) & 1, axis=1), axis=0)
+    kill = tl.maximum(tl.max(fl & 1, axis=1), grows)
+    for j in tl.static_range(2):
+        x = tl.load(plan_ptr + row * 2 + j, mask=seg, other=0)
+        tl.store(plan_ptr + row * 2 + j, tl.where(kill != 0, 0, x), mask=seg)
 
 
 def _call_reason(K: int, V: int, dtype: torch.dtype, chunk_size: int) -> str:
@@ -756,20 +804,62 @@ def decay_plan(seg_call, threshold: float, max_chunks: int, sequence_of) -> torc
     warm-up window in chunks, forwards and backwards, or 0 where it is joined exactly; every
     segment of a (sequence, head) whose log decay rises anywhere (g > 0, or NaN) exact: there the
     state can grow, so a window's summed decay bounds nothing. `sequence_of`: each segment's
-    sequence (`Segments.seq`). `max_chunks`: the longest segment's chunks."""
+    sequence (`Segments.seq`, a sequence's segments in a row). `max_chunks`: the longest
+    segment's chunks."""
     _check_segments_call(seg_call, "decay_plan")
     H, Hg, K, BT = seg_call.H, seg_call.Hg, seg_call.K, seg_call.chunk_size
     dev = seg_call.q.device
+    spread = plan_spread(dev)
+    P = plan_programs(max_chunks) if spread else 1
     plan = torch.empty(seg_call.N, H, 2, dtype=torch.int32, device=dev)
-    grows = torch.empty(seg_call.N, H, dtype=torch.int32, device=dev)
-    _decay_plan[(seg_call.N * H,)](seg_call.k.contiguous(), seg_call.g.float().contiguous(), seg_call.b.contiguous(),
-                                   seg_call.cu_seqlens.to(torch.int32).contiguous(), plan, grows, float(threshold), Hg,
-                                   H, K=K, BT=BT, CMAX=triton.next_power_of_2(max(1, max_chunks)), num_warps=4)
+    flags = torch.empty(seg_call.N, H, P, dtype=torch.int32, device=dev)
+    _decay_plan[(seg_call.N * H, P)](seg_call.k.contiguous(), seg_call.g.float().contiguous(), seg_call.b.contiguous(),
+                                     seg_call.cu_seqlens.to(torch.int32).contiguous(), plan, flags, float(threshold),
+                                     Hg, H, K=K, BT=BT, CMAX=triton.next_power_of_2(max(1, max_chunks)), num_warps=4)
     from gdr_dispatch.graph_safe import device_constant
 
+    offsets = _sequence_offsets(tuple(sequence_of))
+    if spread:
+        _plan_combine[((len(offsets) - 1) * H,)](plan, flags, device_constant(offsets, torch.int32, dev), H, P,
+                                                 NSEG=triton.next_power_of_2(max(1, _most_segments(offsets))),
+                                                 PB=triton.next_power_of_2(P), num_warps=1)
+        return plan
     seq = device_constant(tuple(sequence_of), torch.int64, dev)
-    per_sequence = torch.zeros(max(sequence_of, default=-1) + 1, H, device=dev).index_add_(0, seq, grows.float())
-    return plan.masked_fill_(per_sequence[seq][..., None] > 0, 0)
+    flags = flags.amax(2)
+    per_sequence = torch.zeros(len(offsets) - 1, H, device=dev).index_add_(0, seq, (flags >> 1).float())
+    return plan.masked_fill_(((flags & 1) > 0)[..., None] | (per_sequence[seq][..., None] > 0), 0)
+
+
+def plan_spread(dev: torch.device) -> bool:
+    """Whether `decay_plan` spreads a segment's chunks over `plan_programs` programs and zeroes the
+    exact segments in one more launch (`_plan_combine`): `PLAN_SPREAD` and, until its GPU test
+    passes (`PLAN_SPREAD_GPU_VERIFIED`), GDR_ALLOW_UNVERIFIED=1 (else one program per segment and
+    head, the plan finished by tensor ops). On the CPU (the interpreter) it follows `PLAN_SPREAD`."""
+    from gdr_dispatch.registry import unverified_allowed
+
+    return PLAN_SPREAD and (PLAN_SPREAD_GPU_VERIFIED or torch.device(dev).type != "cuda" or unverified_allowed())
+
+
+def plan_programs(max_chunks: int) -> int:
+    """Programs per (segment, head) of the spread plan: PLAN_CHUNKS chunks each, at most
+    PLAN_MAX_PROGRAMS."""
+    return max(1, min(PLAN_MAX_PROGRAMS, -(-max_chunks // PLAN_CHUNKS)))
+
+
+@functools.lru_cache(maxsize=256)
+def _sequence_offsets(sequence_of: tuple) -> tuple:
+    """Each sequence's first segment (and the end), from the segments' sequences, which must come
+    in order (`segments_of`'s)."""
+    if any(b < a for a, b in zip(sequence_of, sequence_of[1:])):
+        raise ValueError("decay_plan: a sequence's segments must come in a row, in sequence order")
+    counts = [0] * (max(sequence_of, default=-1) + 1)
+    for n in sequence_of:
+        counts[n] += 1
+    return tuple(itertools.accumulate([0] + counts))
+
+
+def _most_segments(offsets: tuple) -> int:
+    return max((b - a for a, b in zip(offsets, offsets[1:])), default=1)
 
 
 def segment_pieces(seg_call, plan: torch.Tensor, roles: torch.Tensor, need_starts: bool = True,
