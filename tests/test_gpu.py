@@ -535,28 +535,33 @@ def test_spread_decay_plan_equals_one_program_on_gpu(gate, segments, hostile, mo
 
     spec = ShapeSpec(seqlens=(4096, 1000, 65), H=4, Hg=2, K=128, V=128, dtype="bfloat16", h="none", gate=gate)
     kwargs, _ = case(spec, device="cuda", with_oracle=False)
-    if hostile == "keys":  # b |k|^2 far above 2 in many chunks, both ends of segments among them
-        kwargs["k"] = kwargs["k"].clone()
-        kwargs["k"][:, 100::301] *= 8.0
-    elif hostile == "rise":  # the first sequence's log decay rises at one token of head 1
-        kwargs["g"] = kwargs["g"].clone()
-        kwargs["g"][0, 2050, 1] = kwargs["g"][0, 2049, 1] + 0.5
-    call = validate(**kwargs)
-    segs = cp.segments_of(tuple(call.seq_lens), 64, segments)
-    flat, offsets = cp._segments_inputs(call, segs.token_offsets)
-    seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
     thr = cp.threshold(torch.float32)
-    plans = {}
-    for spread in (False, True):
+    segs = cp.segments_of(tuple(spec.seqlens), 64, segments)
+
+    def plan_of(x, spread):
+        call = validate(**x)
+        flat, offsets = cp._segments_inputs(call, segs.token_offsets)
+        seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
         monkeypatch.setattr(sm, "PLAN_SPREAD", spread)
         monkeypatch.setattr(sm, "PLAN_SPREAD_GPU_VERIFIED", True)
         assert sm.plan_spread(call.q.device) == spread
-        plans[spread] = sm.decay_plan(seg_call, thr, segs.s, segs.seq)
+        return sm.decay_plan(seg_call, thr, segs.s, segs.seq)
+
+    plain = plan_of(kwargs, False).cpu()
+    x = dict(kwargs)
+    if hostile == "keys":  # b |k|^2 far above 2 in every third chunk
+        x["k"] = x["k"].clone()
+        x["k"][:, 100::192] *= 8.0
+    elif hostile == "rise":  # the first sequence's log decay rises at one token of head 1
+        x["g"] = x["g"].clone()
+        x["g"][0, 2050, 1] = x["g"][0, 2049, 1] + 0.5
+    plans = {spread: plan_of(x, spread) for spread in (False, True)}
     assert torch.equal(plans[True], plans[False]), (plans[True][..., 0], plans[False][..., 0])
     one = plans[False].cpu()
-    assert (one[..., 0] > 0).any(), one[..., 0]
-    if gate == "mixed" or hostile == "keys":
-        assert (one[..., 0] == 0).any(), one[..., 0]
+    if gate != "logsigmoid16":  # (its windows outgrow the short segments)
+        assert (plain[..., 0] > 0).any(), plain[..., 0]
+    if hostile == "keys" and (plain[..., 0] > 0).any():
+        assert not torch.equal(one, plain), one[..., 0]
     if hostile == "rise":
         assert (one[:segs.seg_offsets[1], 1] == 0).all(), one[..., 0]
 
