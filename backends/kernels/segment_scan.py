@@ -56,7 +56,7 @@ PREFIX_GPU_VERIFIED = True
 #: 0.020 -> 0.023 (three launches for one); docs/kernels.md.
 BLOCKED = False
 BLOCKED_MIN_SEGMENTS = 16
-BLOCKED_GPU_VERIFIED = True
+BLOCKED_GPU_VERIFIED = False
 #: The serial chain on TMA for calls whose inputs are 16-bit (`_tma_chain`, sm_90 on): the loop runs
 #: over the exact links only (warm links need nothing), each link's map loaded by TMA TMA_STAGES
 #: links ahead into shared memory, the carried block transposed (`[BV, K]`, the product's left
@@ -319,11 +319,14 @@ def _compose_body(M, SLOTS, PLAN, Q, D, NZ, first, count, lo, hi, h, H, row, cb,
                   V: tl.constexpr, BC: tl.constexpr, BACKWARD: tl.constexpr):
     """`_blocked_compose` for one direction: column block cb of `[Q | d]` of the links (lo, hi]."""
     rk = tl.arange(0, K)
-    if cb < K // BC:  # Q's columns, from the identity; zero from a warm link on (a flag, no products)
+    if cb < K // BC:  # Q's columns: the first link's map (no product by the identity), then each
+        # link's product; zero from a warm link on (a flag, no products)
         cols = cb * BC + tl.arange(0, BC)
-        x = (rk[:, None] == cols[None, :]).to(tl.float32)
-        nzq = 1
-        for q in range(lo + 1, hi + 1):
+        x = tl.zeros([K, BC], dtype=tl.float32)
+        nzq = _prefix_nz(PLAN, PLAN, first, count, lo + 1, h, H, True, BACKWARD)
+        if nzq != 0:
+            x = _prefix_a(M, M, first, count, lo + 1, h, H, rk, cols, K, True, BACKWARD)
+        for q in range(lo + 2, hi + 1):
             if _prefix_nz(PLAN, PLAN, first, count, q, h, H, True, BACKWARD) * nzq != 0:
                 a = _prefix_a(M, M, first, count, q, h, H, rk, rk, K, True, BACKWARD)
                 x = tl.dot(a, x, input_precision="tf32x3")
@@ -332,10 +335,11 @@ def _compose_body(M, SLOTS, PLAN, Q, D, NZ, first, count, lo, hi, h, H, row, cb,
         tl.store(Q + (row * K + rk[:, None]) * K + cols[None, :], x)
         if cb == 0:
             tl.store(NZ + row, nzq)
-    else:  # d's columns, from zero at lo
+    else:  # d's columns: from zero at lo, so the first link's slot as it stands (no product by zero)
         cols = (cb - K // BC) * BC + tl.arange(0, BC)
-        x = tl.zeros([K, BC], dtype=tl.float32)
-        for q in range(lo + 1, hi + 1):
+        seg = _slot_row(first, count, lo + 1, BACKWARD)
+        x = tl.load(SLOTS + ((seg * H + h).to(tl.int64) * K + rk[:, None]) * V + cols[None, :])
+        for q in range(lo + 2, hi + 1):
             seg = _slot_row(first, count, q, BACKWARD)
             c = tl.load(SLOTS + ((seg * H + h).to(tl.int64) * K + rk[:, None]) * V + cols[None, :])
             if _prefix_nz(PLAN, PLAN, first, count, q, h, H, True, BACKWARD) != 0:
