@@ -53,10 +53,11 @@ PREFIX_GPU_VERIFIED = True
 #: parallel: ~2s + c/s steps (15 at 32 segments) instead of c - 1 (31). Its GPU tests pass
 #: (`BLOCKED_GPU_VERIFIED`), but it is off: on the H200 at B1 T32768 H4 /32, mixed gate, pass 2 went
 #: 0.110 -> 0.100 ms (the whole split 0.524 -> 0.518), and at an all-warm plan (B1 T65536 H4 /32)
-#: 0.020 -> 0.023 (three launches for one); docs/kernels.md.
+#: 0.020 -> 0.023 (three launches for one); with each group composed from its first link: 0.114 ->
+#: 0.095 ms (whole 0.485 -> 0.466) and 0.018 -> 0.023 (whole 0.652 -> 0.665); docs/kernels.md.
 BLOCKED = False
 BLOCKED_MIN_SEGMENTS = 16
-BLOCKED_GPU_VERIFIED = False
+BLOCKED_GPU_VERIFIED = True
 #: The serial chain on TMA for calls whose inputs are 16-bit (`_tma_chain`, sm_90 on): the loop runs
 #: over the exact links only (warm links need nothing), each link's map loaded by TMA TMA_STAGES
 #: links ahead into shared memory, the carried block transposed (`[BV, K]`, the product's left
