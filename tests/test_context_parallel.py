@@ -864,9 +864,9 @@ PIECES_SHAPES = [
 ]
 
 
-#: the plan kernel's forms: one program per (segment, head) finished by tensor ops; spread over
-#: programs of PLAN_CHUNKS chunks (2: a chunk's program sees a window's other chunk elsewhere; 1:
-#: as many programs as chunks) and finished by `_plan_combine`
+#: the plan kernel's forms: one program per (segment, head); spread over programs of PLAN_CHUNKS
+#: chunks (2: a chunk's program sees a window's other chunk elsewhere; 1: as many programs as
+#: chunks); each finished by `_plan_combine`
 PLAN_FORMS = {"one_program": (False, 2), "spread_2_chunks": (True, 2), "spread_1_chunk": (True, 1)}
 
 
@@ -907,7 +907,7 @@ def test_a_nan_key_in_a_window_joins_its_segment_exactly(form, monkeypatch):
     assert (plan[0, :, 0] == 0).all() and (plan[1, :, 0] > 0).all(), plan
     flat, offsets = cp._segments_inputs(call, segs.token_offsets)
     seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
-    assert torch.equal(segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs.s, segs.seq), plan)
+    assert torch.equal(segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs.s, segs.seg_offsets), plan)
 
 
 @pytest.mark.parametrize("form", list(PLAN_FORMS))
@@ -925,7 +925,7 @@ def test_decay_plan_kernel_joins_a_rising_head_exactly(form, monkeypatch):
     segs = cp.segments_of(tuple(call.seq_lens), 64, 4)
     flat, offsets = cp._segments_inputs(call, segs.token_offsets)
     seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
-    got = segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs.s, segs.seq)
+    got = segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs.s, segs.seg_offsets)
     want = cp._torch_pieces(call, segs, need_starts=True)[0]
     assert torch.equal(got, want), (got[..., 0], want[..., 0])
     first = torch.tensor([n == 0 for n in segs.seq])
@@ -947,7 +947,7 @@ def test_decay_plan_kernel_follows_the_tensor_rule(spec, hostile, form, monkeypa
     call, segs, seg_call = _pieces_call(spec, 3, **kw)
     assert segment_maps.plan_spread(seg_call.q.device) == PLAN_FORMS[form][0]
     want = cp._torch_pieces(call, segs, need_starts=True)[0]
-    got = segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs.s, segs.seq)
+    got = segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs.s, segs.seg_offsets)
     assert torch.equal(got, want), (got[..., 0], want[..., 0])
     if spec.gate != "mixed":
         assert (want[..., 0] > 0).any() and (want[..., 0] == 0).any() if hostile else (want[..., 0] > 0).any()
@@ -972,7 +972,7 @@ def test_decay_plan_kernel_checks_every_chunk_of_a_long_first_window(form, monke
     assert (want[1] == 0).all() and torch.equal(want[[0, 2]], before[[0, 2]]), (before, want)
     flat, offsets = cp._segments_inputs(call, segs.token_offsets)
     seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
-    got = segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs.s, segs.seq)
+    got = segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs.s, segs.seg_offsets)
     assert torch.equal(got, want), (got, want)
 
 
@@ -1182,7 +1182,7 @@ def test_a_reset_token_does_not_shorten_the_windows():
     assert (plan[0, :, 0] == 9).all() and (plan[0, :, 1] == 1).all(), plan
     flat, offsets = cp._segments_inputs(call, segs.token_offsets)
     seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
-    assert torch.equal(segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs.s, segs.seq), plan)
+    assert torch.equal(segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs.s, segs.seg_offsets), plan)
 
 
 def test_a_reset_token_splits_exactly_in_float32(monkeypatch):

@@ -494,7 +494,7 @@ def test_split_decay_plan_and_pieces_on_gpu(gate, dtype, walk, walks, monkeypatc
     flat, offsets = cp._segments_inputs(call, segs.token_offsets)
     seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
     thr = cp.threshold(torch.float32)
-    plan = segment_maps.decay_plan(seg_call, thr, segs.s, segs.seq)
+    plan = segment_maps.decay_plan(seg_call, thr, segs.s, segs.seg_offsets)
     call64 = validate(**{n: (x.double() if torch.is_tensor(x) and x.is_floating_point() else x)
                          for n, x in kwargs.items()})
     real = cp.threshold
@@ -545,7 +545,7 @@ def test_spread_decay_plan_equals_one_program_on_gpu(gate, segments, hostile, mo
         monkeypatch.setattr(sm, "PLAN_SPREAD", spread)
         monkeypatch.setattr(sm, "PLAN_SPREAD_GPU_VERIFIED", True)
         assert sm.plan_spread(call.q.device) == spread
-        return sm.decay_plan(seg_call, thr, segs.s, segs.seq)
+        return sm.decay_plan(seg_call, thr, segs.s, segs.seg_offsets)
 
     plain = plan_of(kwargs, False).cpu()
     x = dict(kwargs)
@@ -581,7 +581,7 @@ def test_pass_1_walks_on_two_streams_equal_them_on_one_on_gpu(gate, monkeypatch)
     segs = cp.segments_of(tuple(call.seq_lens), 64, 8)
     flat, offsets = cp._segments_inputs(call, segs.token_offsets)
     seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
-    plan = sm.decay_plan(seg_call, cp.threshold(torch.float32), segs.s, segs.seq)
+    plan = sm.decay_plan(seg_call, cp.threshold(torch.float32), segs.s, segs.seg_offsets)
     roles = torch.tensor(segs.roles, dtype=torch.int32, device="cuda")
     exact = (plan[..., 0] == 0).cpu()
 

@@ -98,11 +98,11 @@ CONCURRENT_WALKS = True
 CONCURRENT_WALKS_GPU_VERIFIED = True
 #: The decay plan's serial chunk loads (the windows' keys for the contraction test, every token's
 #: log decay for the rise test) spread over up to PLAN_MAX_PROGRAMS programs per (segment, head),
-#: PLAN_CHUNKS chunks each, and the exact segments zeroed by one more launch (`_plan_combine`)
-#: instead of four tensor ops. H200, mixed gate, replayed: 0.032 -> 0.013 ms at B1 T32768 H4 /32,
-#: 0.061 -> 0.018 at B1 T65536 H4 /32, 0.049 -> 0.016 at B1 T8192 H16 /8 (docs/kernels.md, "The
-#: split"). Its GPU test passes (`PLAN_SPREAD_GPU_VERIFIED`; while False the GPU plan spreads only
-#: with GDR_ALLOW_UNVERIFIED=1).
+#: PLAN_CHUNKS chunks each (off: one program each), the exact segments zeroed by `_plan_combine`.
+#: H200, mixed gate, replayed, against one program per segment finished by four tensor ops: 0.032
+#: -> 0.013 ms at B1 T32768 H4 /32, 0.061 -> 0.018 at B1 T65536 H4 /32, 0.049 -> 0.016 at B1 T8192
+#: H16 /8 (docs/kernels.md, "The split"). Its GPU test passes (`PLAN_SPREAD_GPU_VERIFIED`; while
+#: False the GPU plan spreads only with GDR_ALLOW_UNVERIFIED=1).
 PLAN_SPREAD = True
 PLAN_CHUNKS, PLAN_MAX_PROGRAMS = 2, 16
 PLAN_SPREAD_GPU_VERIFIED = True
@@ -800,18 +800,17 @@ def segment_maps(seg_call, need_r: bool = True):
     return _maps(seg_call, None, None, need_r)
 
 
-def decay_plan(seg_call, threshold: float, max_chunks: int, sequence_of) -> torch.Tensor:
+def decay_plan(seg_call, threshold: float, max_chunks: int, seg_offsets: tuple) -> torch.Tensor:
     """`_decay_plan` for every (segment, head) of `seg_call`: int32 `[S, H, 2]`, each segment's
     warm-up window in chunks, forwards and backwards, or 0 where it is joined exactly; every
     segment of a (sequence, head) whose log decay rises anywhere (g > 0, or NaN) exact: there the
-    state can grow, so a window's summed decay bounds nothing. `sequence_of`: each segment's
-    sequence (`Segments.seq`, a sequence's segments in a row). `max_chunks`: the longest
+    state can grow, so a window's summed decay bounds nothing (`_plan_combine`). `seg_offsets`:
+    each sequence's first segment and the end (`Segments.seg_offsets`). `max_chunks`: the longest
     segment's chunks."""
     _check_segments_call(seg_call, "decay_plan")
     H, Hg, K, BT = seg_call.H, seg_call.Hg, seg_call.K, seg_call.chunk_size
     dev = seg_call.q.device
-    spread = plan_spread(dev)
-    P = plan_programs(max_chunks) if spread else 1
+    P = plan_programs(max_chunks) if plan_spread(dev) else 1
     plan = torch.empty(seg_call.N, H, 2, dtype=torch.int32, device=dev)
     flags = torch.empty(seg_call.N, H, P, dtype=torch.int32, device=dev)
     _decay_plan[(seg_call.N * H, P)](seg_call.k.contiguous(), seg_call.g.float().contiguous(), seg_call.b.contiguous(),
@@ -819,23 +818,16 @@ def decay_plan(seg_call, threshold: float, max_chunks: int, sequence_of) -> torc
                                      Hg, H, K=K, BT=BT, CMAX=triton.next_power_of_2(max(1, max_chunks)), num_warps=4)
     from gdr_dispatch.graph_safe import device_constant
 
-    offsets = _sequence_offsets(tuple(sequence_of))
-    if spread:
-        _plan_combine[((len(offsets) - 1) * H,)](plan, flags, device_constant(offsets, torch.int32, dev), H, P,
-                                                 NSEG=triton.next_power_of_2(max(1, _most_segments(offsets))),
-                                                 PB=triton.next_power_of_2(P), num_warps=1)
-        return plan
-    seq = device_constant(tuple(sequence_of), torch.int64, dev)
-    flags = flags.amax(2)
-    per_sequence = torch.zeros(len(offsets) - 1, H, device=dev).index_add_(0, seq, (flags >> 1).float())
-    return plan.masked_fill_(((flags & 1) > 0)[..., None] | (per_sequence[seq][..., None] > 0), 0)
+    _plan_combine[((len(seg_offsets) - 1) * H,)](plan, flags, device_constant(seg_offsets, torch.int32, dev), H, P,
+                                                 NSEG=_most_segments(seg_offsets), PB=triton.next_power_of_2(P),
+                                                 num_warps=1)
+    return plan
 
 
 def plan_spread(dev: torch.device) -> bool:
-    """Whether `decay_plan` spreads a segment's chunks over `plan_programs` programs and zeroes the
-    exact segments in one more launch (`_plan_combine`): `PLAN_SPREAD` and, until its GPU test
-    passes (`PLAN_SPREAD_GPU_VERIFIED`), GDR_ALLOW_UNVERIFIED=1 (else one program per segment and
-    head, the plan finished by tensor ops). On the CPU (the interpreter) it follows `PLAN_SPREAD`."""
+    """Whether `decay_plan` spreads a segment's chunks over `plan_programs` programs (else one per
+    segment and head): `PLAN_SPREAD` and, until its GPU test passes (`PLAN_SPREAD_GPU_VERIFIED`),
+    GDR_ALLOW_UNVERIFIED=1. On the CPU (the interpreter) it follows `PLAN_SPREAD`."""
     from gdr_dispatch.registry import unverified_allowed
 
     return PLAN_SPREAD and (PLAN_SPREAD_GPU_VERIFIED or torch.device(dev).type != "cuda" or unverified_allowed())
@@ -848,19 +840,9 @@ def plan_programs(max_chunks: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _sequence_offsets(sequence_of: tuple) -> tuple:
-    """Each sequence's first segment (and the end), from the segments' sequences, which must come
-    in order (`segments_of`'s)."""
-    if any(b < a for a, b in zip(sequence_of, sequence_of[1:])):
-        raise ValueError("decay_plan: a sequence's segments must come in a row, in sequence order")
-    counts = [0] * (max(sequence_of, default=-1) + 1)
-    for n in sequence_of:
-        counts[n] += 1
-    return tuple(itertools.accumulate([0] + counts))
-
-
-def _most_segments(offsets: tuple) -> int:
-    return max((b - a for a, b in zip(offsets, offsets[1:])), default=1)
+def _most_segments(seg_offsets: tuple) -> int:
+    """`_plan_combine`'s NSEG: the most segments of any sequence, to a power of two."""
+    return triton.next_power_of_2(max(1, max((b - a for a, b in zip(seg_offsets, seg_offsets[1:])), default=1)))
 
 
 def segment_pieces(seg_call, plan: torch.Tensor, roles: torch.Tensor, need_starts: bool = True,

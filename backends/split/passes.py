@@ -297,7 +297,7 @@ def pass_1(call: GDRCall, segs: Segments, seg_call: GDRCall, need_starts: bool, 
             _, starts, ends = segment_maps.segment_pieces(seg_call, plan, roles, False, need_ends, segs.s,
                                                           need_m=False)
         else:
-            plan = segment_maps.decay_plan(seg_call, threshold(torch.float32), segs.s, segs.seq)
+            plan = segment_maps.decay_plan(seg_call, threshold(torch.float32), segs.s, segs.seg_offsets)
             M, starts, ends = segment_maps.segment_pieces(seg_call, plan, roles, need_starts, need_ends, segs.s)
     elif maps is not None:  # exact maps on the provider's kernels: every segment joined through M
         m, r, d = maps(seg_call, need_r=need_starts)
