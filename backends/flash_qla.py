@@ -120,7 +120,7 @@ class FlashQLABackend(Backend):
                         dv, dg, as_dtype(db, call.b.dtype), dh0 if call.initial_state is not None else None)
 
     forward_rank = 10  # FlashQLA's fused forward: ~0.7 ms against ~2.5 for fla's kernels at B8 T4096 H32
-    # verified: tests/test_gpu.py's op tests with GDR_FORWARD=flash_qla on the H200, 2026-11-30 (0.1.3)
+    # verified: tests/test_gpu.py's op tests with GDR_FORWARD=flash_qla on the H200 (0.1.3)
     forward_verified = True
 
     def forward_not_supported_reasons(self, p: Problem) -> list[str]:

@@ -57,7 +57,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 #: a runner whose enqueue alone takes this share of its time is marked host-bound in the markdown
 HOST_BOUND = 0.8
-HBM_GBS = 4300.0  # device-to-device copy on the H200 here (KINDS.md, 2026-11-04)
+HBM_GBS = 4300.0  # device-to-device copy on the H200 here (KINDS.md)
 BF16_TFLOPS = 790.0  # 8192^3 bf16 matmul on the H200 here (KINDS.md)
 
 

@@ -143,7 +143,7 @@ def main():
         save()
         if "illegal memory access" in row.get("failed", ""):
             # the CUDA context is gone: every later launch in this process would fail too
-            # (2026-11-29: one crash took the whole remaining sweep with it)
+            # (one crash took the whole remaining sweep with it)
             doc["aborted"] = f"CUDA context lost at {cfg}"
             save()
             print(doc["aborted"], flush=True)

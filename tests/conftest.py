@@ -113,6 +113,34 @@ def plumbing_errors(backend: str, spec: ShapeSpec, h_mode: str, monkeypatch) -> 
 WALKS = ("form", "factors", "tma")
 
 
+def edge_gate_inputs(spec: ShapeSpec, segment_tokens: int, seed: int = 4) -> dict:
+    """`spec`'s backward call with a log decay that changes by segment (of `segment_tokens`
+    tokens, counted in each sequence), residuals recomputed: weak everywhere (-0.002 a token) but
+    for four tokens of -10 (summing to -40, below fp64's and fp32's rounding) at the end of an odd
+    segment's first chunk and at the start of its last. An even segment's windows then reach one
+    chunk into each neighbour, and every token of that chunk weighs fully in its warm-ups
+    (segment_maps.CROSS); with windows kept inside their segments it is exact."""
+    from gdr_dispatch.reference import prepare_residuals
+
+    x = make_inputs(spec, "cpu", seed=seed)
+    g = torch.full_like(x["g_raw"], -0.002)
+    rows = g.view(-1, g.shape[-1]) if spec.seqlens is not None else None
+    start = 0
+    for n, length in enumerate(spec.seq_lens):
+        seq = rows[start:start + length] if rows is not None else g[n]
+        for s0 in range(segment_tokens, length, 2 * segment_tokens):  # the odd segments
+            end = min(s0 + segment_tokens, length)
+            last = s0 + (end - s0 - 1) // 64 * 64  # its last chunk's first token
+            seq[s0 + 60:s0 + 64] = -10.0
+            seq[last:last + 4] = -10.0
+        start += length
+    res = prepare_residuals(x["q"], x["k"], x["v"], g, x["b"], initial_state=x["initial_state"],
+                            cu_seqlens=x["cu_seqlens"], chunk_size=spec.chunk_size, state_v_first=spec.state_v_first)
+    out = {**call_kwargs(x), "a": res.a.to(x["a"].dtype), "g": res.g.to(x["g"].dtype)}
+    out["h"] = None if x["h"] is None else res.h.to(x["h"].dtype)
+    return out
+
+
 def set_walks(monkeypatch, walks: str) -> None:
     from gdr_dispatch.backends.kernels import segment_maps as sm
 

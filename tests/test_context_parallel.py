@@ -126,7 +126,7 @@ from gdr_dispatch.problem import DeviceInfo  # noqa: E402
 STARVED = ShapeSpec(B=1, T=600, H=2, K=8, V=8, dtype="float64", h="none")  # 2 programs, 10 chunks
 
 
-from conftest import TorchAsPlain as Plain, WALKS, set_walks  # noqa: E402
+from conftest import TorchAsPlain as Plain, WALKS, edge_gate_inputs, set_walks  # noqa: E402
 
 
 @pytest.fixture
@@ -817,7 +817,7 @@ def test_keys_that_break_the_contraction_are_joined_exactly(monkeypatch):
     segs, plan = _plan_of(call, 2)
     assert (plan[0, :, 0] == 0).all() and (plan[1, :, 0] > 0).all(), plan  # segment 0's window holds them
     real = cp._windows
-    monkeypatch.setattr(cp, "_windows", lambda gend, r, bad, thr: real(gend, r, torch.zeros_like(bad), thr))
+    monkeypatch.setattr(cp, "_windows", lambda gend, r, bad, *rest: real(gend, r, torch.zeros_like(bad), *rest))
     assert (_plan_of(call, 2)[1][0, :, 0] > 0).all()  # the decay alone would warm segment 0 up
     monkeypatch.undo()
     assert_split_equals_whole(kwargs, 2, 1e-10, monkeypatch)
@@ -974,6 +974,188 @@ def test_decay_plan_kernel_checks_every_chunk_of_a_long_first_window(form, monke
     seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
     got = segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs.s, segs.seg_offsets)
     assert torch.equal(got, want), (got, want)
+
+
+#: segments of 3 chunks (192 tokens), their gate changing by segment (`edge_gate_inputs`): a
+#: sequence of 6 segments (its last partial) and a pack with a 2-segment sequence, a 1-token one
+#: and a 5-segment one
+EDGE_SHAPES = [
+    ShapeSpec(B=1, T=1100, H=2, K=16, V=16),
+    ShapeSpec(seqlens=(384, 1, 900), H=4, Hg=2, K=16, V=16, state_v_first=True),
+]
+
+
+def _edge_plan_checks(call, segs, plan) -> None:
+    """Where `edge_gate_inputs`' windows must lie: an even segment (weak) reaches one chunk past
+    each of its ends where its sequence goes on both ways, an odd one (strong) keeps one chunk."""
+    nc = [-(-n // 64) for n in segs.lens]
+    crossed = 0
+    for j, (role, place) in enumerate(zip(segs.roles, segs.place)):
+        if role:  # a sequence's first or last: no neighbour on one side, exact where even
+            continue
+        want = (nc[j] + 1, nc[j] + 1) if place % 2 == 0 else (1, 1)
+        assert tuple(plan[j, 0].tolist()) == want, (j, plan[j])
+        crossed += place % 2 == 0
+    assert crossed, plan
+
+
+@pytest.mark.parametrize("h_mode", ["given", "none"])
+@pytest.mark.parametrize("spec", EDGE_SHAPES, ids=lambda s: s.label())
+def test_windows_reach_into_neighbouring_segments_in_float64(spec, h_mode, monkeypatch):
+    """A weakly decaying segment between strongly decaying ones warms up over a chunk of each
+    neighbour (its own chunks alone do not pass the threshold): the plan says so, the split equals
+    the unsplit call to 1e-10, and with windows kept inside their segments those segments are
+    exact instead."""
+    from gdr_dispatch.backends.kernels import segment_maps
+
+    kwargs = edge_gate_inputs(replace(spec, dtype="float64", h=h_mode), 192)
+    call = validate(**kwargs)
+    segs, plan = _plan_of(call, 6)
+    assert segs.s == 3
+    _edge_plan_checks(call, segs, plan)
+    assert_split_equals_whole(kwargs, 6, 1e-10, monkeypatch)
+    monkeypatch.setattr(segment_maps, "CROSS", 0)
+    inner = _plan_of(call, 6)[1]
+    even = torch.tensor([p % 2 == 0 and not r for p, r in zip(segs.place, segs.roles)])
+    assert (inner[even] == 0).all() and torch.equal(inner[~even], plan[~even]), (inner, plan)
+
+
+@pytest.mark.parametrize("walks", ["form", "factors", "tma"])
+@pytest.mark.parametrize("need_starts, need_ends", [(True, True), (False, True), (True, False)],
+                         ids=["h_none", "h_given", "forward"])
+@pytest.mark.parametrize("spec", EDGE_SHAPES, ids=lambda s: s.label())
+def test_windows_into_neighbouring_segments_on_the_kernels(spec, need_starts, need_ends, walks, monkeypatch):
+    """The plan kernel forms the windows that reach past their segment (each form), and the walks
+    run them over the neighbours' chunks (the factors formed for those chunks too, the backward
+    walk's masks at the sequence's end, not the segment's) to fp16 rounding of the tensor
+    products, where those chunks weigh fully."""
+    from gdr_dispatch.backends.kernels import segment_maps
+    from gdr_dispatch.backends.split import passes as cp
+
+    x = edge_gate_inputs(replace(spec, dtype="float16", h="none"), 192)
+    call = validate(**x)
+    segs = cp.segments_of(tuple(call.seq_lens), 64, 6)
+    flat, offsets = cp._segments_inputs(call, segs.token_offsets)
+    seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
+    plan, M, starts, ends = cp._torch_pieces(call, segs, need_starts=need_starts)
+    _edge_plan_checks(call, segs, plan)
+    for form in PLAN_FORMS:
+        set_plan_form(monkeypatch, form)
+        got = segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs.s, segs.seg_offsets)
+        assert torch.equal(got, plan), (form, got, plan)
+    set_walks(monkeypatch, walks)
+    roles = torch.tensor(segs.roles, dtype=torch.int32)
+    gM, gstarts, gends = segment_maps.segment_pieces(seg_call, plan, roles, need_starts, need_ends, segs.s)
+    checked = 0
+    for j, role in enumerate(segs.roles):
+        for h in range(call.H):
+            pairs = [(gstarts[j, h], starts[j, h])] if need_starts and not role & 1 else []
+            pairs += [(gends[j, h], ends[j, h])] if need_ends and not role & 2 else []
+            if plan[j, h, 0] == 0 and role != 3:
+                pairs.append((gM[j, h], M[j, h]))
+            for g, w in pairs:
+                assert ((g.double() - w.double()).norm() / max(w.norm().item(), 1.0)).item() < 5e-3, (j, h)
+                checked += 1
+    assert checked
+
+
+def test_windows_reach_past_their_segment_on_a_gpu_only_once_verified(monkeypatch):
+    from gdr_dispatch.backends.kernels import segment_maps as sm
+
+    monkeypatch.delenv("GDR_ALLOW_UNVERIFIED", raising=False)
+    monkeypatch.setattr(sm, "CROSS_GPU_VERIFIED", False)
+    assert sm.CROSS >= 1
+    assert sm.window_reach(torch.device("cuda")) == 0 and sm.window_reach(torch.device("cpu")) == sm.CROSS
+    monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+    assert sm.window_reach(torch.device("cuda")) == sm.CROSS
+    monkeypatch.delenv("GDR_ALLOW_UNVERIFIED")
+    monkeypatch.setattr(sm, "CROSS_GPU_VERIFIED", True)
+    assert sm.window_reach(torch.device("cuda")) == sm.CROSS
+
+
+def test_a_window_is_capped_where_the_exact_join_costs_less():
+    """At most CROSS segments past its own, and no more chunks than its own segment's plus
+    LINK_CHUNKS per link of the longest chain: a warm-up longer than that walks more steps than
+    the exact join's walk and chain."""
+    from gdr_dispatch.backends.kernels import segment_maps as sm
+
+    assert sm.window_cap(16, (0, 32), 2) == 48  # 32 segments of 16 chunks: 31 links
+    assert sm.window_cap(16, (0, 8), 2) == 16 + int(sm.LINK_CHUNKS * 7)  # 8 segments: 7 links
+    assert sm.window_cap(32, (0, 32), 2) == 32 + int(sm.LINK_CHUNKS * 31)
+    assert sm.window_cap(4, (0, 1, 3), 2) == 4 + int(sm.LINK_CHUNKS)  # a pack: its longest chain
+    assert sm.window_cap(16, (0, 1), 2) == 16  # one segment: nothing to reach
+
+
+def test_a_capped_window_leaves_its_segment_exact(monkeypatch):
+    """The cap in the tensor rule and the plan kernel alike: the even segments' windows (one chunk
+    past their own of 3 each way) are exact once the cap is below 4 chunks."""
+    from gdr_dispatch.backends.kernels import segment_maps as sm
+    from gdr_dispatch.backends.split import passes as cp
+
+    x = edge_gate_inputs(ShapeSpec(B=1, T=1100, H=2, K=16, V=16, dtype="float16", h="none"), 192)
+    call = validate(**x)
+    segs = cp.segments_of((1100,), 64, 6)
+    flat, offsets = cp._segments_inputs(call, segs.token_offsets)
+    seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
+    wide = cp._torch_pieces(call, segs, need_starts=True)[0]
+    monkeypatch.setattr(sm, "window_cap", lambda max_chunks, seg_offsets, cross: 3)
+    want = cp._torch_pieces(call, segs, need_starts=True)[0]
+    even = torch.tensor([p % 2 == 0 and not r for p, r in zip(segs.place, segs.roles)])
+    assert (wide[even] == 4).all() and (want[even] == 0).all() and torch.equal(want[~even], wide[~even]), want
+    got = sm.decay_plan(seg_call, cp.threshold(torch.float32), segs.s, segs.seg_offsets)
+    assert torch.equal(got, want), (got, want)
+
+
+@pytest.mark.parametrize("form", list(PLAN_FORMS))
+def test_a_broken_key_in_a_neighbours_chunk_makes_the_window_exact(form, monkeypatch):
+    """Keys that break the contraction in the chunk an even segment's backward window borrows from
+    the next segment make that segment exact (and the next one, whose own window holds them), in
+    the tensor rule and in each kernel form."""
+    from gdr_dispatch.backends.kernels import segment_maps
+    from gdr_dispatch.backends.split import passes as cp
+
+    set_plan_form(monkeypatch, form)
+    x = edge_gate_inputs(ShapeSpec(B=1, T=1100, H=2, K=16, V=16, dtype="float16", h="none"), 192)
+    segs = cp.segments_of((1100,), 64, 6)
+    clean = cp._torch_pieces(validate(**x), segs, need_starts=True)[0]
+    tokens = list(range(3 * 192 + 10, 3 * 192 + 14))  # segment 3's first chunk
+    x["k"], x["b"] = x["k"].clone(), x["b"].clone()
+    x["k"][:, tokens] *= 8.0
+    x["b"][:, tokens] = 1.0
+    call = validate(**x)
+    want = cp._torch_pieces(call, segs, need_starts=True)[0]
+    assert clean[2, 0, 1] == 4 and (want[2:4] == 0).all(), want
+    assert torch.equal(want[[0, 1, 4, 5]], clean[[0, 1, 4, 5]]), (clean, want)
+    flat, offsets = cp._segments_inputs(call, segs.token_offsets)
+    seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
+    got = segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs.s, segs.seg_offsets)
+    assert torch.equal(got, want), (got, want)
+
+
+@pytest.mark.parametrize("walks", ["factors", "tma"])
+def test_the_factors_cover_every_chunk_a_window_reaches(walks, monkeypatch):
+    """A window that reaches past its neighbour's own window (not a plan `decay_plan` forms where
+    log decays never rise, but one the walks must take: `_visits` looks at the neighbours' windows
+    too) reads factors formed for every chunk it walks: the factored walks equal the walks that
+    form their chunks themselves."""
+    from gdr_dispatch.backends.kernels import segment_maps
+    from gdr_dispatch.backends.split import passes as cp
+
+    x = edge_gate_inputs(ShapeSpec(B=1, T=1100, H=2, K=16, V=16, dtype="float16", h="none"), 192)
+    call = validate(**x)
+    segs = cp.segments_of(tuple(call.seq_lens), 64, 6)
+    flat, offsets = cp._segments_inputs(call, segs.token_offsets)
+    seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
+    plan = cp._torch_pieces(call, segs, need_starts=True)[0].clone()
+    assert plan[1, 0, 0] == 1 and plan[3, 0, 1] == 1  # the neighbours' own windows: one chunk
+    plan[2] = 5  # two chunks into each neighbour
+    roles = torch.tensor(segs.roles, dtype=torch.int32)
+    set_walks(monkeypatch, walks)
+    _, starts, ends = segment_maps.segment_pieces(seg_call, plan, roles, True, True, segs.s)
+    set_walks(monkeypatch, "form")
+    _, want_starts, want_ends = segment_maps.segment_pieces(seg_call, plan, roles, True, True, segs.s)
+    for got, want in ((starts[3], want_starts[3]), (ends[1], want_ends[1])):
+        assert ((got.double() - want.double()).norm() / want.double().norm()).item() < 5e-3
 
 
 #: shapes whose 4-5 chunk segments are exact for some heads and warm for others

@@ -468,9 +468,10 @@ def test_the_carried_backward_on_our_kernels_walks_only_backwards_and_matches(ga
     o, ht, G, a, h, plan, M, starts = fw.split_forward(
         torch_backend, 3, x["q"], x["k"], x["v"], x["g_raw"], x["b"], scale, x["initial_state"], None, False, True,
         64, need_states=False, carry=True)
-    # warm windows at the strong gate (the carried plan's), every segment exact at the weak one (its maps)
-    assert bool((plan[..., 0] > 0).any()) == (gate == "logsigmoid") and bool((plan[1:, :, 0] == 0).any()) == (
-        gate == "logsigmoid16")
+    # warm windows at the strong gate (the carried plan's), exact segments at the weak one (its maps;
+    # windows reaching into the neighbouring segments warm some of them)
+    assert bool((plan[..., 0] > 0).any()) if gate == "logsigmoid" else bool((plan[1:, :, 0] == 0).any()), plan
+    assert bool((plan[1:, :, 0] == 0).any()) == (gate == "logsigmoid16"), plan
     call = validate(x["q"], x["k"], x["v"], a, G, x["b"], x["do"], x["dht"], None, scale=scale,
                     initial_state=x["initial_state"], chunk_size=64)
     calls = []

@@ -9,7 +9,7 @@ these tests are what verifies them.
 import pytest
 import torch
 
-from conftest import WALKS, case, rel_errors, set_walks
+from conftest import WALKS, case, edge_gate_inputs, rel_errors, set_walks
 from fixtures import fused_stage_case
 from gdr_dispatch import Problem, fused_gdr_bwd, registered_backends
 from gdr_dispatch import dispatch as dsp
@@ -519,6 +519,94 @@ def test_split_decay_plan_and_pieces_on_gpu(gate, dtype, walk, walks, monkeypatc
             for g, w in pairs:
                 worst = max(worst, ((g.double() - w).norm() / max(w.norm().item(), 1.0)).item())
     assert worst < 1e-2, worst
+
+
+def _on_gpu(kwargs: dict) -> dict:
+    return {n: x.cuda() if torch.is_tensor(x) else x for n, x in kwargs.items()}
+
+
+@pytest.mark.parametrize("walks", ["factors", "tma"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_windows_into_neighbouring_segments_on_gpu(dtype, walks, monkeypatch):
+    """Windows that reach a chunk into each neighbouring segment (`edge_gate_inputs`,
+    segment_maps.CROSS) at K = V = 128: the kernel's plan is the tensor rule's, and the walks over
+    the neighbours' chunks are within 16-bit rounding of the float64 tensor products."""
+    from gdr_dispatch.backends.kernels import segment_maps
+    from gdr_dispatch.backends.split import passes as cp
+
+    monkeypatch.setattr(segment_maps, "CROSS_GPU_VERIFIED", True)
+    spec = ShapeSpec(seqlens=(4096, 1000, 65), H=4, Hg=2, K=128, V=128, dtype=dtype, h="none")
+    kwargs = _on_gpu(edge_gate_inputs(spec, 512))
+    call = validate(**kwargs)
+    segs = cp.segments_of(tuple(call.seq_lens), 64, 8)
+    assert segs.s == 8
+    flat, offsets = cp._segments_inputs(call, segs.token_offsets)
+    seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
+    thr = cp.threshold(torch.float32)
+    plan = segment_maps.decay_plan(seg_call, thr, segs.s, segs.seg_offsets)
+    call64 = validate(**{n: (x.double() if torch.is_tensor(x) and x.is_floating_point() else x)
+                         for n, x in kwargs.items()})
+    real = cp.threshold
+    cp.threshold = lambda acc: thr  # the kernels' fp32 rule on float64 products
+    try:
+        want_plan, M, starts, ends = cp._torch_pieces(call64, segs, need_starts=True)
+    finally:
+        cp.threshold = real
+    assert torch.equal(plan, want_plan), (plan[..., 0], want_plan[..., 0])
+    nc = torch.tensor([-(-n // 64) for n in segs.lens], device="cuda")
+    assert (plan[..., 0] > nc[:, None]).any() and (plan[..., 1] > nc[:, None]).any(), plan
+    set_walks(monkeypatch, walks)
+    gM, gstarts, gends = segment_maps.segment_pieces(seg_call, plan, torch.tensor(
+        segs.roles, dtype=torch.int32, device="cuda"), max_chunks=segs.s)
+    worst = 0.0
+    for j, role in enumerate(segs.roles):
+        for h in range(call.H):
+            pairs = [] if role & 1 else [(gstarts[j, h], starts[j, h])]
+            pairs += [] if role & 2 else [(gends[j, h], ends[j, h])]
+            pairs += [(gM[j, h], M[j, h])] if plan[j, h, 0] == 0 and role != 3 else []
+            for g, w in pairs:
+                worst = max(worst, ((g.double() - w).norm() / max(w.norm().item(), 1.0)).item())
+    assert worst < 1e-2, worst
+
+
+@pytest.mark.parametrize("backend", ["tilelang_fused", "flash_qla"])
+def test_split_with_windows_into_neighbouring_segments_equals_unsplit_on_gpu(backend, monkeypatch):
+    """`<backend>@split8` where windows reach into the neighbouring segments against the same
+    backend unsplit, to 16-bit rounding."""
+    from gdr_dispatch.backends.kernels import segment_maps
+
+    monkeypatch.setattr(segment_maps, "CROSS_GPU_VERIFIED", True)
+    if backend not in registered_backends():
+        pytest.skip(f"{backend} not registered here")
+    inner = registered_backends()[backend]
+    for h_mode in ("given", "none"):
+        spec = ShapeSpec(seqlens=(4096, 1000, 65), H=4, Hg=2, K=128, V=128, dtype="bfloat16", h=h_mode)
+        call = validate(**_on_gpu(edge_gate_inputs(spec, 512)))
+        split = SplitBackend(inner, 8)
+        if not split.supported(spec.problem(torch.device("cuda")))[0]:
+            pytest.skip(f"{split.name} does not take {spec.label()}")
+        whole, got = inner.run(call), split.run(call)
+        errs = {n: relative_error(getattr(got, n), getattr(whole, n)) for n in whole._fields
+                if getattr(whole, n) is not None}
+        assert max(errs.values()) < 2e-2, (h_mode, errs)
+
+
+def test_split_with_windows_into_neighbouring_segments_in_float32_on_gpu(monkeypatch):
+    """The same in fp32 (the torch backend, its tensor products' windows, the Triton chain): the
+    split equals the unsplit call to 1e-4."""
+    from gdr_dispatch.backends.kernels import segment_maps
+
+    monkeypatch.setattr(segment_maps, "CROSS_GPU_VERIFIED", True)
+    monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+    monkeypatch.setenv("GDR_BACKEND", "torch")
+    spec = ShapeSpec(seqlens=(4096, 1000, 65), H=2, K=64, V=64, dtype="float32", h="none")
+    kwargs = _on_gpu(edge_gate_inputs(spec, 512))
+    whole = fused_gdr_bwd(**kwargs)
+    monkeypatch.setenv("GDR_CP", "8")
+    split = fused_gdr_bwd(**kwargs)
+    for n in whole._fields:
+        if getattr(whole, n) is not None:
+            assert relative_error(getattr(split, n), getattr(whole, n)) < 1e-4, n
 
 
 @pytest.mark.parametrize("hostile", ["plain", "keys", "rise"])

@@ -106,6 +106,19 @@ CONCURRENT_WALKS_GPU_VERIFIED = True
 PLAN_SPREAD = True
 PLAN_CHUNKS, PLAN_MAX_PROGRAMS = 2, 16
 PLAN_SPREAD_GPU_VERIFIED = True
+#: Segments a warm-up window may reach past its own (a start state's into the segments before,
+#: an end gradient's into those after, within the sequence): a weakly decaying head whose summed
+#: log decay needs more than a segment to pass the threshold warms up over its neighbours' chunks
+#: instead of being joined exactly (a serial chain link per segment). A window's chunks are also
+#: capped where a warm-up costs more than the exact join it replaces (`window_cap`: a walk step
+#: ~2 us, a chain link ~3.4 us on the H200; docs/kernels.md, "The split"). The walks take any plan
+#: whose windows reach at most CROSS segments; `decay_plan` forms them once their GPU tests pass
+#: (`CROSS_GPU_VERIFIED`, or GDR_ALLOW_UNVERIFIED=1; always on the CPU). H200, mixed gate, replayed:
+#: the whole backward 0.481 -> 0.435 ms at B1 T32768 H4 /32 (its weak head warm), 0.399 -> 0.391 at
+#: B1 T8192 H16 /8, 0.652 -> 0.650 at B1 T65536 H4 /32 (every head warm either way).
+CROSS = 2
+CROSS_GPU_VERIFIED = True
+LINK_CHUNKS = 1.5
 
 
 @triton.jit
@@ -218,9 +231,11 @@ def _walk_backward(dS, q_ptr, k_ptr, a_ptr, g_ptr, b_ptr, do_ptr, lo, n_chunks, 
 
 
 @triton.jit
-def _visits(plan_ptr, role_ptr, n, nh, c, nc, PLAN: tl.constexpr, NEED_R: tl.constexpr):
+def _visits(plan_ptr, role_ptr, cu_ptr, n, nh, H, c, nc, BT: tl.constexpr, PLAN: tl.constexpr,
+            NEED_R: tl.constexpr, CROSS: tl.constexpr):
     """Whether chunk c (of nc) of segment n is walked (as `_forward_maps` and `_backward_maps`
-    decide under PLAN): (forward: M's columns or, with NEED_R, R's; backward)."""
+    decide under PLAN): (forward: M's columns or, with NEED_R, R's; backward), its own segment's
+    walks or a window of one of the CROSS segments after it (forward) or before it (backward)."""
     fwd = 1
     bwd = 1
     if PLAN:
@@ -228,16 +243,36 @@ def _visits(plan_ptr, role_ptr, n, nh, c, nc, PLAN: tl.constexpr, NEED_R: tl.con
         n_b = tl.load(plan_ptr + nh * 2 + 1)
         role = tl.load(role_ptr + n)
         walk_m = ((n_f == 0) & (role != 3)).to(tl.int32)
-        walk_r = (((role & 2) == 0) & ((n_f == 0) | (c >= nc - n_f))).to(tl.int32) * NEED_R
-        fwd = tl.maximum(walk_m, walk_r)
+        walk_r = (((role & 2) == 0) & ((n_f == 0) | (c >= nc - n_f))).to(tl.int32)
         bwd = (((role & 1) == 0) & ((n_b == 0) | (c < n_b))).to(tl.int32)
+        h = nh - n * H
+        m_f = n
+        m_b = n
+        on_f = 1
+        on_b = 1
+        dist_f = nc - c  # chunks from c to the end of segment m_f
+        dist_b = c + 1  # chunks from the start of segment m_b to c
+        for _ in tl.static_range(CROSS):
+            on_f = on_f * ((tl.load(role_ptr + m_f) & 2) == 0).to(tl.int32)
+            m_f = m_f + on_f
+            dist_f = dist_f + on_f * tl.cdiv(tl.load(cu_ptr + m_f + 1) - tl.load(cu_ptr + m_f), BT)
+            n_m = tl.load(plan_ptr + (m_f * H + h) * 2)
+            reach = (on_f != 0) & ((tl.load(role_ptr + m_f) & 2) == 0) & (n_m >= dist_f)
+            walk_r = tl.maximum(walk_r, reach.to(tl.int32))
+            on_b = on_b * ((tl.load(role_ptr + m_b) & 1) == 0).to(tl.int32)
+            m_b = m_b - on_b
+            dist_b = dist_b + on_b * tl.cdiv(tl.load(cu_ptr + m_b + 1) - tl.load(cu_ptr + m_b), BT)
+            n_m = tl.load(plan_ptr + (m_b * H + h) * 2 + 1)
+            reach = (on_b != 0) & ((tl.load(role_ptr + m_b) & 1) == 0) & (n_m >= dist_b)
+            bwd = tl.maximum(bwd, reach.to(tl.int32))
+        fwd = tl.maximum(walk_m, walk_r * NEED_R)
     return fwd, bwd
 
 
 @triton.jit
 def _factors(q_ptr, k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, ci_ptr, plan_ptr, role_ptr, w_ptr, u_ptr, x_ptr, kd_ptr,
              scale, Hg, H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, PLAN: tl.constexpr,
-             NEED_R: tl.constexpr, NEED_D: tl.constexpr, TMA: tl.constexpr = 0):
+             NEED_R: tl.constexpr, NEED_D: tl.constexpr, TMA: tl.constexpr = 0, CROSS: tl.constexpr = 0):
     """Chunk i (a row of `ci`: its segment and chunk there) of head h, where a walk visits it
     (`_visits`), as `[BT, K]` / `[BT, V]` tiles in k's dtype (`[NT, H, BT, *]`; padded rows 0):
     W = (Gam * A) diag(b e^G) K (`w`), U0 = (Gam * A) diag(b) V (`u`, with NEED_R) and
@@ -255,7 +290,8 @@ def _factors(q_ptr, k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, ci_ptr, plan_ptr,
     hg = h // (H // Hg)
     bos = tl.load(cu_ptr + n)
     eos = tl.load(cu_ptr + n + 1)
-    fwd, bwd = _visits(plan_ptr, role_ptr, n, n * H + h, c, tl.cdiv(eos - bos, BT), PLAN, NEED_R)
+    fwd, bwd = _visits(plan_ptr, role_ptr, cu_ptr, n, n * H + h, H, c, tl.cdiv(eos - bos, BT), BT, PLAN, NEED_R,
+                       CROSS)
     bwd = bwd * NEED_D
     if (fwd + bwd) > 0:
         t0 = bos + c * BT
@@ -440,24 +476,29 @@ def _forward_states(k_ptr, v_ptr, a_ptr, g_ptr, b_ptr, cu_ptr, co_ptr, init_ptr,
 @triton.jit
 def _backward_maps(q_ptr, k_ptr, a_ptr, g_ptr, b_ptr, do_ptr, cu_ptr, out_ptr, plan_ptr, role_ptr, w_ptr, x_ptr,
                    co_ptr, scale, Hg, H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                   BC: tl.constexpr, PLAN: tl.constexpr, SKIP_EXACT: tl.constexpr = 0, FACTORED: tl.constexpr = 0):
+                   BC: tl.constexpr, PLAN: tl.constexpr, SKIP_EXACT: tl.constexpr = 0, FACTORED: tl.constexpr = 0,
+                   CROSS: tl.constexpr = 0):
     """Columns [c0, c0 + BC) of segment n's `D` (`out` `[S, H, K, V]`): the dh recurrence
     from a zero gradient at the segment's end, walked back to its start. With PLAN (as
     `_forward_maps`): only the segment's first `plan[n, h, 1]` chunks where that is set (the
-    previous segment's end gradient up to a term below rounding), into row n - 1 of `out` (the
-    previous segment's end, completed in place by `segment_scan.chain`); none for a sequence's
-    first segment. With SKIP_EXACT (1) the exact segments are left to `_backward_pieces`. With
-    FACTORED the walk reads `_factors`' chunks (`w`, `x`, `co` as `_forward_maps`)."""
+    previous segment's end gradient up to a term below rounding; past the segment's end they are
+    the next segments', up to CROSS of them), into row n - 1 of `out` (the previous segment's end,
+    completed in place by `segment_scan.chain`); none for a sequence's first segment. With
+    SKIP_EXACT (1) the exact segments are left to `_backward_pieces`. With FACTORED the walk reads
+    `_factors`' chunks (`w`, `x`, `co` as `_forward_maps`)."""
     nh, h, hg, c0, bos, eos = _program(cu_ptr, Hg, H, BC)
     rk = tl.arange(0, K)
     rc = tl.arange(0, BC)
     dS = tl.zeros([K, BC], dtype=tl.float32)
     n_chunks, row, work = _backward_range(plan_ptr, role_ptr, nh, H, bos, eos, BT, PLAN, SKIP_EXACT)
+    end = eos
+    if PLAN:  # a window may run on into the next segments: their tokens are real up to `_reach`'s end
+        _, end = _reach(cu_ptr, role_ptr, nh // H, bos, eos, CROSS)
     if FACTORED:
         dS = _factored_backward(dS, k_ptr, w_ptr, x_ptr, do_ptr, g_ptr, tl.load(co_ptr + nh // H), bos, n_chunks,
-                                bos, eos, hg, h, Hg, H, c0, K, V, BT, BC)
+                                bos, end, hg, h, Hg, H, c0, K, V, BT, BC)
     else:
-        dS = _walk_backward(dS, q_ptr, k_ptr, a_ptr, g_ptr, b_ptr, do_ptr, bos, n_chunks, eos, hg, h, Hg, H, c0,
+        dS = _walk_backward(dS, q_ptr, k_ptr, a_ptr, g_ptr, b_ptr, do_ptr, bos, n_chunks, end, hg, h, Hg, H, c0,
                             scale, K, V, BT, BC)
     row64 = row.to(tl.int64)
     tl.store(out_ptr + (row64 * K + rk[:, None]) * V + c0 + rc[None, :], dS, mask=rk[:, None] < work * K)
@@ -499,7 +540,7 @@ def _tma_forward_maps(w_desc, kd_desc, ut_desc, g_ptr, cu_ptr, m_ptr, r_ptr, pla
 @triton.jit
 def _tma_backward_maps(kd_desc, w_desc, x_desc, do_ptr, g_ptr, cu_ptr, out_ptr, plan_ptr, role_ptr, co_ptr, Hg, H,
                        K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PLAN: tl.constexpr,
-                       STAGES: tl.constexpr):
+                       STAGES: tl.constexpr, CROSS: tl.constexpr = 0):
     """`_backward_maps` on `_factors`' chunks (with TMA), carried transposed as
     `_tma_forward_maps`: `dS^T <- e^{G_L} dS^T + dO^T X - (dS^T (diag(e^{G_L - G}) K)^T) W`. dO is
     read from the caller's tensor, masked (past a segment's end lies another sequence): a copy of
@@ -512,6 +553,8 @@ def _tma_backward_maps(kd_desc, w_desc, x_desc, do_ptr, g_ptr, cu_ptr, out_ptr, 
     dSt = tl.zeros([BC, K], dtype=tl.float32)
     n_chunks, row, work = _backward_range(plan_ptr, role_ptr, nh, H, bos, eos, BT, PLAN, 0)
     row0 = tl.load(co_ptr + nh // H)
+    if PLAN:  # as `_backward_maps`
+        _, eos = _reach(cu_ptr, role_ptr, nh // H, bos, eos, CROSS)
     for j in tl.range(0, n_chunks, num_stages=STAGES):
         t0 = bos + (n_chunks - 1 - j) * BT
         base = ((row0 + (t0 - bos) // BT) * H + h).to(tl.int32)
@@ -678,23 +721,43 @@ def _breaks_contraction(k_ptr, b_ptr, t0, eos, hg, h, Hg, H, K: tl.constexpr, BT
 
 
 @triton.jit
-def _windows(g_ptr, bos, eos, h, H, threshold, BT: tl.constexpr, CMAX: tl.constexpr):
-    """A segment's chunk count and its warm-up windows: the fewest last (`n_f`) and first (`n_b`)
-    chunks whose summed log decay is below `threshold`, 0 where none is."""
+def _reach(cu_ptr, role_ptr, n, bos, eos, CROSS: tl.constexpr):
+    """The tokens a window of segment n may cover, `[lo, hi)`: from the start of the CROSS-th
+    segment before it to the end of the CROSS-th after it, within its sequence (`role` bit 0: a
+    sequence's first segment, bit 1: its last). Every chunk in it but the sequence's last is whole."""
+    lo = bos
+    hi = eos
+    a = n
+    b = n
+    for _ in tl.static_range(CROSS):
+        a = a - ((tl.load(role_ptr + a) & 1) == 0).to(tl.int32)
+        lo = tl.load(cu_ptr + a)
+        b = b + ((tl.load(role_ptr + b) & 2) == 0).to(tl.int32)
+        hi = tl.load(cu_ptr + b + 1)
+    return lo, hi
+
+
+@triton.jit
+def _windows(g_ptr, bos, eos, lo, hi, h, H, threshold, cap, BT: tl.constexpr, CMAX: tl.constexpr):
+    """A segment's chunk count and its warm-up windows: the fewest chunks back from its end
+    (`n_f`, down to `lo`) and forward from its start (`n_b`, up to `hi`), at most `cap`, whose
+    summed log decay is below `threshold`, 0 where none is (`_reach`: past its own chunks they
+    are its neighbours')."""
     nc = tl.cdiv(eos - bos, BT)
     rc = tl.arange(0, CMAX)
-    valid = rc < nc
-    # each chunk's summed log decay: g (chunk-local cumsums) at its last token, in order and from
-    # the last chunk back; each window's sum runs from its own end of the segment (`total - head`
-    # would round a reset token's -1e9 into the others' sums by 64)
-    last = tl.minimum(bos + (rc + 1) * BT, eos) - 1
-    ge = tl.load(g_ptr + last.to(tl.int64) * H + h, mask=valid, other=0.0)
-    back = tl.minimum(bos + (nc - rc) * BT, eos) - 1  # chunk nc - 1 - r's last token
-    ge_back = tl.load(g_ptr + back.to(tl.int64) * H + h, mask=valid, other=0.0)
+    # each chunk's summed log decay: g (chunk-local cumsums) at its last token, in order from the
+    # segment's start and back from its end; each window's sum runs from its own end of the
+    # segment (`total - head` would round a reset token's -1e9 into the others' sums by 64)
+    ahead = (bos + rc * BT < hi) & (rc < cap)
+    last = tl.minimum(bos + (rc + 1) * BT, hi) - 1
+    ge = tl.load(g_ptr + last.to(tl.int64) * H + h, mask=ahead, other=0.0)
+    behind = (bos + (nc - 1 - rc) * BT >= lo) & (rc < cap)  # chunk nc - 1 - r (negative: a segment before)
+    back = tl.minimum(bos + (nc - rc) * BT, eos) - 1  # its last token
+    ge_back = tl.load(g_ptr + back.to(tl.int64) * H + h, mask=behind, other=0.0)
     head = tl.cumsum(ge, axis=0)  # over chunks [0, r]
     tail = tl.cumsum(ge_back, axis=0)  # over chunks [nc - 1 - r, nc)
-    r_f = tl.min(tl.where(valid & (tail < threshold), rc, CMAX), axis=0)
-    c_b = tl.min(tl.where(valid & (head < threshold), rc, CMAX), axis=0)
+    r_f = tl.min(tl.where(behind & (tail < threshold), rc, CMAX), axis=0)
+    c_b = tl.min(tl.where(ahead & (head < threshold), rc, CMAX), axis=0)
     return nc, tl.where(r_f < CMAX, r_f + 1, 0), tl.where(c_b < CMAX, c_b + 1, 0)
 
 
@@ -711,10 +774,12 @@ def _rises(g_ptr, t0, eos, h, H, BT: tl.constexpr):
 
 
 @triton.jit
-def _decay_plan(k_ptr, g_ptr, b_ptr, cu_ptr, plan_ptr, flag_ptr, threshold, Hg, H, K: tl.constexpr,
-                BT: tl.constexpr, CMAX: tl.constexpr):
+def _decay_plan(k_ptr, g_ptr, b_ptr, cu_ptr, role_ptr, plan_ptr, flag_ptr, threshold, cap, Hg, H, K: tl.constexpr,
+                BT: tl.constexpr, CMAX: tl.constexpr, CROSS: tl.constexpr):
     """Per (segment, head) (grid axis 0), program p of P (axis 1): the segment's windows
-    (`_windows`; program 0 writes `plan[n, h] = (n_f, n_b)`) and `flag[n, h, p]`: bit 0 where a
+    (`_windows`, reaching CROSS segments past its own and at most `cap` chunks; program 0 writes
+    `plan[n, h] = (n_f, n_b)`)
+    and `flag[n, h, p]`: bit 0 where a
     window is missing (program 0) or a token of the windows' chunks p, p + P, .. breaks the
     contraction (`_breaks_contraction`), bit 1 where a token's log decay rises in the segment's
     chunks p, p + P, .. (the state can grow there, so no window bounds what it drops). P > 1
@@ -727,13 +792,14 @@ def _decay_plan(k_ptr, g_ptr, b_ptr, cu_ptr, plan_ptr, flag_ptr, threshold, Hg, 
     hg = h // (H // Hg)
     bos = tl.load(cu_ptr + nh // H)
     eos = tl.load(cu_ptr + nh // H + 1)
-    nc, n_f, n_b = _windows(g_ptr, bos, eos, h, H, threshold, BT, CMAX)
+    lo, hi = _reach(cu_ptr, role_ptr, nh // H, bos, eos, CROSS)
+    nc, n_f, n_b = _windows(g_ptr, bos, eos, lo, hi, h, H, threshold, cap, BT, CMAX)
     missing = ((n_f == 0) | (n_b == 0)).to(tl.int32)
     bad = missing * (p == 0).to(tl.int32)
-    for i in range(p, n_f * (1 - missing), P):  # the last window: chunks nc - n_f ..
-        bad = tl.maximum(bad, _breaks_contraction(k_ptr, b_ptr, bos + (nc - n_f + i) * BT, eos, hg, h, Hg, H, K, BT))
-    for c in range(p, n_b * (1 - missing), P):  # the first window
-        bad = tl.maximum(bad, _breaks_contraction(k_ptr, b_ptr, bos + c * BT, eos, hg, h, Hg, H, K, BT))
+    for i in range(p, n_f * (1 - missing), P):  # the last window: chunks nc - n_f .. (from before bos on)
+        bad = tl.maximum(bad, _breaks_contraction(k_ptr, b_ptr, bos + (nc - n_f + i) * BT, hi, hg, h, Hg, H, K, BT))
+    for c in range(p, n_b * (1 - missing), P):  # the first window (on past eos)
+        bad = tl.maximum(bad, _breaks_contraction(k_ptr, b_ptr, bos + c * BT, hi, hg, h, Hg, H, K, BT))
     up = 0
     for c in range(p, nc, P):
         up = tl.maximum(up, _rises(g_ptr, bos + c * BT, eos, h, H, BT))
@@ -802,22 +868,27 @@ def segment_maps(seg_call, need_r: bool = True):
 
 def decay_plan(seg_call, threshold: float, max_chunks: int, seg_offsets: tuple) -> torch.Tensor:
     """`_decay_plan` for every (segment, head) of `seg_call`: int32 `[S, H, 2]`, each segment's
-    warm-up window in chunks, forwards and backwards, or 0 where it is joined exactly; every
-    segment of a (sequence, head) whose log decay rises anywhere (g > 0, or NaN) exact: there the
-    state can grow, so a window's summed decay bounds nothing (`_plan_combine`). `seg_offsets`:
-    each sequence's first segment and the end (`Segments.seg_offsets`). `max_chunks`: the longest
-    segment's chunks."""
+    warm-up window in chunks, forwards and backwards (reaching `window_reach` segments past its
+    own, at most `window_cap` chunks), or 0 where it is joined exactly; every segment of a
+    (sequence, head) whose log decay
+    rises anywhere (g > 0, or NaN) exact: there the state can grow, so a window's summed decay
+    bounds nothing (`_plan_combine`). `seg_offsets`: each sequence's first segment and the end
+    (`Segments.seg_offsets`). `max_chunks`: the longest segment's chunks."""
+    from gdr_dispatch.graph_safe import device_constant
+
     _check_segments_call(seg_call, "decay_plan")
     H, Hg, K, BT = seg_call.H, seg_call.Hg, seg_call.K, seg_call.chunk_size
     dev = seg_call.q.device
+    cross = window_reach(dev)
     P = plan_programs(max_chunks) if plan_spread(dev) else 1
     plan = torch.empty(seg_call.N, H, 2, dtype=torch.int32, device=dev)
     flags = torch.empty(seg_call.N, H, P, dtype=torch.int32, device=dev)
     _decay_plan[(seg_call.N * H, P)](seg_call.k.contiguous(), seg_call.g.float().contiguous(), seg_call.b.contiguous(),
-                                     seg_call.cu_seqlens.to(torch.int32).contiguous(), plan, flags, float(threshold),
-                                     Hg, H, K=K, BT=BT, CMAX=triton.next_power_of_2(max(1, max_chunks)), num_warps=4)
-    from gdr_dispatch.graph_safe import device_constant
-
+                                     seg_call.cu_seqlens.to(torch.int32).contiguous(),
+                                     device_constant(roles_of(seg_offsets), torch.int32, dev), plan, flags,
+                                     float(threshold), window_cap(max_chunks, seg_offsets, cross), Hg, H, K=K, BT=BT,
+                                     CMAX=triton.next_power_of_2(max(1, (1 + cross) * max_chunks)), CROSS=cross,
+                                     num_warps=4)
     _plan_combine[((len(seg_offsets) - 1) * H,)](plan, flags, device_constant(seg_offsets, torch.int32, dev), H, P,
                                                  NSEG=_most_segments(seg_offsets), PB=triton.next_power_of_2(P),
                                                  num_warps=1)
@@ -831,6 +902,31 @@ def plan_spread(dev: torch.device) -> bool:
     from gdr_dispatch.registry import unverified_allowed
 
     return PLAN_SPREAD and (PLAN_SPREAD_GPU_VERIFIED or torch.device(dev).type != "cuda" or unverified_allowed())
+
+
+def window_reach(dev: torch.device) -> int:
+    """Segments past its own a window of `decay_plan` may reach: `CROSS` on the CPU (the
+    interpreter) and, once its GPU tests pass (`CROSS_GPU_VERIFIED`) or with
+    GDR_ALLOW_UNVERIFIED=1, on a GPU; else 0."""
+    from gdr_dispatch.registry import unverified_allowed
+
+    return CROSS if CROSS_GPU_VERIFIED or torch.device(dev).type != "cuda" or unverified_allowed() else 0
+
+
+def window_cap(max_chunks: int, seg_offsets: tuple, cross: int) -> int:
+    """The most chunks a window of `decay_plan` may hold: `cross` segments past its own, and no
+    more than its own segment's chunks plus `LINK_CHUNKS` a link of the longest chain (a window
+    past that costs more walk steps than the exact join's walk and chain links; `max_chunks` the
+    longest segment's chunks)."""
+    links = max((b - a for a, b in zip(seg_offsets, seg_offsets[1:])), default=1) - 1
+    return min((1 + cross) * max_chunks, max_chunks + int(LINK_CHUNKS * links))
+
+
+@functools.lru_cache(maxsize=256)
+def roles_of(seg_offsets: tuple) -> tuple:
+    """Each segment's role from each sequence's range of segments (`Segments.roles`): bit 0 its
+    sequence's first, bit 1 its last."""
+    return tuple(int(j == a) | (int(j == b - 1) << 1) for a, b in zip(seg_offsets, seg_offsets[1:]) for j in range(a, b))
 
 
 def plan_programs(max_chunks: int) -> int:
@@ -1003,7 +1099,7 @@ def _maps(seg_call, plan, roles, need_r: bool, need_d: bool = True, pieces: int 
         fkd = torch.empty_like(fw) if tma else M
         _factors[(nt, H)](q, k, v, a, g, b, cu, ci, plan, roles, fw, fu, fx, fkd, float(seg_call.scale), Hg, H, K=K,
                           V=V, BT=BT, PLAN=with_plan, NEED_R=int(need_r), NEED_D=int(need_d), TMA=int(tma),
-                          num_warps=FACTOR_WARPS, num_stages=1)
+                          CROSS=CROSS, num_warps=FACTOR_WARPS, num_stages=1)
     if tma:
         return _tma_maps(seg_call, plan, roles, with_plan, need_r, need_d, need_m, M, R, D, fw, fu, fx, fkd, co, g, cu,
                          do, bc)
@@ -1016,7 +1112,7 @@ def _maps(seg_call, plan, roles, need_r: bool, need_d: bool = True, pieces: int 
                 _backward_maps[(n_seg * H, V // bc)](q, k, a, g, b, do, cu, D, plan, roles, fw, fx, co,
                                                      float(seg_call.scale), Hg, H, K=K, V=V, BT=BT, BC=bc,
                                                      PLAN=with_plan, SKIP_EXACT=skip, FACTORED=int(factored),
-                                                     num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+                                                     CROSS=CROSS, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
         if walk_forward:
             _forward_maps[(n_seg * H, ncol // bc)](k, v, a, g, b, cu, M, M if R is None else R, plan, roles, fw,
                                                    fu, co, Hg, H, K=K, V=V, BT=BT, BC=bc, PLAN=with_plan,
@@ -1039,8 +1135,8 @@ def _maps(seg_call, plan, roles, need_r: bool, need_d: bool = True, pieces: int 
     if need_d and not fork:
         _backward_maps[(n_seg * H, V // bc)](q, k, a, g, b, do, cu, D, plan, roles, fw, fx, co,
                                              float(seg_call.scale), Hg, H, K=K, V=V, BT=BT, BC=bc, PLAN=with_plan,
-                                             SKIP_EXACT=skip, FACTORED=int(factored), num_warps=NUM_WARPS,
-                                             num_stages=NUM_STAGES)
+                                             SKIP_EXACT=skip, FACTORED=int(factored), CROSS=CROSS,
+                                             num_warps=NUM_WARPS, num_stages=NUM_STAGES)
         if P > 1:
             pd = torch.empty(pairs, P, K, V, dtype=torch.float32, device=dev)
             _backward_pieces[(_persistent_programs(dev, pairs * P * (V // bc)),)](
@@ -1072,7 +1168,7 @@ def _tma_maps(seg_call, plan, roles, with_plan, need_r, need_d, need_m, M, R, D,
             with beside():
                 _tma_backward_maps[(n_seg * H, V // bc)](kd_desc, w_desc, tiles(fx, K, BT), do, g, cu, D, plan, roles,
                                                          co, Hg, H, K=K, V=V, BT=BT, BC=bc, PLAN=with_plan,
-                                                         STAGES=TMA_STAGES, num_warps=NUM_WARPS)
+                                                         STAGES=TMA_STAGES, CROSS=CROSS, num_warps=NUM_WARPS)
         if walk_forward:
             ut_desc = tiles(fu, BT, bc) if need_r else w_desc
             ncol = K + V if need_r else K

@@ -357,66 +357,101 @@ def _shifted(segs: Segments, r, d):
     return starts, ends
 
 
-def _windows(gend, real, bad, thr: float):
-    """`decay_plan` in tensor ops (segment_maps._decay_plan's rule): per segment and head, from
-    its chunks' summed log decays `gend` `[..., s, H]`, which chunks are real `[..., s]` and which
-    break the contraction `bad` `[..., s, H]`: the windows `(n_f, n_b)` `[..., H]`, 0 where exact."""
-    s = gend.shape[-2]
-    c = torch.arange(s, device=gend.device)[:, None]
-    valid = real[..., None]
-    nc = real.sum(-1)[..., None]
-    head = gend.cumsum(-2)  # each from its own end (as the kernel; see there)
-    tail = gend.flip(-2).cumsum(-2).flip(-2)
-    c_f = torch.where(valid & (tail < thr), c, -1).amax(-2)
-    c_b = torch.where(valid & (head < thr), c, s).amin(-2)
-    n_f = torch.where(c_f >= 0, nc - c_f, 0)
-    n_b = torch.where(c_b < s, c_b + 1, 0)
-    window = valid & (((c >= (nc - n_f)[..., None, :]) & (n_f > 0)[..., None, :]) | (c < n_b[..., None, :]))
-    warm = (n_f > 0) & (n_b > 0) & ~(bad & window).any(-2)
+def _windows(gend, real, bad, thr: float, s: int, cross: int, cap: int):
+    """`decay_plan` in tensor ops (segment_maps._decay_plan's rule): per segment of `s` chunks and
+    head, from each sequence's chunks' summed log decays `gend` `[N, L, H]` (L = segments x s),
+    which chunks are real `[N, L]` and which break the contraction `bad` `[N, L, H]`: the windows
+    `(n_f, n_b)` `[N, L / s, H]`, 0 where exact. A window may reach `cross` segments past its own
+    (the chunks before its segment's end back to the start of the `cross`-th segment before, those
+    from its start on to the end of the `cross`-th after; segment_maps.CROSS), `cap` chunks at most."""
+    N, L, H = gend.shape
+    n_seg, W, dev = L // s, (1 + cross) * s, gend.device
+    j = torch.arange(n_seg, device=dev)[:, None]
+    r = torch.arange(min(W, cap), device=dev)[None, :]
+    W = r.shape[-1]
+    nc = real.view(N, n_seg, s).sum(-1)[..., None]  # [N, n_seg, 1]
+    count = real.sum(-1)[:, None, None]
+    # back from each segment's end (down to its reach) and on from its start (up to its reach)
+    pos_f = j * s + nc - 1 - r
+    ok_f = (pos_f >= ((j - cross) * s).clamp(min=0)) & (nc > 0)
+    pos_b = (j * s + r).expand(N, n_seg, W)
+    ok_b = (pos_b < torch.minimum(count, (j + 1 + cross) * s)) & (nc > 0)
+
+    def along(x, pos, ok):  # [N, L, H] at pos [N, n_seg, W] -> [N, n_seg, W, H], 0 where not ok
+        got = x.gather(1, pos.clamp(0, L - 1).reshape(N, -1, 1).expand(N, n_seg * W, H)).view(N, n_seg, W, H)
+        return torch.where(ok[..., None], got, torch.zeros((), dtype=x.dtype, device=dev))
+
+    tail = along(gend, pos_f, ok_f).cumsum(-2)  # each from its own end of the segment (as the kernel)
+    head = along(gend, pos_b, ok_b).cumsum(-2)
+    rr = r[..., None]
+    c_f = torch.where(ok_f[..., None] & (tail < thr), rr, W).amin(-2)
+    c_b = torch.where(ok_b[..., None] & (head < thr), rr, W).amin(-2)
+    n_f = torch.where(c_f < W, c_f + 1, 0)
+    n_b = torch.where(c_b < W, c_b + 1, 0)
+    broken = ((along(bad, pos_f, ok_f) & (rr < n_f[..., None, :])).any(-2)
+              | (along(bad, pos_b, ok_b) & (rr < n_b[..., None, :])).any(-2))
+    warm = (n_f > 0) & (n_b > 0) & ~broken
     return torch.where(warm, n_f, 0), torch.where(warm, n_b, 0)
 
 
 def _torch_pieces(call: GDRCall, segs: Segments, need_starts: bool):
     """Pass 1 as batched tensor products, decay-aware as the kernels: `(plan, M, starts, ends)` in
-    `segment_maps.segment_pieces`' layout. A segment's windows are its compositions with the
-    chunks outside them replaced by zero maps (before the forward window, after the backward one)."""
+    `segment_maps.segment_pieces`' layout. A segment's windows are compositions over the chunks
+    before its end (forward) and from its start (backward) with the chunks outside the window
+    replaced by zero maps; an exact segment's are over its own chunks."""
+    from ..kernels import segment_maps
+
     acc = call.acc_dtype
     N, H, K, BT = call.N, call.H, call.K, call.chunk_size
     s, n_seg = segs.s, segs.n_seg
     dev = call.q.device
+    cross = segment_maps.window_reach(dev)
+    L, W = n_seg * s, (1 + cross) * s
     lay, M, R, D = chunk_maps(call)  # [N, C, H, ...]; chunks past a sequence's end are not maps yet
     counts = device_constant(tuple(chunk_counts(call.seq_lens, BT)), torch.int64, dev)
     C = M.shape[1]
-    real = torch.arange(n_seg * s, device=dev)[None, :] < counts[:, None]  # [N, n_seg * s]
+    real = torch.arange(L, device=dev)[None, :] < counts[:, None]  # [N, L]
     eye = torch.eye(K, dtype=acc, device=dev)
     zero = torch.zeros((), dtype=acc, device=dev)
-    pad = n_seg * s - C
+    pad = L - C
 
-    def grid(x, fill):  # [N, C, H, ...] -> [N, n_seg, s, H, ...], `fill` past each sequence's end
+    def flat(x, fill):  # [N, C, H, ...] -> [N, L, H, ...], `fill` past each sequence's end
         if pad:
             x = torch.cat([x, fill.expand(N, pad, *x.shape[2:]) if fill.dim() else x.new_zeros(N, pad, *x.shape[2:])], 1)
-        r = real.view(N, n_seg * s, *([1] * (x.dim() - 2)))
-        return torch.where(r, x, fill).view(N, n_seg, s, *x.shape[2:])
+        return torch.where(real.view(N, L, *([1] * (x.dim() - 2))), x, fill)
 
-    M, R, D = grid(M, eye), grid(R, zero), grid(D, zero)
+    M, R, D = flat(M, eye), flat(R, zero), flat(D, zero)
     # each chunk's summed log decay and whether a token of it breaks the contraction (b |k|^2 outside [0, 2])
     gates = lay.gather_gate(call.g, acc)  # [N, C, H, BT], padded rows repeat the last value
-    gend = grid(gates[..., -1], zero)  # [N, n_seg, s, H]
+    gend = flat(gates[..., -1], zero)  # [N, L, H]
     # a (sequence, head) whose log decay rises anywhere (g > 0, or NaN) is joined exactly throughout:
     # its state can grow, so no window's summed decay bounds what it drops (as the kernels' plan)
     inc = torch.diff(gates, dim=-1, prepend=torch.zeros_like(gates[..., :1]))
     grows = ((inc > 0) | inc.isnan()).any(-1).any(1)  # [N, H]
     k = cm.expand_heads(lay.gather(call.k, acc), H)
     x = lay.gather(call.b, acc) * (k * k).sum(-1)
-    bad = grid((~((x >= 0) & (x <= 2))).any(-1), torch.zeros((), dtype=torch.bool, device=dev))  # (NaN: bad)
-    n_f, n_b = _windows(gend, real.view(N, n_seg, s), bad, threshold(acc))  # [N, n_seg, H]
+    bad = flat((~((x >= 0) & (x <= 2))).any(-1), torch.zeros((), dtype=torch.bool, device=dev))  # (NaN: bad)
+    n_f, n_b = _windows(gend, real, bad, threshold(acc), s, cross,
+                        segment_maps.window_cap(s, segs.seg_offsets, cross))  # [N, n_seg, H]
     n_f, n_b = (torch.where(grows[:, None, :], 0, n) for n in (n_f, n_b))
-    c = torch.arange(s, device=dev)[:, None, None, None]
-    nc = real.view(N, n_seg, s).sum(-1)[:, :, None, None, None, None]
-    before = (n_f[:, :, None, :, None, None] > 0) & (c < nc - n_f[:, :, None, :, None, None])
-    after = (n_b[:, :, None, :, None, None] > 0) & (c >= n_b[:, :, None, :, None, None])
-    Mf, Rf, _ = _compose(torch.where(before, zero, M), torch.where(before, zero, R), D)
-    _, _, Db = _compose(torch.where(after, zero, M), R, torch.where(after, zero, D))
+    # an exact segment's maps over its own chunks; a window's over the W chunks ending at its
+    # segment's end (forward) or starting at its start (backward), zero maps outside it
+    Mf, _, _ = _compose(*(x.view(N, n_seg, s, *x.shape[2:]) for x in (M, R, D)))
+    j = torch.arange(n_seg, device=dev)[None, :, None, None]
+    w = torch.arange(W, device=dev)[None, None, :, None]
+    nc = real.view(N, n_seg, s).sum(-1)[:, :, None, None]
+    end = j * s + nc
+    pos_f = end - W + w  # [N, n_seg, W, 1]
+    keep_f = pos_f >= end - torch.where(n_f[:, :, None, :] > 0, n_f[:, :, None, :], nc)  # [N, n_seg, W, H]
+    pos_b = j * s + w
+    keep_b = (w < torch.where(n_b[:, :, None, :] > 0, n_b[:, :, None, :], nc)) & (pos_b < L)
+
+    def window(x, pos, keep):  # [N, L, H, a, b] -> [N, n_seg, W, H, a, b], zero maps outside `keep`
+        got = x[torch.arange(N, device=dev)[:, None, None], pos[..., 0].clamp(0, L - 1)]
+        return torch.where(keep[..., None, None], got, zero)
+
+    _, Rf, _ = _compose(window(M, pos_f, keep_f), window(R, pos_f, keep_f), window(D, pos_f, keep_f))
+    _, _, Db = _compose(window(M, pos_b, keep_b), window(R, pos_b, keep_b), window(D, pos_b, keep_b))
     index = (device_constant(segs.seq, torch.int64, dev), device_constant(segs.place, torch.int64, dev))
     plan = torch.stack([n_f, n_b], -1)[index].to(torch.int32)
     starts, ends = _shifted(segs, Rf[index] if need_starts else None, Db[index])
