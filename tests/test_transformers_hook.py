@@ -41,9 +41,19 @@ def torch_reference(monkeypatch):
         except ImportError:
             continue
         for fn in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
-            monkeypatch.setattr(mod, fn, inspect.unwrap(getattr(mod, fn)))
+            monkeypatch.setattr(mod, fn, plain_function(getattr(mod, fn)))
     yield
     gdr_hf.disable()  # before monkeypatch puts the decorated functions back
+
+
+def plain_function(fn):
+    """The Python function under HF's decorators: its `__wrapped__` chain, and where `kernels` is
+    installed (transformers from 5.25 require it) the function its function-module (a `Func`
+    `nn.Module` instance whose forward calls it) closes over."""
+    if isinstance(fn, torch.nn.Module):
+        cells = type(fn).forward.__closure__ or ()
+        fn = next(c.cell_contents for c in cells if inspect.isfunction(c.cell_contents))
+    return inspect.unwrap(fn)
 
 
 def in_fp64(fn):

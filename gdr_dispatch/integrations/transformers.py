@@ -6,7 +6,9 @@
 Why: those layers call a module-level `torch_chunk_gated_delta_rule` of their modeling module
 (transformers 5.x), decorated `use_kernel_func_from_hub_with_fallback("chunk_gated_delta_rule",
 "fla")`: at import it binds fla-core's Triton op where fla imports (which fails on a CPU machine)
-and the slow torch reference (the function the decorator wraps, its `__wrapped__`) elsewhere. The
+and the slow torch reference (the function the decorator wraps, its `__wrapped__`) elsewhere;
+with `kernels` installed (transformers from 5.25 require it) the name holds a function-module, an
+`nn.Module` instance that calls it. Either way the layer reads the name at call time, so the
 hook rebinds that name to `hf_chunk_gated_delta_rule`, an adapter onto
 `gdr_dispatch.chunk_gated_delta_rule`, so the backward goes through the dispatcher (README,
 "Training: the drop-in op"; docs/contract.md). The rebinding is per modeling module, not per
