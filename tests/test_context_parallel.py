@@ -907,7 +907,7 @@ def test_a_nan_key_in_a_window_joins_its_segment_exactly(form, monkeypatch):
     assert (plan[0, :, 0] == 0).all() and (plan[1, :, 0] > 0).all(), plan
     flat, offsets = cp._segments_inputs(call, segs.token_offsets)
     seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
-    assert torch.equal(segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs.s, segs.seg_offsets), plan)
+    assert torch.equal(segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs), plan)
 
 
 @pytest.mark.parametrize("form", list(PLAN_FORMS))
@@ -925,7 +925,7 @@ def test_decay_plan_kernel_joins_a_rising_head_exactly(form, monkeypatch):
     segs = cp.segments_of(tuple(call.seq_lens), 64, 4)
     flat, offsets = cp._segments_inputs(call, segs.token_offsets)
     seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
-    got = segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs.s, segs.seg_offsets)
+    got = segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs)
     want = cp._torch_pieces(call, segs, need_starts=True)[0]
     assert torch.equal(got, want), (got[..., 0], want[..., 0])
     first = torch.tensor([n == 0 for n in segs.seq])
@@ -947,7 +947,7 @@ def test_decay_plan_kernel_follows_the_tensor_rule(spec, hostile, form, monkeypa
     call, segs, seg_call = _pieces_call(spec, 3, **kw)
     assert segment_maps.plan_spread(seg_call.q.device) == PLAN_FORMS[form][0]
     want = cp._torch_pieces(call, segs, need_starts=True)[0]
-    got = segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs.s, segs.seg_offsets)
+    got = segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs)
     assert torch.equal(got, want), (got[..., 0], want[..., 0])
     if spec.gate != "mixed":
         assert (want[..., 0] > 0).any() and (want[..., 0] == 0).any() if hostile else (want[..., 0] > 0).any()
@@ -972,7 +972,7 @@ def test_decay_plan_kernel_checks_every_chunk_of_a_long_first_window(form, monke
     assert (want[1] == 0).all() and torch.equal(want[[0, 2]], before[[0, 2]]), (before, want)
     flat, offsets = cp._segments_inputs(call, segs.token_offsets)
     seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
-    got = segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs.s, segs.seg_offsets)
+    got = segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs)
     assert torch.equal(got, want), (got, want)
 
 
@@ -1041,7 +1041,7 @@ def test_windows_into_neighbouring_segments_on_the_kernels(spec, need_starts, ne
     _edge_plan_checks(call, segs, plan)
     for form in PLAN_FORMS:
         set_plan_form(monkeypatch, form)
-        got = segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs.s, segs.seg_offsets)
+        got = segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs)
         assert torch.equal(got, plan), (form, got, plan)
     set_walks(monkeypatch, walks)
     roles = torch.tensor(segs.roles, dtype=torch.int32)
@@ -1079,11 +1079,14 @@ def test_a_window_is_capped_where_the_exact_join_costs_less():
     the exact join's walk and chain."""
     from gdr_dispatch.backends.kernels import segment_maps as sm
 
-    assert sm.window_cap(16, (0, 32), 2) == 48  # 32 segments of 16 chunks: 31 links
-    assert sm.window_cap(16, (0, 8), 2) == 16 + int(sm.LINK_CHUNKS * 7)  # 8 segments: 7 links
-    assert sm.window_cap(32, (0, 32), 2) == 32 + int(sm.LINK_CHUNKS * 31)
-    assert sm.window_cap(4, (0, 1, 3), 2) == 4 + int(sm.LINK_CHUNKS)  # a pack: its longest chain
-    assert sm.window_cap(16, (0, 1), 2) == 16  # one segment: nothing to reach
+    from gdr_dispatch.backends.split import passes as cp
+
+    assert sm.window_cap(16, 32, 2) == 48  # 32 segments of 16 chunks: 31 links
+    assert sm.window_cap(16, 8, 2) == 16 + int(sm.LINK_CHUNKS * 7)  # 8 segments: 7 links
+    assert sm.window_cap(32, 32, 2) == 32 + int(sm.LINK_CHUNKS * 31)
+    assert cp.segments_of((256, 512), 64, 2).max_per_sequence == 2  # a pack: its longest chain
+    assert sm.window_cap(4, 2, 2) == 4 + int(sm.LINK_CHUNKS)
+    assert sm.window_cap(16, 1, 2) == 16  # one segment: nothing to reach
 
 
 def test_a_capped_window_leaves_its_segment_exact(monkeypatch):
@@ -1098,11 +1101,11 @@ def test_a_capped_window_leaves_its_segment_exact(monkeypatch):
     flat, offsets = cp._segments_inputs(call, segs.token_offsets)
     seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
     wide = cp._torch_pieces(call, segs, need_starts=True)[0]
-    monkeypatch.setattr(sm, "window_cap", lambda max_chunks, seg_offsets, cross: 3)
+    monkeypatch.setattr(sm, "window_cap", lambda max_chunks, most_segments, cross: 3)
     want = cp._torch_pieces(call, segs, need_starts=True)[0]
     even = torch.tensor([p % 2 == 0 and not r for p, r in zip(segs.place, segs.roles)])
     assert (wide[even] == 4).all() and (want[even] == 0).all() and torch.equal(want[~even], wide[~even]), want
-    got = sm.decay_plan(seg_call, cp.threshold(torch.float32), segs.s, segs.seg_offsets)
+    got = sm.decay_plan(seg_call, cp.threshold(torch.float32), segs)
     assert torch.equal(got, want), (got, want)
 
 
@@ -1128,7 +1131,7 @@ def test_a_broken_key_in_a_neighbours_chunk_makes_the_window_exact(form, monkeyp
     assert torch.equal(want[[0, 1, 4, 5]], clean[[0, 1, 4, 5]]), (clean, want)
     flat, offsets = cp._segments_inputs(call, segs.token_offsets)
     seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
-    got = segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs.s, segs.seg_offsets)
+    got = segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs)
     assert torch.equal(got, want), (got, want)
 
 
@@ -1364,7 +1367,7 @@ def test_a_reset_token_does_not_shorten_the_windows():
     assert (plan[0, :, 0] == 9).all() and (plan[0, :, 1] == 1).all(), plan
     flat, offsets = cp._segments_inputs(call, segs.token_offsets)
     seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
-    assert torch.equal(segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs.s, segs.seg_offsets), plan)
+    assert torch.equal(segment_maps.decay_plan(seg_call, cp.threshold(torch.float32), segs), plan)
 
 
 def test_a_reset_token_splits_exactly_in_float32(monkeypatch):

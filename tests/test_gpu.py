@@ -485,16 +485,33 @@ def test_split_decay_plan_and_pieces_on_gpu(gate, dtype, walk, walks, monkeypatc
     from dataclasses import replace
 
     from gdr_dispatch.backends.kernels import segment_maps
-    from gdr_dispatch.backends.split import passes as cp
 
     spec = ShapeSpec(seqlens=(4096, 1000, 65), H=4, Hg=2, K=128, V=128, dtype=dtype, h="none", gate=gate)
     kwargs, _ = case(spec, device="cuda", with_oracle=False)
+    segs, seg_call, plan, want_plan, want = _plan_and_products(kwargs, 8)
+    assert (plan != want_plan).sum().item() <= 2, (plan[..., 0], want_plan[..., 0])  # a sum at the threshold may round
+    monkeypatch.setattr(segment_maps, "walk_pieces", lambda max_chunks: walk)
+    set_walks(monkeypatch, walks)
+    assert segment_maps.use_tma_walks(seg_call) == (walks == "tma")
+    got = segment_maps.segment_pieces(seg_call, want_plan.cuda(), torch.tensor(
+        segs.roles, dtype=torch.int32, device="cuda"), max_chunks=segs.s)
+    worst = _pieces_error(segs, want_plan, got, want)
+    assert worst < 1e-2, worst
+
+
+def _plan_and_products(kwargs: dict, segments: int):
+    """`(segs, seg_call, plan, want_plan, (M, starts, ends))`: the call cut into `segments`, the
+    plan kernel's plan, and the tensor rule's plan and pass 1 in float64 (on the kernels' fp32
+    threshold)."""
+    from gdr_dispatch.backends.kernels import segment_maps
+    from gdr_dispatch.backends.split import passes as cp
+
     call = validate(**kwargs)
-    segs = cp.segments_of(tuple(call.seq_lens), 64, 8)
+    segs = cp.segments_of(tuple(call.seq_lens), 64, segments)
     flat, offsets = cp._segments_inputs(call, segs.token_offsets)
     seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
     thr = cp.threshold(torch.float32)
-    plan = segment_maps.decay_plan(seg_call, thr, segs.s, segs.seg_offsets)
+    plan = segment_maps.decay_plan(seg_call, thr, segs)
     call64 = validate(**{n: (x.double() if torch.is_tensor(x) and x.is_floating_point() else x)
                          for n, x in kwargs.items()})
     real = cp.threshold
@@ -503,22 +520,24 @@ def test_split_decay_plan_and_pieces_on_gpu(gate, dtype, walk, walks, monkeypatc
         want_plan, M, starts, ends = cp._torch_pieces(call64, segs, need_starts=True)
     finally:
         cp.threshold = real
-    assert (plan != want_plan).sum().item() <= 2, (plan[..., 0], want_plan[..., 0])  # a sum at the threshold may round
-    monkeypatch.setattr(segment_maps, "walk_pieces", lambda max_chunks: walk)
-    set_walks(monkeypatch, walks)
-    assert segment_maps.use_tma_walks(seg_call) == (walks == "tma")
-    gM, gstarts, gends = segment_maps.segment_pieces(seg_call, want_plan.cuda(), torch.tensor(
-        segs.roles, dtype=torch.int32, device="cuda"), max_chunks=segs.s)
-    exact = want_plan[..., 0] == 0
+    return segs, seg_call, plan, want_plan, (M, starts, ends)
+
+
+def _pieces_error(segs, plan, got, want) -> float:
+    """The worst relative error (to a norm of at least 1) of `segment_pieces`' `(M, starts, ends)`
+    against the tensor products' where the chains read them: starts but a sequence's first, ends
+    but its last, M where `plan` says exact."""
+    (gM, gstarts, gends), (M, starts, ends) = got, want
+    exact = plan[..., 0] == 0
     worst = 0.0
     for j, role in enumerate(segs.roles):
-        for h in range(call.H):
+        for h in range(plan.shape[1]):
             pairs = [] if role & 1 else [(gstarts[j, h], starts[j, h])]
             pairs += [] if role & 2 else [(gends[j, h], ends[j, h])]
             pairs += [(gM[j, h], M[j, h])] if exact[j, h] and role != 3 else []
             for g, w in pairs:
                 worst = max(worst, ((g.double() - w).norm() / max(w.norm().item(), 1.0)).item())
-    assert worst < 1e-2, worst
+    return worst
 
 
 def _on_gpu(kwargs: dict) -> dict:
@@ -532,40 +551,18 @@ def test_windows_into_neighbouring_segments_on_gpu(dtype, walks, monkeypatch):
     segment_maps.CROSS) at K = V = 128: the kernel's plan is the tensor rule's, and the walks over
     the neighbours' chunks are within 16-bit rounding of the float64 tensor products."""
     from gdr_dispatch.backends.kernels import segment_maps
-    from gdr_dispatch.backends.split import passes as cp
 
     monkeypatch.setattr(segment_maps, "CROSS_GPU_VERIFIED", True)
     spec = ShapeSpec(seqlens=(4096, 1000, 65), H=4, Hg=2, K=128, V=128, dtype=dtype, h="none")
-    kwargs = _on_gpu(edge_gate_inputs(spec, 512))
-    call = validate(**kwargs)
-    segs = cp.segments_of(tuple(call.seq_lens), 64, 8)
+    segs, seg_call, plan, want_plan, want = _plan_and_products(_on_gpu(edge_gate_inputs(spec, 512)), 8)
     assert segs.s == 8
-    flat, offsets = cp._segments_inputs(call, segs.token_offsets)
-    seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
-    thr = cp.threshold(torch.float32)
-    plan = segment_maps.decay_plan(seg_call, thr, segs.s, segs.seg_offsets)
-    call64 = validate(**{n: (x.double() if torch.is_tensor(x) and x.is_floating_point() else x)
-                         for n, x in kwargs.items()})
-    real = cp.threshold
-    cp.threshold = lambda acc: thr  # the kernels' fp32 rule on float64 products
-    try:
-        want_plan, M, starts, ends = cp._torch_pieces(call64, segs, need_starts=True)
-    finally:
-        cp.threshold = real
     assert torch.equal(plan, want_plan), (plan[..., 0], want_plan[..., 0])
     nc = torch.tensor([-(-n // 64) for n in segs.lens], device="cuda")
     assert (plan[..., 0] > nc[:, None]).any() and (plan[..., 1] > nc[:, None]).any(), plan
     set_walks(monkeypatch, walks)
-    gM, gstarts, gends = segment_maps.segment_pieces(seg_call, plan, torch.tensor(
+    got = segment_maps.segment_pieces(seg_call, plan, torch.tensor(
         segs.roles, dtype=torch.int32, device="cuda"), max_chunks=segs.s)
-    worst = 0.0
-    for j, role in enumerate(segs.roles):
-        for h in range(call.H):
-            pairs = [] if role & 1 else [(gstarts[j, h], starts[j, h])]
-            pairs += [] if role & 2 else [(gends[j, h], ends[j, h])]
-            pairs += [(gM[j, h], M[j, h])] if plan[j, h, 0] == 0 and role != 3 else []
-            for g, w in pairs:
-                worst = max(worst, ((g.double() - w).norm() / max(w.norm().item(), 1.0)).item())
+    worst = _pieces_error(segs, plan, got, want)
     assert worst < 1e-2, worst
 
 
@@ -633,7 +630,7 @@ def test_spread_decay_plan_equals_one_program_on_gpu(gate, segments, hostile, mo
         monkeypatch.setattr(sm, "PLAN_SPREAD", spread)
         monkeypatch.setattr(sm, "PLAN_SPREAD_GPU_VERIFIED", True)
         assert sm.plan_spread(call.q.device) == spread
-        return sm.decay_plan(seg_call, thr, segs.s, segs.seg_offsets)
+        return sm.decay_plan(seg_call, thr, segs)
 
     plain = plan_of(kwargs, False).cpu()
     x = dict(kwargs)
@@ -669,7 +666,7 @@ def test_pass_1_walks_on_two_streams_equal_them_on_one_on_gpu(gate, monkeypatch)
     segs = cp.segments_of(tuple(call.seq_lens), 64, 8)
     flat, offsets = cp._segments_inputs(call, segs.token_offsets)
     seg_call = validate(**flat, scale=call.scale, cu_seqlens=offsets, chunk_size=64)
-    plan = sm.decay_plan(seg_call, cp.threshold(torch.float32), segs.s, segs.seg_offsets)
+    plan = sm.decay_plan(seg_call, cp.threshold(torch.float32), segs)
     roles = torch.tensor(segs.roles, dtype=torch.int32, device="cuda")
     exact = (plan[..., 0] == 0).cpu()
 

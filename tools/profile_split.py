@@ -101,7 +101,7 @@ def parts(call, segments: int, backend: str, reps: int, skip: str = "") -> None:
     roles = device_constant(segs.roles, torch.int32, dev)
     seg_off = device_constant(segs.seg_offsets, torch.int32, dev)
     need = call.h is None
-    plan = sm.decay_plan(seg_call, thr, segs.s, segs.seg_offsets)
+    plan = sm.decay_plan(seg_call, thr, segs)
     warm = plan[..., 0] > 0
     print(f"{len(segs.lens)} segments of {segs.s} chunks x {call.H} heads: {warm.float().mean().item():.0%} warm, "
           f"mean window {plan[..., 0][warm].float().mean().item() if warm.any() else 0:.1f} chunks; warm per head "
@@ -118,7 +118,7 @@ def parts(call, segments: int, backend: str, reps: int, skip: str = "") -> None:
     no_h = replace(seg_call, dht=ends, h=None, initial_state=init)
     split = SplitBackend(inner, segments)
     steps = {
-        "decay plan": lambda: sm.decay_plan(seg_call, thr, segs.s, segs.seg_offsets),
+        "decay plan": lambda: sm.decay_plan(seg_call, thr, segs),
         "pass 1 (windows, exact maps)": lambda: sm.segment_pieces(seg_call, plan, roles, need, max_chunks=segs.s),
         "pass 2 (chains, in place)": lambda: ss.chain(M, starts, ends, plan, seg_off, segs.max_per_sequence, S0, G_end,
                                                       tf32=tf32),
@@ -253,12 +253,12 @@ def forward_parts(spec: ShapeSpec, segments: str, providers: str, reps: int) -> 
     roles = device_constant(segs.roles, torch.int32, q.device)
     seg_off = device_constant(segs.seg_offsets, torch.int32, q.device)
     thr = cp.threshold(torch.float32)
-    plan = sm.decay_plan(seg_call, thr, segs.s, segs.seg_offsets)
+    plan = sm.decay_plan(seg_call, thr, segs)
     M, starts, _ = sm.segment_pieces(seg_call, plan, roles, True, False, segs.s)
     init = starts.clone()
     steps = {
         "residuals (fla: cumsum, KK^T, solve)": lambda: fw.residuals(fq, fk, fv, fg, fb, offsets, 64),
-        "decay plan": lambda: sm.decay_plan(seg_call, thr, segs.s, segs.seg_offsets),
+        "decay plan": lambda: sm.decay_plan(seg_call, thr, segs),
         "pass 1 forwards": lambda: sm.segment_pieces(seg_call, plan, roles, True, False, segs.s),
         "chain forwards": lambda: ss.chain(M, starts, None, plan, seg_off, segs.max_per_sequence, h0.float(), None),
         f"{provider.name} over the segments": lambda: provider.forward(fq, fk, fv, fg, fb, K ** -0.5, init, offsets,

@@ -866,32 +866,31 @@ def segment_maps(seg_call, need_r: bool = True):
     return _maps(seg_call, None, None, need_r)
 
 
-def decay_plan(seg_call, threshold: float, max_chunks: int, seg_offsets: tuple) -> torch.Tensor:
+def decay_plan(seg_call, threshold: float, segs) -> torch.Tensor:
     """`_decay_plan` for every (segment, head) of `seg_call`: int32 `[S, H, 2]`, each segment's
     warm-up window in chunks, forwards and backwards (reaching `window_reach` segments past its
     own, at most `window_cap` chunks), or 0 where it is joined exactly; every segment of a
-    (sequence, head) whose log decay
-    rises anywhere (g > 0, or NaN) exact: there the state can grow, so a window's summed decay
-    bounds nothing (`_plan_combine`). `seg_offsets`: each sequence's first segment and the end
-    (`Segments.seg_offsets`). `max_chunks`: the longest segment's chunks."""
+    (sequence, head) whose log decay rises anywhere (g > 0, or NaN) exact: there the state can
+    grow, so a window's summed decay bounds nothing (`_plan_combine`). `segs`: the segments
+    (backends/split/passes.Segments: their chunks `s`, roles and each sequence's range)."""
     from gdr_dispatch.graph_safe import device_constant
 
     _check_segments_call(seg_call, "decay_plan")
     H, Hg, K, BT = seg_call.H, seg_call.Hg, seg_call.K, seg_call.chunk_size
     dev = seg_call.q.device
     cross = window_reach(dev)
-    P = plan_programs(max_chunks) if plan_spread(dev) else 1
+    P = plan_programs(segs.s) if plan_spread(dev) else 1
     plan = torch.empty(seg_call.N, H, 2, dtype=torch.int32, device=dev)
     flags = torch.empty(seg_call.N, H, P, dtype=torch.int32, device=dev)
     _decay_plan[(seg_call.N * H, P)](seg_call.k.contiguous(), seg_call.g.float().contiguous(), seg_call.b.contiguous(),
                                      seg_call.cu_seqlens.to(torch.int32).contiguous(),
-                                     device_constant(roles_of(seg_offsets), torch.int32, dev), plan, flags,
-                                     float(threshold), window_cap(max_chunks, seg_offsets, cross), Hg, H, K=K, BT=BT,
-                                     CMAX=triton.next_power_of_2(max(1, (1 + cross) * max_chunks)), CROSS=cross,
+                                     device_constant(segs.roles, torch.int32, dev), plan, flags, float(threshold),
+                                     window_cap(segs.s, segs.max_per_sequence, cross), Hg, H, K=K, BT=BT,
+                                     CMAX=triton.next_power_of_2(max(1, (1 + cross) * segs.s)), CROSS=cross,
                                      num_warps=4)
-    _plan_combine[((len(seg_offsets) - 1) * H,)](plan, flags, device_constant(seg_offsets, torch.int32, dev), H, P,
-                                                 NSEG=_most_segments(seg_offsets), PB=triton.next_power_of_2(P),
-                                                 num_warps=1)
+    _plan_combine[((len(segs.seg_offsets) - 1) * H,)](plan, flags, device_constant(segs.seg_offsets, torch.int32, dev),
+                                                      H, P, NSEG=triton.next_power_of_2(segs.max_per_sequence),
+                                                      PB=triton.next_power_of_2(P), num_warps=1)
     return plan
 
 
@@ -913,32 +912,18 @@ def window_reach(dev: torch.device) -> int:
     return CROSS if CROSS_GPU_VERIFIED or torch.device(dev).type != "cuda" or unverified_allowed() else 0
 
 
-def window_cap(max_chunks: int, seg_offsets: tuple, cross: int) -> int:
+def window_cap(max_chunks: int, most_segments: int, cross: int) -> int:
     """The most chunks a window of `decay_plan` may hold: `cross` segments past its own, and no
-    more than its own segment's chunks plus `LINK_CHUNKS` a link of the longest chain (a window
-    past that costs more walk steps than the exact join's walk and chain links; `max_chunks` the
-    longest segment's chunks)."""
-    links = max((b - a for a, b in zip(seg_offsets, seg_offsets[1:])), default=1) - 1
-    return min((1 + cross) * max_chunks, max_chunks + int(LINK_CHUNKS * links))
-
-
-@functools.lru_cache(maxsize=256)
-def roles_of(seg_offsets: tuple) -> tuple:
-    """Each segment's role from each sequence's range of segments (`Segments.roles`): bit 0 its
-    sequence's first, bit 1 its last."""
-    return tuple(int(j == a) | (int(j == b - 1) << 1) for a, b in zip(seg_offsets, seg_offsets[1:]) for j in range(a, b))
+    more than the longest segment's chunks (`max_chunks`) plus `LINK_CHUNKS` a link of the longest
+    chain (`most_segments` a sequence; a window past that costs more walk steps than the exact
+    join's walk and chain links)."""
+    return min((1 + cross) * max_chunks, max_chunks + int(LINK_CHUNKS * (most_segments - 1)))
 
 
 def plan_programs(max_chunks: int) -> int:
     """Programs per (segment, head) of the spread plan: PLAN_CHUNKS chunks each, at most
     PLAN_MAX_PROGRAMS."""
     return max(1, min(PLAN_MAX_PROGRAMS, -(-max_chunks // PLAN_CHUNKS)))
-
-
-@functools.lru_cache(maxsize=256)
-def _most_segments(seg_offsets: tuple) -> int:
-    """`_plan_combine`'s NSEG: the most segments of any sequence, to a power of two."""
-    return triton.next_power_of_2(max(1, max((b - a for a, b in zip(seg_offsets, seg_offsets[1:])), default=1)))
 
 
 def segment_pieces(seg_call, plan: torch.Tensor, roles: torch.Tensor, need_starts: bool = True,

@@ -147,7 +147,7 @@ class Segments:
     seg_offsets: tuple  # N + 1
     first_chunks: tuple  # each segment's first chunk among all sequences' chunks (a row of `h`)
 
-    @property
+    @functools.cached_property
     def max_per_sequence(self) -> int:
         return max(b - a for a, b in zip(self.seg_offsets, self.seg_offsets[1:]))
 
@@ -297,7 +297,7 @@ def pass_1(call: GDRCall, segs: Segments, seg_call: GDRCall, need_starts: bool, 
             _, starts, ends = segment_maps.segment_pieces(seg_call, plan, roles, False, need_ends, segs.s,
                                                           need_m=False)
         else:
-            plan = segment_maps.decay_plan(seg_call, threshold(torch.float32), segs.s, segs.seg_offsets)
+            plan = segment_maps.decay_plan(seg_call, threshold(torch.float32), segs)
             M, starts, ends = segment_maps.segment_pieces(seg_call, plan, roles, need_starts, need_ends, segs.s)
     elif maps is not None:  # exact maps on the provider's kernels: every segment joined through M
         m, r, d = maps(seg_call, need_r=need_starts)
@@ -432,7 +432,7 @@ def _torch_pieces(call: GDRCall, segs: Segments, need_starts: bool):
     x = lay.gather(call.b, acc) * (k * k).sum(-1)
     bad = flat((~((x >= 0) & (x <= 2))).any(-1), torch.zeros((), dtype=torch.bool, device=dev))  # (NaN: bad)
     n_f, n_b = _windows(gend, real, bad, threshold(acc), s, cross,
-                        segment_maps.window_cap(s, segs.seg_offsets, cross))  # [N, n_seg, H]
+                        segment_maps.window_cap(s, segs.max_per_sequence, cross))  # [N, n_seg, H]
     n_f, n_b = (torch.where(grows[:, None, :], 0, n) for n in (n_f, n_b))
     # an exact segment's maps over its own chunks; a window's over the W chunks ending at its
     # segment's end (forward) or starting at its start (backward), zero maps outside it
