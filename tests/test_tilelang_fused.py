@@ -72,6 +72,11 @@ def test_ws_kernel_compiles_for_sm90a_with_its_register_split():
     ids = [set(re.findall(r"__sync_thread_partial\((\d+), 128\)", part))
            for part in re.split(r"warpgroup_reg_(?:alloc|dealloc)<\d+>", src)[1:]]
     assert len(ids) == 4 and all(not (x & y) for i, x in enumerate(ids) for y in ids[i + 1:]), ids
+    # db's column part: A's warps' partial sums (one shuffle reduce-scatter), added by S where it
+    # writes db; the shuffles stay inside a warp, the sum over warps goes through shared memory
+    groups = re.split(r"warpgroup_reg_(?:alloc|dealloc)<\d+>", src)[1:]
+    assert [g.count("gdr_col_partials(") for g in groups] == [0, 0, 1, 0]
+    assert "dbc_s" in groups[0] and "__shfl_xor_sync(0xffffffffu, send, d)" in src
     # a fence covers a fragment's registers per thread, never its logical size
     sizes = {int(n) for n in re.findall(r"warpgroup_fence_operand\(reinterpret_cast<float\*>\(\w+ \+ 0\), (\d+)\)", src)}
     assert sizes and max(sizes) <= 128, sizes

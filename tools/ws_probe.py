@@ -8,6 +8,7 @@
     python tools/ws_probe.py --only B1T8192H16 --timing --mode reconly   # a prototype build's cycles (wrong results)
     python tools/ws_probe.py --only B1T8192H16 --mode reconly            # its wall time (plain build)
     python tools/ws_probe.py --warm-peer 8 --shapes B4T4096H16,B8T4096H32   # compile for --peer first
+    python tools/ws_probe.py --only B4T4096H16 --colsums warp,transpose [--timing] [--check]  # two forms, one process
 
 Prints median ms (CUDA events, gdr_dispatch.autotune.measure_ms), us per chunk step (a CTA walks
 its sequence's chunks one after another); at grouped-head shapes also the launcher's head sum
@@ -25,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from gdr_dispatch.backends.kernels.tilelang_ws_bwd import MODES, ws_bwd_given_h  # noqa: E402
+from gdr_dispatch.backends.kernels.tilelang_ws_bwd import COLSUMS, COLSUMS_FORMS, MODES, ws_bwd_given_h  # noqa: E402
 from gdr_dispatch.shapes import ShapeSpec, make_inputs  # noqa: E402
 from timing import measure_ms, more_rounds, relative_error  # noqa: E402
 
@@ -89,14 +90,18 @@ def peer_runners(x) -> dict:
             "@tilelang_fused": lambda: get_backend("tilelang_fused").run(call)}
 
 
-def phase_table(name, x, spec, mode: str = "full") -> dict:
+def variant(colsums: str) -> str:
+    return "" if colsums == COLSUMS else f" colsums={colsums}"
+
+
+def phase_table(name, x, spec, mode: str = "full", colsums: str = COLSUMS) -> dict:
     """Run the timing build once (after a warm-up) and print the mean cycles per chunk step that
     each consumer group spends working before, and waiting at, each sync point."""
     from gdr_dispatch.backends.kernels.tilelang_ws_bwd import PHASES, TIMING_SLOTS
 
     n_seq = len(spec.seq_lens)
     clk = torch.zeros(n_seq * spec.H * 3 * TIMING_SLOTS, dtype=torch.int32, device="cuda")
-    fn = runner(x, clk=clk, mode=mode)
+    fn = runner(x, clk=clk, mode=mode, colsums=colsums)
     fn()
     clk.zero_()
     fn()
@@ -105,7 +110,7 @@ def phase_table(name, x, spec, mode: str = "full") -> dict:
     steps = c[:, :, TIMING_SLOTS - 1].clamp(min=1)
     per = (c / steps.unsqueeze(-1)).mean(0)  # [group, slot], cycles per chunk step, mean over CTAs
     groups = ("S", "KV", "A")
-    print(f"{name}{'' if mode == 'full' else f' ({mode} build)'}: cycles per chunk step (mean over {c.shape[0]} "
+    print(f"{name}{'' if mode == 'full' else f' ({mode} build)'}{variant(colsums)}: cycles per chunk step (mean over {c.shape[0]} "
           f"CTAs), work | wait before each sync point")
     print("sync point " + "".join(f"{g:>16}" for g in groups))
     table = {}
@@ -116,10 +121,11 @@ def phase_table(name, x, spec, mode: str = "full") -> dict:
         print(f"{label:<11}" + "".join(f"{w:>8.0f} |{t:>6.0f}" for w, t in cells))
     loop = [per[g, TIMING_SLOTS - 2].item() for g in range(3)]
     print(f"{'loop':<11}" + "".join(f"{v:>16.0f}" for v in loop))
-    return {"shape": name, "mode": mode, "cycles_per_step": table, "loop_cycles_per_step": [round(v) for v in loop]}
+    return {"shape": name, "mode": mode, "colsums": colsums, "cycles_per_step": table,
+            "loop_cycles_per_step": [round(v) for v in loop]}
 
 
-def check(name, x, repeat: int) -> None:
+def check(name, x, repeat: int, colsums: str = COLSUMS) -> None:
     """Per-output errors against the torch backend over `repeat` runs, and whether reruns are
     bit-identical (a race moves the result between runs)."""
     from gdr_dispatch.chunked_math import chunked_backward
@@ -128,7 +134,7 @@ def check(name, x, repeat: int) -> None:
 
     ref = chunked_backward(validate(**call_kwargs(x)))
     names = ("dq", "dk", "dv", "dg", "db", "dh0")
-    fn = runner(x)
+    fn = runner(x, colsums=colsums)
     worst, first = {}, None
     for rep in range(max(2, repeat)):
         out = fn()
@@ -140,7 +146,7 @@ def check(name, x, repeat: int) -> None:
             moved = max((o - f).abs().max().item() for o, f in zip((o for o in out if o is not None), first))
             if moved > 0:
                 print(name, f"run {rep + 1} differs from run 1 by up to {moved:.3e}", flush=True)
-    print(name, f"{max(2, repeat)} runs, worst error against the torch backend:",
+    print(name + variant(colsums), f"{max(2, repeat)} runs, worst error against the torch backend:",
           {n: f"{e:.2e}" for n, e in worst.items()}, flush=True)
 
 
@@ -165,10 +171,16 @@ def main(argv=None) -> int:
     p.add_argument("--mode", default="full", choices=MODES,
                    help="a prototype build of ours (tilelang_ws_bwd.MODES; wrong results: --timing's cycles and "
                         "the wall time only, no --check, no --peer)")
+    p.add_argument("--colsums", default=COLSUMS,
+                   help=f"comma-separated forms of A's column sums to run side by side ({', '.join(COLSUMS_FORMS)}); "
+                        f"the kernel's is {COLSUMS}")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.mode != "full" and (args.check or args.peer or args.kernel != "ws"):
         p.error("--mode: a prototype build's results are wrong; it runs alone (no --check, --peer, --kernel)")
+    forms = args.colsums.replace(",", " ").split()
+    if not forms or any(f not in COLSUMS_FORMS for f in forms):
+        p.error(f"--colsums: expected forms of {COLSUMS_FORMS}, got {args.colsums!r}")
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
@@ -195,12 +207,14 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             return 0
         if args.timing:
-            rows.append(phase_table(name, x, spec, args.mode))
+            rows.extend(phase_table(name, x, spec, args.mode, f) for f in forms)
             continue
         if args.check:
-            check(name, x, args.repeat)
+            for f in forms:
+                check(name, x, args.repeat, f)
         steps = max(spec.seq_lens) // 64
-        fns = {"ws" if args.mode == "full" else f"ws {args.mode}": runner(x, mode=args.mode),
+        base = "ws" if args.mode == "full" else f"ws {args.mode}"
+        fns = {**{base + variant(f): runner(x, mode=args.mode, colsums=f) for f in forms},
                **(peer_runners(x) if args.peer else {})}
 
         def measure(fn):

@@ -53,6 +53,55 @@ LOG2E = 1.4426950408889634  # exp(x) = exp2(x log2 e): one MUFU.EX2 under fast m
 NREG = (160, 160, 168, 24)
 #: Consumer phases per chunk (each closed by one 384-thread mbarrier).
 PHASES = 7
+#: How A forms db's column part (the column sums of dAb * A, phase 4): "warp", each warp's
+#: partial sums by a shuffle reduce-scatter (`COL_PARTIALS`), added over the four warps by S
+#: where it writes db (fp32 throughout); "transpose", row sums of a transposed 16-bit copy.
+#: "warp" measured -1.0 % at B4 T4096 H16, B8 T4096 H32 and B1 T8192 H16 on the H200; the same
+#: for dG's column sums (phase 5) spilled and was not faster (docs/kernels.md, "Fused backward").
+COLSUMS = "warp"
+COLSUMS_FORMS = ("warp", "transpose")
+
+#: A warp's partial column sums of a warpgroup's 64 x 64 fp32 wgmma accumulator: element
+#: `4 n + 2 r + c` of lane l in warp w is row `16 w + 8 r + l / 4`, column `8 n + 2 (l % 4) + c`
+#: (the m64nNk16 accumulator layout, TileLang's fragment for it). The two rows a thread holds
+#: are added, then the eight lanes sharing a column quad halve their columns three times
+#: (14 shuffles instead of 48 for an all-reduce), leaving lane l the columns `8 (l / 4) +
+#: 2 (l % 4) + {0, 1}` of its warp's 16 rows, stored to `out[w][.]` (fp32 `[4, 64]`).
+COL_PARTIALS = r"""
+// a select nvcc cannot turn into an indexed (local-memory) load of the array it picks from
+__device__ __forceinline__ float gdr_select(int up, float a, float b) {
+  float r;
+  asm("{\n .reg .pred p;\n setp.ne.s32 p, %3, 0;\n selp.f32 %0, %1, %2, p;\n}" : "=f"(r) : "f"(a), "f"(b), "r"(up));
+  return r;
+}
+
+// one step of the reduce-scatter: lanes `d` apart add their halves, each keeping the upper
+// half (`up`) or the lower one in p[0, half)
+template <int half>
+__device__ __forceinline__ void gdr_halve(float* p, int up, int d) {
+#pragma unroll
+  for (int k = 0; k < half; ++k) {
+    const float send = gdr_select(up, p[k], p[half + k]);
+    const float keep = gdr_select(up, p[half + k], p[k]);
+    p[k] = keep + __shfl_xor_sync(0xffffffffu, send, d);
+  }
+}
+
+__device__ __forceinline__ void gdr_col_partials(const float* x, void* out_v) {
+  float* out = reinterpret_cast<float*>(out_v);
+  const int lane = threadIdx.x & 31, g = lane >> 2, w = (threadIdx.x >> 5) & 3;
+  float p[16];
+#pragma unroll
+  for (int n = 0; n < 8; ++n) {
+    p[2 * n] = x[4 * n] + x[4 * n + 2];
+    p[2 * n + 1] = x[4 * n + 1] + x[4 * n + 3];
+  }
+  gdr_halve<8>(p, g & 4, 16);
+  gdr_halve<4>(p, g & 2, 8);
+  gdr_halve<2>(p, g & 1, 4);
+  *reinterpret_cast<float2*>(out + w * 64 + 8 * g + 2 * (lane & 3)) = make_float2(p[0], p[1]);
+}
+"""
 
 
 #: `timing=True` builds: int32 counters per consumer group (S, KV, A), each a sum over the
@@ -68,7 +117,8 @@ MODES = ("full", "reconly", "nowait")
 
 
 @functools.lru_cache(maxsize=None)
-def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing: bool = False, mode: str = "full"):
+def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing: bool = False, mode: str = "full",
+                 colsums: str = COLSUMS):
     """Compile (once per configuration) the warp-specialised kernel (K = V = 128, chunk 64).
     `mode` other than "full": a prototype build (`MODES`), never the backend's.
 
@@ -89,6 +139,9 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     """
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    if colsums not in COLSUMS_FORMS:
+        raise ValueError(f"colsums: expected one of {COLSUMS_FORMS}, got {colsums!r}")
+    warp_cols = colsums == "warp"
     reconly, nowait = mode == "reconly", mode == "nowait"
     accum = "float32"
     TT = T.dynamic("num_tokens")
@@ -220,6 +273,15 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
         T.reduce_sum(xt_f, out_r, dim=1)
 
     @T.macro
+    def col_partials(x_f, out_s):
+        """A's warps' partial column sums of `x_f` into `out_s` (`[4, BT]` fp32, `COL_PARTIALS`),
+        added by S after a phase barrier."""
+        T.evaluate(T.call_extern("handle", "gdr_col_partials", x_f.data, out_s.data))
+
+    def warp_sum(part_s, i):
+        return part_s[0, i] + part_s[1, i] + part_s[2, i] + part_s[3, i]
+
+    @T.macro
     def store_dg(gscan_s, dGk_s, dGa_s, gls_s, glk_s, dg, t0, L, hh):
         """dg = reverse cumsum of dG inside the chunk plus the G_L terms (the chunk end's decay
         reaches every token of it), by S."""
@@ -272,7 +334,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
             dh0: T.Tensor((N, H, K, V), accum),
             clk: T.Tensor((NCLK,), "int32"),  # timing builds only (one element otherwise)
         ):
-            with T.Kernel(N * H, threads=512) as bx:
+            with T.Kernel(N * H, threads=512, prelude=COL_PARTIALS if warp_cols else None) as bx:
                 n, hh, hg, bos, eos, n_chunks, c0 = cta_sequence(bx, H, group, cu_seqlens, chunk_offsets, BT)
 
                 # ---- shared memory (~208 KiB) ----
@@ -301,6 +363,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                 glk_s = T.alloc_shared((BT,), accum)  # the G_L term: rows of dk's part * K (KV, phase 5)
                 gscan_s = T.alloc_shared((2, BT), accum)  # S, phase 7: dG's reverse cumsum, the G_L sum
                 db_s = T.alloc_shared((BT,), accum)  # db's column part (A, phase 4)
+                dbc_s = T.alloc_shared((4, BT), accum)  # db's column part: A's warps' partial sums (phase 4)
                 tm_s = T.alloc_shared((3, NS), "int32")  # timing builds: the counters
 
                 # ---- registers ----
@@ -420,7 +483,10 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         if not reconly:
                             for i in T.Parallel(BT):
                                 if i < L:
-                                    db[t0 + i, hh] = T.cast(db_s[i], b_dtype)
+                                    if warp_cols:  # A's row part and its warps' column partials
+                                        db[t0 + i, hh] = T.cast(db_s[i] + warp_sum(dbc_s, i), b_dtype)
+                                    else:
+                                        db[t0 + i, hh] = T.cast(db_s[i], b_dtype)
                         phase_sync(phase, 6, it % 2, 7, 0, tick, tm_s)
                     loop_end(tick, tm_s, 0, n_chunks, clk, bx)
                     T.copy(dS_f, dh0[n, hh, :, :])
@@ -552,21 +618,24 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             fence(a1_f)
                             phase_arrive(phase, 2, 3, 2, tick, tm_s)  # phase 4 writes nothing another group still reads
                             # 4: V' into w_s; through Ag = Gam A b: dG (rows - columns of dAg Ag), db's
-                            # column part (the column sums through an exact transpose in x3_s, free until dAr),
-                            # dAr = Gam b dAg (the ungated inverse's gradient) into x3_s (KV may still read Ag)
+                            # column part (its warps' partial column sums), dAr = Gam b dAg (the ungated
+                            # inverse's gradient) into x3_s (KV may still read Ag)
                             T.copy(a1_f, w_s)
                             for i, j in T.Parallel(BT, BT):
                                 sq2_f[i, j] = gam_f[i, j] * sq_f[i, j] * T.cast(a_s[i, j], accum)
-                            # db's column part from a 16-bit copy; dG's column parts in phase 5
-                            for i, j in T.Parallel(BT, BT):
-                                x3_s[i, j] = T.cast(sq2_f[i, j], dtype)
-                            for i, j in T.Parallel(BT, BT):
-                                pg_f[i, j] = T.cast(x3_s[j, i], accum)
-                            T.reduce_sum(pg_f, ac_f, dim=1)
+                            if warp_cols:  # db's column part: the warps' partial sums, added by S
+                                col_partials(sq2_f, dbc_s)
+                            else:  # from a transposed 16-bit copy in x3_s (free until dAr)
+                                for i, j in T.Parallel(BT, BT):
+                                    x3_s[i, j] = T.cast(sq2_f[i, j], dtype)
+                                for i, j in T.Parallel(BT, BT):
+                                    pg_f[i, j] = T.cast(x3_s[j, i], accum)
+                                T.reduce_sum(pg_f, ac_f, dim=1)
                             for i, j in T.Parallel(BT, BT):
                                 sq2_f[i, j] = sq2_f[i, j] * b_s[j]  # dAg * Ag, summed with dPg * Pg in phase 5
-                            for i in T.Parallel(BT):
-                                db_s[i] = ac_f[i]
+                            if not warp_cols:
+                                for i in T.Parallel(BT):
+                                    db_s[i] = ac_f[i]
                             for i, j in T.Parallel(BT, BT):
                                 x3_s[i, j] = T.cast(gam_f[i, j] * sq_f[i, j] * b_s[j], dtype)
                             T.fence_proxy_async()
@@ -610,7 +679,10 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                                 sq2_f[i, j] = sq_f[i, j] * sq2_f[i, j]
                             T.reduce_sum(sq2_f, ar_f, dim=1)
                             for i in T.Parallel(BT):
-                                db_s[i] = db_s[i] + ar_f[i] * 1.0
+                                if warp_cols:
+                                    db_s[i] = ar_f[i]
+                                else:
+                                    db_s[i] = db_s[i] + ar_f[i] * 1.0
                             for i, j in T.Parallel(BT, BT):  # dkk, then dkk + dkk^T, in dM's registers
                                 sq_f[i, j] = sq_f[i, j] * b_s[i]
                             T.copy(sq_f, x3_s)
@@ -665,13 +737,15 @@ def ws_config(q, v, b, scale: float) -> tuple:
 
 
 def ws_bwd_given_h(q, k, v, do, a, g, b, h, dht, scale: float, seq_lens, chunk_size: int = 64,
-                   cu_seqlens=None, has_h0: bool = False, state_v_first: bool = False, clk=None, mode: str = "full"):
+                   cu_seqlens=None, has_h0: bool = False, state_v_first: bool = False, clk=None, mode: str = "full",
+                   colsums: str = COLSUMS):
     """Run the warp-specialised kernel; returns `(dq, dk, dv, dg, db, dh0)` in the contract's form.
 
     `tilelang_launch.launch_packed`'s calling convention; dq/dk come out in q's dtype, db in b's
     dtype. `clk` (int32, `[N * H * 3 * TIMING_SLOTS]`) asks for the timing build and receives
     its counters (tools/ws_probe.py); `mode` a prototype build (`MODES`: wrong results, for
-    tools/ws_probe.py's cycles and wall times only).
+    tools/ws_probe.py's cycles and wall times only); `colsums` another form of the column sums
+    (`COLSUMS_FORMS`, for tools/ws_probe.py's comparisons).
     """
     import torch
 
@@ -680,8 +754,8 @@ def ws_bwd_given_h(q, k, v, do, a, g, b, h, dht, scale: float, seq_lens, chunk_s
         raise ValueError(f"ws_bwd_given_h: built for K = V = {K}, chunk {BT}; got K={Kd}, V={Vd}, chunk {chunk_size}")
     # the plain build by its positional arguments alone: the key `compile_jobs` warms (lru_cache)
     cfg = ws_config(q, v, b, scale)
-    kern = build_ws_bwd(*cfg) if clk is None and mode == "full" else \
-        build_ws_bwd(*cfg, timing=clk is not None, mode=mode)
+    kern = build_ws_bwd(*cfg) if clk is None and mode == "full" and colsums == COLSUMS else \
+        build_ws_bwd(*cfg, timing=clk is not None, mode=mode, colsums=colsums)
     if clk is None:  # the plain build never touches it: a cached constant, one launch less per call
         clk = device_constant((0,), torch.int32, q.device)
     # TMA copies bytes: h_s holds q's dtype
