@@ -79,21 +79,23 @@ def chunk_maps(call: GDRCall):
     return lay, M, R, D
 
 
-def _compose(M, R, D):
+def _compose(M, R=None, D=None):
     """Fold the chunk axis (-4 of `[..., s, H, K, *]`) into one map per run of chunks, in
     log2(s) levels of batched products: (M2, R2) after (M1, R1) is (M2 M1, M2 R1 + R2), and
-    the start gradient of the pair is M1^T D2 + D1."""
+    the start gradient of the pair is M1^T D2 + D1. R or D None: not carried (None back)."""
     while M.shape[-4] > 1:
         if M.shape[-4] % 2:  # pad with an identity chunk (M = I, R = D = 0)
             eye = torch.eye(M.shape[-1], dtype=M.dtype, device=M.device).expand_as(M[..., :1, :, :, :])
             M = torch.cat([M, eye], dim=-4)
-            R = torch.cat([R, torch.zeros_like(R[..., :1, :, :, :])], dim=-4)
-            D = torch.cat([D, torch.zeros_like(D[..., :1, :, :, :])], dim=-4)
+            R = None if R is None else torch.cat([R, torch.zeros_like(R[..., :1, :, :, :])], dim=-4)
+            D = None if D is None else torch.cat([D, torch.zeros_like(D[..., :1, :, :, :])], dim=-4)
         M1, M2 = M[..., 0::2, :, :, :], M[..., 1::2, :, :, :]
-        R1, R2 = R[..., 0::2, :, :, :], R[..., 1::2, :, :, :]
-        D1, D2 = D[..., 0::2, :, :, :], D[..., 1::2, :, :, :]
-        M, R, D = M2 @ M1, M2 @ R1 + R2, M1.transpose(-1, -2) @ D2 + D1
-    return M[..., 0, :, :, :], R[..., 0, :, :, :], D[..., 0, :, :, :]
+        if R is not None:
+            R = M2 @ R[..., 0::2, :, :, :] + R[..., 1::2, :, :, :]
+        if D is not None:
+            D = M1.transpose(-1, -2) @ D[..., 1::2, :, :, :] + D[..., 0::2, :, :, :]
+        M = M2 @ M1
+    return tuple(None if x is None else x[..., 0, :, :, :] for x in (M, R, D))
 
 
 log = logging.getLogger("gdr_dispatch")
@@ -436,7 +438,7 @@ def _torch_pieces(call: GDRCall, segs: Segments, need_starts: bool):
     n_f, n_b = (torch.where(grows[:, None, :], 0, n) for n in (n_f, n_b))
     # an exact segment's maps over its own chunks; a window's over the W chunks ending at its
     # segment's end (forward) or starting at its start (backward), zero maps outside it
-    Mf, _, _ = _compose(*(x.view(N, n_seg, s, *x.shape[2:]) for x in (M, R, D)))
+    Mf, _, _ = _compose(M.view(N, n_seg, s, *M.shape[2:]))  # the forward windows' R, the backward's D: below
     j = torch.arange(n_seg, device=dev)[None, :, None, None]
     w = torch.arange(W, device=dev)[None, None, :, None]
     nc = real.view(N, n_seg, s).sum(-1)[:, :, None, None]
@@ -450,8 +452,8 @@ def _torch_pieces(call: GDRCall, segs: Segments, need_starts: bool):
         got = x[torch.arange(N, device=dev)[:, None, None], pos[..., 0].clamp(0, L - 1)]
         return torch.where(keep[..., None, None], got, zero)
 
-    _, Rf, _ = _compose(window(M, pos_f, keep_f), window(R, pos_f, keep_f), window(D, pos_f, keep_f))
-    _, _, Db = _compose(window(M, pos_b, keep_b), window(R, pos_b, keep_b), window(D, pos_b, keep_b))
+    _, Rf, _ = _compose(window(M, pos_f, keep_f), R=window(R, pos_f, keep_f))
+    _, _, Db = _compose(window(M, pos_b, keep_b), D=window(D, pos_b, keep_b))
     index = (device_constant(segs.seq, torch.int64, dev), device_constant(segs.place, torch.int64, dev))
     plan = torch.stack([n_f, n_b], -1)[index].to(torch.int32)
     starts, ends = _shifted(segs, Rf[index] if need_starts else None, Db[index])
