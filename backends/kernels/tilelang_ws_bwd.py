@@ -362,7 +362,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                 gls_s = T.alloc_shared((K,), accum)  # the G_L term: rows of e^{G_L} dS' * S (S, phase 1)
                 glk_s = T.alloc_shared((BT,), accum)  # the G_L term: rows of dk's part * K (KV, phase 5)
                 gscan_s = T.alloc_shared((2, BT), accum)  # S, phase 7: dG's reverse cumsum, the G_L sum
-                db_s = T.alloc_shared((BT,), accum)  # db's column part (A, phase 4)
+                db_s = T.alloc_shared((BT,), accum)  # db's row part (A, phase 6; the transpose form adds its column part)
                 dbc_s = T.alloc_shared((4, BT), accum)  # db's column part: A's warps' partial sums (phase 4)
                 tm_s = T.alloc_shared((3, NS), "int32")  # timing builds: the counters
 
