@@ -67,14 +67,14 @@ def test_ws_kernel_compiles_for_sm90a_with_its_register_split():
         assert f"warpgroup_reg_alloc<{n}>" in src
     assert f"warpgroup_reg_dealloc<{NREG[3]}>" in src
     assert "__syncthreads" not in src.split("warpgroup_reg")[1]  # no block-wide barrier once the roles split
+    # each role group's code (S, KV, A, producer), from its register-cap instruction on
+    groups = re.split(r"warpgroup_reg_(?:alloc|dealloc)<\d+>", src)[1:]
     # each group's 128-thread named barriers are its own: two groups on one id would complete
     # each other's syncs
-    ids = [set(re.findall(r"__sync_thread_partial\((\d+), 128\)", part))
-           for part in re.split(r"warpgroup_reg_(?:alloc|dealloc)<\d+>", src)[1:]]
+    ids = [set(re.findall(r"__sync_thread_partial\((\d+), 128\)", part)) for part in groups]
     assert len(ids) == 4 and all(not (x & y) for i, x in enumerate(ids) for y in ids[i + 1:]), ids
     # db's column part: A's warps' partial sums (one shuffle reduce-scatter), added by S where it
     # writes db; the shuffles stay inside a warp, the sum over warps goes through shared memory
-    groups = re.split(r"warpgroup_reg_(?:alloc|dealloc)<\d+>", src)[1:]
     assert [g.count("gdr_col_partials(") for g in groups] == [0, 0, 1, 0]
     assert "dbc_s" in groups[0] and "__shfl_xor_sync(0xffffffffu, send, d)" in src
     # a fence covers a fragment's registers per thread, never its logical size
@@ -86,7 +86,7 @@ def test_ws_kernel_compiles_for_sm90a_with_its_register_split():
     # S arrives at phase 4's barrier before it writes the scaled dO into dvp_s, and its own wgmma
     # reads dvp_s only after its 128-thread named barrier (the mbarrier no longer orders S's
     # threads' writes before that read)
-    s_part = re.split(r"warpgroup_reg_(?:alloc|dealloc)<\d+>", src)[1]
+    s_part = groups[0]
     arrive, wait = s_part.find("phase[3].arrive()"), s_part.find("phase[3].wait(")
     write = s_part.find("((bfloat16_t*)dvp_s) +")
     read = s_part.find("(&(((bfloat16_t*)dvp_s)[0]))")
