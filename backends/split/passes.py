@@ -452,11 +452,11 @@ def _torch_pieces(call: GDRCall, segs: Segments, need_starts: bool):
         got = x[torch.arange(N, device=dev)[:, None, None], pos[..., 0].clamp(0, L - 1)]
         return torch.where(keep[..., None, None], got, zero)
 
-    _, Rf, _ = _compose(window(M, pos_f, keep_f), R=window(R, pos_f, keep_f))
-    _, _, Db = _compose(window(M, pos_b, keep_b), D=window(D, pos_b, keep_b))
     index = (device_constant(segs.seq, torch.int64, dev), device_constant(segs.place, torch.int64, dev))
+    Rf = _compose(window(M, pos_f, keep_f), R=window(R, pos_f, keep_f))[1][index] if need_starts else None
+    _, _, Db = _compose(window(M, pos_b, keep_b), D=window(D, pos_b, keep_b))
     plan = torch.stack([n_f, n_b], -1)[index].to(torch.int32)
-    starts, ends = _shifted(segs, Rf[index] if need_starts else None, Db[index])
+    starts, ends = _shifted(segs, Rf, Db[index])
     return plan, Mf[index], starts, ends
 
 
