@@ -1411,6 +1411,42 @@ def test_a_graph_evicted_again_and_again_runs_eagerly(monkeypatch):
     assert all(captures.count(key) == graphs.MAX_CAPTURES for key in keys)
 
 
+def test_a_capture_keeps_the_callers_cached_memory_and_always_ends(monkeypatch):
+    """graphs.capturing begins the capture on the given pool in thread_local mode and ends it, also
+    when the block raises; it never empties the allocator's cache or synchronizes the device (what
+    torch.cuda.graph does first: mid-step, the model's next allocations then cudaMalloc afresh)."""
+    from gdr_dispatch.backends.split import graphs
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a capture emptied the cache or synchronized")
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", forbidden)
+    monkeypatch.setattr(torch.cuda, "synchronize", forbidden)
+
+    class Graph:
+        def __init__(self):
+            self.calls = []
+
+        def capture_begin(self, pool=None, capture_error_mode="global"):
+            self.calls.append(("begin", pool, capture_error_mode))
+
+        def capture_end(self):
+            self.calls.append(("end",))
+
+    graph = Graph()
+    with graphs.capturing(graph, pool="P"):
+        graph.calls.append(("work",))
+    assert graph.calls == [("begin", "P", "thread_local"), ("work",), ("end",)]
+    graph = Graph()
+    with pytest.raises(ValueError, match="in the block"):
+        with graphs.capturing(graph):
+            raise ValueError("in the block")
+    assert graph.calls == [("begin", None, "thread_local"), ("end",)]
+    import inspect
+
+    assert "torch.cuda.graph(" not in inspect.getsource(graphs)  # every capture goes through `capturing`
+
+
 def test_a_key_out_of_captures_keeps_its_graph_with_copies(monkeypatch):
     """A key whose captures are spent (evicted and captured again MAX_CAPTURES times) and that holds
     a working graph with copies keeps replaying it when its calls start repeating addresses (no

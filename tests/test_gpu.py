@@ -985,6 +985,34 @@ def test_layers_at_one_shape_replay_their_own_in_place_graphs_on_gpu(monkeypatch
         assert max(errs.values()) < 1e-3, (at, errs)
 
 
+def test_split_graph_capture_keeps_the_allocators_cached_blocks_on_gpu(monkeypatch):
+    """A split call captured into its graph (graphs.capturing) leaves the caching allocator's cached
+    blocks with it: no cudaFree during the capture (torch.cuda.graph empties the cache first, and a
+    model's next allocations then cudaMalloc afresh), and the capture's outputs match the eager call."""
+    from gdr_dispatch import clear_caches
+    from gdr_dispatch.backends.split import graphs
+    from gdr_dispatch.shapes import call_kwargs, make_inputs
+
+    if "tilelang_fused" not in registered_backends():
+        pytest.skip("tilelang_fused is not registered here")
+    monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+    monkeypatch.setenv("GDR_BACKEND", "tilelang_fused@split4")
+    monkeypatch.setenv("GDR_SPLIT_GRAPHS", "1")
+    spec = ShapeSpec(B=1, T=4096, H=4, K=128, V=128, dtype="bfloat16", h="none", gate="mixed")
+    kwargs = call_kwargs(make_inputs(spec, torch.device("cuda")))
+    clear_caches()
+    eager = [x.clone() for x in fused_gdr_bwd(**kwargs) if x is not None]  # the key's first call: eager
+    spare = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    del spare  # a cached free block, as a training step leaves them
+    torch.cuda.synchronize()
+    frees, captured = torch.cuda.memory_stats().get("num_device_free", 0), sum(graphs.captures.values())
+    replayed = [x.clone() for x in fused_gdr_bwd(**kwargs) if x is not None]  # captured, then replayed
+    torch.cuda.synchronize()
+    assert sum(graphs.captures.values()) == captured + 1, graphs.captures
+    assert torch.cuda.memory_stats().get("num_device_free", 0) == frees
+    assert max(relative_error(a, b) for a, b in zip(eager, replayed)) < 1e-5
+
+
 def test_split_backward_lends_its_outputs_only_while_nothing_holds_them_on_gpu(monkeypatch):
     """The split backward replayed from its graph with its outputs lent (graphs.LEND_GPU_VERIFIED):
     steps whose gradients are dropped before the next step get the graph's own buffers, steps

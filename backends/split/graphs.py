@@ -34,6 +34,7 @@ inputs and its memory pool (about three times the call's inputs and outputs), sa
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 from dataclasses import replace
 from typing import Callable
@@ -462,11 +463,8 @@ def _capture(name: str, key: tuple, tensors: tuple, fn, seq_lens: tuple, in_plac
             with torch.cuda.stream(side):
                 fn(static)  # a warm-up on the capture's stream, as torch's capture notes ask
             torch.cuda.current_stream(dev).wait_stream(side)
-            # thread_local: another thread's allocation or sync during the capture neither fails there
-            # nor spoils this capture; the outer stream context restores the caller's stream even
-            # where the capture fails to begin
-            with torch.cuda.stream(side), torch.cuda.graph(graph, pool=pool, stream=side,
-                                                           capture_error_mode="thread_local"):
+            # the outer stream context restores the caller's stream even where the capture fails to begin
+            with torch.cuda.stream(side), capturing(graph, pool):
                 out = fn(static)
     except Exception as e:  # noqa: BLE001 - any failure to capture leaves the call eager (or copied), said once
         release_pins(pins)
@@ -491,6 +489,22 @@ def _capture(name: str, key: tuple, tensors: tuple, fn, seq_lens: tuple, in_plac
     _pins[key] = pins
     (_graphs if into is None else into)[key] = hit
     return hit
+
+
+@contextlib.contextmanager
+def capturing(graph, pool=None):
+    """Capture the block's work on the current stream into `graph` (`torch.cuda.CUDAGraph`), with
+    `pool` its memory pool: `torch.cuda.graph` without what that does first, a device synchronize
+    and `torch.cuda.empty_cache()`. Emptying the cache hands every cached block of the caller's
+    back to the driver, so a capture in the middle of a model's training step made the step's
+    allocations cudaMalloc them afresh (~60 cudaMalloc and cudaFree a capture in an HF Qwen3-Next
+    step, +13-17 ms of its 27: docs/design.md, "The split"). `thread_local`: another thread's
+    allocation or sync during the capture neither fails there nor spoils this capture."""
+    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+    try:
+        yield
+    finally:
+        graph.capture_end()  # (a capture the block broke raises here too, after the block's own error)
 
 
 def held_graphs() -> int:
