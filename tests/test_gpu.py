@@ -985,6 +985,34 @@ def test_layers_at_one_shape_replay_their_own_in_place_graphs_on_gpu(monkeypatch
         assert max(errs.values()) < 1e-3, (at, errs)
 
 
+def test_hf_hook_l2norm_fused_matches_the_torch_form_on_gpu(monkeypatch):
+    """The HF hook's q/k normalisation on CUDA bf16 runs fla-core's fused kernels and gives the
+    torch form's values and gradients (bf16 rounding apart), on a strided view as HF passes it."""
+    from gdr_dispatch.integrations import transformers as gdr_hf
+
+    if gdr_hf._fused_l2norm() is None:
+        pytest.skip("fla-core's fused l2norm does not import here")
+    calls = []
+    fused = gdr_hf._fused_l2norm()
+    monkeypatch.setattr(gdr_hf, "_fused_l2norm", lambda: (lambda x, eps: calls.append(eps) or fused(x, eps)))
+    qkv = torch.randn(2, 300, 3 * 4 * 128, device="cuda", dtype=torch.bfloat16) * 3
+    dy = torch.randn(2, 300, 4, 128, device="cuda", dtype=torch.bfloat16)
+    outs = []
+    for route in ("fused", "torch"):
+        x = qkv.detach().clone().requires_grad_(True)
+        q = x[..., :512].view(2, 300, 4, 128)  # a strided view of the projection
+        if route == "fused":
+            y = gdr_hf.l2norm(q)
+        else:
+            qf = q.float()
+            y = (qf * torch.rsqrt((qf * qf).sum(-1, keepdim=True) + gdr_hf.EPS)).bfloat16()
+        (y.float() * dy.float()).sum().backward()
+        outs.append((y.detach(), x.grad[..., :512].detach()))
+    assert calls == [gdr_hf.EPS]
+    assert outs[0][0].dtype == torch.bfloat16
+    assert relative_error(outs[0][0], outs[1][0]) < 1e-2 and relative_error(outs[0][1], outs[1][1]) < 2e-2
+
+
 def test_split_graph_capture_keeps_the_allocators_cached_blocks_on_gpu(monkeypatch):
     """A split call captured into its graph (graphs.capturing) leaves the caching allocator's cached
     blocks with it: no cudaFree during the capture (torch.cuda.graph empties the cache first, and a

@@ -327,6 +327,24 @@ def test_l2norm_is_fla_and_hf_form():
     torch.testing.assert_close(gdr_hf.l2norm(z), z)
 
 
+def test_l2norm_takes_fla_fused_kernels_only_for_eager_16_bit_cuda_tensors(monkeypatch):
+    """The fused route (fla-core's Triton l2norm, `_fused_l2norm`) is fla's own autograd function
+    where fla imports, and a CPU or fp64 tensor never reaches it (tests/test_gpu.py compares the
+    two forms on a GPU)."""
+    fused = gdr_hf._fused_l2norm()
+    if fused is not None:
+        from fla.modules.norm import l2norm as fla_l2norm
+
+        assert fused is fla_l2norm.l2norm
+    calls = []
+    monkeypatch.setattr(gdr_hf, "_fused_l2norm", lambda: (lambda x, eps: calls.append(x) or x))
+    x = torch.randn(2, 3, 8, dtype=torch.bfloat16)
+    torch.testing.assert_close(gdr_hf.l2norm(x), (x.float() * torch.rsqrt((x.float() ** 2).sum(-1, keepdim=True)
+                                                                          + 1e-6)).bfloat16(), rtol=0, atol=0)
+    gdr_hf.l2norm(x.double())
+    assert calls == []
+
+
 class LegacyGatedDeltaNet(torch.nn.Module):
     """transformers 4.x's layout: the layer holds its chunk function and repeats q and k to the
     value heads before calling it (HF's exact form)."""

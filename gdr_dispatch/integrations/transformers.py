@@ -105,10 +105,30 @@ def _load_fla_keywords() -> frozenset:
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
     """fla's and HF's q/k normalisation, `x * rsqrt(sum(x^2, -1) + 1e-6)`, in fp32 (fp64 stays
-    fp64), returned in x's dtype."""
+    fp64), returned in x's dtype. 16-bit CUDA tensors in eager calls take fla-core's fused Triton
+    kernels (`_fused_l2norm`: one launch each way, the normalisation fla's and FlashQLA's ops run
+    inside themselves); this torch form costs ~8 launches forward and ~10 backward with fp32
+    intermediates of the tensor's size (by the bytes moved, ~1.5 GB against ~0.16 GB for a layer's
+    q and k at B1 T8192 Hg8: ~0.4 ms on the H200; bench/results/nvidia-h200-sm90-hf-starved.md).
+    Traced calls keep the torch form (inductor fuses it)."""
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and not torch.compiler.is_compiling():
+        fused = _fused_l2norm()
+        if fused is not None:
+            return fused(x, EPS)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     xf = x.to(acc)
     return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + EPS)).to(x.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_l2norm():
+    """fla-core's autograd-aware fused l2norm (`fla.modules.norm.l2norm.l2norm(x, eps)`: fp32
+    inside, x's dtype out), or None where fla-core does not import it (imported once)."""
+    try:
+        from fla.modules.norm.l2norm import l2norm as fused
+    except Exception:  # noqa: BLE001 - any import failure: the torch form runs
+        return None
+    return fused
 
 
 def hf_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
