@@ -11,7 +11,9 @@ For each shape, with `h` given and with `h=None`:
     `dispatched-cpu-offsets`, the same call with `cu_seqlens` on the CPU (no host wait per call
     after the first: its device copy is kept);
   * `fla-op`: fla-core's own `chunk_gated_delta_rule_bwd`, fed fla's conventions prepared
-    outside the timing (as its forward would have saved them); it always recomputes `h`;
+    outside the timing (as its forward would have saved them); it always recomputes `h`. Its
+    Triton chain: fla-core's public op runs FlashQLA's op (`auto_cp`) instead where FlashQLA is
+    installed, the `flashqla-auto_cp` runner;
   * `flashqla`: FlashQLA, when importable. With `h` given: its fused kernel plus the
     grouped-head reduction and reverse cumsum it leaves to its caller; with `h=None`: its
     `chunk_gated_delta_rule_bwd(auto_cp=False)`.
