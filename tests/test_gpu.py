@@ -1011,6 +1011,15 @@ def test_hf_hook_l2norm_fused_matches_the_torch_form_on_gpu(monkeypatch):
     assert calls == [gdr_hf.EPS]
     assert outs[0][0].dtype == torch.bfloat16
     assert relative_error(outs[0][0], outs[1][0]) < 1e-2 and relative_error(outs[0][1], outs[1][1]) < 2e-2
+    # inside a CUDA graph capture the torch form runs (fla's kernels may autotune on a first call)
+    q = qkv[..., :512].view(2, 300, 4, 128)
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.graph(graph, stream=side):
+        y = gdr_hf.l2norm(q)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert calls == [gdr_hf.EPS] and relative_error(y, outs[1][0]) < 1e-2
 
 
 def test_split_graph_capture_keeps_the_allocators_cached_blocks_on_gpu(monkeypatch):

@@ -110,8 +110,10 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
     inside themselves); this torch form costs ~8 launches forward and ~10 backward with fp32
     intermediates of the tensor's size (by the bytes moved, ~1.5 GB against ~0.16 GB for a layer's
     q and k at B1 T8192 Hg8: ~0.4 ms on the H200; bench/results/nvidia-h200-sm90-hf-starved.md).
-    Traced calls keep the torch form (inductor fuses it)."""
-    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and not torch.compiler.is_compiling():
+    Traced calls keep the torch form (inductor fuses it), and so do calls inside a CUDA graph
+    capture (fla's kernels autotune on their first call, which a capture cannot hold)."""
+    if (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and not torch.compiler.is_compiling()
+            and not torch.cuda.is_current_stream_capturing()):
         fused = _fused_l2norm()
         if fused is not None:
             return fused(x, EPS)
