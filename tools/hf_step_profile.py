@@ -84,6 +84,10 @@ def main(argv=None) -> int:
     p.add_argument("--profile-steps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=1, help="the variants in turn this many times (a host's drift "
                    "falls on all alike); each round's median printed")
+    p.add_argument("--address-sets", type=int, default=0,
+                   help="in-place graphs kept per split key (graphs.ADDRESS_SETS, with RECENT and the kept "
+                        "graphs' limit scaled to it): a model with more layers at one shape than the default "
+                        "replays with copies; 0 keeps the default")
     p.add_argument("--log", action="store_true", help="gdr_dispatch's log lines (INFO) on stderr, and per-step counts")
     a = p.parse_args(argv)
     if a.log:
@@ -92,6 +96,11 @@ def main(argv=None) -> int:
         logging.getLogger("gdr_dispatch").setLevel(logging.INFO)
     from gdr_dispatch.integrations import transformers as gdr_hf
 
+    if a.address_sets:
+        from gdr_dispatch.backends.split import graphs
+        graphs.ADDRESS_SETS = a.address_sets
+        graphs.RECENT = max(graphs.RECENT, 4 * a.address_sets)
+        graphs._placed.limit = graphs.LIMIT * a.address_sets
     base = build_model(heads=a.heads, key_heads=a.key_heads, layers=a.layers)
     ids = torch.randint(0, base.config.vocab_size, (a.B, a.T), generator=torch.Generator().manual_seed(1)).cuda()
     tables = []
