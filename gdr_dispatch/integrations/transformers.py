@@ -106,8 +106,8 @@ def _load_fla_keywords() -> frozenset:
 def l2norm(x: torch.Tensor) -> torch.Tensor:
     """fla's and HF's q/k normalisation, `x * rsqrt(sum(x^2, -1) + 1e-6)`, in fp32 (fp64 stays
     fp64), returned in x's dtype. 16-bit CUDA tensors in eager calls take fla-core's fused Triton
-    kernels (`_fused_l2norm`: one launch each way, the normalisation fla's and FlashQLA's ops run
-    inside themselves); this torch form costs ~8 launches forward and ~10 backward with fp32
+    kernels (`_fused_l2norm`: one launch each way, the ones fla's own op normalises with); this
+    torch form costs ~8 launches forward and ~10 backward with fp32
     intermediates of the tensor's size (by the bytes moved, ~1.5 GB against ~0.16 GB for a layer's
     q and k at B1 T8192 Hg8: ~0.4 ms on the H200; bench/results/nvidia-h200-sm90-hf-starved.md).
     Traced calls keep the torch form (inductor fuses it), and so do calls inside a CUDA graph
