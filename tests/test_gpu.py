@@ -990,10 +990,10 @@ def test_hf_hook_l2norm_fused_matches_the_torch_form_on_gpu(monkeypatch):
     torch form's values and gradients (bf16 rounding apart), on a strided view as HF passes it."""
     from gdr_dispatch.integrations import transformers as gdr_hf
 
-    if gdr_hf._fused_l2norm() is None:
+    fused = gdr_hf._fused_l2norm()
+    if fused is None:
         pytest.skip("fla-core's fused l2norm does not import here")
     calls = []
-    fused = gdr_hf._fused_l2norm()
     monkeypatch.setattr(gdr_hf, "_fused_l2norm", lambda: (lambda x, eps: calls.append(eps) or fused(x, eps)))
     qkv = torch.randn(2, 300, 3 * 4 * 128, device="cuda", dtype=torch.bfloat16) * 3
     dy = torch.randn(2, 300, 4, 128, device="cuda", dtype=torch.bfloat16)

@@ -1,5 +1,5 @@
 """Where a Hugging Face Qwen3-Next training step spends its time with our op, beside HF's default
-(fla's op): the step time of each variant in one process, then a torch.profiler table of a few
+(fla's op, which runs FlashQLA's op with `auto_cp` where FlashQLA is installed): the step time of each variant in one process, then a torch.profiler table of a few
 steps of the chosen ones (docs/kernels.md, "The split"; bench/bench_hf_qwen3_next.py times the
 plain comparison).
 
@@ -7,7 +7,7 @@ plain comparison).
     python tools/hf_step_profile.py --variants default,ours,ours-eager --profile ours
 
 Variants (each a fresh copy of one model, the environment set around its steps):
-  default        HF's fast path (fla's op)
+  default        HF's fast path (fla's op; FlashQLA's where installed)
   ours           our op as the tables pick (the split replayed from graphs on starved grids)
   ours-eager     the same with GDR_SPLIT_GRAPHS=0 (the split launched eagerly)
   ours-unsplit   GDR_FORWARD=flash_qla, GDR_BACKEND=tilelang_fused: no split either way
@@ -19,8 +19,8 @@ replays and copied MiB) and, for `--profile`, torch.profiler's tables (GPU and h
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
-import os
 import statistics
 import sys
 import time
@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from bench_hf_qwen3_next import build_model, graph_counts  # noqa: E402
+from bench_hot_path import environment  # noqa: E402
 
 VARIANTS = {
     "default": None,
@@ -58,14 +59,14 @@ def steps(model, ids, n: int, opt, verbose: bool = False) -> list[float]:
 
 
 def _counts() -> dict:
-    """The CUDA allocator's device mallocs and frees so far, and the split graphs' captures and
-    replays."""
+    """The CUDA allocator's device mallocs and frees so far, the split graphs' captures, and their
+    replays and copied MiB (`graph_counts`)."""
     stats = torch.cuda.memory_stats()
-    out = {"cudaMalloc": stats.get("num_device_alloc", 0), "cudaFree": stats.get("num_device_free", 0)}
+    out = {"cudaMalloc": stats.get("num_device_alloc", 0), "cudaFree": stats.get("num_device_free", 0),
+           **graph_counts()}
     try:
         from gdr_dispatch.backends.split import graphs
         out.update({f"capture {k}": v for k, v in graphs.captures.items()})
-        out.update({f"replay {k}": v for k, v in graphs.replays.items()})
     except ImportError:
         pass
     return out
@@ -108,42 +109,25 @@ def main(argv=None) -> int:
         env = VARIANTS[name]
         model = copy.deepcopy(base)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        saved = {k: os.environ.get(k) for k in (env or {})}
-        os.environ.update(env or {})
         before = graph_counts()
-        try:
-            ctx = gdr_hf.use_gdr_dispatch(model) if env is not None else _null()
-            with ctx:
-                ms = steps(model, ids, a.steps, opt, a.log)
-                seen = {k: round(v - before.get(k, 0), 1) for k, v in graph_counts().items() if v != before.get(k, 0)}
-                print(f"{name}: step {statistics.median(ms[1:]):.2f} ms median (first {ms[0] / 1e3:.1f} s, "
-                      f"all {[round(x, 1) for x in ms]}); split graphs {seen}", flush=True)
-                if name in a.profile.split(",") and not any(t.startswith(f"== {name}:") for t in tables):
-                    from torch.profiler import ProfilerActivity, profile
-                    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                        steps(model, ids, a.profile_steps, opt)
-                    ka = prof.key_averages()
-                    tables.append(f"== {name}: {a.profile_steps} steps, by GPU time\n"
-                                  + ka.table(sort_by="self_device_time_total", row_limit=30)
-                                  + f"\n== {name}: by host time\n" + ka.table(sort_by="self_cpu_time_total", row_limit=25))
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        hook = gdr_hf.use_gdr_dispatch(model) if env is not None else contextlib.nullcontext()
+        with environment(**(env or {})), hook:
+            ms = steps(model, ids, a.steps, opt, a.log)
+            seen = {k: round(v - before.get(k, 0), 1) for k, v in graph_counts().items() if v != before.get(k, 0)}
+            print(f"{name}: step {statistics.median(ms[1:]):.2f} ms median (first {ms[0] / 1e3:.1f} s, "
+                  f"all {[round(x, 1) for x in ms]}); split graphs {seen}", flush=True)
+            if name in a.profile.split(",") and not any(t.startswith(f"== {name}:") for t in tables):
+                from torch.profiler import ProfilerActivity, profile
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    steps(model, ids, a.profile_steps, opt)
+                ka = prof.key_averages()
+                tables.append(f"== {name}: {a.profile_steps} steps, by GPU time\n"
+                              + ka.table(sort_by="self_device_time_total", row_limit=30)
+                              + f"\n== {name}: by host time\n" + ka.table(sort_by="self_cpu_time_total", row_limit=25))
         del model, opt
         torch.cuda.empty_cache()
     print("\n\n".join(tables))
     return 0
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 if __name__ == "__main__":
