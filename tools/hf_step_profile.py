@@ -11,8 +11,11 @@ Variants (each a fresh copy of one model, the environment set around its steps):
   ours           our op as the tables pick (the split replayed from graphs on starved grids)
   ours-eager     the same with GDR_SPLIT_GRAPHS=0 (the split launched eagerly)
   ours-unsplit   GDR_FORWARD=flash_qla, GDR_BACKEND=tilelang_fused: no split either way
+  ours-torch-l2norm  `ours` with the hook's q/k l2norm in its torch form (not the one-pass kernels)
+  ours@N         `ours` with N in-place graphs kept per split key (graphs.ADDRESS_SETS; a model
+                 with more layers at one shape than kept replays the rest with copies in)
 Prints one line per variant (median step ms over the steps after the first, the split graphs'
-replays and copied MiB) and, for `--profile`, torch.profiler's tables (GPU and host) of
+replays and copied MiB, the peak of allocated memory; each variant starts with no split graph kept) and, for `--profile`, torch.profiler's tables (GPU and host) of
 `--profile-steps` steps after the timed ones.
 """
 
@@ -37,7 +40,24 @@ VARIANTS = {
     "ours": {},
     "ours-eager": {"GDR_SPLIT_GRAPHS": "0"},
     "ours-unsplit": {"GDR_FORWARD": "flash_qla", "GDR_BACKEND": "tilelang_fused"},
+    "ours-torch-l2norm": {},
 }
+
+
+@contextlib.contextmanager
+def torch_l2norm(on: bool):
+    """The hook's q/k l2norm in its torch form for the block (`on`), else as it is."""
+    from gdr_dispatch.integrations import transformers as gdr_hf
+
+    saved = gdr_hf._fused_l2norm
+    if on:
+        def torch_form():
+            return lambda x, eps: (x.float() * torch.rsqrt((x.float() ** 2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+        gdr_hf._fused_l2norm = torch_form
+    try:
+        yield
+    finally:
+        gdr_hf._fused_l2norm = saved
 
 
 def steps(model, ids, n: int, opt, verbose: bool = False) -> list[float]:
@@ -72,6 +92,36 @@ def _counts() -> dict:
     return out
 
 
+@contextlib.contextmanager
+def address_sets(n: int):
+    """`graphs.ADDRESS_SETS = n` for the block (0: as it is), with `RECENT` and the in-place graphs'
+    limit scaled to it; the split graphs kept before and after are forgotten (each variant's
+    captures and memory are its own)."""
+    try:
+        from gdr_dispatch.backends.split import graphs
+    except ImportError:
+        yield
+        return
+    saved = graphs.ADDRESS_SETS, graphs.RECENT, graphs._placed.limit
+    _forget_split_graphs(graphs)
+    if n:
+        graphs.ADDRESS_SETS, graphs.RECENT, graphs._placed.limit = n, max(saved[1], 4 * n), graphs.LIMIT * n
+    try:
+        yield
+    finally:
+        _forget_split_graphs(graphs)
+        graphs.ADDRESS_SETS, graphs.RECENT, graphs._placed.limit = saved
+
+
+def _forget_split_graphs(graphs) -> None:
+    for memo in (graphs._placed, graphs._graphs, graphs._seen, graphs._callers, graphs._recent,
+                 graphs._placed_captures, graphs._lent, graphs._lend_blocked, graphs._last_use, graphs._streams):
+        memo.clear()
+    for key in list(graphs._pins):
+        graphs._release(key)
+    torch.cuda.synchronize()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--B", type=int, default=1)
@@ -83,12 +133,10 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default="default,ours,ours-eager,ours-unsplit")
     p.add_argument("--profile", default="default,ours", help="variants profiled after their timed steps")
     p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--rows", type=int, default=30, help="rows of each profiler table")
+    p.add_argument("--trace", default="", help="a folder for each profiled variant's Chrome trace (<variant>.json.gz)")
     p.add_argument("--rounds", type=int, default=1, help="the variants in turn this many times (a host's drift "
                    "falls on all alike); each round's median printed")
-    p.add_argument("--address-sets", type=int, default=0,
-                   help="in-place graphs kept per split key (graphs.ADDRESS_SETS, with RECENT and the kept "
-                        "graphs' limit scaled to it): a model with more layers at one shape than the default "
-                        "replays with copies; 0 keeps the default")
     p.add_argument("--log", action="store_true", help="gdr_dispatch's log lines (INFO) on stderr, and per-step counts")
     a = p.parse_args(argv)
     if a.log:
@@ -97,32 +145,40 @@ def main(argv=None) -> int:
         logging.getLogger("gdr_dispatch").setLevel(logging.INFO)
     from gdr_dispatch.integrations import transformers as gdr_hf
 
-    if a.address_sets:
-        from gdr_dispatch.backends.split import graphs
-        graphs.ADDRESS_SETS = a.address_sets
-        graphs.RECENT = max(graphs.RECENT, 4 * a.address_sets)
-        graphs._placed.limit = graphs.LIMIT * a.address_sets
     base = build_model(heads=a.heads, key_heads=a.key_heads, layers=a.layers)
     ids = torch.randint(0, base.config.vocab_size, (a.B, a.T), generator=torch.Generator().manual_seed(1)).cuda()
     tables = []
     for name in [v for _ in range(a.rounds) for v in a.variants.split(",")]:
-        env = VARIANTS[name]
+        base_name, _, sets = name.partition("@")
+        env = VARIANTS[base_name]
         model = copy.deepcopy(base)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         before = graph_counts()
         hook = gdr_hf.use_gdr_dispatch(model) if env is not None else contextlib.nullcontext()
-        with environment(**(env or {})), hook:
+        torch.cuda.reset_peak_memory_stats()
+        with environment(**(env or {})), hook, address_sets(int(sets or 0)), \
+                torch_l2norm(base_name == "ours-torch-l2norm"):
             ms = steps(model, ids, a.steps, opt, a.log)
             seen = {k: round(v - before.get(k, 0), 1) for k, v in graph_counts().items() if v != before.get(k, 0)}
             print(f"{name}: step {statistics.median(ms[1:]):.2f} ms median (first {ms[0] / 1e3:.1f} s, "
-                  f"all {[round(x, 1) for x in ms]}); split graphs {seen}", flush=True)
+                  f"all {[round(x, 1) for x in ms]}); peak allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} "
+                  f"GiB; split graphs {seen}", flush=True)
             if name in a.profile.split(",") and not any(t.startswith(f"== {name}:") for t in tables):
                 from torch.profiler import ProfilerActivity, profile
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     steps(model, ids, a.profile_steps, opt)
+                if a.trace:
+                    import gzip
+                    import shutil
+                    Path(a.trace).mkdir(parents=True, exist_ok=True)
+                    raw = Path(a.trace) / f"{name}.json"
+                    prof.export_chrome_trace(str(raw))
+                    with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
+                        shutil.copyfileobj(src, dst)
+                    raw.unlink()
                 ka = prof.key_averages()
                 tables.append(f"== {name}: {a.profile_steps} steps, by GPU time\n"
-                              + ka.table(sort_by="self_device_time_total", row_limit=30)
+                              + ka.table(sort_by="self_device_time_total", row_limit=a.rows)
                               + f"\n== {name}: by host time\n" + ka.table(sort_by="self_cpu_time_total", row_limit=25))
         del model, opt
         torch.cuda.empty_cache()
