@@ -985,34 +985,46 @@ def test_layers_at_one_shape_replay_their_own_in_place_graphs_on_gpu(monkeypatch
         assert max(errs.values()) < 1e-3, (at, errs)
 
 
-def test_hf_hook_l2norm_fused_matches_the_torch_form_on_gpu(monkeypatch):
-    """The HF hook's q/k normalisation on CUDA bf16 runs fla-core's fused kernels and gives the
-    torch form's values and gradients (bf16 rounding apart), on a strided view as HF passes it."""
+@pytest.mark.parametrize("layout", ["projection", "conv"])
+def test_hf_hook_l2norm_fused_matches_the_torch_form_on_gpu(layout, monkeypatch):
+    """The HF hook's q/k normalisation on CUDA bf16 runs the one-pass kernels
+    (backends/kernels/l2norm.py) and gives the torch form's values and gradients (bf16 rounding
+    apart), on a strided view as HF passes it (a fused projection's, or a transposed convolution
+    output's: HF Qwen3-Next's); inside a capture the torch form runs."""
     from gdr_dispatch.integrations import transformers as gdr_hf
 
     fused = gdr_hf._fused_l2norm()
-    if fused is None:
-        pytest.skip("fla-core's fused l2norm does not import here")
     calls = []
     monkeypatch.setattr(gdr_hf, "_fused_l2norm", lambda: (lambda x, eps: calls.append(eps) or fused(x, eps)))
-    qkv = torch.randn(2, 300, 3 * 4 * 128, device="cuda", dtype=torch.bfloat16) * 3
-    dy = torch.randn(2, 300, 4, 128, device="cuda", dtype=torch.bfloat16)
+    B, T, H, D = 2, 300, 4, 128
+    if layout == "conv":
+        base = torch.randn(B, 3 * H * D, T, device="cuda", dtype=torch.bfloat16) * 3
+
+        def view(x):
+            return x.transpose(1, 2)[..., :H * D].unflatten(-1, (H, D))
+    else:
+        base = torch.randn(B, T, 3 * H * D, device="cuda", dtype=torch.bfloat16) * 3
+
+        def view(x):
+            return x[..., :H * D].view(B, T, H, D)
+    dy = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
     outs = []
     for route in ("fused", "torch"):
-        x = qkv.detach().clone().requires_grad_(True)
-        q = x[..., :512].view(2, 300, 4, 128)  # a strided view of the projection
+        x = base.detach().clone().requires_grad_(True)
+        q = view(x)
+        assert not q.is_contiguous()
         if route == "fused":
             y = gdr_hf.l2norm(q)
         else:
             qf = q.float()
             y = (qf * torch.rsqrt((qf * qf).sum(-1, keepdim=True) + gdr_hf.EPS)).bfloat16()
         (y.float() * dy.float()).sum().backward()
-        outs.append((y.detach(), x.grad[..., :512].detach()))
+        outs.append((y.detach(), view(x.grad).detach()))
     assert calls == [gdr_hf.EPS]
     assert outs[0][0].dtype == torch.bfloat16
     assert relative_error(outs[0][0], outs[1][0]) < 1e-2 and relative_error(outs[0][1], outs[1][1]) < 2e-2
-    # inside a CUDA graph capture the torch form runs (fla's kernels may autotune on a first call)
-    q = qkv[..., :512].view(2, 300, 4, 128)
+    # inside a CUDA graph capture the torch form runs (a first call's compile does not belong in one)
+    q = view(base)
     graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.graph(graph, stream=side):

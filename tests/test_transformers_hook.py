@@ -327,18 +327,16 @@ def test_l2norm_is_fla_and_hf_form():
     torch.testing.assert_close(gdr_hf.l2norm(z), z)
 
 
-def test_l2norm_takes_fla_fused_kernels_only_for_eager_16_bit_cuda_tensors(monkeypatch):
-    """The fused route (fla-core's Triton l2norm, `_fused_l2norm`) is fla's own autograd function
-    where fla imports, and a CPU or fp64 tensor never reaches it (tests/test_gpu.py compares the
-    two forms on a GPU)."""
-    fused = gdr_hf._fused_l2norm()
-    if fused is not None:
-        from fla.modules.norm import l2norm as fla_l2norm
+def test_l2norm_takes_the_one_pass_kernels_only_for_eager_16_bit_cuda_tensors(monkeypatch):
+    """The fused route (`_fused_l2norm`) is backends/kernels/l2norm.py's autograd function, and a
+    CPU or fp64 tensor never reaches it (tests/test_l2norm.py checks the kernels on the CPU,
+    tests/test_gpu.py the route on a GPU)."""
+    from gdr_dispatch.backends.kernels import l2norm as kernels
 
-        assert fused is fla_l2norm.l2norm
+    assert gdr_hf._fused_l2norm() is kernels.l2norm
     calls = []
     monkeypatch.setattr(gdr_hf, "_fused_l2norm", lambda: (lambda x, eps: calls.append(x) or x))
-    x = torch.randn(2, 3, 8, dtype=torch.bfloat16)
+    x = torch.randn(2, 3, 2, 8, dtype=torch.bfloat16)
     torch.testing.assert_close(gdr_hf.l2norm(x), (x.float() * torch.rsqrt((x.float() ** 2).sum(-1, keepdim=True)
                                                                           + 1e-6)).bfloat16(), rtol=0, atol=0)
     gdr_hf.l2norm(x.double())

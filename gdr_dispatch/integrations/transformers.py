@@ -105,31 +105,23 @@ def _load_fla_keywords() -> frozenset:
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
     """fla's and HF's q/k normalisation, `x * rsqrt(sum(x^2, -1) + 1e-6)`, in fp32 (fp64 stays
-    fp64), returned in x's dtype. 16-bit CUDA tensors in eager calls take fla-core's fused Triton
-    kernels (`_fused_l2norm`: one launch each way, the ones fla's own op normalises with); this
-    torch form costs ~8 launches forward and ~10 backward with fp32
-    intermediates of the tensor's size (by the bytes moved, ~1.5 GB against ~0.16 GB for a layer's
-    q and k at B1 T8192 Hg8: ~0.4 ms on the H200; bench/results/nvidia-h200-sm90-hf-starved.md).
-    Traced calls keep the torch form (inductor fuses it), and so do calls inside a CUDA graph
-    capture (fla's kernels autotune on their first call, which a capture cannot hold)."""
-    if (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and not torch.compiler.is_compiling()
-            and not torch.cuda.is_current_stream_capturing()):
-        fused = _fused_l2norm()
-        if fused is not None:
-            return fused(x, EPS)
+    fp64), returned in x's dtype. Eager 16-bit `[B, T, H, D]` CUDA tensors take one Triton pass
+    each way (backends/kernels/l2norm.py: one block shape, no autotune, so a model's first step
+    compiles it once); the torch form below costs ~8 launches forward and ~10 backward with fp32
+    intermediates of the tensor's size. Traced calls keep the torch form (inductor fuses it), and
+    so do calls inside a CUDA graph capture (a first call's compile does not belong in one)."""
+    if (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 4
+            and not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing()):
+        return _fused_l2norm()(x, EPS)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     xf = x.to(acc)
     return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + EPS)).to(x.dtype)
 
 
-@functools.lru_cache(maxsize=None)
 def _fused_l2norm():
-    """fla-core's autograd-aware fused l2norm (`fla.modules.norm.l2norm.l2norm(x, eps)`: fp32
-    inside, x's dtype out), or None where fla-core does not import it (imported once)."""
-    try:
-        from fla.modules.norm.l2norm import l2norm as fused
-    except Exception:  # noqa: BLE001 - any import failure: the torch form runs
-        return None
+    """The one-pass kernels' autograd function (imported on first use: Triton loads with it)."""
+    from gdr_dispatch.backends.kernels.l2norm import l2norm as fused
+
     return fused
 
 

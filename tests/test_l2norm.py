@@ -1,0 +1,71 @@
+"""The HF hook's one-pass q/k l2norm kernels (backends/kernels/l2norm.py) against the float64 torch
+form and its autograd gradient, through Triton's interpreter on the CPU (fp16/fp32: the
+interpreter's bf16 is not trusted), on strided views as HF passes q and k."""
+
+import pytest
+import torch
+
+from gdr_dispatch.backends.kernels.l2norm import l2norm, l2norm_bwd, l2norm_fwd
+
+EPS = 1e-6
+
+
+def reference(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + EPS)
+
+
+def views(B, T, H, D, dtype, gen, layout="projection"):
+    """q as a strided view, and its base: of a fused projection `[B, T, 3 H D]`, or (`conv`) of a
+    convolution's output `[B, 3 H D, T]` transposed to `[B, T, 3 H D]` (HF Qwen3-Next's layout:
+    consecutive tokens adjacent, a head's features T apart)."""
+    if layout == "conv":
+        base = (torch.randn(B, 3 * H * D, T, generator=gen) * 3).to(dtype)
+        q = base.transpose(1, 2)[..., H * D:2 * H * D].unflatten(-1, (H, D))
+        assert T == 1 or (q.stride(1) == 1 and q.stride(3) == T)
+        return base, q
+    base = (torch.randn(B, T, 3 * H * D, generator=gen) * 3).to(dtype)
+    return base, base[..., H * D:2 * H * D].view(B, T, H, D)
+
+
+@pytest.mark.parametrize("layout", ["projection", "conv"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("B,T,H,D", [(1, 5, 2, 16), (2, 37, 3, 128), (1, 3, 4, 48), (2, 1, 1, 128), (1, 130, 2, 32)])
+def test_l2norm_kernels_match_the_float64_form_and_its_gradient_on_a_strided_view(B, T, H, D, dtype, layout):
+    gen = torch.Generator().manual_seed(B * 1000 + T * 10 + D)
+    base, q = views(B, T, H, D, dtype, gen, layout)
+    assert not q.is_contiguous()
+    dy = torch.randn(B, T, H, D, generator=gen).to(dtype)
+    x64 = q.double().requires_grad_(True)
+    want = reference(x64)
+    want.backward(dy.double())
+    y = l2norm_fwd(q, EPS)
+    dx = l2norm_bwd(q, dy, EPS)
+    assert y.dtype == dx.dtype == dtype and y.shape == dx.shape == q.shape and y.is_contiguous()
+    tol = dict(rtol=2e-3, atol=2e-3) if dtype == torch.float16 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(y.double(), want.detach(), **tol)
+    torch.testing.assert_close(dx.double(), x64.grad, **tol)
+
+
+def test_l2norm_autograd_function_sums_into_the_projection_and_writes_no_input():
+    gen = torch.Generator().manual_seed(3)
+    base, _ = views(2, 9, 2, 32, torch.float32, gen)
+    base.requires_grad_(True)
+    before = base.detach().clone()
+    q = base[..., 64:128].view(2, 9, 2, 32)
+    dy = torch.randn(2, 9, 2, 32, generator=gen)
+    l2norm(q, EPS).backward(dy)
+    ref = base.detach().double().requires_grad_(True)
+    reference(ref[..., 64:128].view(2, 9, 2, 32)).backward(dy.double())
+    torch.testing.assert_close(base.grad.double(), ref.grad, rtol=1e-5, atol=1e-6)
+    assert torch.equal(base.detach(), before)
+    assert base.grad[..., :64].eq(0).all() and base.grad[..., 128:].eq(0).all()
+
+
+def test_l2norm_of_a_zero_row_is_zero_and_other_shapes_are_refused():
+    x = torch.zeros(1, 2, 1, 16)
+    x[0, 1, 0, 3] = 2.0
+    y = l2norm_fwd(x, EPS)
+    assert y[0, 0].eq(0).all() and torch.isfinite(y).all()
+    torch.testing.assert_close(y[0, 1, 0, 3], torch.tensor(2.0 / (4.0 + EPS) ** 0.5))
+    with pytest.raises(ValueError, match=r"\[B, T, H, D\]"):
+        l2norm_fwd(torch.zeros(3, 16), EPS)
