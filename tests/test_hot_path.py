@@ -145,6 +145,32 @@ def test_the_op_forward_makes_a_bounded_number_of_our_python_calls(with_backends
     assert len(ours) <= 21, " ".join(ours)
 
 
+def test_the_op_packs_strided_inputs_once_for_its_forward_and_its_backward(with_backends):
+    """HF's q, k, v are views of a transposed convolution output: the op packs them once, and its
+    backward reads the very copies its forward read (saved, not packed again per kernel)."""
+    seen = {}
+
+    class Recording(CannedOp):
+        def forward(self, q, k, v, *rest, **kw):
+            seen["forward"] = (q, k, v)
+            return super().forward(q, k, v, *rest, **kw)
+
+        def run(self, call):
+            seen["backward"] = (call.q, call.k, call.v)
+            return super().run(call)
+
+    with_backends(Recording())
+    B, T, H, D = 2, 64, 2, 8
+    conv = torch.randn(B, 3 * H * D, T, requires_grad=True)
+    q, k, v = (x.unflatten(-1, (H, D)) for x in conv.transpose(1, 2).split(H * D, dim=-1))
+    assert not any(x.is_contiguous() for x in (q, k, v))
+    o, _ = chunk_gated_delta_rule(q, k, v, -torch.rand(B, T, H), torch.rand(B, T, H))
+    o.sum().backward()
+    assert all(x.is_contiguous() for x in seen["forward"])
+    assert [x.data_ptr() for x in seen["backward"]] == [x.data_ptr() for x in seen["forward"]]
+    assert conv.grad is not None and conv.grad.shape == conv.shape
+
+
 # -- what may change between calls is still seen ---------------------------------------------------
 def test_gdr_backend_changed_between_calls_is_honoured(with_backends, monkeypatch):
     kwargs = call_kwargs(make_inputs(SPEC, "cpu"))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from gdr_dispatch.contract import validate
+from gdr_dispatch.contract import packed, validate
 from gdr_dispatch.graph_safe import device_constant, remember, remembered
 
 from . import passes
@@ -73,7 +73,7 @@ def split_forward(inner, segments: int, q, k, v, g, beta, scale, initial_state, 
     def flat(x):
         return x.reshape(1, B * T, *x.shape[2:])
 
-    fq, fk, fv, fg, fb = (flat(x) for x in (q, k, v, g, beta))
+    fq, fk, fv, fg, fb = (packed(flat(x)) for x in (q, k, v, g, beta))  # a strided view copied once
     # the segments' residuals are the whole call's (both per chunk): computed once on the segments
     two = halves(inner)
     G, a = (inner.forward_residuals if two else residuals)(fq, fk, fv, fg, fb, offsets, chunk_size)

@@ -48,7 +48,7 @@ import torch
 
 from gdr_dispatch import chunked_math as cm
 from gdr_dispatch.caches import first_time
-from gdr_dispatch.contract import GDRCall, GDRGrads, chunk_counts, validate
+from gdr_dispatch.contract import GDRCall, GDRGrads, chunk_counts, packed, validate
 from gdr_dispatch.graph_safe import device_constant
 from gdr_dispatch.problem import Problem
 from gdr_dispatch.registry import registered_backends, unverified_allowed, unverified_reason
@@ -215,11 +215,12 @@ def threshold(acc: torch.dtype) -> float:
 
 
 def _segments_inputs(call: GDRCall, offsets: tuple) -> tuple[dict, torch.Tensor]:
-    """The call's per-token tensors as one packed sequence, and the segments' `cu_seqlens` (a
+    """The call's per-token tensors as one packed sequence (a strided view copied once here, not by
+    each pass's kernels), and the segments' `cu_seqlens` (a
     cached device constant: a fresh host-to-device copy, and `validate`'s read of a fresh
     cu_seqlens back to the host, stalled the stream on every split call): the inputs of pass 1's
     and pass 3's calls."""
-    flat = {name: getattr(call, name).reshape(1, call.B * call.T, *getattr(call, name).shape[2:])
+    flat = {name: packed(getattr(call, name).reshape(1, call.B * call.T, *getattr(call, name).shape[2:]))
             for name in ("q", "k", "v", "a", "g", "b", "do")}
     return flat, device_constant(offsets, torch.int32, call.q.device)
 
