@@ -319,6 +319,7 @@ class Wrapper:
 _REGISTRY: dict[str, Backend] = {}
 _WRAPPERS: dict[str, Wrapper] = {}
 _CONTEXT_PARALLEL: list = []
+_KERNELS: dict[str, Callable] = {}  # name -> a kernel registered by backends/ (register_kernel)
 _hidden: contextvars.ContextVar[frozenset] = contextvars.ContextVar("gdr_hidden_backends", default=frozenset())
 #: Bumped by every change to the registry: plans made before a change are not reused after it.
 _generation = [0]
@@ -375,6 +376,18 @@ def register_context_parallel(provider) -> None:
     """The provider of context parallelism across ranks (`backward(...)` and `op(...)` with a
     process group: backends/split/ranks.py), which `cp_group=` reaches without naming it."""
     _CONTEXT_PARALLEL[:] = [provider]
+
+
+def register_kernel(name: str, fn: Callable) -> None:
+    """A kernel the core calls without importing backends/ (which register with it): `"l2norm"`,
+    the HF hook's q/k normalisation (backends/kernels/l2norm.py)."""
+    _KERNELS[name] = fn
+
+
+def kernel(name: str) -> Optional[Callable]:
+    """The kernel registered as `name`, or None where none is."""
+    _load_builtin_backends()
+    return _KERNELS.get(name)
 
 
 def context_parallel():

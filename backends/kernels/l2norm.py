@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gdr_dispatch.registry import register_kernel
+
 ELEMENTS = 2048  # a program's rows x padded row width: 16 rows of 128
 
 
@@ -115,3 +117,6 @@ class L2Norm(torch.autograd.Function):
 def l2norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """`L2Norm.apply(x, eps)`."""
     return L2Norm.apply(x, eps)
+
+
+register_kernel("l2norm", l2norm)

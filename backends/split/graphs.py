@@ -85,6 +85,8 @@ copied_bytes: collections.Counter = collections.Counter()
 #: into one memory pool (each replay writes all it reads of the pool, and its outputs are copied out
 #: or, lent, held from every replay of the key, so one graph's scratch may be another's). Other
 #: calls replay with copies.
+#: 4: with 12 HF Qwen3-Next layers at one shape, 16 sets took two thirds of the copies in off for
+#: 1 GiB more and moved the step less than the host's drift (bench/results/nvidia-h200-sm90-hf-starved.md).
 ADDRESS_SETS = 4
 RECENT = 64
 #: Whether several in-place graphs per key are on without GDR_ALLOW_UNVERIFIED=1 (else one address

@@ -112,17 +112,19 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
     so do calls inside a CUDA graph capture (a first call's compile does not belong in one)."""
     if (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 4
             and not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing()):
-        return _fused_l2norm()(x, EPS)
+        fused = _fused_l2norm()
+        if fused is not None:
+            return fused(x, EPS)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     xf = x.to(acc)
     return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + EPS)).to(x.dtype)
 
 
 def _fused_l2norm():
-    """The one-pass kernels' autograd function (imported on first use: Triton loads with it)."""
-    from gdr_dispatch.backends.kernels.l2norm import l2norm as fused
+    """The one-pass kernels' autograd function, as backends/ registered it (None where not)."""
+    from gdr_dispatch.registry import kernel
 
-    return fused
+    return kernel("l2norm")
 
 
 def hf_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
