@@ -69,3 +69,12 @@ def test_l2norm_of_a_zero_row_is_zero_and_other_shapes_are_refused():
     torch.testing.assert_close(y[0, 1, 0, 3], torch.tensor(2.0 / (4.0 + EPS) ** 0.5))
     with pytest.raises(ValueError, match=r"\[B, T, H, D\]"):
         l2norm_fwd(torch.zeros(3, 16), EPS)
+
+
+def test_l2norm_refuses_a_second_derivative_and_takes_an_empty_feature_axis():
+    x = torch.randn(1, 3, 2, 16, requires_grad=True)
+    (gx,) = torch.autograd.grad(l2norm(x, EPS).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        gx.sum().backward()  # an error, not a silently dropped second-order term
+    assert l2norm_fwd(torch.zeros(1, 2, 3, 0), EPS).shape == (1, 2, 3, 0)
+    assert l2norm_bwd(torch.zeros(1, 2, 3, 0), torch.zeros(1, 2, 3, 0), EPS).shape == (1, 2, 3, 0)

@@ -14,6 +14,8 @@ first, in the forward and again in the backward, which recomputes the norm from 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -77,14 +79,21 @@ def _grid(n_rows: int, D: int) -> tuple[tuple, int, int]:
     return (triton.cdiv(n_rows, rows),), block_d, rows
 
 
+def _on(x: torch.Tensor):
+    """The launch's device context: Triton launches on the current device, not the tensor's (a
+    layer a `device_map` put on another GPU)."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
 def l2norm_fwd(x: torch.Tensor, eps: float) -> torch.Tensor:
     """`x * rsqrt(sum(x^2, -1) + eps)` of a `[B, T, H, D]` tensor (any strides), fresh and
     packed, in x's dtype."""
     x, (n, T, H, s_b, s_t, s_h, D) = _rows(x)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if n:
+    if n and D:
         grid, block_d, rows = _grid(n, D)
-        _l2norm_fwd[grid](x, y, n, T, H, s_b, s_t, s_h, float(eps), D=D, BLOCK_D=block_d, ROWS=rows)
+        with _on(x):
+            _l2norm_fwd[grid](x, y, n, T, H, s_b, s_t, s_h, float(eps), D=D, BLOCK_D=block_d, ROWS=rows)
     return y
 
 
@@ -93,9 +102,10 @@ def l2norm_bwd(x: torch.Tensor, dy: torch.Tensor, eps: float) -> torch.Tensor:
     x, (n, T, H, s_b, s_t, s_h, D) = _rows(x)
     dy = dy.contiguous()
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if n:
+    if n and D:
         grid, block_d, rows = _grid(n, D)
-        _l2norm_bwd[grid](x, dy, dx, n, T, H, s_b, s_t, s_h, float(eps), D=D, BLOCK_D=block_d, ROWS=rows)
+        with _on(x):
+            _l2norm_bwd[grid](x, dy, dx, n, T, H, s_b, s_t, s_h, float(eps), D=D, BLOCK_D=block_d, ROWS=rows)
     return dx
 
 
@@ -109,6 +119,7 @@ class L2Norm(torch.autograd.Function):
         return l2norm_fwd(x, eps)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # no double backward: an error, not a dropped term
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
         return l2norm_bwd(x, dy, ctx.eps), None
