@@ -99,6 +99,13 @@ for arg in "$@"; do
     states)
       timeout "$(left)" python3 bench/bench_states.py ${STATES_ARGS:-} --out "$OUT/bench/states.json" 2>&1 \
         | grep -v TileLang > "$OUT/states.log" ;;
+    hfsteps)
+      # tools/hf_step_profile.py (HFSTEP_ARGS, e.g. --layers 3 --variants default,ours --rounds 3 --profile none);
+      # HFSTEP_TRACE=1 writes the profiled variants' Chrome traces into $OUT/bench/traces
+      timeout "$(left)" python3 tools/hf_step_profile.py ${HFSTEP_ARGS:-} ${HFSTEP_TRACE:+--trace "$OUT/bench/traces"} 2>&1 \
+        | grep -v "TileLang\|causal_conv1d" > "$OUT/hfsteps.log" ;;
+    l2probe)
+      timeout "$(left)" python3 tools/l2norm_probe.py ${L2PROBE_ARGS:-} > "$OUT/l2probe.log" 2>&1 ;;
     *) echo "unknown step $step"; continue ;;
   esac
   echo "$step: exit $? after $(( $(date +%s) - start )) s"
