@@ -561,9 +561,9 @@ class _Eager(torch.autograd.Function):
         q, k, v, g, beta = inputs[:5]
         if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous() and g.is_contiguous()
                 and beta.is_contiguous()):
-            # strided views (HF's q, k, v are views of a transposed convolution output) packed once,
-            # here: the forward reads these copies and the backward the same ones, saved (else the
-            # split's kernels each pack their own: six copies of v a step in HF's Qwen3-Next)
+            # strided views (HF's v is a view of a transposed convolution output) packed once, here:
+            # the forward reads these copies and the backward the same ones, saved (else the split's
+            # kernels each pack their own: six strided copies a layer per step in HF's Qwen3-Next)
             inputs = (packed(q), packed(k), packed(v), packed(g), packed(beta), *inputs[5:])
         # what a split forward keeps for its backward rides on this context (carry.py)
         token, held = carry.open_keeping()
