@@ -62,50 +62,42 @@ def _l2norm_bwd(x, dy, dx, n_rows, T, H, s_b, s_t, s_h, eps, D: tl.constexpr, BL
     tl.store(dx + dst, ((g - yv * dot[:, None]) * r[:, None]).to(dx.dtype.element_ty), mask=mask)
 
 
-def _rows(x: torch.Tensor) -> tuple[torch.Tensor, tuple]:
-    """`x` as `[B, T, H, D]` rows with a unit stride along D (a copy only where it has none), and
-    the launch's sizes and strides."""
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """`x` as `[B, T, H, D]` rows with a unit stride along D (a copy only where it has none)."""
     if x.dim() != 4:
         raise ValueError(f"l2norm: x must be [B, T, H, D], got shape {tuple(x.shape)}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _launch(kernel, x: torch.Tensor, *tensors: torch.Tensor, eps: float) -> None:
+    """`kernel` over the rows of `x` (`_rows`'), read at its strides, with `tensors` packed
+    `[B, T, H, D]`; on x's device (Triton launches on the current one, not the tensor's: a layer
+    a `device_map` put on another GPU); nothing where there is no element."""
     B, T, H, D = x.shape
-    return x, (B * T * H, T, H, x.stride(0), x.stride(1), x.stride(2), D)
-
-
-def _grid(n_rows: int, D: int) -> tuple[tuple, int, int]:
+    n = B * T * H
+    if not (n and D):
+        return
     block_d = triton.next_power_of_2(D)
     rows = max(1, ELEMENTS // block_d)
-    return (triton.cdiv(n_rows, rows),), block_d, rows
-
-
-def _on(x: torch.Tensor):
-    """The launch's device context: Triton launches on the current device, not the tensor's (a
-    layer a `device_map` put on another GPU)."""
-    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        kernel[(triton.cdiv(n, rows),)](x, *tensors, n, T, H, x.stride(0), x.stride(1), x.stride(2), float(eps),
+                                        D=D, BLOCK_D=block_d, ROWS=rows)
 
 
 def l2norm_fwd(x: torch.Tensor, eps: float) -> torch.Tensor:
     """`x * rsqrt(sum(x^2, -1) + eps)` of a `[B, T, H, D]` tensor (any strides), fresh and
     packed, in x's dtype."""
-    x, (n, T, H, s_b, s_t, s_h, D) = _rows(x)
+    x = _rows(x)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if n and D:
-        grid, block_d, rows = _grid(n, D)
-        with _on(x):
-            _l2norm_fwd[grid](x, y, n, T, H, s_b, s_t, s_h, float(eps), D=D, BLOCK_D=block_d, ROWS=rows)
+    _launch(_l2norm_fwd, x, y, eps=eps)
     return y
 
 
 def l2norm_bwd(x: torch.Tensor, dy: torch.Tensor, eps: float) -> torch.Tensor:
     """The gradient w.r.t. `x` of `l2norm_fwd(x, eps)` given `dy`, fresh and packed, in x's dtype."""
-    x, (n, T, H, s_b, s_t, s_h, D) = _rows(x)
-    dy = dy.contiguous()
+    x = _rows(x)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if n and D:
-        grid, block_d, rows = _grid(n, D)
-        with _on(x):
-            _l2norm_bwd[grid](x, dy, dx, n, T, H, s_b, s_t, s_h, float(eps), D=D, BLOCK_D=block_d, ROWS=rows)
+    _launch(_l2norm_bwd, x, dy.contiguous(), dx, eps=eps)
     return dx
 
 
