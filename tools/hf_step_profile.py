@@ -51,9 +51,7 @@ def torch_l2norm(on: bool):
 
     saved = gdr_hf._fused_l2norm
     if on:
-        def torch_form():
-            return lambda x, eps: (x.float() * torch.rsqrt((x.float() ** 2).sum(-1, keepdim=True) + eps)).to(x.dtype)
-        gdr_hf._fused_l2norm = torch_form
+        gdr_hf._fused_l2norm = lambda: None  # no kernel: `l2norm` takes its own torch form
     try:
         yield
     finally:
@@ -95,31 +93,25 @@ def _counts() -> dict:
 @contextlib.contextmanager
 def address_sets(n: int):
     """`graphs.ADDRESS_SETS = n` for the block (0: as it is), with `RECENT` and the in-place graphs'
-    limit scaled to it; the split graphs kept before and after are forgotten (each variant's
-    captures and memory are its own)."""
+    limit scaled to it; every memo is forgotten before and after (`clear_caches`: each variant's
+    graph captures and memory are its own; compiled kernels stay)."""
+    from gdr_dispatch import clear_caches
+
     try:
         from gdr_dispatch.backends.split import graphs
     except ImportError:
         yield
         return
     saved = graphs.ADDRESS_SETS, graphs.RECENT, graphs._placed.limit
-    _forget_split_graphs(graphs)
+    clear_caches()
     if n:
         graphs.ADDRESS_SETS, graphs.RECENT, graphs._placed.limit = n, max(saved[1], 4 * n), graphs.LIMIT * n
     try:
         yield
     finally:
-        _forget_split_graphs(graphs)
+        clear_caches()
+        torch.cuda.synchronize()
         graphs.ADDRESS_SETS, graphs.RECENT, graphs._placed.limit = saved
-
-
-def _forget_split_graphs(graphs) -> None:
-    for memo in (graphs._placed, graphs._graphs, graphs._seen, graphs._callers, graphs._recent,
-                 graphs._placed_captures, graphs._lent, graphs._lend_blocked, graphs._last_use, graphs._streams):
-        memo.clear()
-    for key in list(graphs._pins):
-        graphs._release(key)
-    torch.cuda.synchronize()
 
 
 def main(argv=None) -> int:

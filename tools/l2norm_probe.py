@@ -36,13 +36,17 @@ def _offsets(rows, n_rows, T, H, s_b, s_t, s_h, s_d, cols, D: tl.constexpr):
 
 
 @triton.jit
-def _fwd(x, y, n_rows, T, H, s_b, s_t, s_h, s_d, eps, D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+def _fwd(x, y, rstd, n_rows, T, H, s_b, s_t, s_h, s_d, eps, D: tl.constexpr, BLOCK_D: tl.constexpr,
+         ROWS: tl.constexpr, KEEP: tl.constexpr):
+    # KEEP: also each row's 1 / norm, for a backward from y (the op saves y as its q or k)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     src, dst, mask = _offsets(rows, n_rows, T, H, s_b, s_t, s_h, s_d, cols, D)
     xv = tl.load(x + src, mask=mask, other=0.0).to(tl.float32)
     r = 1.0 / tl.sqrt(tl.sum(xv * xv, axis=1) + eps)
     tl.store(y + dst, (xv * r[:, None]).to(y.dtype.element_ty), mask=mask)
+    if KEEP:
+        tl.store(rstd + rows, r, mask=rows < n_rows)
 
 
 @triton.jit
@@ -60,19 +64,6 @@ def _bwd(x, dy, dx, n_rows, T, H, s_b, s_t, s_h, s_d, eps, D: tl.constexpr, BLOC
 
 
 @triton.jit
-def _fwd_rstd(x, y, rstd, n_rows, T, H, s_b, s_t, s_h, s_d, eps, D: tl.constexpr, BLOCK_D: tl.constexpr,
-              ROWS: tl.constexpr):
-    # _fwd, also keeping each row's 1 / norm for a backward from y (the op saves y as its q or k)
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_D)
-    src, dst, mask = _offsets(rows, n_rows, T, H, s_b, s_t, s_h, s_d, cols, D)
-    xv = tl.load(x + src, mask=mask, other=0.0).to(tl.float32)
-    r = 1.0 / tl.sqrt(tl.sum(xv * xv, axis=1) + eps)
-    tl.store(y + dst, (xv * r[:, None]).to(y.dtype.element_ty), mask=mask)
-    tl.store(rstd + rows, r, mask=rows < n_rows)
-
-
-@triton.jit
 def _bwd_y(y, rstd, dy, dx, n_rows, T, H, s_b, s_t, s_h, s_d, eps, D: tl.constexpr, BLOCK_D: tl.constexpr,
            ROWS: tl.constexpr):
     # dx = r (dy - y (y . dy)) from the rounded y and the kept r: no read of x (fla's form)
@@ -86,46 +77,37 @@ def _bwd_y(y, rstd, dy, dx, n_rows, T, H, s_b, s_t, s_h, s_d, eps, D: tl.constex
     tl.store(dx + dst, ((g - yv * dot[:, None]) * r[:, None]).to(dx.dtype.element_ty), mask=mask)
 
 
-def _launch(kernel, x, *tensors, eps):
+def _launch(kernel, x, *tensors, eps, **constants):
+    """`kernel(*tensors, ...)` over the rows of `x` at x's strides (x itself is read only where it
+    is among `tensors`)."""
     B, T, H, D = x.shape
     n = B * T * H
     if n and D:
         rows = ROWS_TOKENS if x.stride(1) == 1 and T > 1 else ROWS_PACKED
-        kernel[(triton.cdiv(n, rows),)](x, *tensors, n, T, H, *x.stride(), float(eps), D=D,
-                                        BLOCK_D=triton.next_power_of_2(D), ROWS=rows)
+        kernel[(triton.cdiv(n, rows),)](*tensors, n, T, H, *x.stride(), float(eps), D=D,
+                                        BLOCK_D=triton.next_power_of_2(D), ROWS=rows, **constants)
 
 
-def strided_fwd(x, eps):
+def strided_fwd(x, eps, keep=False):
+    """y, and with `keep` (y, 1 / norm per row) for `from_y_bwd`."""
+    B, T, H, _ = x.shape
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _launch(_fwd, x, y, eps=eps)
-    return y
+    rstd = torch.empty(B * T * H if keep else 0, dtype=torch.float32, device=x.device)
+    _launch(_fwd, x, x, y, rstd, eps=eps, KEEP=keep)
+    return (y, rstd) if keep else y
 
 
 def strided_bwd(x, dy, eps):
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _launch(_bwd, x, dy.contiguous(), dx, eps=eps)
+    _launch(_bwd, x, x, dy.contiguous(), dx, eps=eps)
     return dx
 
 
-def from_y_fwd(x, eps):
-    """(y, 1 / norm per row): the forward that keeps what `from_y_bwd` reads."""
-    B, T, H, _ = x.shape
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    rstd = torch.empty(B * T * H, dtype=torch.float32, device=x.device)
-    _launch(_fwd_rstd, x, y, rstd, eps=eps)
-    return y, rstd
-
-
 def from_y_bwd(x, y, rstd, dy, eps):
-    """The gradient from `from_y_fwd`'s outputs; `x` only lends its shape and strides (the rows'
-    order), it is not read."""
+    """The gradient from `strided_fwd(..., keep=True)`'s outputs; `x` only lends its shape and
+    strides (the rows' order), it is not read."""
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    B, T, H, D = x.shape
-    n = B * T * H
-    if n and D:
-        rows = ROWS_TOKENS if x.stride(1) == 1 and T > 1 else ROWS_PACKED
-        _bwd_y[(triton.cdiv(n, rows),)](y, rstd, dy.contiguous(), dx, n, T, H, *x.stride(), float(eps), D=D,
-                                        BLOCK_D=triton.next_power_of_2(D), ROWS=rows)
+    _launch(_bwd_y, x, y, rstd, dy.contiguous(), dx, eps=eps)
     return dx
 
 
@@ -155,10 +137,10 @@ def main(argv=None) -> int:
     x64 = x.double().requires_grad_(True)
     y64 = x64 * torch.rsqrt((x64 * x64).sum(-1, keepdim=True) + eps)
     y64.backward(dy.double())
-    y_kept, rstd_kept = from_y_fwd(x, eps)
+    y_kept, rstd_kept = strided_fwd(x, eps, keep=True)
     runners = {"shipped (copy, then the kernel)": (shipped.l2norm_fwd, shipped.l2norm_bwd),
                "strided read": (strided_fwd, strided_bwd),
-               "strided read, backward from y": (lambda x, eps: from_y_fwd(x, eps)[0],
+               "strided read, backward from y": (lambda x, eps: strided_fwd(x, eps, keep=True)[0],
                                                  lambda x, dy, eps: from_y_bwd(x, y_kept, rstd_kept, dy, eps))}
     for name, (fwd, bwd) in runners.items():
         line = f"{name}: error y {rel(fwd(x, eps), y64.detach()):.2e}, dx {rel(bwd(x, dy, eps), x64.grad):.2e}"
