@@ -17,7 +17,13 @@ def reference(x: torch.Tensor) -> torch.Tensor:
 def views(B, T, H, D, dtype, gen, layout="projection"):
     """q as a strided view, and its base: of a fused projection `[B, T, 3 H D]`, or (`conv`) of a
     convolution's output `[B, 3 H D, T]` transposed to `[B, T, 3 H D]` (HF Qwen3-Next's layout:
-    consecutive tokens adjacent, a head's features T apart)."""
+    consecutive tokens adjacent, a head's features T apart), or (`features`) of a `[B, D, T, H]`
+    tensor permuted (no axis with the unit stride but the heads')."""
+    if layout == "features":
+        base = (torch.randn(B, D, T, H, generator=gen) * 3).to(dtype)
+        q = base.permute(0, 2, 3, 1)
+        assert q.stride(3) == T * H and q.stride(2) == 1
+        return base, q
     if layout == "conv":
         base = (torch.randn(B, 3 * H * D, T, generator=gen) * 3).to(dtype)
         q = base.transpose(1, 2)[..., H * D:2 * H * D].unflatten(-1, (H, D))
@@ -27,13 +33,13 @@ def views(B, T, H, D, dtype, gen, layout="projection"):
     return base, base[..., H * D:2 * H * D].view(B, T, H, D)
 
 
-@pytest.mark.parametrize("layout", ["projection", "conv"])
+@pytest.mark.parametrize("layout", ["projection", "conv", "features"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("B,T,H,D", [(1, 5, 2, 16), (2, 37, 3, 128), (1, 3, 4, 48), (2, 1, 1, 128), (1, 130, 2, 32)])
 def test_l2norm_kernels_match_the_float64_form_and_its_gradient_on_a_strided_view(B, T, H, D, dtype, layout):
     gen = torch.Generator().manual_seed(B * 1000 + T * 10 + D)
     base, q = views(B, T, H, D, dtype, gen, layout)
-    assert not q.is_contiguous()
+    assert not q.is_contiguous() or T * H == 1  # (features: a [B, 1, 1, D] view is packed)
     dy = torch.randn(B, T, H, D, generator=gen).to(dtype)
     x64 = q.double().requires_grad_(True)
     want = reference(x64)
