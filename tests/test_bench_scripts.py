@@ -137,6 +137,21 @@ def test_scripts_import(script):
     assert hasattr(module, "main")
 
 
+def test_l2norm_probe_checks_both_forms_against_float64_on_a_cpu(capsys):
+    """tools/l2norm_probe.py on a CPU (Triton's interpreter, fp32): the in-place and copied forms'
+    values and gradients on a transposed convolution view agree with float64."""
+    import re
+
+    path = TOOLS / "l2norm_probe.py"
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main([]) == 0
+    errors = re.findall(r"^(.+): error y ([0-9.e+-]+), dx ([0-9.e+-]+)", capsys.readouterr().out, re.M)
+    assert len(errors) == 2, errors
+    assert all(float(y) < 1e-6 and float(dx) < 1e-6 for _, y, dx in errors), errors
+
+
 @pytest.mark.parametrize("spec", [dict(B=2, T=70, H=4, Hg=2, K=16, V=16), dict(seqlens=(1, 63, 65), H=2, K=16, V=16)])
 def test_training_bench_step_runs_our_op_and_agrees_with_the_oracle(spec):
     """The training bench's step on a CPU (float64 through the torch forward and backward):

@@ -18,7 +18,11 @@ def views(B, T, H, D, dtype, gen, layout="projection"):
     """q as a strided view, and its base: of a fused projection `[B, T, 3 H D]`, or (`conv`) of a
     convolution's output `[B, 3 H D, T]` transposed to `[B, T, 3 H D]` (HF Qwen3-Next's layout:
     consecutive tokens adjacent, a head's features T apart), or (`features`) of a `[B, D, T, H]`
-    tensor permuted (no axis with the unit stride but the heads')."""
+    tensor permuted (no axis with the unit stride but the heads'), or (`expanded`) one token's
+    `[B, 1, H, D]` expanded over T (a zero token stride)."""
+    if layout == "expanded":
+        base = (torch.randn(B, 1, H, D, generator=gen) * 3).to(dtype)
+        return base, base.expand(B, T, H, D)
     if layout == "features":
         base = (torch.randn(B, D, T, H, generator=gen) * 3).to(dtype)
         q = base.permute(0, 2, 3, 1)
@@ -33,13 +37,14 @@ def views(B, T, H, D, dtype, gen, layout="projection"):
     return base, base[..., H * D:2 * H * D].view(B, T, H, D)
 
 
-@pytest.mark.parametrize("layout", ["projection", "conv", "features"])
+@pytest.mark.parametrize("layout", ["projection", "conv", "features", "expanded"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("B,T,H,D", [(1, 5, 2, 16), (2, 37, 3, 128), (1, 3, 4, 48), (2, 1, 1, 128), (1, 130, 2, 32)])
+@pytest.mark.parametrize("B,T,H,D", [(1, 5, 2, 16), (2, 37, 3, 128), (1, 3, 4, 48), (2, 1, 1, 128), (1, 130, 2, 32),
+                                     (1, 70, 2, 3)])
 def test_l2norm_kernels_match_the_float64_form_and_its_gradient_on_a_strided_view(B, T, H, D, dtype, layout):
     gen = torch.Generator().manual_seed(B * 1000 + T * 10 + D)
     base, q = views(B, T, H, D, dtype, gen, layout)
-    assert not q.is_contiguous() or T * H == 1  # (features: a [B, 1, 1, D] view is packed)
+    assert not q.is_contiguous() or T == 1  # (features or expanded: a [B, 1, H, D] view may be packed)
     dy = torch.randn(B, T, H, D, generator=gen).to(dtype)
     x64 = q.double().requires_grad_(True)
     want = reference(x64)
@@ -84,3 +89,17 @@ def test_l2norm_refuses_a_second_derivative_and_takes_an_empty_feature_axis():
         gx.sum().backward()  # an error, not a silently dropped second-order term
     assert l2norm_fwd(torch.zeros(1, 2, 3, 0), EPS).shape == (1, 2, 3, 0)
     assert l2norm_bwd(torch.zeros(1, 2, 3, 0), torch.zeros(1, 2, 3, 0), EPS).shape == (1, 2, 3, 0)
+
+
+def test_l2norm_tiles_run_along_the_tokens_of_a_transposed_view_and_shrink_with_the_features():
+    """HF's transposed q/k (token stride 1) take 64 rows along the tokens (the measured form: its
+    loads are runs across tokens); a projection view 16 feature rows; wider features fewer rows
+    (the tile's elements stay bounded)."""
+    from gdr_dispatch.backends.kernels.l2norm import tile
+
+    gen = torch.Generator().manual_seed(0)
+    assert tile(views(1, 256, 2, 128, torch.float16, gen, "conv")[1]) == (64, True)
+    assert tile(views(1, 256, 2, 128, torch.float16, gen)[1]) == (16, False)
+    assert tile(views(1, 256, 2, 512, torch.float16, gen, "conv")[1]) == (16, True)
+    assert tile(views(1, 256, 2, 4096, torch.float16, gen)[1]) == (1, False)
+    assert tile(torch.zeros(1, 1, 4, 128).transpose(1, 2)) == (16, False)  # T = 1: no token run

@@ -104,6 +104,8 @@ for arg in "$@"; do
       # HFSTEP_TRACE=1 writes the profiled variants' Chrome traces into $OUT/bench/traces
       timeout "$(left)" python3 tools/hf_step_profile.py ${HFSTEP_ARGS:-} ${HFSTEP_TRACE:+--trace "$OUT/bench/traces"} 2>&1 \
         | grep -v "TileLang\|causal_conv1d" > "$OUT/hfsteps.log" ;;
+    l2probe)
+      timeout "$(left)" python3 tools/l2norm_probe.py ${L2PROBE_ARGS:-} > "$OUT/l2probe.log" 2>&1 ;;
     *) echo "unknown step $step"; continue ;;
   esac
   echo "$step: exit $? after $(( $(date +%s) - start )) s"

@@ -5,12 +5,13 @@ The torch form is ~8 launches forward and ~10 backward with fp32 intermediates o
 size: 2.0 ms more a training step of HF's Qwen3-Next (3 layers, B1 T8192 H16 Hg8) on the H200.
 fla-core's fused kernels are one launch each way, but their autotuner times 25 configurations
 each way at a new shape: that model's first step took 72 s with them, 44 s with these
-(bench/results/nvidia-h200-sm90-hf-first-step.md). These have one block shape, so a first call
-compiles each once. Both read x in place at its strides; on HF's q and k (views of a transposed
-convolution output, consecutive tokens adjacent) a program takes 64 consecutive tokens of one
-head, so every load is a run across tokens: 31 / 27 us forward / backward at B1 T8192 H8 D128
-bf16 on the H200, against 70 / 76 with the view copied packed first (tools/hf_step_profile.py's
-shape). The backward recomputes the norm from the saved input (only `x` is kept).
+(bench/results/nvidia-h200-sm90-hf-first-step.md). These have no autotune: a first call
+compiles each kernel once per layout (two row orders). Both read x in place at its strides; on
+HF's q and k (views of a transposed convolution output, consecutive tokens adjacent) a program
+takes 64 consecutive rows of the [B, H, T] order, so every load is a run across tokens: 31 / 27
+us forward / backward at B1 T8192 H8 D128 bf16 on the H200, against 70 / 76 with the view copied
+packed first (tools/l2norm_probe.py). The backward recomputes the norm from the saved input (only
+`x` is kept).
 """
 
 from __future__ import annotations
@@ -23,21 +24,21 @@ import triton.language as tl
 
 from gdr_dispatch.registry import register_kernel
 
-#: rows a program takes: 16 feature rows where features are adjacent (16 x 256 B at bf16 D 128);
-#: 64 where tokens are (HF's transposed views: each feature column is a 128 B read across the tokens)
-ROWS_PACKED, ROWS_TOKENS = 16, 64
+#: elements of a program's tile (rows x padded feature width): 16 rows of 128 where features are
+#: adjacent (16 x 256 B at bf16), 64 where tokens are (HF's transposed views: each feature column
+#: a 128 B read across the tokens); fewer rows at wider features
+ELEMENTS_PACKED, ELEMENTS_TOKENS = 2048, 8192
 
 
 @triton.jit
 def _offsets(rows, n_rows, T, H, s_b, s_t, s_h, s_d, cols, D: tl.constexpr, TOKENS: tl.constexpr):
-    # row r: (b, t, h) of the [B, T, H] rows, or with TOKENS of the [B, H, T] rows (tokens
-    # fastest, for a view whose token axis has the unit stride); the source at x's strides, the
-    # destination (y, dy, dx) packed [B, T, H, D]
-    rows64 = rows.to(tl.int64)
-    if TOKENS:
-        b, h, t = rows64 // (T * H), (rows64 // T) % H, rows64 % T
+    # row r (int64: B T H may pass 2^31): (b, t, h) of the [B, T, H] rows, or with TOKENS of the
+    # [B, H, T] rows (tokens fastest, for a view whose token axis has the unit stride); the source
+    # at x's strides, the destination (y, dy, dx) packed [B, T, H, D]
+    if TOKENS:  # (rows is int64, so each quotient is; T H itself may pass 2^31)
+        b, h, t = rows // T // H, (rows // T) % H, rows % T
     else:
-        b, t, h = rows64 // (T * H), (rows64 // H) % T, rows64 % H
+        b, t, h = rows // H // T, (rows // H) % T, rows % H
     mask = (rows[:, None] < n_rows) & (cols[None, :] < D)
     src = (b * s_b + t * s_t + h * s_h)[:, None] + cols.to(tl.int64)[None, :] * s_d
     dst = (((b * T + t) * H + h) * D)[:, None] + cols[None, :]
@@ -47,7 +48,7 @@ def _offsets(rows, n_rows, T, H, s_b, s_t, s_h, s_d, cols, D: tl.constexpr, TOKE
 @triton.jit
 def _l2norm_fwd(x, y, n_rows, T, H, s_b, s_t, s_h, s_d, eps, D: tl.constexpr, BLOCK_D: tl.constexpr,
                 ROWS: tl.constexpr, TOKENS: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     src, dst, mask = _offsets(rows, n_rows, T, H, s_b, s_t, s_h, s_d, cols, D, TOKENS)
     xv = tl.load(x + src, mask=mask, other=0.0).to(tl.float32)
@@ -59,7 +60,7 @@ def _l2norm_fwd(x, y, n_rows, T, H, s_b, s_t, s_h, s_d, eps, D: tl.constexpr, BL
 def _l2norm_bwd(x, dy, dx, n_rows, T, H, s_b, s_t, s_h, s_d, eps, D: tl.constexpr, BLOCK_D: tl.constexpr,
                 ROWS: tl.constexpr, TOKENS: tl.constexpr):
     # dx = r (dy - y (y . dy)), y = x r in fp32: the torch form's gradient through its fp32 steps
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     src, dst, mask = _offsets(rows, n_rows, T, H, s_b, s_t, s_h, s_d, cols, D, TOKENS)
     xv = tl.load(x + src, mask=mask, other=0.0).to(tl.float32)
@@ -83,11 +84,18 @@ def _launch(kernel, x: torch.Tensor, *tensors: torch.Tensor, eps: float) -> None
     n = B * T * H
     if not (n and D):
         return
-    tokens = x.stride(1) == 1 and T > 1
+    rows, tokens = tile(x)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        kernel[(triton.cdiv(n, ROWS_TOKENS if tokens else ROWS_PACKED),)](
-            x, *tensors, n, T, H, *x.stride(), float(eps), D=D, BLOCK_D=triton.next_power_of_2(D),
-            ROWS=ROWS_TOKENS if tokens else ROWS_PACKED, TOKENS=tokens)
+        kernel[(triton.cdiv(n, rows),)](x, *tensors, n, T, H, *x.stride(), float(eps), D=D,
+                                        BLOCK_D=triton.next_power_of_2(D), ROWS=rows, TOKENS=tokens)
+
+
+def tile(x: torch.Tensor) -> tuple[int, bool]:
+    """A program's rows over `x` (`[B, T, H, D]`), and whether they run along the tokens (where
+    the token axis has the unit stride)."""
+    T, D = x.shape[1], x.shape[3]
+    tokens = x.stride(1) == 1 and T > 1
+    return max(1, (ELEMENTS_TOKENS if tokens else ELEMENTS_PACKED) // triton.next_power_of_2(max(D, 1))), tokens
 
 
 def l2norm_fwd(x: torch.Tensor, eps: float) -> torch.Tensor:

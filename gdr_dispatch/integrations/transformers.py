@@ -106,9 +106,9 @@ def _load_fla_keywords() -> frozenset:
 def l2norm(x: torch.Tensor) -> torch.Tensor:
     """fla's and HF's q/k normalisation, `x * rsqrt(sum(x^2, -1) + 1e-6)`, in fp32 (fp64 stays
     fp64), returned in x's dtype. Eager 16-bit `[B, T, H, D]` CUDA tensors (plain ones, outside a
-    dispatch mode) take one Triton pass each way (backends/kernels/l2norm.py: one block shape, no
-    autotune, so a model's first step compiles it once; a view whose feature axis is strided, as
-    HF Qwen3-Next's q and k are, is copied packed first); the torch form below costs ~8 launches
+    dispatch mode) take one Triton pass each way (backends/kernels/l2norm.py: no autotune, so a
+    model's first step compiles it once per layout; views are read in place, HF Qwen3-Next's
+    transposed q and k along their tokens); the torch form below costs ~8 launches
     forward and ~10 backward with fp32 intermediates of the tensor's size. Traced calls keep the
     torch form (inductor fuses it), and so do calls inside a CUDA graph capture (a first call's
     compile does not belong in one)."""
