@@ -16,7 +16,8 @@ import importlib
 from gdr_dispatch.contract import GDRCall, GDRGrads
 from gdr_dispatch.registry import Backend, register
 
-from .common.tilelang_sm90 import h_none_reasons, own_state_recompute, run_given_h, sm90_limits, states_compile_jobs
+from .common.tilelang_sm90 import (h_none_reasons, own_state_recompute, plan_given_h, run_given_h, sm90_limits,
+                                   states_compile_jobs)
 
 
 class TileLangFusedBackend(Backend):
@@ -29,6 +30,9 @@ class TileLangFusedBackend(Backend):
 
     def run(self, call: GDRCall) -> GDRGrads:
         return run_given_h(call, _launcher())
+
+    def plan_run(self, call: GDRCall):
+        return plan_given_h(call, _launcher())
 
     def own_state_recompute(self) -> bool:
         return own_state_recompute()

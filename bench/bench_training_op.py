@@ -82,12 +82,17 @@ class Forced:
         self.graph_flags = graph_flags or {}  # backends/split/graphs.py constants set for the step
 
 
-#: `--graph-variants`: the split graphs' unverified features each variant turns on (graphs.py's
-#: PLACED_GPU_VERIFIED: several in-place graphs per key; LEND_GPU_VERIFIED: lent outputs)
+#: `--graph-variants`: the split graphs' features each variant turns on or off (graphs.py's
+#: PLACED_GPU_VERIFIED: several in-place graphs per key; LEND_GPU_VERIFIED: lent outputs;
+#: OWN_POOLS_GPU_VERIFIED: the forward's graphs on pools of their own, lending all their outputs)
 GRAPH_VARIANTS = {"one-set": {"PLACED_GPU_VERIFIED": False, "LEND_GPU_VERIFIED": False},
                   "placed": {"PLACED_GPU_VERIFIED": True, "LEND_GPU_VERIFIED": False},
                   "lend": {"PLACED_GPU_VERIFIED": False, "LEND_GPU_VERIFIED": True},
-                  "placed+lend": {"PLACED_GPU_VERIFIED": True, "LEND_GPU_VERIFIED": True}}
+                  "placed+lend": {"PLACED_GPU_VERIFIED": True, "LEND_GPU_VERIFIED": True},
+                  "fwd-copies": {"PLACED_GPU_VERIFIED": True, "LEND_GPU_VERIFIED": True,
+                                 "OWN_POOLS_GPU_VERIFIED": False},
+                  "fwd-lends": {"PLACED_GPU_VERIFIED": True, "LEND_GPU_VERIFIED": True,
+                                "OWN_POOLS_GPU_VERIFIED": True}}
 
 
 #: `--fresh-inputs`: every step clones its inputs first (every runner alike), as a model's layers

@@ -300,12 +300,12 @@ def fused_gdr_bwd(q, k, v, a, g, b, do, dht=None, h=None, *, scale=None, initial
     """
     if cu_seqlens is not None:
         cu_seqlens = offsets_to_device(cu_seqlens, q)
-    if isinstance(q, torch.Tensor) and q.device.type in AUTOCAST_DEVICES and torch.is_autocast_enabled(q.device.type):
-        with torch.autocast(q.device.type, enabled=False):
-            return fused_gdr_bwd(q, k, v, a, g, b, do, dht, h, scale=scale, initial_state=initial_state,
-                                 cu_seqlens=cu_seqlens, chunk_size=chunk_size, state_v_first=state_v_first,
-                                 max_seqlen=max_seqlen, cp_group=cp_group)
     if cp_group is not None:
+        if isinstance(q, torch.Tensor) and _autocasting(q.device.type):
+            with torch.autocast(q.device.type, enabled=False):
+                return fused_gdr_bwd(q, k, v, a, g, b, do, dht, h, scale=scale, initial_state=initial_state,
+                                     cu_seqlens=cu_seqlens, chunk_size=chunk_size, state_v_first=state_v_first,
+                                     max_seqlen=max_seqlen, cp_group=cp_group)
         from .registry import context_parallel
 
         return context_parallel().backward(q, k, v, a, g, b, do, dht, h, scale=scale, initial_state=initial_state,
@@ -319,7 +319,12 @@ def fused_gdr_bwd(q, k, v, a, g, b, do, dht=None, h=None, *, scale=None, initial
                                         cu_seqlens=cu_seqlens, chunk_size=chunk_size, state_v_first=state_v_first)
         fixed = None if cu_seqlens is not None else check_backward_values(
             dims[0], dims[1], dims[4], dims[3], dims[5], h, None, chunk_size, state_v_first, max_seqlen)
-        plan = _Plan(dims, fixed)
+        plan = _Plan(dims, fixed, q.device.type if q.device.type in AUTOCAST_DEVICES else None)
+    if plan.autocast is not None and torch.is_autocast_enabled(plan.autocast):  # the plan knows q's device type
+        with torch.autocast(plan.autocast, enabled=False):
+            return fused_gdr_bwd(q, k, v, a, g, b, do, dht, h, scale=scale, initial_state=initial_state,
+                                 cu_seqlens=cu_seqlens, chunk_size=chunk_size, state_v_first=state_v_first,
+                                 max_seqlen=max_seqlen)
     B, T, _, K, H, V = plan.dims
     seq_lens, num_chunks = plan.fixed or check_backward_values(B, T, H, K, V, h, cu_seqlens, chunk_size,
                                                                state_v_first, max_seqlen)
@@ -343,11 +348,15 @@ class _Plan:
     chunk count (the count is the one value of `cu_seqlens` a backend's verdict reads: its
     32-bit indexing limit)."""
 
-    __slots__ = ("dims", "fixed", "scale", "runners")
+    __slots__ = ("dims", "fixed", "scale", "runners", "autocast")
 
-    def __init__(self, dims: tuple, fixed: Optional[tuple]):
-        self.dims, self.fixed, self.scale = dims, fixed, None
+    def __init__(self, dims: tuple, fixed: Optional[tuple], autocast: Optional[str]):
+        self.dims, self.fixed, self.scale, self.autocast = dims, fixed, None, autocast  # autocast: q's device type
         self.runners = caches.Memo("chunk counts", limit=256)
+
+
+def _autocasting(device_type: str) -> bool:
+    return device_type in AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type)
 
 
 def run_call(call: GDRCall) -> GDRGrads:
@@ -367,7 +376,7 @@ def _decide_and_run(call: GDRCall) -> tuple[GDRGrads, Optional[Callable[[GDRCall
             return runner(call), runner
     grads, choice = _chosen(call)
     once = choice.source == STATIC and choice.detail == CAPTURING
-    return grads, None if once else choice.backend.run
+    return grads, None if once else choice.backend.plan_run(call)
 
 
 def _run(call: GDRCall) -> GDRGrads:

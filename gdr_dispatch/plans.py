@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Optional
 
 from . import caches, env, registry
-from .contract import signature
+from .contract import backward_signature, signature
 
 #: key -> dispatch's plan of a backward call
 backward = caches.memo("backward plans", limit=1024)
@@ -29,9 +29,9 @@ forward = caches.memo("forward plans", limit=1024)
 
 
 def backward_key(*args) -> Optional[tuple]:
-    """The key of a `fused_gdr_bwd` call (its arguments in order); None when an argument is of a
-    kind only the checked path handles."""
-    sig = signature(*args)
+    """The key of a `fused_gdr_bwd` call (its arguments in `contract.backward_signature`'s order);
+    None when an argument is of a kind only the checked path handles."""
+    sig = backward_signature(*args)
     if sig is None:
         return None
     return sig, env.snapshot(registry.decision_env()), registry.state()

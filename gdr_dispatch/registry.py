@@ -227,6 +227,12 @@ class Backend:
         """Compute the gradients into fresh tensors; never write the call's tensors."""
         raise NotImplementedError
 
+    def plan_run(self, call: GDRCall) -> Callable[[GDRCall], GDRGrads]:
+        """What the dispatcher's plan runs for later calls like `call` (same shapes, dtypes,
+        devices, flags, environment and registry state: plans.py): `run`, or a function with what
+        `run` decides per call decided once (docs/design.md, "The hot path")."""
+        return self.run
+
     #: The training op's forward (`gdr_dispatch.training`): backends that offer one set a rank
     #: (lowest first) and implement `forward`; `forward_verified = False` until the op's GPU
     #: tests pass with it (refused until then, unless `allow_unverified()`).

@@ -1995,6 +1995,74 @@ def test_lent_outputs_are_the_graphs_own_buffers_and_never_overwritten_while_hel
     assert graphs.replays["blocked"] == blocked + 2 and torch.equal(again[0], got[0])
 
 
+def _own_run(x, y):
+    from gdr_dispatch.backends.split import graphs
+
+    return graphs.run_tensors("test", ("k",), (x, y), _affine, (3,), own=True)
+
+
+def test_the_forwards_layers_lend_all_their_outputs_each_held_on_its_own(monkeypatch):
+    """`own` (the op's forward: autograd keeps its outputs until the layer's backward): each layer's
+    in-place graph lends all its outputs (no copy out), and one layer's held outputs block only
+    that layer's next call (eager, the held ones unchanged) while the other layers still replay
+    and lend; after LEND_BLOCKS blocked calls that layer's graph goes and its next one copies out."""
+    from gdr_dispatch.backends.split import graphs
+
+    made, copied = _multi_setup(monkeypatch)
+    monkeypatch.setattr(graphs, "LEND_GPU_VERIFIED", True)
+    monkeypatch.setattr(graphs, "OWN_POOLS_GPU_VERIFIED", True)
+    xs = _layers(3)
+    for step in range(2):  # eager, then each layer captured in place
+        for x, y in xs:
+            _own_run(x, y)
+    static = {i: graphs._placed[(("k",), graphs.addresses(xs[i]))][2] for i in range(3)}
+    held = kept = None
+    for step in range(4):
+        for i, (x, y) in enumerate(xs):
+            x.copy_(torch.randn(3))
+            copied.clear()
+            lent, blocked = graphs.replays["lent"], graphs.replays["blocked"]
+            got = _own_run(x, y)
+            assert all(torch.allclose(a, b) for a, b in zip(got, _affine((x, y)))), (step, i)
+            if i == 0 and step in (1, 2):  # layer 0 still holds its outputs from step 0: eager
+                assert graphs.replays["blocked"] == blocked + 1 and graphs.replays["lent"] == lent
+                assert all(torch.equal(a, b) for a, b in zip(held, kept)) and got[0].data_ptr() != static[0][0].data_ptr()
+                continue
+            if i == 0 and step == 3:  # LEND_BLOCKS reached at step 2: its graph went; a new one copies out
+                assert graphs.replays["blocked"] == blocked and graphs.replays["lent"] == lent and copied
+                assert all(torch.equal(a, b) for a, b in zip(held, kept)) and got[0].data_ptr() != static[0][0].data_ptr()
+                assert (("k",), graphs.addresses(xs[0])) not in graphs._lent
+                continue
+            assert copied == [] and graphs.replays["lent"] == lent + 1, (step, i, copied)
+            assert all(a.data_ptr() == b.data_ptr() for a, b in zip(got, static[i])), (step, i)
+            if i == 0:
+                held, kept = got, [t.clone() for t in got]  # layer 0's outputs kept past the next step
+            del got
+    assert all(static[i][0].data_ptr() == graphs._placed[(("k",), graphs.addresses(xs[i]))][2][0].data_ptr()
+               for i in (1, 2))  # the other layers kept their graphs
+    keep = _own_run(*xs[0])
+    copied.clear()
+    again = _own_run(*xs[0])  # copies out: holding `keep` blocks nothing
+    assert copied and torch.equal(again[0], keep[0])
+    assert all(torch.equal(a, b) for a, b in zip(held, kept))
+
+
+def test_the_forwards_own_pools_need_their_gate(monkeypatch):
+    """Without OWN_POOLS_GPU_VERIFIED (and no GDR_ALLOW_UNVERIFIED) `own` calls replay as any other:
+    outputs copied out."""
+    from gdr_dispatch.backends.split import graphs
+
+    made, copied = _multi_setup(monkeypatch)
+    monkeypatch.setattr(graphs, "LEND_GPU_VERIFIED", True)
+    monkeypatch.setattr(graphs, "OWN_POOLS_GPU_VERIFIED", False)
+    monkeypatch.delenv("GDR_ALLOW_UNVERIFIED", raising=False)
+    x, y = torch.randn(3), torch.randn(2)
+    for _ in range(4):
+        copied.clear()
+        got = _own_run(x, y)
+    assert copied == [2] and got[0].data_ptr() != graphs._placed[(("k",), graphs.addresses((x, y)))][2][0].data_ptr()
+
+
 def test_only_the_leading_outputs_are_lent_the_rest_copied_out(monkeypatch):
     """`lend=n` lends the first n outputs (the backward's per-token gradients) and copies the rest
     out (its dh0: a learnt initial state's .grad keeps it): holding a copied one blocks nothing."""

@@ -940,10 +940,14 @@ def test_layers_at_one_shape_replay_their_own_in_place_graphs_on_gpu(monkeypatch
     feed = [[values(("mixed", "logsigmoid")[(s + i) % 2]) for i in range(layers)] for s in range(steps)]
     names = ("q", "k", "v", "g", "beta")
 
-    def step(x):
+    held = []  # layer 0's forward outputs of step 1, the very tensors, kept past later steps
+
+    def step(x, keep=False):
         leaves = [x[n].detach().requires_grad_(True) for n in names]  # the layer's own storage
         o, ht = chunk_gated_delta_rule(*leaves, output_final_state=True)
         ((o.float() * o.detach().float().sin()).sum() + (ht * ht.detach().cos()).sum()).backward()
+        if keep:
+            held.append((o.detach(), ht.detach(), o.detach().clone(), ht.detach().clone()))
         return [o.detach().clone(), ht.detach().clone()] + [t.grad.clone() for t in leaves]
 
     captured = []  # (step, the graph's name, in place)
@@ -955,6 +959,7 @@ def test_layers_at_one_shape_replay_their_own_in_place_graphs_on_gpu(monkeypatch
 
     monkeypatch.setattr(graphs, "_capture", spy)
     monkeypatch.setattr(graphs, "PLACED_GPU_VERIFIED", True)
+    monkeypatch.setattr(graphs, "OWN_POOLS_GPU_VERIFIED", True)
     results, order_seen = {}, []
     for graphs_on in (False, True):
         monkeypatch.setenv("GDR_SPLIT_GRAPHS", "1" if graphs_on else "0")
@@ -962,23 +967,30 @@ def test_layers_at_one_shape_replay_their_own_in_place_graphs_on_gpu(monkeypatch
         captured.clear()
         mine = [{n: t.cuda() for n, t in feed[0][i].items()} for i in range(layers)]
         results[graphs_on] = {}
+        lent_before = graphs.replays["lent"]
         for s in range(steps):
             order_seen.append(s)
-            forward_in_place = graphs.replays["in place"]
+            forward_in_place, lent = graphs.replays["in place"], graphs.replays["lent"]
             for i in (range(layers) if s % 2 == 0 else reversed(range(layers))):  # the order moves too
                 for n in names:
                     mine[i][n].copy_(feed[s][i][n])
-                results[graphs_on][(s, i)] = step(mine[i])
+                results[graphs_on][(s, i)] = step(mine[i], keep=graphs_on and s == 2 and i == 0)
                 for n in names:
                     assert torch.equal(mine[i][n].cpu(), feed[s][i][n]), (s, i, n)
-            if graphs_on and s >= 2:
-                # every layer's forward replays its own in-place graph, captured once
+            if graphs_on and s == 2:
+                # every layer's forward replays its own in-place graph, captured once, and lends
+                # its outputs and the backward its gradients (their own memory pools: graphs.py)
                 assert graphs.replays["in place"] - forward_in_place >= layers, (s, graphs.replays)
+                assert graphs.replays["lent"] - lent >= layers, (s, graphs.replays)
+            if graphs_on and s >= 2:
                 assert not [c for c in captured if c[0] == len(order_seen) and "forward" in c[1]], captured
         order_seen.clear()
         if graphs_on:
             forward_placed = [c for c in captured if "forward" in c[1] and c[2]]
             assert len(forward_placed) == layers, captured
+            assert graphs.replays["lent"] > lent_before
+            for o, ht, o_then, ht_then in held:  # held past a later step: never overwritten
+                assert torch.equal(o, o_then) and torch.equal(ht, ht_then)
     labels = ("o", "ht", "dq", "dk", "dv", "dg", "dbeta")
     for at, got in results[True].items():
         errs = {n: relative_error(x, y) for n, x, y in zip(labels, got, results[False][at])}

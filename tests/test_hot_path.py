@@ -114,6 +114,40 @@ def test_a_memoised_call_makes_a_bounded_number_of_python_calls(with_backends):
     assert again <= MAX_CALLS < first, (first, again)
 
 
+class Planned(Canned):
+    """A backend whose plan runs another function than `run` (Backend.plan_run)."""
+
+    def __init__(self, name, out):
+        super().__init__(name, out=out)
+        self.planned, self.made = 0, []
+
+    def plan_run(self, call):
+        self.made.append(call.h is None)
+
+        def planned(c):
+            self.planned += 1
+            return self.out
+
+        return planned
+
+
+def test_later_calls_of_a_plan_run_the_backends_plan_run(with_backends, monkeypatch):
+    """The first call runs the pick's `run` and keeps `plan_run(call)` for the plan; later calls
+    with the same key run that; a new key (h given instead of None, GDR_BACKEND changed) asks
+    again."""
+    kwargs = call_kwargs(make_inputs(SPEC, "cpu"))
+    fake = with_backends(Planned("fake_planned", canned(kwargs).out))
+    for _ in range(3):
+        fused_gdr_bwd(**kwargs)
+    assert (fake.calls, fake.planned, fake.made) == (1, 2, [False])
+    fused_gdr_bwd(**{**kwargs, "h": None})
+    fused_gdr_bwd(**{**kwargs, "h": None})
+    assert (fake.calls, fake.planned, fake.made) == (2, 3, [False, True])
+    monkeypatch.setenv("GDR_BACKEND", "fake_planned")
+    fused_gdr_bwd(**kwargs)
+    assert fake.calls == 3
+
+
 def test_a_memoised_call_costs_less_host_time_than_validation_alone(with_backends):
     """The full check and decision (validation, a Problem, the choice's verdict, an nvcc lookup)
     cost about 3x `validate` alone on a CPU; the plan about 0.7x."""

@@ -160,6 +160,38 @@ def test_h_none_recompute_waits_for_the_state_kernels_gpu_tests(monkeypatch, cap
     assert "on our TileLang state kernel" in caplog.text
 
 
+@pytest.mark.parametrize("verified", [False, True])
+def test_a_plans_h_none_run_decides_the_state_kernel_once(verified, monkeypatch, caplog):
+    """`plan_given_h` (tilelang_fused's `plan_run`): which kernel recomputes the states is decided
+    and logged when the plan is made, as `recompute_states` decides it; the plan's calls then run
+    that kernel without asking again. With `h` given no states are recomputed."""
+    from gdr_dispatch.backends.common import fla_pipeline, tilelang_sm90
+    from gdr_dispatch.backends.kernels import tilelang_states
+
+    inputs = make_inputs(ShapeSpec(B=1, T=70, H=2, K=16, V=8, dtype="float32", h="none"), "cpu")
+    call = validate(**call_kwargs(inputs))
+    ran, asked = [], []
+    monkeypatch.setattr(fla_pipeline, "recompute_states", lambda c: ran.append("fla") or "h from fla")
+    monkeypatch.setattr(tilelang_states, "chunk_states", lambda *a, **kw: ran.append("ours") or ("h from ours", None))
+    monkeypatch.setattr(tilelang_states, "GPU_VERIFIED", verified)
+    monkeypatch.delenv("GDR_ALLOW_UNVERIFIED", raising=False)
+    real = tilelang_sm90.states_kernel_refusal
+    monkeypatch.setattr(tilelang_sm90, "states_kernel_refusal", lambda: asked.append(1) or real())
+    launcher = lambda *a, **kw: ("launched", a[7], None, None, None, None)  # noqa: E731 - its h argument
+    clear_caches()
+    with caplog.at_level(logging.INFO, logger="gdr_dispatch"):
+        planned = tilelang_sm90.plan_given_h(call, launcher)
+    assert len(asked) == 1 and ("on our TileLang state kernel" in caplog.text) == verified
+    want = "h from ours" if verified else "h from fla"
+    for _ in range(3):
+        assert tuple(planned(call))[:2] == ("launched", want)
+    assert len(asked) == 1 and ran == ["ours" if verified else "fla"] * 3
+    assert tuple(tilelang_sm90.run_given_h(call, launcher))[:2] == ("launched", want)  # `run` decides per call
+    given = validate(**call_kwargs(make_inputs(ShapeSpec(B=1, T=70, H=2, K=16, V=8, dtype="float32", h="given"),
+                                               "cpu")))
+    assert tuple(tilelang_sm90.plan_given_h(given, launcher)(given))[1] is given.h and len(ran) == 4
+
+
 def test_head_major_copies_are_fresh_transposes_with_padded_rows():
     """The launcher's g and b for the kernel's TMA loads: `[H, width]` fp32, token t of head h at
     [h, t], rows padded to `width` (the kernel's TMA boxes need 16-byte row strides)."""

@@ -60,6 +60,18 @@ def recompute_states(call: GDRCall):
     """The chunk-start states of an `h=None` call: our state kernel where `states_kernel_refusal`
     allows it, else fla's stages 1-2. Says once per problem which ran."""
     why = states_kernel_refusal()
+    _say_states(call, why)
+    return _states(call, why)
+
+
+def _states(call: GDRCall, why: str):
+    if why:
+        return fla_pipeline.recompute_states(call)
+    return _states_kernel().call_states(call)[0]
+
+
+def _say_states(call: GDRCall, why: str) -> None:
+    """The log line of `recompute_states`, once per problem."""
     # the log line's problem is built once per shape and dtype, not per call (it is on the hot path)
     seen = (call.q.shape, call.v.shape, call.q.dtype, call.q.device, call.N, call.max_seqlen,
             call.cu_seqlens is None, call.initial_state is None, call.dht is None, why)
@@ -70,9 +82,6 @@ def recompute_states(call: GDRCall):
             log.info("gdr_dispatch: h=None: the chunk states on %s for %s",
                      "our TileLang state kernel" if not why else f"fla's stages 1-2 (our state kernel: {why})",
                      problem.describe())
-    if why:
-        return fla_pipeline.recompute_states(call)
-    return _states_kernel().call_states(call)[0]
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,7 +103,22 @@ def states_compile_jobs(call: GDRCall) -> list:
 def run_given_h(call: GDRCall, launcher) -> GDRGrads:
     """`launcher` (a kernel's `*_given_h`) on the call; with `h=None` the chunk-start states are
     recomputed first (`recompute_states`)."""
-    h = call.h if call.h is not None else recompute_states(call)
+    return _given_h(call, launcher, None if call.h is not None else recompute_states)
+
+
+def plan_given_h(call: GDRCall, launcher):
+    """`run_given_h` for the later calls of `call`'s plan (`Backend.plan_run`): which kernel
+    recomputes the states with `h=None` decided and said once, here (the plan's key holds what
+    `states_kernel_refusal` reads: the registry's unverified gate and GDR_ALLOW_UNVERIFIED)."""
+    if call.h is not None:
+        return functools.partial(_given_h, launcher=launcher, states=None)
+    why = states_kernel_refusal()
+    _say_states(call, why)
+    return functools.partial(_given_h, launcher=launcher, states=functools.partial(_states, why=why))
+
+
+def _given_h(call: GDRCall, launcher, states) -> GDRGrads:
+    h = call.h if states is None else states(call)
     dq, dk, dv, dg, db, dh0 = launcher(
         call.q, call.k, call.v, call.do, call.a, call.g, call.b, h, call.dht, call.scale, call.seq_lens,
         call.chunk_size, call.cu_seqlens, has_h0=call.initial_state is not None, state_v_first=call.state_v_first,

@@ -105,7 +105,8 @@ class SplitBackend(Backend):
         else:  # eager it is host-bound at the starved shapes, as the backward: from the second call, a graph
             key = (f"{self.name} forward", graphs.signature(tensors), lens, scale, state_v_first, need_final,
                    need_states, chunk_size, str(q.device), keep)
-            out = graphs.run_tensors(f"{self.name} (the op's forward)", key, tensors, fn, lens)
+            # autograd keeps the outputs until the layer's backward: each layer's graph lends its own (`own`)
+            out = graphs.run_tensors(f"{self.name} (the op's forward)", key, tensors, fn, lens, own=True)
         if keep:
             o, final, G, a, h, plan, M, starts = out
             segs = passes.segments_of(lens, chunk_size, self.segments)

@@ -18,7 +18,10 @@ gets its own in-place graph instead, all of the key's graphs on one memory pool,
 at other addresses copy. The graph keeps addresses, never the
 caller's tensors. Outputs are fresh copies (autograd may keep a gradient it is handed), or, for
 the backward's per-token gradients with lending on (`LEND_GPU_VERIFIED`, the default stream),
-the graph's own buffers, never replayed over while anything holds them.
+the graph's own buffers, never replayed over while anything holds them; the op's forward, whose
+outputs autograd keeps until the layer's backward, gives each graph its own memory pool and lends
+all of an in-place graph's outputs, one layer's held outputs blocking only its own graph
+(`OWN_POOLS_GPU_VERIFIED`).
 Where in-place replays are on, known lengths are read from one device constant of their values
 (the op's backward gets a fresh copy of cu_seqlens each step). In-place replays run once their GPU test passed
 (`IN_PLACE_GPU_VERIFIED`, or GDR_ALLOW_UNVERIFIED=1), never inside the autotuner's timing
@@ -108,6 +111,12 @@ PLACED_GPU_VERIFIED = True
 #: starved shapes (bench/results/nvidia-h200-sm90-training-starved.md).
 LEND_GPU_VERIFIED = True
 LEND_BLOCKS = 2
+#: Whether `own` calls (the op's split forward: autograd keeps its outputs until the layer's
+#: backward) give each graph a memory pool of its own and lend an in-place graph's outputs, held
+#: and blocked per graph, without GDR_ALLOW_UNVERIFIED=1. On a key's shared pool a graph's outputs
+#: may lie in another graph's freed scratch, so lending there holds every graph of the key: the
+#: next layer at the shape would find the key held. Its own pool costs each graph its scratch.
+OWN_POOLS_GPU_VERIFIED = False
 #: The backward's outputs lent: dq, dk, dv, dg, db (GDRGrads' order); dh0 is copied out.
 LENT_GRADS = GDRGrads._fields.index("dh0")
 # key -> [(a static output, its storage, its use count when lent)]: the output kept so its storage outlives the
@@ -116,7 +125,7 @@ _lent = caches.memo("split graph lent outputs", limit=256)
 _lend_blocked = caches.memo("split graph lend blocked", limit=256)  # key -> calls that found its outputs held
 # (key, addresses) -> an in-place hit as in _graphs; its pins under the same key in _pins
 _placed = caches.memo("split graphs in place", limit=LIMIT * ADDRESS_SETS,
-                      on_evict=lambda key, hit: (_release(key), _forget_lent(key[0])))
+                      on_evict=lambda key, hit: (_release(key), _lent.pop(key, None), _forget_lent(key[0])))
 # key -> its last `RECENT` calls' address sets, in order, and each one's count among them
 _recent = caches.memo("split graph recent addresses", limit=256)
 _streams = caches.memo("split graph capture streams", limit=256)  # key -> the stream its graphs are captured on
@@ -158,14 +167,19 @@ def run(name: str, call: GDRCall, fn: Callable[..., GDRGrads], extra: tuple = ()
 
 
 def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tuple], seq_lens: tuple,
-                lend: int = 0) -> tuple:
+                lend: int = 0, own: bool = False) -> tuple:
     """`fn(tensors)` (a tuple of tensors or None in, the same out), replayed from a graph from the
     second call with the same `key` on: the eager split's backward (`run`) and the op's split
     forward (forward.py). Inputs are copied into the graph's own, or read in place while they come
     at the addresses it was captured on; outputs come back as fresh copies (module docstring), the
     first `lend` of them as the graph's own buffers while nothing holds them from the call before
-    (`LEND_GPU_VERIFIED`)."""
+    (`LEND_GPU_VERIFIED`). With `own` (the forward, whose outputs autograd keeps until the layer's
+    backward) every graph of the key has a memory pool of its own, and an in-place graph lends all
+    its outputs, held and blocked per graph (`OWN_POOLS_GPU_VERIFIED`)."""
     allowed = in_place_allowed()
+    own = own and allowed and _own_allowed()
+    if own:  # its graphs apart from those captured on a shared pool (the gate may change between calls)
+        key = key + ("own pools",)
     if allowed:  # stable lengths' addresses: what lets the op's backward replay in place
         tensors = tuple(_lengths_constant(x) for x in tensors)
     where = addresses(tensors)
@@ -187,9 +201,15 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
     lend = lend if lend_allowed() and _lend_blocked.get(key, 0) < LEND_BLOCKS else 0
     captures, copies_only = state if isinstance(state, tuple) else (0, False)
     if multi:  # an in-place graph for these addresses, kept or captured now; else copies (below)
-        placed = _placed_hit(name, key, tensors, fn, seq_lens, where)
+        placed = _placed_hit(name, key, tensors, fn, seq_lens, where, own)
         if placed is not None:
-            return _replay(key, placed, tensors, lend)
+            if not own:
+                return _replay(key, placed, tensors, lend)
+            mine = (key, where)  # its own pool: what it lent is held and blocked on its own
+            if _held(mine):
+                return fn(tensors)
+            lent = len(placed[2]) if lend_allowed() and _lend_blocked.get(mine, 0) < LEND_BLOCKS else 0
+            return _replay(mine, placed, tensors, lent)
     hit = _graphs.get(key)
     if hit is not None and hit[3] is not None and (hit[3] != where or not allowed or multi):
         copies_only, hit = True, None  # captured on another caller's tensors: copies for good
@@ -207,7 +227,7 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
                 log.info("gdr_dispatch: %s runs eagerly: it was captured %d times (more shapes in turn than the "
                          "%d graphs kept)", name, captures, LIMIT)
             return fn(tensors)
-        new = _capture(name, key, tensors, fn, seq_lens, in_place=in_place, **(_shared(key) if multi else {}))
+        new = _capture(name, key, tensors, fn, seq_lens, in_place=in_place, **(_shared(key, own) if multi else {}))
         captures += 1
         if new is None and in_place:  # no capture on the caller's tensors: copies for good
             copies_only = True
@@ -313,12 +333,21 @@ def _held(key: tuple) -> bool:
     blocked = _lend_blocked[key] = _lend_blocked.get(key, 0) + 1
     if blocked >= LEND_BLOCKS:
         # the holder keeps those buffers: the key's graphs go (none may write them again), and the
-        # next capture, on fresh memory, copies its outputs out
-        _drop(key)
-        if caches.first_time(("split graph lend", key[0])):
+        # next capture, on fresh memory, copies its outputs out; an in-place graph of its own pool
+        # (`own`, keyed `(key, addresses)`) goes alone
+        placed = key in _placed
+        _unplace(key) if placed else _drop(key)
+        name = key[0][0] if placed else key[0]
+        if caches.first_time(("split graph lend", name)):
             log.info("gdr_dispatch: %s: its outputs were still held at the next call %d times: its graph is "
-                     "captured again and copies them out from now on", key[0], blocked)
+                     "captured again and copies them out from now on", name, blocked)
     return True
+
+
+def _own_allowed() -> bool:
+    from gdr_dispatch.registry import unverified_allowed
+
+    return OWN_POOLS_GPU_VERIFIED or unverified_allowed()
 
 
 def placed_allowed() -> bool:
@@ -329,7 +358,7 @@ def placed_allowed() -> bool:
     return ADDRESS_SETS > 1 and (PLACED_GPU_VERIFIED or unverified_allowed())
 
 
-def _placed_hit(name: str, key: tuple, tensors: tuple, fn, seq_lens: tuple, where: tuple):
+def _placed_hit(name: str, key: tuple, tensors: tuple, fn, seq_lens: tuple, where: tuple, own: bool = False):
     """The key's in-place graph for the addresses `where`: kept, or captured now where they came
     within the key's last `RECENT` calls and the key's latest calls cycle through no more sets
     than it keeps (`_few_sets`; a key with `ADDRESS_SETS` kept gives up its least recently
@@ -346,7 +375,7 @@ def _placed_hit(name: str, key: tuple, tensors: tuple, fn, seq_lens: tuple, wher
     for old in mine[:max(0, len(mine) - ADDRESS_SETS + 1)]:
         _unplace(old)
     _placed_captures[key] = captures + 1
-    return _capture(name, (key, where), tensors, fn, seq_lens, in_place=True, into=_placed, **_shared(key))
+    return _capture(name, (key, where), tensors, fn, seq_lens, in_place=True, into=_placed, **_shared(key, own))
 
 
 def _few_sets(key: tuple) -> bool:
@@ -381,14 +410,15 @@ def _note(key: tuple, where: tuple) -> bool:
     return seen
 
 
-def _shared(key: tuple) -> dict:
+def _shared(key: tuple, own: bool = False) -> dict:
     """`pool` and `stream` for a capture of `key`: the memory pool of a graph of the key still kept
-    (a fresh one where none is: a pool whose graphs are gone is not reused) and the key's own
-    capture stream (the allocator reuses a freed block only on the stream it was freed on);
-    nothing without CUDA (a CPU test's stand-in captures)."""
+    (a fresh one where none is, or with `own`: a pool whose graphs are gone is not reused) and the
+    key's own capture stream (the allocator reuses a freed block only on the stream it was freed
+    on); nothing without CUDA (a CPU test's stand-in captures)."""
     if not torch.cuda.is_available():
         return {}
-    live = [h for k, h in _placed.items() if k[0] == key] + [h for h in (_graphs.get(key),) if h is not None]
+    live = [] if own else [h for k, h in _placed.items() if k[0] == key] + [h for h in (_graphs.get(key),)
+                                                                             if h is not None]
     pools = [h[0].pool() for h in live if hasattr(h[0], "pool")]
     stream = _streams.get(key)
     if stream is None:
@@ -536,9 +566,10 @@ def _forget_lent(key) -> None:
 
 
 def _unplace(placed_key) -> None:
-    """One in-place graph goes (`_placed`), with its pins."""
+    """One in-place graph goes (`_placed`), with its pins and what it lent of its own pool (`own`)."""
     _placed.pop(placed_key, None)
     _release(placed_key)
+    _lent.pop(placed_key, None)
 
 
 @caches.on_clear
