@@ -1995,6 +1995,10 @@ def test_lent_outputs_are_the_graphs_own_buffers_and_never_overwritten_while_hel
     assert graphs.replays["blocked"] == blocked + 2 and torch.equal(again[0], got[0])
 
 
+#: the key of `_own_run`'s graphs: apart from those of the shared pool (graphs.run_tensors)
+OWN_KEY = ("k", "own pools")
+
+
 def _own_run(x, y):
     from gdr_dispatch.backends.split import graphs
 
@@ -2015,7 +2019,7 @@ def test_the_forwards_layers_lend_all_their_outputs_each_held_on_its_own(monkeyp
     for step in range(2):  # eager, then each layer captured in place
         for x, y in xs:
             _own_run(x, y)
-    static = {i: graphs._placed[(("k",), graphs.addresses(xs[i]))][2] for i in range(3)}
+    static = {i: graphs._placed[(OWN_KEY, graphs.addresses(xs[i]))][2] for i in range(3)}
     held = kept = None
     for step in range(4):
         for i, (x, y) in enumerate(xs):
@@ -2031,14 +2035,14 @@ def test_the_forwards_layers_lend_all_their_outputs_each_held_on_its_own(monkeyp
             if i == 0 and step == 3:  # LEND_BLOCKS reached at step 2: its graph went; a new one copies out
                 assert graphs.replays["blocked"] == blocked and graphs.replays["lent"] == lent and copied
                 assert all(torch.equal(a, b) for a, b in zip(held, kept)) and got[0].data_ptr() != static[0][0].data_ptr()
-                assert (("k",), graphs.addresses(xs[0])) not in graphs._lent
+                assert (OWN_KEY, graphs.addresses(xs[0])) not in graphs._lent
                 continue
             assert copied == [] and graphs.replays["lent"] == lent + 1, (step, i, copied)
             assert all(a.data_ptr() == b.data_ptr() for a, b in zip(got, static[i])), (step, i)
             if i == 0:
                 held, kept = got, [t.clone() for t in got]  # layer 0's outputs kept past the next step
             del got
-    assert all(static[i][0].data_ptr() == graphs._placed[(("k",), graphs.addresses(xs[i]))][2][0].data_ptr()
+    assert all(static[i][0].data_ptr() == graphs._placed[(OWN_KEY, graphs.addresses(xs[i]))][2][0].data_ptr()
                for i in (1, 2))  # the other layers kept their graphs
     keep = _own_run(*xs[0])
     copied.clear()

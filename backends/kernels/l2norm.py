@@ -17,6 +17,7 @@ packed first (tools/l2norm_probe.py). The backward recomputes the norm from the 
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
 import triton
@@ -31,14 +32,25 @@ ELEMENTS_PACKED, ELEMENTS_TOKENS = 2048, 8192
 
 
 @triton.jit
+def _rows(ROWS: tl.constexpr, WIDE: tl.constexpr):
+    # a program's rows: int64 only where B T H (plus a tile) passes 2^31 (WIDE), int32 elsewhere,
+    # whose decode divides in 32 bits
+    first = tl.program_id(0)
+    if WIDE:
+        first = first.to(tl.int64)
+    return first * ROWS + tl.arange(0, ROWS)
+
+
+@triton.jit
 def _offsets(rows, n_rows, T, H, s_b, s_t, s_h, s_d, cols, D: tl.constexpr, TOKENS: tl.constexpr):
-    # row r (int64: B T H may pass 2^31): (b, t, h) of the [B, T, H] rows, or with TOKENS of the
-    # [B, H, T] rows (tokens fastest, for a view whose token axis has the unit stride); the source
-    # at x's strides, the destination (y, dy, dx) packed [B, T, H, D]
-    if TOKENS:  # (rows is int64, so each quotient is; T H itself may pass 2^31)
+    # row r: (b, t, h) of the [B, T, H] rows, or with TOKENS of the [B, H, T] rows (tokens
+    # fastest, for a view whose token axis has the unit stride); the source at x's strides, the
+    # destination (y, dy, dx) packed [B, T, H, D], both in int64 (a tensor may pass 2^31 elements)
+    if TOKENS:  # (b by two divisions: T H itself may pass 2^31)
         b, h, t = rows // T // H, (rows // T) % H, rows % T
     else:
         b, t, h = rows // H // T, (rows // H) % T, rows % H
+    b, t, h = b.to(tl.int64), t.to(tl.int64), h.to(tl.int64)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < D)
     src = (b * s_b + t * s_t + h * s_h)[:, None] + cols.to(tl.int64)[None, :] * s_d
     dst = (((b * T + t) * H + h) * D)[:, None] + cols[None, :]
@@ -47,8 +59,8 @@ def _offsets(rows, n_rows, T, H, s_b, s_t, s_h, s_d, cols, D: tl.constexpr, TOKE
 
 @triton.jit
 def _l2norm_fwd(x, y, n_rows, T, H, s_b, s_t, s_h, s_d, eps, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                ROWS: tl.constexpr, TOKENS: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+                ROWS: tl.constexpr, TOKENS: tl.constexpr, WIDE: tl.constexpr):
+    rows = _rows(ROWS, WIDE)
     cols = tl.arange(0, BLOCK_D)
     src, dst, mask = _offsets(rows, n_rows, T, H, s_b, s_t, s_h, s_d, cols, D, TOKENS)
     xv = tl.load(x + src, mask=mask, other=0.0).to(tl.float32)
@@ -58,9 +70,9 @@ def _l2norm_fwd(x, y, n_rows, T, H, s_b, s_t, s_h, s_d, eps, D: tl.constexpr, BL
 
 @triton.jit
 def _l2norm_bwd(x, dy, dx, n_rows, T, H, s_b, s_t, s_h, s_d, eps, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                ROWS: tl.constexpr, TOKENS: tl.constexpr):
+                ROWS: tl.constexpr, TOKENS: tl.constexpr, WIDE: tl.constexpr):
     # dx = r (dy - y (y . dy)), y = x r in fp32: the torch form's gradient through its fp32 steps
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    rows = _rows(ROWS, WIDE)
     cols = tl.arange(0, BLOCK_D)
     src, dst, mask = _offsets(rows, n_rows, T, H, s_b, s_t, s_h, s_d, cols, D, TOKENS)
     xv = tl.load(x + src, mask=mask, other=0.0).to(tl.float32)
@@ -76,18 +88,20 @@ def _check(x: torch.Tensor) -> None:
         raise ValueError(f"l2norm: x must be [B, T, H, D], got shape {tuple(x.shape)}")
 
 
-def _launch(kernel, x: torch.Tensor, *tensors: torch.Tensor, eps: float) -> None:
+def _launch(kernel, x: torch.Tensor, *tensors: torch.Tensor, eps: float, wide: Optional[bool] = None) -> None:
     """`kernel` over the rows of `x`, read in place at its strides, with `tensors` packed
     `[B, T, H, D]`; on x's device (Triton launches on the current one, not the tensor's: a layer
-    a `device_map` put on another GPU); nothing where there is no element."""
+    a `device_map` put on another GPU); nothing where there is no element. `wide`: rows in int64
+    (None: where B T H plus a tile passes 2^31; tools/l2norm_probe.py times both)."""
     B, T, H, D = x.shape
     n = B * T * H
     if not (n and D):
         return
     rows, tokens = tile(x)
+    wide = n + rows >= 2 ** 31 if wide is None else wide
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         kernel[(triton.cdiv(n, rows),)](x, *tensors, n, T, H, *x.stride(), float(eps), D=D,
-                                        BLOCK_D=triton.next_power_of_2(D), ROWS=rows, TOKENS=tokens)
+                                        BLOCK_D=triton.next_power_of_2(D), ROWS=rows, TOKENS=tokens, WIDE=wide)
 
 
 def tile(x: torch.Tensor) -> tuple[int, bool]:
@@ -98,20 +112,20 @@ def tile(x: torch.Tensor) -> tuple[int, bool]:
     return max(1, (ELEMENTS_TOKENS if tokens else ELEMENTS_PACKED) // triton.next_power_of_2(max(D, 1))), tokens
 
 
-def l2norm_fwd(x: torch.Tensor, eps: float) -> torch.Tensor:
+def l2norm_fwd(x: torch.Tensor, eps: float, wide: Optional[bool] = None) -> torch.Tensor:
     """`x * rsqrt(sum(x^2, -1) + eps)` of a `[B, T, H, D]` tensor (any strides), fresh and
     packed, in x's dtype."""
     _check(x)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _launch(_l2norm_fwd, x, y, eps=eps)
+    _launch(_l2norm_fwd, x, y, eps=eps, wide=wide)
     return y
 
 
-def l2norm_bwd(x: torch.Tensor, dy: torch.Tensor, eps: float) -> torch.Tensor:
+def l2norm_bwd(x: torch.Tensor, dy: torch.Tensor, eps: float, wide: Optional[bool] = None) -> torch.Tensor:
     """The gradient w.r.t. `x` of `l2norm_fwd(x, eps)` given `dy`, fresh and packed, in x's dtype."""
     _check(x)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _launch(_l2norm_bwd, x, dy.contiguous(), dx, eps=eps)
+    _launch(_l2norm_bwd, x, dy.contiguous(), dx, eps=eps, wide=wide)
     return dx
 
 

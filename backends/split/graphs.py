@@ -115,8 +115,10 @@ LEND_BLOCKS = 2
 #: backward) give each graph a memory pool of its own and lend an in-place graph's outputs, held
 #: and blocked per graph, without GDR_ALLOW_UNVERIFIED=1. On a key's shared pool a graph's outputs
 #: may lie in another graph's freed scratch, so lending there holds every graph of the key: the
-#: next layer at the shape would find the key held. Its own pool costs each graph its scratch.
-OWN_POOLS_GPU_VERIFIED = False
+#: next layer at the shape would find the key held. Its own pool costs each graph its scratch. Its
+#: GPU test (tests/test_gpu.py: three layers at one shape, one layer's outputs held past a step)
+#: passes on the H200.
+OWN_POOLS_GPU_VERIFIED = True
 #: The backward's outputs lent: dq, dk, dv, dg, db (GDRGrads' order); dh0 is copied out.
 LENT_GRADS = GDRGrads._fields.index("dh0")
 # key -> [(a static output, its storage, its use count when lent)]: the output kept so its storage outlives the
