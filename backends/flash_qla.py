@@ -91,33 +91,47 @@ class FlashQLABackend(Backend):
         return reasons
 
     def run(self, call: GDRCall) -> GDRGrads:
+        return self.plan_run(call)(call)
+
+    def plan_run(self, call: GDRCall):
+        """`run` for the calls of `call`'s plan: what its shapes, dtypes and absent inputs decide
+        (casts, the zero dht, the grouped-head sums) decided once; only the packing (strides are
+        not in a plan's key) is checked per call."""
         chunk, utils = _ops()
-        dtype = call.q.dtype
+        fused_gdr_h, fused_gdr_bwd, cumsum = chunk.fused_gdr_h, chunk.fused_gdr_bwd, utils.chunk_local_cumsum
+        dtype, q_dtype, k_dtype, b_dtype = call.q.dtype, call.q.dtype, call.k.dtype, call.b.dtype
+        Hg, H = call.Hg, call.H
         # its kernels take packed tensors (TMA descriptors), and a and h in q's dtype (as its own
-        # forward makes them)
-        q, k, v, g, b, do = (packed(x) for x in (call.q, call.k, call.v, call.g, call.b, call.do))
-        a = packed(as_dtype(call.a, dtype))
-        dht = call.dht
-        if dht is None and call.initial_state is not None:
-            # its sm120 kernel writes dh0 only when given a dht
-            dht = graph_safe.zeros(tuple(call.initial_state.shape), torch.float32, call.q.device)  # read only
-        if dht is not None:
-            dht = packed(dht)
-        if call.h is not None:
-            h = packed(as_dtype(call.h, dtype))
-        else:
-            h0 = None if call.initial_state is None else packed(call.initial_state.float())
-            h, _, _ = chunk.fused_gdr_h(k=k, v=v, a=a, g=g, b=b, initial_state=h0,
-                                        output_final_state=False, output_h=True, cu_seqlens=call.cu_seqlens,
-                                        state_v_first=call.state_v_first)
-        dq, dk, dv, dg, db, dh0 = chunk.fused_gdr_bwd(
-            q=q, k=k, v=v, a=a, g=g, b=b, do=do, dht=dht, h=h, scale=call.scale,
-            cu_seqlens=call.cu_seqlens, chunk_size=call.chunk_size, state_v_first=call.state_v_first)
-        dg = utils.chunk_local_cumsum(dg, chunk_size=call.chunk_size, cu_seqlens=call.cu_seqlens, reverse=True,
-                                      zero_last_chunk=True)
-        # its per-head dq/dk come in v's dtype: summed in fp32
-        return GDRGrads(sum_value_heads(dq, call.Hg, call.q.dtype), sum_value_heads(dk, call.Hg, call.k.dtype),
-                        dv, dg, as_dtype(db, call.b.dtype), dh0 if call.initial_state is not None else None)
+        # forward makes them); its sm120 kernel writes dh0 only when given a dht (a zero one, read only)
+        zero_dht = call.dht is None and call.initial_state is not None
+        has_h0 = call.initial_state is not None
+
+        def planned(c: GDRCall) -> GDRGrads:
+            q, k, v, g, b, do = packed(c.q), packed(c.k), packed(c.v), packed(c.g), packed(c.b), packed(c.do)
+            a = packed(as_dtype(c.a, dtype))
+            dht = c.dht
+            if zero_dht:
+                dht = graph_safe.zeros(tuple(c.initial_state.shape), torch.float32, c.q.device)
+            if dht is not None:
+                dht = packed(dht)
+            if c.h is not None:
+                h = packed(as_dtype(c.h, dtype))
+            else:
+                h0 = None if c.initial_state is None else packed(c.initial_state.float())
+                h, _, _ = fused_gdr_h(k=k, v=v, a=a, g=g, b=b, initial_state=h0, output_final_state=False,
+                                      output_h=True, cu_seqlens=c.cu_seqlens, state_v_first=c.state_v_first)
+            dq, dk, dv, dg, db, dh0 = fused_gdr_bwd(q=q, k=k, v=v, a=a, g=g, b=b, do=do, dht=dht, h=h, scale=c.scale,
+                                                    cu_seqlens=c.cu_seqlens, chunk_size=c.chunk_size,
+                                                    state_v_first=c.state_v_first)
+            dg = cumsum(dg, chunk_size=c.chunk_size, cu_seqlens=c.cu_seqlens, reverse=True, zero_last_chunk=True)
+            # its per-head dq/dk come in v's dtype: summed in fp32 where heads are grouped
+            if Hg != H:
+                dq, dk = sum_value_heads(dq, Hg, q_dtype), sum_value_heads(dk, Hg, k_dtype)
+            else:
+                dq, dk = as_dtype(dq, q_dtype), as_dtype(dk, k_dtype)
+            return GDRGrads(dq, dk, dv, dg, as_dtype(db, b_dtype), dh0 if has_h0 else None)
+
+        return planned
 
     forward_rank = 10  # FlashQLA's fused forward: ~0.7 ms against ~2.5 for fla's kernels at B8 T4096 H32
     # verified: tests/test_gpu.py's op tests with GDR_FORWARD=flash_qla on the H200 (0.1.3)
