@@ -361,13 +361,13 @@ def _autocasting(device_type: str) -> bool:
 
 def run_call(call: GDRCall) -> GDRGrads:
     """A validated call: through `GDR_CP`'s split when set, else on the dispatcher's pick."""
-    return _decide_and_run(call)[0]
+    return _decide_and_run(call, plan=False)[0]
 
 
-def _decide_and_run(call: GDRCall) -> tuple[GDRGrads, Optional[Callable[[GDRCall], GDRGrads]]]:
-    """`run_call`, and the function a later call with the same plan key runs instead of deciding
-    again: the chosen backend's `run` (None when the choice holds for this call only: a static
-    choice made during a CUDA graph capture)."""
+def _decide_and_run(call: GDRCall, plan: bool = True) -> tuple[GDRGrads, Optional[Callable[[GDRCall], GDRGrads]]]:
+    """`run_call`, and (with `plan`) the function a later call with the same plan key runs
+    instead of deciding again: the chosen backend's `plan_run` (None when the choice holds for
+    this call only: a static choice made during a CUDA graph capture)."""
     segments = env.cp_segments()
     if segments is not None and segments > 1:
         forced = forced_backend()
@@ -375,7 +375,7 @@ def _decide_and_run(call: GDRCall) -> tuple[GDRGrads, Optional[Callable[[GDRCall
             runner = functools.partial(w.forced, n=segments, run=_run, inner=forced)
             return runner(call), runner
     grads, choice = _chosen(call)
-    once = choice.source == STATIC and choice.detail == CAPTURING
+    once = not plan or (choice.source == STATIC and choice.detail == CAPTURING)
     return grads, None if once else choice.backend.plan_run(call)
 
 

@@ -532,7 +532,12 @@ def _backward(ctx, do, dht, dG, da, dh):
     args = (q, k, v, a, G, beta, do.to(q.dtype), dht, h if ctx.save_states else None, initial_state, cu_seqlens,
             ctx.scale, ctx.state_v_first)
     if ctx.eager:
-        with carry.offering(ctx.carried):
+        # dropped once offered: the context outlives the backward while the caller keeps the loss
+        # (a training loop's `loss` into the next step), and a split forward's carry is its graph's
+        # own buffers, lent until nothing holds them (backends/split/graphs.py); a second backward
+        # (retain_graph) runs all of the split's pass 1
+        carried, ctx.carried = ctx.carried, None
+        with carry.offering(carried):
             dq, dk, dv, dg, db, dh0 = _backward_impl(*args)
     else:  # traced: the backward's own custom op, so the compiled graph holds it
         dq, dk, dv, dg, db, dh0 = torch.ops.gdr_dispatch.chunk_gdr_bwd(*args)

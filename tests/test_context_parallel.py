@@ -2051,6 +2051,30 @@ def test_the_forwards_layers_lend_all_their_outputs_each_held_on_its_own(monkeyp
     assert all(torch.equal(a, b) for a, b in zip(held, kept))
 
 
+def test_blocked_calls_count_in_a_row(monkeypatch):
+    """A layer whose outputs are held at one call, then released, lends again and its count starts
+    over: two blocked calls far apart (two logging steps that keep an output) do not turn its
+    graph to copies."""
+    from gdr_dispatch.backends.split import graphs
+
+    _multi_setup(monkeypatch)
+    monkeypatch.setattr(graphs, "LEND_GPU_VERIFIED", True)
+    monkeypatch.setattr(graphs, "OWN_POOLS_GPU_VERIFIED", True)
+    x, y = torch.randn(3), torch.randn(2)
+    _own_run(x, y)
+    _own_run(x, y)  # captured in place, lent
+    mine = (OWN_KEY, graphs.addresses((x, y)))
+    for _ in range(3):
+        held = _own_run(x, y)
+        blocked = graphs.replays["blocked"]
+        _own_run(x, y)  # held: eager
+        assert graphs.replays["blocked"] == blocked + 1
+        del held
+        lent = graphs.replays["lent"]
+        _own_run(x, y)  # released: lent again
+        assert graphs.replays["lent"] == lent + 1 and mine in graphs._placed
+
+
 def test_the_forwards_own_pools_need_their_gate(monkeypatch):
     """Without OWN_POOLS_GPU_VERIFIED (and no GDR_ALLOW_UNVERIFIED) `own` calls replay as any other:
     outputs copied out."""

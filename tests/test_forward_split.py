@@ -416,6 +416,41 @@ def test_a_backward_split_otherwise_or_unsplit_takes_nothing(monkeypatch, with_b
             assert _rel(a, b) < 1e-10
 
 
+def test_the_ops_context_drops_the_carry_once_its_backward_used_it(monkeypatch, with_backends):
+    """What a forward kept for its backward (a split forward's carry: its graph's own, lent
+    buffers) is dropped from the op's context by the backward that used it: a training loop that
+    keeps its loss into the next step must not hold it, or the next forward finds them held."""
+    import gc
+    import weakref
+
+    from gdr_dispatch import carry as channel
+
+    class Kept:
+        pass
+
+    kept, seen = [], []
+
+    class Keeping(_FakeForward):
+        def forward(self, *args, **kwargs):
+            kept.append(Kept())
+            channel.keep(kept[-1])
+            return super().forward(*args, **kwargs)
+
+    with_backends(Keeping())
+    monkeypatch.setenv("GDR_FORWARD", "fake_forward")
+    real = training._backward_impl
+    monkeypatch.setattr(training, "_backward_impl", lambda *a: (seen.append(channel.offered() is not None), real(*a))[1])
+    x = make_inputs(ShapeSpec(B=1, T=70, H=2, K=8, V=8, dtype="float32", h="none"), "cpu")
+    leaves = {n: x[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v", "g_raw", "b")}
+    o, _ = chunk_gated_delta_rule(leaves["q"], leaves["k"], leaves["v"], leaves["g_raw"], leaves["b"])
+    loss = o.sum()
+    alive = weakref.ref(kept.pop())
+    loss.backward()
+    gc.collect()
+    assert seen == [True] and alive() is None  # offered to the backward, then dropped
+    assert loss.grad_fn is not None  # (the graph's nodes still there)
+
+
 def test_the_carry_is_this_calls_only(monkeypatch):
     """`take` refuses a carry offered for another call: another G, other keys, other segments."""
     from gdr_dispatch import carry as channel

@@ -101,7 +101,7 @@ PLACED_GPU_VERIFIED = True
 #: drops before the layer's next backward): a replay returns the graph's own output buffers, and
 #: the key replays again only once nothing holds them (their storages' use counts back where they
 #: were when lent); a call that finds them held runs eagerly (never overwriting them), and after
-#: `LEND_BLOCKS` such calls the key's graphs go and its next capture copies them out for good. Only
+#: `LEND_BLOCKS` such calls in a row the key's graphs go and its next capture copies them out for good. Only
 #: calls on the device's default stream lend (the key's next call on a side stream could run while
 #: another stream still reads what it lent), and a later call on another stream waits for all the
 #: stream of the lending call had queued; a reader of a lent output on a stream of its own is not
@@ -280,6 +280,7 @@ def _replay(key: tuple, hit: tuple, tensors: tuple, lend: int = 0) -> tuple:
     lent = [x for x in out[:lend] if x is not None]
     if lent:  # the use counts before the aliases handed out (`_storage_uses`)
         _lent[key] = [(x, u, _storage_uses(u)) for x, u in zip(lent, map(_storage_of, lent))]
+        _lend_blocked.pop(key, None)  # blocked calls count in a row
         replays["lent"] += 1
     copied = []
     for i, x in enumerate(out):
