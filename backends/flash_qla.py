@@ -99,7 +99,7 @@ class FlashQLABackend(Backend):
         not in a plan's key) is checked per call."""
         chunk, utils = _ops()
         fused_gdr_h, fused_gdr_bwd, cumsum = chunk.fused_gdr_h, chunk.fused_gdr_bwd, utils.chunk_local_cumsum
-        dtype, q_dtype, k_dtype, b_dtype = call.q.dtype, call.q.dtype, call.k.dtype, call.b.dtype
+        dtype, k_dtype, b_dtype = call.q.dtype, call.k.dtype, call.b.dtype
         Hg, H = call.Hg, call.H
         # its kernels take packed tensors (TMA descriptors), and a and h in q's dtype (as its own
         # forward makes them); its sm120 kernel writes dh0 only when given a dht (a zero one, read only)
@@ -126,9 +126,9 @@ class FlashQLABackend(Backend):
             dg = cumsum(dg, chunk_size=c.chunk_size, cu_seqlens=c.cu_seqlens, reverse=True, zero_last_chunk=True)
             # its per-head dq/dk come in v's dtype: summed in fp32 where heads are grouped
             if Hg != H:
-                dq, dk = sum_value_heads(dq, Hg, q_dtype), sum_value_heads(dk, Hg, k_dtype)
+                dq, dk = sum_value_heads(dq, Hg, dtype), sum_value_heads(dk, Hg, k_dtype)
             else:
-                dq, dk = as_dtype(dq, q_dtype), as_dtype(dk, k_dtype)
+                dq, dk = as_dtype(dq, dtype), as_dtype(dk, k_dtype)
             return GDRGrads(dq, dk, dv, dg, as_dtype(db, b_dtype), dh0 if has_h0 else None)
 
         return planned

@@ -200,7 +200,7 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
         return fn(tensors)
     if _held(key):  # outputs it lent are still held: a replay would overwrite them
         return fn(tensors)
-    lend = lend if lend_allowed() and _lend_blocked.get(key, 0) < LEND_BLOCKS else 0
+    lend = _lendable(key, lend)
     captures, copies_only = state if isinstance(state, tuple) else (0, False)
     if multi:  # an in-place graph for these addresses, kept or captured now; else copies (below)
         placed = _placed_hit(name, key, tensors, fn, seq_lens, where, own)
@@ -210,8 +210,7 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
             mine = (key, where)  # its own pool: what it lent is held and blocked on its own
             if _held(mine):
                 return fn(tensors)
-            lent = len(placed[2]) if lend_allowed() and _lend_blocked.get(mine, 0) < LEND_BLOCKS else 0
-            return _replay(mine, placed, tensors, lent)
+            return _replay(mine, placed, tensors, _lendable(mine, len(placed[2])))
     hit = _graphs.get(key)
     if hit is not None and hit[3] is not None and (hit[3] != where or not allowed or multi):
         copies_only, hit = True, None  # captured on another caller's tensors: copies for good
@@ -298,6 +297,12 @@ def _replay(key: tuple, hit: tuple, tensors: tuple, lend: int = 0) -> tuple:
         event.record(stream)
         _last_use[key] = (stream, event, bool(lent))
     return tuple(result)
+
+
+def _lendable(key, n: int) -> int:
+    """How many of `key`'s outputs a replay lends: `n`, or none where lending is not allowed now or
+    `LEND_BLOCKS` calls in a row found what it lent held."""
+    return n if n and lend_allowed() and _lend_blocked.get(key, 0) < LEND_BLOCKS else 0
 
 
 def lend_allowed() -> bool:
