@@ -330,7 +330,7 @@ def synchronizing_calls(fn) -> dict:
 def profile_shape(spec: ShapeSpec, ops: dict, n: int) -> str:
     """Where a step's host time goes (the step is host-bound where its enqueue is near its time):
     per runner, torch.profiler's ops of `n` steps by their own host time, and a cProfile of `n`
-    more by own time (the Python around the launches)."""
+    more by own and by cumulative time (the Python around the launches)."""
     import cProfile
     import io
     import pstats
@@ -361,6 +361,9 @@ def profile_shape(spec: ShapeSpec, ops: dict, n: int) -> str:
         buf = io.StringIO()
         pstats.Stats(prof_py, stream=buf).sort_stats("tottime").print_stats(30)
         out += [f"-- {name}: cProfile, {n} steps, by own time", buf.getvalue()]
+        buf = io.StringIO()
+        pstats.Stats(prof_py, stream=buf).sort_stats("cumulative").print_stats(45)
+        out += [f"-- {name}: the same, by cumulative time (which calls hold the host time)", buf.getvalue()]
     del x
     return "\n".join(out) + "\n"
 
