@@ -365,6 +365,28 @@ def test_ws_probe_runs_a_prototype_mode_alone(capsys, monkeypatch):
         assert "prototype" in capsys.readouterr().err
 
 
+def test_ws_probe_names_builds_by_their_forms(capsys, monkeypatch):
+    """`--colsums` takes a column-sum form with any of the kernel's hoist words (`HOIST_WORDS`),
+    in any order, and refuses others before a device is asked for; the kernel refuses an unknown
+    hoist word before it compiles anything."""
+    monkeypatch.syspath_prepend(str(TOOLS))
+    import ws_probe
+
+    from gdr_dispatch.backends.kernels import tilelang_ws_bwd
+
+    assert ws_probe.form_kw("warp+row+gam") == {"colsums": "warp", "hoist": "gam+row"}
+    assert ws_probe.form_kw("transpose") == {"colsums": "transpose", "hoist": ""}
+    assert ws_probe.form_kw(ws_probe.DEFAULT_FORM) == {"colsums": tilelang_ws_bwd.COLSUMS,
+                                                       "hoist": tilelang_ws_bwd.HOIST}
+    assert ws_probe.variant(ws_probe.DEFAULT_FORM) == "" and ws_probe.variant("warp+row") == " warp+row"
+    for bogus in ("warp+bogus", "bogus", "warp+gam+hoist"):
+        with pytest.raises(SystemExit) as e:
+            ws_probe.main(["--colsums", bogus])
+        assert e.value.code == 2 and "--colsums" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="hoist"):
+        tilelang_ws_bwd.build_ws_bwd.__wrapped__(2, 2, 0.1, "bfloat16", "bfloat16", hoist="gam+bogus")
+
+
 def test_ncu_groups_compares_a_peer_group_by_group(tmp_path, capsys):
     """`--peer`: both pages split at their USETMAXREG lines in nvcc's order; instructions per
     warp and step, and samples on an mbarrier poll (a branch after a try-wait) kept apart from

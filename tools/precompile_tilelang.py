@@ -47,17 +47,20 @@ def compile_one(H: int, Hg: int, dtype: str, schedule: str = "ws", K: int = 128)
             build_states(H, Hg, dtype, "vfirst" in words, timing=True)
         else:
             build_states(H, Hg, dtype, "vfirst" in words)  # positional: the launcher's cache key
-    elif words[0] == "ws":  # the fused backward: ws[-timing][-<mode>][-<colsums form>] (ws_probe's builds)
-        from gdr_dispatch.backends.kernels.tilelang_ws_bwd import COLSUMS, COLSUMS_FORMS, MODES, build_ws_bwd
+    elif words[0] == "ws":  # the fused backward: ws[-timing][-<mode>][-<colsums form>][-gam][-row] (ws_probe's builds)
+        from gdr_dispatch.backends.kernels.tilelang_ws_bwd import (COLSUMS, COLSUMS_FORMS, HOIST, HOIST_WORDS, MODES,
+                                                                   build_ws_bwd)
 
-        unknown = set(words[1:]) - {"timing", *MODES, *COLSUMS_FORMS}
+        unknown = set(words[1:]) - {"timing", *HOIST_WORDS, *MODES, *COLSUMS_FORMS}
         if unknown:
-            raise ValueError(f"ws: unknown words {sorted(unknown)} (timing, a mode of {MODES}, "
+            raise ValueError(f"ws: unknown words {sorted(unknown)} (timing, {', '.join(HOIST_WORDS)}, a mode of {MODES}, "
                              f"a form of {COLSUMS_FORMS})")
         mode = next((w for w in words[1:] if w in MODES), "full")
         colsums = next((w for w in words[1:] if w in COLSUMS_FORMS), COLSUMS)
-        if "timing" in words or mode != "full" or colsums != COLSUMS:  # keywords as tools/ws_probe.py passes them
-            build_ws_bwd(H, Hg, float(K ** -0.5), dtype, dtype, timing="timing" in words, mode=mode, colsums=colsums)
+        hoist = "+".join(w for w in HOIST_WORDS if w in words)
+        if "timing" in words or mode != "full" or colsums != COLSUMS or hoist != HOIST:  # as tools/ws_probe.py passes them
+            build_ws_bwd(H, Hg, float(K ** -0.5), dtype, dtype, timing="timing" in words, mode=mode, colsums=colsums,
+                         hoist=hoist)
         else:
             build_ws_bwd(H, Hg, float(K ** -0.5), dtype, dtype)
     elif words[0] == "flashqla":  # FlashQLA's backward as our backend calls it: flashqla[-varlen][-hnone]...
@@ -67,7 +70,7 @@ def compile_one(H: int, Hg: int, dtype: str, schedule: str = "ws", K: int = 128)
         _flashqla_backward(H, Hg, dtype, varlen="varlen" in words, h_none="hnone" in words, K=K,
                            h0="noh0" not in words, dht="nodht" not in words)
     else:
-        raise ValueError(f"unknown schedule {schedule!r}: ws[-timing][-<mode>][-<colsums>], states[-vfirst][-timing] "
+        raise ValueError(f"unknown schedule {schedule!r}: ws[-timing][-<mode>][-<colsums>][-gam][-row], states[-vfirst][-timing] "
                          "or flashqla[-varlen][-hnone][-noh0][-nodht]")
     how = "kernel cache" if not seen else ("cubin cache" if all(seen) else "nvcc")
     return time.perf_counter() - t0, how

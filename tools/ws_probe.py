@@ -9,6 +9,7 @@
     python tools/ws_probe.py --only B1T8192H16 --mode reconly            # its wall time (plain build)
     python tools/ws_probe.py --warm-peer 8 --shapes B4T4096H16,B8T4096H32   # compile for --peer first
     python tools/ws_probe.py --only B4T4096H16 --colsums warp,transpose [--timing] [--check]  # two forms, one process
+    python tools/ws_probe.py --only B8T4096H32 --colsums warp,warp+gam+row --rounds 3   # tilelang_ws_bwd.HOIST off / on
 
 Prints median ms (CUDA events, gdr_dispatch.autotune.measure_ms), us per chunk step (a CTA walks
 its sequence's chunks one after another); at grouped-head shapes also the launcher's head sum
@@ -26,7 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from gdr_dispatch.backends.kernels.tilelang_ws_bwd import COLSUMS, COLSUMS_FORMS, MODES, ws_bwd_given_h  # noqa: E402
+from gdr_dispatch.backends.kernels.tilelang_ws_bwd import (COLSUMS, COLSUMS_FORMS, HOIST, HOIST_WORDS, MODES,  # noqa: E402
+                                                           ws_bwd_given_h)
 from gdr_dispatch.shapes import ShapeSpec, make_inputs  # noqa: E402
 from timing import measure_ms, more_rounds, relative_error  # noqa: E402
 
@@ -90,18 +92,34 @@ def peer_runners(x) -> dict:
             "@tilelang_fused": lambda: get_backend("tilelang_fused").run(call)}
 
 
-def variant(colsums: str) -> str:
-    return "" if colsums == COLSUMS else f" colsums={colsums}"
+#: A build's form as `--colsums` names it: the column sums' form, then `+<word>` for each of
+#: `tilelang_ws_bwd.HOIST_WORDS` the build hoists; the kernel's own form first.
+DEFAULT_FORM = "+".join([COLSUMS, *(w for w in HOIST.split("+") if w)])
 
 
-def phase_table(name, x, spec, mode: str = "full", colsums: str = COLSUMS) -> dict:
+def form_kw(form: str) -> dict:
+    """`ws_bwd_given_h`'s keywords for a build form (`DEFAULT_FORM`'s spelling)."""
+    base, *extra = form.split("+")
+    return {"colsums": base, "hoist": "+".join(w for w in HOIST_WORDS if w in extra)}
+
+
+def valid_form(form: str) -> bool:
+    base, *extra = form.split("+")
+    return base in COLSUMS_FORMS and set(extra) <= set(HOIST_WORDS)
+
+
+def variant(form: str) -> str:
+    return "" if form_kw(form) == form_kw(DEFAULT_FORM) else f" {form}"
+
+
+def phase_table(name, x, spec, mode: str = "full", colsums: str = DEFAULT_FORM) -> dict:
     """Run the timing build once (after a warm-up) and print the mean cycles per chunk step that
     each consumer group spends working before, and waiting at, each sync point."""
     from gdr_dispatch.backends.kernels.tilelang_ws_bwd import PHASES, TIMING_SLOTS
 
     n_seq = len(spec.seq_lens)
     clk = torch.zeros(n_seq * spec.H * 3 * TIMING_SLOTS, dtype=torch.int32, device="cuda")
-    fn = runner(x, clk=clk, mode=mode, colsums=colsums)
+    fn = runner(x, clk=clk, mode=mode, **form_kw(colsums))
     fn()
     clk.zero_()
     fn()
@@ -125,7 +143,7 @@ def phase_table(name, x, spec, mode: str = "full", colsums: str = COLSUMS) -> di
             "loop_cycles_per_step": [round(v) for v in loop]}
 
 
-def check(name, x, repeat: int, colsums: str = COLSUMS) -> None:
+def check(name, x, repeat: int, colsums: str = DEFAULT_FORM) -> None:
     """Per-output errors against the torch backend over `repeat` runs, and whether reruns are
     bit-identical (a race moves the result between runs)."""
     from gdr_dispatch.chunked_math import chunked_backward
@@ -134,7 +152,7 @@ def check(name, x, repeat: int, colsums: str = COLSUMS) -> None:
 
     ref = chunked_backward(validate(**call_kwargs(x)))
     names = ("dq", "dk", "dv", "dg", "db", "dh0")
-    fn = runner(x, colsums=colsums)
+    fn = runner(x, **form_kw(colsums))
     worst, first = {}, None
     for rep in range(max(2, repeat)):
         out = fn()
@@ -171,16 +189,18 @@ def main(argv=None) -> int:
     p.add_argument("--mode", default="full", choices=MODES,
                    help="a prototype build of ours (tilelang_ws_bwd.MODES; wrong results: --timing's cycles and "
                         "the wall time only, no --check, no --peer)")
-    p.add_argument("--colsums", default=COLSUMS,
-                   help=f"comma-separated forms of A's column sums to run side by side ({', '.join(COLSUMS_FORMS)}); "
-                        f"the kernel's is {COLSUMS}")
+    p.add_argument("--colsums", default=DEFAULT_FORM,
+                   help=f"comma-separated builds to run side by side: a form of A's column sums "
+                        f"({', '.join(COLSUMS_FORMS)}), each optionally +{'/+'.join(HOIST_WORDS)} (tilelang_ws_bwd.HOIST); "
+                        f"the kernel's is {DEFAULT_FORM}")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.mode != "full" and (args.check or args.peer or args.kernel != "ws"):
         p.error("--mode: a prototype build's results are wrong; it runs alone (no --check, --peer, --kernel)")
     forms = args.colsums.replace(",", " ").split()
-    if not forms or any(f not in COLSUMS_FORMS for f in forms):
-        p.error(f"--colsums: expected forms of {COLSUMS_FORMS}, got {args.colsums!r}")
+    if not forms or not all(map(valid_form, forms)):
+        p.error(f"--colsums: expected forms of {COLSUMS_FORMS}, each optionally +{'/+'.join(HOIST_WORDS)}, "
+                f"got {args.colsums!r}")
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
@@ -214,7 +234,7 @@ def main(argv=None) -> int:
                 check(name, x, args.repeat, f)
         steps = max(spec.seq_lens) // 64
         base = "ws" if args.mode == "full" else f"ws {args.mode}"
-        fns = {**{base + variant(f): runner(x, mode=args.mode, colsums=f) for f in forms},
+        fns = {**{base + variant(f): runner(x, mode=args.mode, **form_kw(f)) for f in forms},
                **(peer_runners(x) if args.peer else {})}
 
         def measure(fn):

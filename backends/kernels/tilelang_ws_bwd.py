@@ -60,6 +60,15 @@ PHASES = 7
 #: for dG's column sums (phase 5) spilled and was not faster (docs/kernels.md, "Fused backward").
 COLSUMS = "warp"
 COLSUMS_FORMS = ("warp", "transpose")
+#: A's work taken out of its per-element loops (`hoist`, words joined by '+'): "gam", Gam's
+#: exponents formed unmasked before the masked exp2 (G's shared loads then not predicated per
+#: element) from G log2(e) kept in `G_s`; "row", phase 5's dq row factor `scale e^G` once per row
+#: (nvcc keeps the source's order of multiplications: `x * scale * e^G` is two per element). Both:
+#: A 2889 -> 2718 SASS instructions per warp and chunk step, spill instructions 39 -> 26
+#: (tools/sass_report.py); on the H200 -3.6 % at B8 T4096 H32 and +3.5 % at B4 T4096 H16, so off
+#: (docs/kernels.md, "Fused backward").
+HOIST = ""
+HOIST_WORDS = ("gam", "row")
 
 #: A warp's partial column sums of a warpgroup's 64 x 64 fp32 wgmma accumulator: element
 #: `4 n + 2 r + c` of lane l in warp w is row `16 w + 8 r + l / 4`, column `8 n + 2 (l % 4) + c`
@@ -118,7 +127,7 @@ MODES = ("full", "reconly", "nowait")
 
 @functools.lru_cache(maxsize=None)
 def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing: bool = False, mode: str = "full",
-                 colsums: str = COLSUMS):
+                 colsums: str = COLSUMS, hoist: str = HOIST):
     """Compile (once per configuration) the warp-specialised kernel (K = V = 128, chunk 64).
     `mode` other than "full": a prototype build (`MODES`), never the backend's.
 
@@ -142,6 +151,12 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     if colsums not in COLSUMS_FORMS:
         raise ValueError(f"colsums: expected one of {COLSUMS_FORMS}, got {colsums!r}")
     warp_cols = colsums == "warp"
+    hoisted = set(hoist.split("+")) - {""}
+    if hoisted - set(HOIST_WORDS):
+        raise ValueError(f"hoist: expected words of {HOIST_WORDS} joined by '+', got {hoist!r}")
+    gam_first, row_factor = "gam" in hoisted, "row" in hoisted
+    # with "gam" G_s holds G log2(e) (its only reader is Gam's exponent): no multiply per element
+    g_scale, gam_scale = (LOG2E, 1.0) if gam_first else (1.0, LOG2E)
     reconly, nowait = mode == "reconly", mode == "nowait"
     accum = "float32"
     TT = T.dynamic("num_tokens")
@@ -345,7 +360,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                 do_s = T.alloc_shared((BT, V), dtype)
                 a_s = T.alloc_shared((BT, BT), dtype)
                 h_s = T.alloc_shared((K, V), dtype)
-                G_s = T.alloc_shared((BT,), accum)  # padded with the last valid G
+                G_s = T.alloc_shared((BT,), accum)  # padded with the last valid G (times log2(e) with `hoist`)
                 eG_s = T.alloc_shared((BT,), accum)  # e^G (e^{G_L} on the last row)
                 eGL_s = T.alloc_shared((BT,), accum)  # e^{G_L - G}
                 b_s = T.alloc_shared((BT,), accum)  # 0 past the end
@@ -423,7 +438,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                     for i, j in T.Parallel(K, V):
                         h_s[i, j] = h[c0 + n_chunks - 1, hh, i, j]
                     for i in T.Parallel(BT):
-                        G_s[i] = g[T.min(t_first + i, eos - 1), hh]
+                        G_s[i] = g[T.min(t_first + i, eos - 1), hh] * g_scale
                         eG_s[i] = T.exp2(g[T.min(t_first + i, eos - 1), hh] * LOG2E)
                         eGL_s[i] = T.exp2((g[eos - 1, hh] - g[T.min(t_first + i, eos - 1), hh]) * LOG2E)
                         b_s[i] = T.if_then_else(t_first + i < eos, T.cast(b[t_first + i, hh], accum),
@@ -595,9 +610,16 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             t0 = bos + c * BT
                             if it > 0:
                                 full_wait(full, (it - 1) % 2, 2, tick, tm_s)
-                            for i, j in T.Parallel(BT, BT):  # Gam once per chunk, for phases 1, 4 and 5
-                                # exp2(-1e30) = 0: no branch around the exp2
-                                gam_f[i, j] = T.exp2(T.if_then_else(j <= i, (G_s[i] - G_s[j]) * LOG2E, T.cast(-1e30, accum)))
+                            if gam_first:  # the exponents first, unmasked: G's loads are then not predicated per element
+                                for i, j in T.Parallel(BT, BT):
+                                    gam_f[i, j] = G_s[i] - G_s[j]
+                                for i, j in T.Parallel(BT, BT):
+                                    gam_f[i, j] = T.exp2(T.if_then_else(j <= i, gam_f[i, j], T.cast(-1e30, accum)))
+                            else:
+                                for i, j in T.Parallel(BT, BT):  # Gam once per chunk, for phases 1, 4 and 5
+                                    # exp2(-1e30) = 0: no branch around the exp2
+                                    gam_f[i, j] = T.exp2(T.if_then_else(j <= i, (G_s[i] - G_s[j]) * gam_scale,
+                                                                        T.cast(-1e30, accum)))
                             # 1: Pg = scale Gam Q K^T; Ag = Gam A b (formed while the gemm runs; KV forms U and W)
                             T.wgmma_gemm(q_s, k_s, pg_f, transpose_B=True, clear_accum=True)
                             for i, j in T.Parallel(BT, BT):  # sq_f is free until phase 3
@@ -658,9 +680,14 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             T.copy(sq_f, pg_s)
                             T.wait_wgmma(0)
                             fence(a1_f)
-                            for i, j in T.Parallel(BT, K):
-                                a1_f[i, j] = a1_f[i, j] * scale * eG_s[i]
-                                a2_f[i, j] = a1_f[i, j] * T.cast(q_s[i, j], accum)
+                            if row_factor:  # the row factor once per row
+                                for i, j in T.Parallel(BT, K):
+                                    a1_f[i, j] = a1_f[i, j] * (scale * eG_s[i])
+                                    a2_f[i, j] = a1_f[i, j] * T.cast(q_s[i, j], accum)
+                            else:
+                                for i, j in T.Parallel(BT, K):
+                                    a1_f[i, j] = a1_f[i, j] * scale * eG_s[i]
+                                    a2_f[i, j] = a1_f[i, j] * T.cast(q_s[i, j], accum)
                             T.reduce_sum(a2_f, ar_f, dim=1)
                             for i in T.Parallel(BT):
                                 dGa_s[i] = dGa_s[i] + ar_f[i]
@@ -714,7 +741,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         T.tma_copy(q[t0:t0 + BT, hg, 0:K], q_s, barrier=full)
                         T.tma_copy(a[t0:t0 + BT, hh, 0:BT], a_s, barrier=full)
                         if tx - 384 < BT:
-                            G_s[tx - 384] = gpre[0]
+                            G_s[tx - 384] = gpre[0] * g_scale
                             eG_s[tx - 384] = T.exp2(gpre[0] * LOG2E)
                             eGL_s[tx - 384] = T.exp2((gpre[1] - gpre[0]) * LOG2E)
                             b_s[tx - 384] = gpre[2]
@@ -738,14 +765,15 @@ def ws_config(q, v, b, scale: float) -> tuple:
 
 def ws_bwd_given_h(q, k, v, do, a, g, b, h, dht, scale: float, seq_lens, chunk_size: int = 64,
                    cu_seqlens=None, has_h0: bool = False, state_v_first: bool = False, clk=None, mode: str = "full",
-                   colsums: str = COLSUMS):
+                   colsums: str = COLSUMS, hoist: str = HOIST):
     """Run the warp-specialised kernel; returns `(dq, dk, dv, dg, db, dh0)` in the contract's form.
 
     `tilelang_launch.launch_packed`'s calling convention; dq/dk come out in q's dtype, db in b's
     dtype. `clk` (int32, `[N * H * 3 * TIMING_SLOTS]`) asks for the timing build and receives
     its counters (tools/ws_probe.py); `mode` a prototype build (`MODES`: wrong results, for
     tools/ws_probe.py's cycles and wall times only); `colsums` another form of the column sums
-    (`COLSUMS_FORMS`, for tools/ws_probe.py's comparisons).
+    (`COLSUMS_FORMS`) and `hoist` A's work taken out of its per-element loops (`HOIST`), for
+    tools/ws_probe.py's comparisons.
     """
     import torch
 
@@ -754,8 +782,8 @@ def ws_bwd_given_h(q, k, v, do, a, g, b, h, dht, scale: float, seq_lens, chunk_s
         raise ValueError(f"ws_bwd_given_h: built for K = V = {K}, chunk {BT}; got K={Kd}, V={Vd}, chunk {chunk_size}")
     # the plain build by its positional arguments alone: the key `compile_jobs` warms (lru_cache)
     cfg = ws_config(q, v, b, scale)
-    kern = build_ws_bwd(*cfg) if clk is None and mode == "full" and colsums == COLSUMS else \
-        build_ws_bwd(*cfg, timing=clk is not None, mode=mode, colsums=colsums)
+    kern = build_ws_bwd(*cfg) if clk is None and mode == "full" and colsums == COLSUMS and hoist == HOIST else \
+        build_ws_bwd(*cfg, timing=clk is not None, mode=mode, colsums=colsums, hoist=hoist)
     if clk is None:  # the plain build never touches it: a cached constant, one launch less per call
         clk = device_constant((0,), torch.int32, q.device)
     # TMA copies bytes: h_s holds q's dtype
