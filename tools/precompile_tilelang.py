@@ -49,7 +49,7 @@ def compile_one(H: int, Hg: int, dtype: str, schedule: str = "ws", K: int = 128)
             build_states(H, Hg, dtype, "vfirst" in words)  # positional: the launcher's cache key
     elif words[0] == "ws":  # the fused backward: ws[-timing][-<mode>][-<colsums form>][-gam][-row] (ws_probe's builds)
         from gdr_dispatch.backends.kernels.tilelang_ws_bwd import (COLSUMS, COLSUMS_FORMS, HOIST, HOIST_WORDS, MODES,
-                                                                   build_ws_bwd)
+                                                                   build_ws_bwd, hoist_form)
 
         unknown = set(words[1:]) - {"timing", *HOIST_WORDS, *MODES, *COLSUMS_FORMS}
         if unknown:
@@ -57,7 +57,7 @@ def compile_one(H: int, Hg: int, dtype: str, schedule: str = "ws", K: int = 128)
                              f"a form of {COLSUMS_FORMS})")
         mode = next((w for w in words[1:] if w in MODES), "full")
         colsums = next((w for w in words[1:] if w in COLSUMS_FORMS), COLSUMS)
-        hoist = "+".join(w for w in HOIST_WORDS if w in words)
+        hoist = hoist_form(w for w in words[1:] if w in HOIST_WORDS)
         if "timing" in words or mode != "full" or colsums != COLSUMS or hoist != HOIST:  # as tools/ws_probe.py passes them
             build_ws_bwd(H, Hg, float(K ** -0.5), dtype, dtype, timing="timing" in words, mode=mode, colsums=colsums,
                          hoist=hoist)

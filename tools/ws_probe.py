@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 from gdr_dispatch.backends.kernels.tilelang_ws_bwd import (COLSUMS, COLSUMS_FORMS, HOIST, HOIST_WORDS, MODES,  # noqa: E402
-                                                           ws_bwd_given_h)
+                                                           hoist_form, ws_bwd_given_h)
 from gdr_dispatch.shapes import ShapeSpec, make_inputs  # noqa: E402
 from timing import measure_ms, more_rounds, relative_error  # noqa: E402
 
@@ -98,14 +98,20 @@ DEFAULT_FORM = "+".join([COLSUMS, *(w for w in HOIST.split("+") if w)])
 
 
 def form_kw(form: str) -> dict:
-    """`ws_bwd_given_h`'s keywords for a build form (`DEFAULT_FORM`'s spelling)."""
+    """`ws_bwd_given_h`'s keywords for a build form (`DEFAULT_FORM`'s spelling); ValueError for a
+    form it does not name."""
     base, *extra = form.split("+")
-    return {"colsums": base, "hoist": "+".join(w for w in HOIST_WORDS if w in extra)}
+    if base not in COLSUMS_FORMS:
+        raise ValueError(f"colsums: expected one of {COLSUMS_FORMS}, got {base!r}")
+    return {"colsums": base, "hoist": hoist_form(extra)}
 
 
 def valid_form(form: str) -> bool:
-    base, *extra = form.split("+")
-    return base in COLSUMS_FORMS and set(extra) <= set(HOIST_WORDS)
+    try:
+        form_kw(form)
+    except ValueError:
+        return False
+    return True
 
 
 def variant(form: str) -> str:

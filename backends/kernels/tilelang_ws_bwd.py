@@ -70,6 +70,16 @@ COLSUMS_FORMS = ("warp", "transpose")
 HOIST = ""
 HOIST_WORDS = ("gam", "row")
 
+
+def hoist_form(words) -> str:
+    """The `hoist` argument of the given words (any order; others refused): `HOIST_WORDS`' order,
+    joined by '+', one spelling per build."""
+    given = set(words)
+    unknown = given - set(HOIST_WORDS) - {""}
+    if unknown:
+        raise ValueError(f"hoist: expected words of {HOIST_WORDS}, got {sorted(unknown)}")
+    return "+".join(w for w in HOIST_WORDS if w in given)
+
 #: A warp's partial column sums of a warpgroup's 64 x 64 fp32 wgmma accumulator: element
 #: `4 n + 2 r + c` of lane l in warp w is row `16 w + 8 r + l / 4`, column `8 n + 2 (l % 4) + c`
 #: (the m64nNk16 accumulator layout, TileLang's fragment for it). The two rows a thread holds
@@ -151,12 +161,10 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     if colsums not in COLSUMS_FORMS:
         raise ValueError(f"colsums: expected one of {COLSUMS_FORMS}, got {colsums!r}")
     warp_cols = colsums == "warp"
-    hoisted = set(hoist.split("+")) - {""}
-    if hoisted - set(HOIST_WORDS):
-        raise ValueError(f"hoist: expected words of {HOIST_WORDS} joined by '+', got {hoist!r}")
+    hoisted = hoist_form(hoist.split("+")).split("+")
     gam_first, row_factor = "gam" in hoisted, "row" in hoisted
     # with "gam" G_s holds G log2(e) (its only reader is Gam's exponent): no multiply per element
-    g_scale, gam_scale = (LOG2E, 1.0) if gam_first else (1.0, LOG2E)
+    g_scale = LOG2E if gam_first else 1.0
     reconly, nowait = mode == "reconly", mode == "nowait"
     accum = "float32"
     TT = T.dynamic("num_tokens")
@@ -234,6 +242,10 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
         for i, j in T.Parallel(BT, V):
             frag[i, j] = T.cast(v_s[i, j], accum) - eG_s[i] * frag[i, j]
         T.copy(frag, w_s)
+
+    def dq_row(x_f, eG_s, i, j):
+        """scale e^G[i] x[i, j] (dq's dO S^T term); with "row" the row factor once per row."""
+        return x_f[i, j] * (scale * eG_s[i]) if row_factor else x_f[i, j] * scale * eG_s[i]
 
     def gated(x_f, gam_f, i, j):
         """scale Gam[i, j] x[i, j] (Pg from Q K^T, dP from dPg), 0 above the diagonal through
@@ -618,7 +630,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             else:
                                 for i, j in T.Parallel(BT, BT):  # Gam once per chunk, for phases 1, 4 and 5
                                     # exp2(-1e30) = 0: no branch around the exp2
-                                    gam_f[i, j] = T.exp2(T.if_then_else(j <= i, (G_s[i] - G_s[j]) * gam_scale,
+                                    gam_f[i, j] = T.exp2(T.if_then_else(j <= i, (G_s[i] - G_s[j]) * LOG2E,
                                                                         T.cast(-1e30, accum)))
                             # 1: Pg = scale Gam Q K^T; Ag = Gam A b (formed while the gemm runs; KV forms U and W)
                             T.wgmma_gemm(q_s, k_s, pg_f, transpose_B=True, clear_accum=True)
@@ -680,14 +692,9 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             T.copy(sq_f, pg_s)
                             T.wait_wgmma(0)
                             fence(a1_f)
-                            if row_factor:  # the row factor once per row
-                                for i, j in T.Parallel(BT, K):
-                                    a1_f[i, j] = a1_f[i, j] * (scale * eG_s[i])
-                                    a2_f[i, j] = a1_f[i, j] * T.cast(q_s[i, j], accum)
-                            else:
-                                for i, j in T.Parallel(BT, K):
-                                    a1_f[i, j] = a1_f[i, j] * scale * eG_s[i]
-                                    a2_f[i, j] = a1_f[i, j] * T.cast(q_s[i, j], accum)
+                            for i, j in T.Parallel(BT, K):
+                                a1_f[i, j] = dq_row(a1_f, eG_s, i, j)
+                                a2_f[i, j] = a1_f[i, j] * T.cast(q_s[i, j], accum)
                             T.reduce_sum(a2_f, ar_f, dim=1)
                             for i in T.Parallel(BT):
                                 dGa_s[i] = dGa_s[i] + ar_f[i]
