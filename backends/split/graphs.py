@@ -178,14 +178,14 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
     (`LEND_GPU_VERIFIED`). With `own` (the forward, whose outputs autograd keeps until the layer's
     backward) every graph of the key has a memory pool of its own, and an in-place graph lends all
     its outputs, held and blocked per graph (`OWN_POOLS_GPU_VERIFIED`)."""
-    allowed, own_allowed, multi, lend_allowed = _gates()  # one read of the context, the same answers
-    own = own and own_allowed
+    allowed = in_place_allowed()
+    own = own and allowed and _own_allowed()
     if own:  # its graphs apart from those captured on a shared pool (the gate may change between calls)
         key = key + ("own pools",)
     if allowed:  # stable lengths' addresses: what lets the op's backward replay in place
         tensors = tuple(_lengths_constant(x) for x in tensors)
     where = addresses(tensors)
-    # `multi`: an in-place graph per address set that comes back
+    multi = allowed and placed_allowed()  # an in-place graph per address set that comes back
     # the previous call's addresses: what one in-place graph per key goes by (`multi` goes by `_recent`)
     before = None
     if not multi:
@@ -200,7 +200,7 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
         return fn(tensors)
     if _held(key):  # outputs it lent are still held: a replay would overwrite them
         return fn(tensors)
-    lend = _lendable(key, lend, lend_allowed)
+    lend = _lendable(key, lend)
     captures, copies_only = state if isinstance(state, tuple) else (0, False)
     if multi:  # an in-place graph for these addresses, kept or captured now; else copies (below)
         placed = _placed_hit(name, key, tensors, fn, seq_lens, where, own)
@@ -210,7 +210,7 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
             mine = (key, where)  # its own pool: what it lent is held and blocked on its own
             if _held(mine):
                 return fn(tensors)
-            return _replay(mine, placed, tensors, _lendable(mine, len(placed[2]), lend_allowed))
+            return _replay(mine, placed, tensors, _lendable(mine, len(placed[2])))
     hit = _graphs.get(key)
     if hit is not None and hit[3] is not None and (hit[3] != where or not allowed or multi):
         copies_only, hit = True, None  # captured on another caller's tensors: copies for good
@@ -299,27 +299,20 @@ def _replay(key: tuple, hit: tuple, tensors: tuple, lend: int = 0) -> tuple:
     return tuple(result)
 
 
-def _lendable(key, n: int, allowed: bool) -> int:
-    """How many of `key`'s outputs a replay lends: `n`, or none where lending is not `allowed` now
-    (`_gates`) or `LEND_BLOCKS` calls in a row found what it lent held."""
-    return n if n and allowed and _lend_blocked.get(key, 0) < LEND_BLOCKS else 0
+def _lendable(key, n: int) -> int:
+    """How many of `key`'s outputs a replay lends: `n`, or none where lending is not allowed now or
+    `LEND_BLOCKS` calls in a row found what it lent held."""
+    return n if n and lend_allowed() and _lend_blocked.get(key, 0) < LEND_BLOCKS else 0
 
 
-def _gates() -> tuple[bool, bool, bool, bool]:
-    """What a call may do now, from one read of the context (the unverified gate, the autotuner's
-    timing): read its inputs in place (verified or GDR_ALLOW_UNVERIFIED=1, and not inside the
-    autotuner's timing, `graph_safe.copied_graph_inputs`); besides that, give each forward graph a
-    memory pool of its own (`OWN_POOLS_GPU_VERIFIED`); keep in-place graphs for several address
-    sets (`ADDRESS_SETS`, `PLACED_GPU_VERIFIED`); lend its outputs (`LEND_GPU_VERIFIED`, torch
-    counting storage uses, and not inside the timing: it may keep one run's outputs to compare
+def lend_allowed() -> bool:
+    """Whether replays may lend their outputs: verified (or GDR_ALLOW_UNVERIFIED=1), torch counts
+    storage uses, and not inside the autotuner's timing (it may keep one run's outputs to compare
     with the next's)."""
     from gdr_dispatch.registry import unverified_allowed
 
-    copied, unverified = graph_inputs_copied(), unverified_allowed()
-    in_place = not copied and (IN_PLACE_GPU_VERIFIED or unverified)
-    return (in_place, in_place and (OWN_POOLS_GPU_VERIFIED or unverified),
-            in_place and ADDRESS_SETS > 1 and (PLACED_GPU_VERIFIED or unverified),
-            hasattr(torch._C, "_storage_Use_Count") and not copied and (LEND_GPU_VERIFIED or unverified))
+    return (hasattr(torch._C, "_storage_Use_Count") and not graph_inputs_copied()
+            and (LEND_GPU_VERIFIED or unverified_allowed()))
 
 
 def _storage_of(x: torch.Tensor) -> int:
@@ -357,6 +350,20 @@ def _held(key: tuple) -> bool:
             log.info("gdr_dispatch: %s: its outputs were still held at the next call %d times: its graph is "
                      "captured again and copies them out from now on", name, blocked)
     return True
+
+
+def _own_allowed() -> bool:
+    from gdr_dispatch.registry import unverified_allowed
+
+    return OWN_POOLS_GPU_VERIFIED or unverified_allowed()
+
+
+def placed_allowed() -> bool:
+    """Whether a key keeps in-place graphs for several address sets (`ADDRESS_SETS`): verified, or
+    GDR_ALLOW_UNVERIFIED=1."""
+    from gdr_dispatch.registry import unverified_allowed
+
+    return ADDRESS_SETS > 1 and (PLACED_GPU_VERIFIED or unverified_allowed())
 
 
 def _placed_hit(name: str, key: tuple, tensors: tuple, fn, seq_lens: tuple, where: tuple, own: bool = False):
@@ -455,6 +462,14 @@ def copy_all(pairs: list) -> None:
         groups.setdefault((dst.dtype, src.dtype, dst.stride() == src.stride()), []).append((dst, src))
     for group in groups.values():
         torch._foreach_copy_([d for d, _ in group], [x for _, x in group])
+
+
+def in_place_allowed() -> bool:
+    """Whether a graph may read its inputs in place now: verified (or GDR_ALLOW_UNVERIFIED=1), and
+    not inside the autotuner's timing (`graph_safe.copied_graph_inputs`)."""
+    from gdr_dispatch.registry import unverified_allowed
+
+    return not graph_inputs_copied() and (IN_PLACE_GPU_VERIFIED or unverified_allowed())
 
 
 def addresses(tensors) -> tuple:
