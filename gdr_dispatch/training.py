@@ -42,6 +42,7 @@ import torch
 from . import carry, env, plans, tuning_table
 from .caches import Memo, first_time, memo
 from .contract import AUTOCAST_DEVICES, check_forward_structure, check_scale, packed, sequence_lengths
+from .dispatch import fused_gdr_bwd
 from .graph_safe import offsets_of, remember_private, remembered
 from .problem import Problem, device_info, library_versions
 from .registry import forward_env, get_backend, parse_wrapped, registered_backends, wrappers
@@ -492,8 +493,6 @@ def chunk_gdr_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Te
 
 
 def _backward_impl(q, k, v, a, G, beta, do, dht, h, initial_state, cu_seqlens, scale, state_v_first):
-    from .dispatch import fused_gdr_bwd
-
     return fused_gdr_bwd(q, k, v, a, G, beta, do, dht, h, scale=scale, initial_state=initial_state,
                          cu_seqlens=cu_seqlens, chunk_size=CHUNK, state_v_first=state_v_first)
 

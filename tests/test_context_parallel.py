@@ -2051,6 +2051,46 @@ def test_the_forwards_layers_lend_all_their_outputs_each_held_on_its_own(monkeyp
     assert all(torch.equal(a, b) for a, b in zip(held, kept))
 
 
+def test_a_replay_hashes_its_key_once_and_reads_no_environment(monkeypatch):
+    """A call's key is looked up in a dozen memos: from the second call on it is hashed once per
+    call (`graphs._interned`), the replays still right; with every gate verified no call reads the
+    unverified gate (an environment read). A key element that counts its hashes tells."""
+    from gdr_dispatch.backends.split import graphs
+
+    class Counted:
+        hashes = 0
+
+        def __hash__(self):
+            Counted.hashes += 1
+            return 7
+
+        def __eq__(self, other):
+            return isinstance(other, Counted)
+
+    _multi_setup(monkeypatch)
+    monkeypatch.setattr(graphs, "LEND_GPU_VERIFIED", True)
+    monkeypatch.setattr(graphs, "OWN_POOLS_GPU_VERIFIED", True)
+    x, y = torch.randn(3), torch.randn(2)
+    for _ in range(3):  # eager, captured, replayed
+        del _
+        graphs.run_tensors("test", ("k", Counted()), (x, y), _affine, (3,), own=True)
+    monkeypatch.setattr(graphs, "unverified_allowed", lambda: pytest.fail("the unverified gate was read"))
+    for _ in range(4):
+        x.copy_(torch.randn(3))
+        Counted.hashes = 0
+        replayed = graphs.replays["in place"]
+        got = graphs.run_tensors("test", ("k", Counted()), (x, y), _affine, (3,), own=True)
+        assert graphs.replays["in place"] == replayed + 1
+        assert Counted.hashes == 1
+        assert all(torch.allclose(a, b) for a, b in zip(got, _affine((x, y))))
+        del got
+    monkeypatch.setattr(graphs, "IN_PLACE_GPU_VERIFIED", False)  # a gate not verified: the variable decides
+    read = []
+    monkeypatch.setattr(graphs, "unverified_allowed", lambda: read.append(1) or False)
+    graphs.run_tensors("test", ("k", Counted()), (x, y), _affine, (3,), own=True)
+    assert read
+
+
 def test_blocked_calls_count_in_a_row(monkeypatch):
     """A layer whose outputs are held at one call, then released, lends again and its count starts
     over: two blocked calls far apart (two logging steps that keep an output) do not turn its

@@ -21,6 +21,7 @@ from gdr_dispatch.problem import Problem
 from gdr_dispatch.registry import Backend, Wrapper, register_context_parallel, register_wrapper
 
 from . import carry, graphs, passes, ranks
+from .forward import lengths, split_forward
 
 log = logging.getLogger("gdr_dispatch")
 
@@ -90,8 +91,6 @@ class SplitBackend(Backend):
 
     def forward(self, q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first, need_final, chunk_size,
                 need_states=True):
-        from .forward import lengths, split_forward
-
         keep = carry.wanted()  # the op's backward will reuse the plan, maps and starts (carry.py)
 
         def fn(x):

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from gdr_dispatch import carry as channel
+from gdr_dispatch.registry import unverified_allowed
 
 #: Whether the GPU tests of the backward on the forward's carried plan, maps and starts
 #: (tests/test_gpu.py) have passed; while False they are carried only with GDR_ALLOW_UNVERIFIED=1.
@@ -35,8 +36,6 @@ class Carried:
 
 
 def allowed() -> bool:
-    from gdr_dispatch.registry import unverified_allowed
-
     return GPU_VERIFIED or unverified_allowed()
 
 

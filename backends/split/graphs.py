@@ -48,6 +48,7 @@ from gdr_dispatch import caches, env
 from gdr_dispatch.contract import GDRCall, GDRGrads
 from gdr_dispatch.graph_safe import (device_constant, graph_inputs_copied, graph_owned_pins, release_pins, remember,
                                      remembered)
+from gdr_dispatch.registry import unverified_allowed
 
 log = logging.getLogger("gdr_dispatch")
 
@@ -178,14 +179,15 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
     (`LEND_GPU_VERIFIED`). With `own` (the forward, whose outputs autograd keeps until the layer's
     backward) every graph of the key has a memory pool of its own, and an in-place graph lends all
     its outputs, held and blocked per graph (`OWN_POOLS_GPU_VERIFIED`)."""
-    allowed = in_place_allowed()
-    own = own and allowed and _own_allowed()
+    allowed, own_allowed, multi, lend_allowed = _gates()  # one read of the context, the same answers
+    own = own and own_allowed
     if own:  # its graphs apart from those captured on a shared pool (the gate may change between calls)
         key = key + ("own pools",)
+    key = _interned(key)  # hashed once: a call looks it up in a dozen memos
     if allowed:  # stable lengths' addresses: what lets the op's backward replay in place
-        tensors = tuple(_lengths_constant(x) for x in tensors)
+        tensors = tuple([x if x is None or x.is_floating_point() else _lengths_constant(x) for x in tensors])
     where = addresses(tensors)
-    multi = allowed and placed_allowed()  # an in-place graph per address set that comes back
+    # `multi`: an in-place graph per address set that comes back
     # the previous call's addresses: what one in-place graph per key goes by (`multi` goes by `_recent`)
     before = None
     if not multi:
@@ -200,7 +202,7 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
         return fn(tensors)
     if _held(key):  # outputs it lent are still held: a replay would overwrite them
         return fn(tensors)
-    lend = _lendable(key, lend)
+    lend = _lendable(key, lend, lend_allowed)
     captures, copies_only = state if isinstance(state, tuple) else (0, False)
     if multi:  # an in-place graph for these addresses, kept or captured now; else copies (below)
         placed = _placed_hit(name, key, tensors, fn, seq_lens, where, own)
@@ -210,7 +212,7 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
             mine = (key, where)  # its own pool: what it lent is held and blocked on its own
             if _held(mine):
                 return fn(tensors)
-            return _replay(mine, placed, tensors, _lendable(mine, len(placed[2])))
+            return _replay(mine, placed, tensors, _lendable(mine, len(placed[2]), lend_allowed))
     hit = _graphs.get(key)
     if hit is not None and hit[3] is not None and (hit[3] != where or not allowed or multi):
         copies_only, hit = True, None  # captured on another caller's tensors: copies for good
@@ -247,13 +249,35 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
     return _replay(key, hit, tensors, lend)
 
 
+class _Key(tuple):
+    """A graph key that hashes once (`_interned`): equal to the plain tuple and hashed as it is, so
+    a plain tuple finds what it keys."""
+
+    def __hash__(self):
+        return self.h
+
+
+_keys = caches.memo("split graph keys", limit=1024)  # a key -> its `_Key`
+
+
+def _interned(key: tuple) -> _Key:
+    """`key` as the one `_Key` kept for it: a call looks its key up in a dozen memos, and a tuple
+    of the tensors' shapes hashes and compares itself afresh at each (~0.4 us a lookup on a CPU);
+    one `_Key` hashes once and compares by identity."""
+    k = _keys.get(key)
+    if k is None:
+        k = _keys[key] = _Key(key)
+        k.h = tuple.__hash__(key)
+    return k
+
+
 def _replay(key: tuple, hit: tuple, tensors: tuple, lend: int = 0) -> tuple:
     """Replay `hit` (a graph of `key`) on `tensors`: their copies in where it holds static inputs,
     then fresh copies of its outputs (the first `lend` of them its output buffers themselves,
     remembered in `_lent`, on the device's default stream only), ordered after the key's last use
     on another stream."""
     graph, static, out, reads = hit
-    dev = next(x for x in out if x is not None).device
+    dev = (out[0] if out[0] is not None else next(x for x in out if x is not None)).device
     stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None  # (a CPU test's stand-in graph)
     if lend and stream is not None and stream != torch.cuda.default_stream(dev):
         # a call on a side stream (a branch run beside another): the next call of the key may run on
@@ -299,20 +323,32 @@ def _replay(key: tuple, hit: tuple, tensors: tuple, lend: int = 0) -> tuple:
     return tuple(result)
 
 
-def _lendable(key, n: int) -> int:
-    """How many of `key`'s outputs a replay lends: `n`, or none where lending is not allowed now or
-    `LEND_BLOCKS` calls in a row found what it lent held."""
-    return n if n and lend_allowed() and _lend_blocked.get(key, 0) < LEND_BLOCKS else 0
+def _lendable(key, n: int, allowed: bool) -> int:
+    """How many of `key`'s outputs a replay lends: `n`, or none where lending is not `allowed` now
+    (`_gates`) or `LEND_BLOCKS` calls in a row found what it lent held."""
+    return n if n and allowed and _lend_blocked.get(key, 0) < LEND_BLOCKS else 0
 
 
-def lend_allowed() -> bool:
-    """Whether replays may lend their outputs: verified (or GDR_ALLOW_UNVERIFIED=1), torch counts
-    storage uses, and not inside the autotuner's timing (it may keep one run's outputs to compare
-    with the next's)."""
-    from gdr_dispatch.registry import unverified_allowed
+def _gates() -> tuple[bool, bool, bool, bool]:
+    """What a call may do now, from one read of the context (the unverified gate, the autotuner's
+    timing): read its inputs in place (verified or GDR_ALLOW_UNVERIFIED=1, and not inside the
+    autotuner's timing, `graph_safe.copied_graph_inputs`); besides that, give each forward graph a
+    memory pool of its own (`OWN_POOLS_GPU_VERIFIED`); keep in-place graphs for several address
+    sets (`ADDRESS_SETS`, `PLACED_GPU_VERIFIED`); lend its outputs (`LEND_GPU_VERIFIED`, torch
+    counting storage uses, and not inside the timing: it may keep one run's outputs to compare
+    with the next's). The unverified gate (an environment read) is read only where a gate is not
+    verified."""
+    copied = graph_inputs_copied()
+    verified = IN_PLACE_GPU_VERIFIED and OWN_POOLS_GPU_VERIFIED and PLACED_GPU_VERIFIED and LEND_GPU_VERIFIED
+    unverified = not verified and unverified_allowed()
+    in_place = not copied and (IN_PLACE_GPU_VERIFIED or unverified)
+    return (in_place, in_place and (OWN_POOLS_GPU_VERIFIED or unverified),
+            in_place and ADDRESS_SETS > 1 and (PLACED_GPU_VERIFIED or unverified),
+            _COUNTS_USES and not copied and (LEND_GPU_VERIFIED or unverified))
 
-    return (hasattr(torch._C, "_storage_Use_Count") and not graph_inputs_copied()
-            and (LEND_GPU_VERIFIED or unverified_allowed()))
+
+#: Whether this torch counts a storage's uses (what lending reads, `_held`).
+_COUNTS_USES = hasattr(torch._C, "_storage_Use_Count")
 
 
 def _storage_of(x: torch.Tensor) -> int:
@@ -350,20 +386,6 @@ def _held(key: tuple) -> bool:
             log.info("gdr_dispatch: %s: its outputs were still held at the next call %d times: its graph is "
                      "captured again and copies them out from now on", name, blocked)
     return True
-
-
-def _own_allowed() -> bool:
-    from gdr_dispatch.registry import unverified_allowed
-
-    return OWN_POOLS_GPU_VERIFIED or unverified_allowed()
-
-
-def placed_allowed() -> bool:
-    """Whether a key keeps in-place graphs for several address sets (`ADDRESS_SETS`): verified, or
-    GDR_ALLOW_UNVERIFIED=1."""
-    from gdr_dispatch.registry import unverified_allowed
-
-    return ADDRESS_SETS > 1 and (PLACED_GPU_VERIFIED or unverified_allowed())
 
 
 def _placed_hit(name: str, key: tuple, tensors: tuple, fn, seq_lens: tuple, where: tuple, own: bool = False):
@@ -462,14 +484,6 @@ def copy_all(pairs: list) -> None:
         groups.setdefault((dst.dtype, src.dtype, dst.stride() == src.stride()), []).append((dst, src))
     for group in groups.values():
         torch._foreach_copy_([d for d, _ in group], [x for _, x in group])
-
-
-def in_place_allowed() -> bool:
-    """Whether a graph may read its inputs in place now: verified (or GDR_ALLOW_UNVERIFIED=1), and
-    not inside the autotuner's timing (`graph_safe.copied_graph_inputs`)."""
-    from gdr_dispatch.registry import unverified_allowed
-
-    return not graph_inputs_copied() and (IN_PLACE_GPU_VERIFIED or unverified_allowed())
 
 
 def addresses(tensors) -> tuple:
