@@ -387,6 +387,28 @@ def test_ws_probe_names_builds_by_their_forms(capsys, monkeypatch):
         tilelang_ws_bwd.build_ws_bwd.__wrapped__(2, 2, 0.1, "bfloat16", "bfloat16", hoist="gam+bogus")
 
 
+def test_ws_probe_b2b_times_gpu_time_in_alternating_rounds(capsys, monkeypatch):
+    """`--b2b` times each build back to back (`timing.back_to_back_ms`, never the per-call
+    median), in `--rounds` alternating rounds, and prints every round's reading beside the least."""
+    monkeypatch.syspath_prepend(str(TOOLS))
+    import ws_probe
+
+    from gdr_dispatch.shapes import ShapeSpec
+
+    readings, order = iter([1.0, 1.2, 0.9, 1.1, 1.3, 0.95]), []
+    monkeypatch.setattr(ws_probe.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ws_probe, "SHAPES", {"tiny": ShapeSpec(B=1, T=128, H=2, K=16, V=16)})
+    monkeypatch.setattr(ws_probe, "make_inputs", lambda spec, device, seed: {})
+    monkeypatch.setattr(ws_probe, "runner", lambda x, **kw: kw.get("hoist", ""))
+    monkeypatch.setattr(ws_probe, "measure_ms", lambda *a, **k: pytest.fail("a per-call median under --b2b"))
+    monkeypatch.setattr(ws_probe, "back_to_back_ms", lambda fn, **k: order.append(fn) or next(readings))
+    assert ws_probe.main(["--only", "tiny", "--colsums", "warp,warp+row", "--rounds", "3", "--b2b"]) in (0, None)
+    assert order == ["", "row", "row", "", "", "row"]
+    rows = [eval(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [(r["runner"], r["ms"], r["ms_rounds"], r["timed"]) for r in rows] == [
+        ("ws", 1.0, [1.0, 1.1, 1.3], "back to back"), ("ws warp+row", 0.9, [1.2, 0.9, 0.95], "back to back")]
+
+
 def test_ncu_groups_compares_a_peer_group_by_group(tmp_path, capsys):
     """`--peer`: both pages split at their USETMAXREG lines in nvcc's order; instructions per
     warp and step, and samples on an mbarrier poll (a branch after a try-wait) kept apart from

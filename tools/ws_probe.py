@@ -10,9 +10,10 @@
     python tools/ws_probe.py --warm-peer 8 --shapes B4T4096H16,B8T4096H32   # compile for --peer first
     python tools/ws_probe.py --only B4T4096H16 --colsums warp,transpose [--timing] [--check]  # two forms, one process
     python tools/ws_probe.py --only B8T4096H32 --colsums warp,warp+gam+row --rounds 3   # tilelang_ws_bwd.HOIST off / on
+    python tools/ws_probe.py --only B4T4096H16 --colsums warp,warp+row --rounds 6 --b2b  # the same, GPU time
 
-Prints median ms (CUDA events, gdr_dispatch.autotune.measure_ms), us per chunk step (a CTA walks
-its sequence's chunks one after another); at grouped-head shapes also the launcher's head sum
+Prints median ms (CUDA events, gdr_dispatch.autotune.measure_ms; with --b2b back to back), us per
+chunk step (a CTA walks its sequence's chunks one after another); at grouped-head shapes also the launcher's head sum
 alone. docs/kernels.md keeps the results.
 """
 
@@ -30,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from gdr_dispatch.backends.kernels.tilelang_ws_bwd import (COLSUMS, COLSUMS_FORMS, HOIST, HOIST_WORDS, MODES,  # noqa: E402
                                                            hoist_form, ws_bwd_given_h)
 from gdr_dispatch.shapes import ShapeSpec, make_inputs  # noqa: E402
-from timing import measure_ms, more_rounds, relative_error  # noqa: E402
+from timing import back_to_back_ms, measure_ms, more_rounds, relative_error  # noqa: E402
 
 SHAPES = {
     "tiny": ShapeSpec(B=1, T=200, H=2, h="given"),  # for compute-sanitizer (slow)
@@ -186,6 +187,9 @@ def main(argv=None) -> int:
                    help="run the timing build: cycles per chunk each consumer group works / waits per phase")
     p.add_argument("--rounds", type=int, default=1, help="timing rounds, order reversed each round; least median kept")
     p.add_argument("--reps", type=int, default=20, help="timed launches per median")
+    p.add_argument("--b2b", action="store_true",
+                   help="time GPU time instead: --reps launches enqueued back to back, one sync (the median of "
+                        "three such windows; the launches' host time hidden), each round's reading printed")
     p.add_argument("--peer", action="store_true",
                    help="also time FlashQLA's fused kernel and both backends' whole calls in the same rounds")
     p.add_argument("--warm-peer", type=int, default=0, metavar="N",
@@ -244,13 +248,17 @@ def main(argv=None) -> int:
                **(peer_runners(x) if args.peer else {})}
 
         def measure(fn):
+            if args.b2b:  # GPU time: what two builds of one kernel differ by, without the host's spread
+                return back_to_back_ms(fn, n=args.reps, warmup=3)
             return measure_ms(fn, "cuda", warmup=3, reps=args.reps)
 
         timed = {b: {"ms": round(measure(fn), 4)} for b, fn in fns.items()}
         more_rounds(fns, timed, args.rounds, measure)  # alternating order, the least median kept
         for label in fns:
             row = {"shape": name, "runner": label, "ms": timed[label]["ms"],
-                   "us_per_step": round(timed[label]["ms"] * 1e3 / steps, 2)}
+                   "us_per_step": round(timed[label]["ms"] * 1e3 / steps, 2),
+                   **({"timed": "back to back"} if args.b2b else {}),
+                   **({"ms_rounds": timed[label]["ms_rounds"]} if "ms_rounds" in timed[label] else {})}
             if label != "ws" and "ws" in timed:
                 row["ws_over_this"] = round(timed["ws"]["ms"] / timed[label]["ms"], 3)
             rows.append(row)
