@@ -264,3 +264,28 @@ def test_a_derived_entry_is_written_in_full(tmp_path):
     assert "&id" not in text and "*id" not in text
     assert text.count("ms: 2.0") == 2
     assert dict(tuning_table._read_entries(path)) == entries
+
+
+def test_the_shipped_h200_table_holds_every_model_grid_problem_with_flashqla_and_without():
+    """The model grids (tools/tune_models_*.yaml: Qwen3-Next's and Qwen3.5's layers at TP 1, 2, 4
+    and 8, q/k at the key-head count and repeated, 8K/16K/32K tokens per GPU, h given and None)
+    each have an entry in the shipped H200 table measured with FlashQLA installed and one for
+    users without it, so a first call at them is a table hit, not an autotune."""
+    from pathlib import Path
+
+    from gdr_dispatch.shapes import load_grid
+
+    root = Path(__file__).resolve().parent.parent
+    held: dict[bool, set] = {True: set(), False: set()}
+    for key in tuning_table.load_entries(root / "tuning_cache" / "nvidia-h200-sm90.yaml"):
+        problem_key, versions = key.split("|")[:-1], key.rsplit("|", 1)[1]
+        held["flash_qla=" in versions].add("|".join(problem_key))
+    grids = sorted((root / "tools").glob("tune_models_*.yaml"))
+    assert len(grids) >= 3
+    missing, count = [], 0
+    for path in grids:
+        for variant in (v for s in load_grid(path) for v in s.variants()):
+            count += 1
+            key = replace(variant.problem(torch.device("cpu")), device=H200).problem_key()
+            missing += [(path.name, variant.label(), peer) for peer in (True, False) if key not in held[peer]]
+    assert count > 200 and not missing, missing[:10]
