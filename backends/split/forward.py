@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from gdr_dispatch.contract import packed, validate
+from gdr_dispatch.contract import packed, sequence_lengths, validate
 from gdr_dispatch.graph_safe import device_constant, remember, remembered
 
 from . import passes
@@ -43,8 +43,6 @@ def lengths(cu_seqlens, B: int, T: int) -> tuple:
     second device read), else a read."""
     if cu_seqlens is None:
         return (T,) * B
-    from gdr_dispatch.contract import sequence_lengths
-
     off = remembered(cu_seqlens)
     return tuple(b - a for a, b in zip(off, off[1:])) if off is not None else sequence_lengths(cu_seqlens, B, T)
 

@@ -256,8 +256,11 @@ class _Key(tuple):
     def __hash__(self):
         return self.h
 
+    def __reduce__(self):  # a plain tuple elsewhere: its hash is this process's
+        return tuple, (tuple(self),)
 
-_keys = caches.memo("split graph keys", limit=1024)  # a key -> its `_Key`
+
+_keys = caches.memo("split graph keys", limit=256)  # a key -> its `_Key`
 
 
 def _interned(key: tuple) -> _Key:
@@ -266,8 +269,9 @@ def _interned(key: tuple) -> _Key:
     one `_Key` hashes once and compares by identity."""
     k = _keys.get(key)
     if k is None:
-        k = _keys[key] = _Key(key)
-        k.h = tuple.__hash__(key)
+        k = _Key(key)
+        k.h = tuple.__hash__(key)  # set before it is shared
+        _keys[key] = k
     return k
 
 
