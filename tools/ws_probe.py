@@ -13,8 +13,8 @@
     python tools/ws_probe.py --only B4T4096H16 --colsums warp,warp+row --rounds 6 --b2b  # the same, GPU time
 
 Prints median ms (CUDA events, gdr_dispatch.autotune.measure_ms; with --b2b back to back), us per
-chunk step (a CTA walks its sequence's chunks one after another); at grouped-head shapes also the launcher's head sum
-alone. docs/kernels.md keeps the results.
+chunk step (a CTA walks its sequence's chunks one after another); at grouped-head shapes also the
+launcher's head sum alone. docs/kernels.md keeps the results.
 """
 
 from __future__ import annotations

@@ -185,6 +185,7 @@ def run_tensors(name: str, key: tuple, tensors: tuple, fn: Callable[[tuple], tup
         key = key + ("own pools",)
     key = _interned(key)  # hashed once: a call looks it up in a dozen memos
     if allowed:  # stable lengths' addresses: what lets the op's backward replay in place
+        # (floats and absent inputs skip the call: they are what `_lengths_constant` returns unchanged)
         tensors = tuple([x if x is None or x.is_floating_point() else _lengths_constant(x) for x in tensors])
     where = addresses(tensors)
     # `multi`: an in-place graph per address set that comes back
@@ -333,6 +334,10 @@ def _lendable(key, n: int, allowed: bool) -> int:
     return n if n and allowed and _lend_blocked.get(key, 0) < LEND_BLOCKS else 0
 
 
+#: Whether this torch counts a storage's uses (what lending reads, `_held`).
+_COUNTS_USES = hasattr(torch._C, "_storage_Use_Count")
+
+
 def _gates() -> tuple[bool, bool, bool, bool]:
     """What a call may do now, from one read of the context (the unverified gate, the autotuner's
     timing): read its inputs in place (verified or GDR_ALLOW_UNVERIFIED=1, and not inside the
@@ -349,10 +354,6 @@ def _gates() -> tuple[bool, bool, bool, bool]:
     return (in_place, in_place and (OWN_POOLS_GPU_VERIFIED or unverified),
             in_place and ADDRESS_SETS > 1 and (PLACED_GPU_VERIFIED or unverified),
             _COUNTS_USES and not copied and (LEND_GPU_VERIFIED or unverified))
-
-
-#: Whether this torch counts a storage's uses (what lending reads, `_held`).
-_COUNTS_USES = hasattr(torch._C, "_storage_Use_Count")
 
 
 def _storage_of(x: torch.Tensor) -> int:
