@@ -397,6 +397,7 @@ def test_ws_probe_b2b_times_gpu_time_in_alternating_rounds(capsys, monkeypatch):
 
     readings, order = iter([1.0, 1.2, 0.9, 1.1, 1.3, 0.95]), []
     monkeypatch.setattr(ws_probe.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ws_probe, "DEFAULT_FORM", "warp")  # the kernel's own form, whatever HOIST says
     monkeypatch.setattr(ws_probe, "SHAPES", {"tiny": ShapeSpec(B=1, T=128, H=2, K=16, V=16)})
     monkeypatch.setattr(ws_probe, "make_inputs", lambda spec, device, seed: {})
     monkeypatch.setattr(ws_probe, "runner", lambda x, **kw: kw.get("hoist", ""))
