@@ -19,11 +19,12 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import operator
 
 import torch
 
 from gdr_dispatch import caches, graph_safe
-from gdr_dispatch.contract import GDRCall, GDRGrads, as_dtype, packed
+from gdr_dispatch.contract import GDRCall, GDRGrads, as_dtype, packed, packing_test
 from gdr_dispatch.problem import Problem
 from gdr_dispatch.registry import Backend, Limits, register
 
@@ -105,19 +106,32 @@ class FlashQLABackend(Backend):
         # forward makes them); its sm120 kernel writes dh0 only when given a dht (a zero one, read only)
         zero_dht = call.dht is None and call.initial_state is not None
         has_h0 = call.initial_state is not None
+        # the plan's shapes decide how its packing is checked (`packing_test`): the tensors FlashQLA
+        # reads as they are, in one test a call; a and h are cast to q's dtype where they differ
+        # (a fresh, packed tensor), h0 (read with h=None only) to fp32
+        cast_a, cast_h = call.a.dtype != dtype, call.h is not None and call.h.dtype != dtype
+        reads_h0 = has_h0 and call.h is None
+        cast_h0 = reads_h0 and call.initial_state.dtype != torch.float32
+        read = operator.attrgetter("q", "k", "v", "g", "b", "do", *(
+            name for name, cast in (("a", cast_a), ("h", cast_h), ("dht", False))
+            if getattr(call, name) is not None and not cast), *(("initial_state",) if reads_h0 and not cast_h0 else ()))
+        is_packed = packing_test(*read(call))
 
         def planned(c: GDRCall) -> GDRGrads:
-            q, k, v, g, b, do = packed(c.q), packed(c.k), packed(c.v), packed(c.g), packed(c.b), packed(c.do)
-            a = packed(as_dtype(c.a, dtype))
-            dht = c.dht
+            q, k, v, g, b, do, a, h, dht = c.q, c.k, c.v, c.g, c.b, c.do, c.a, c.h, c.dht
+            h0 = c.initial_state if reads_h0 else None
+            if not is_packed(*read(c)):
+                q, k, v, g, b, do, dht = packed(q), packed(k), packed(v), packed(g), packed(b), packed(do), packed(dht)
+                a, h, h0 = (x if cast else packed(x) for x, cast in ((a, cast_a), (h, cast_h), (h0, cast_h0)))
+            if cast_a:
+                a = packed(a.to(dtype))
+            if cast_h:
+                h = packed(h.to(dtype))
+            if cast_h0:
+                h0 = packed(h0.float())
             if zero_dht:
                 dht = graph_safe.zeros(tuple(c.initial_state.shape), torch.float32, c.q.device)
-            if dht is not None:
-                dht = packed(dht)
-            if c.h is not None:
-                h = packed(as_dtype(c.h, dtype))
-            else:
-                h0 = None if c.initial_state is None else packed(c.initial_state.float())
+            if h is None:
                 h, _, _ = fused_gdr_h(k=k, v=v, a=a, g=g, b=b, initial_state=h0, output_final_state=False,
                                       output_h=True, cu_seqlens=c.cu_seqlens, state_v_first=c.state_v_first)
             dq, dk, dv, dg, db, dh0 = fused_gdr_bwd(q=q, k=k, v=v, a=a, g=g, b=b, do=do, dht=dht, h=h, scale=c.scale,

@@ -117,14 +117,38 @@ def packed(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return x.clone(memory_format=torch.contiguous_format)
 
 
-@functools.lru_cache(maxsize=256)
-def _canonical(shape: torch.Size, strides: tuple) -> bool:
-    """Whether `strides` are the row-major strides of `shape` (size-1 and empty dims included)."""
+def packing_test(*tensors: torch.Tensor):
+    """A test, decided once from these tensors' shapes, that later tensors of the same shapes (a
+    plan's calls: plans.py) are packed as `packed` means it: `test(*xs)` is True only when
+    `packed(x) is x` for each. Without a size-1 or empty dim that is one `is_contiguous` per
+    tensor; with one, the strides against the shape's canonical ones (~0.4 / 0.9 us for eight
+    tensors on a CPU against ~1.7 / 2.5 through `packed`: a launcher's plan calls it per call)."""
+    shapes = [x.shape for x in tensors]
+    if all(1 not in s and 0 not in s for s in shapes):
+        return _all_contiguous
+    expected = [_canonical_strides(s) for s in shapes]
+    return lambda *xs: [x.stride() for x in xs] == expected
+
+
+def _all_contiguous(*xs: torch.Tensor) -> bool:
+    for x in xs:
+        if not x.is_contiguous():
+            return False
+    return True
+
+
+def _canonical_strides(shape) -> tuple:
     expected, step = [], 1
     for size in reversed(shape):
         expected.append(step)
         step *= max(int(size), 1)
-    return tuple(reversed(expected)) == tuple(strides)
+    return tuple(reversed(expected))
+
+
+@functools.lru_cache(maxsize=256)
+def _canonical(shape: torch.Size, strides: tuple) -> bool:
+    """Whether `strides` are the row-major strides of `shape` (size-1 and empty dims included)."""
+    return _canonical_strides(shape) == tuple(strides)
 
 
 #: Where `torch.autocast` may be on (it knows no other device: meta has none). The op's forward and

@@ -18,6 +18,7 @@ import torch
 
 from fake_fla import F64, _heads, _layout, _states_in, _states_out, _vec_in
 from gdr_dispatch import chunked_math as ex
+from gdr_dispatch.contract import _canonical_strides
 
 VERSION = "0.1.3"
 
@@ -108,7 +109,10 @@ def install(monkeypatch):
         assert str(sig) == SIGNATURES[fn.__name__], f"{fn.__name__}: the stand-in drifted from 0.1.3's signature"
 
         def wrapped(*args, **kwargs):
-            sig.bind(*args, **kwargs)  # a keyword FlashQLA does not take fails here
+            bound = sig.bind(*args, **kwargs)  # a keyword FlashQLA does not take fails here
+            for name, x in bound.arguments.items():  # its kernels take packed tensors (TMA descriptors)
+                if isinstance(x, torch.Tensor):
+                    assert x.stride() == _canonical_strides(x.shape), f"{fn.__name__}: {name} is not packed"
             calls.append(fn.__name__)
             return fn(*args, **kwargs)
 

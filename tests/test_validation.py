@@ -168,6 +168,34 @@ def test_packed_keeps_canonical_tensors_and_copies_every_other_layout():
     assert packed(empty).shape == (0, 3) and packed(None) is None
 
 
+def test_packing_test_agrees_with_packed_on_every_layout_of_the_plans_shapes():
+    """`contract.packing_test`, decided from one set of shapes, says True for later tensors of
+    those shapes exactly when `packed` would hand each back as it is: with and without size-1 and
+    empty dims, on transposes, splits, expands and odd strides of a size-1 dim."""
+    from gdr_dispatch.contract import packed, packing_test
+
+    def layouts(shape):
+        n = 1
+        for s in shape:
+            n *= s
+        yield torch.randn(shape)
+        yield torch.randn(*shape[:-1], 2 * shape[-1])[..., :shape[-1]]  # a split of a fused projection
+        yield torch.randn(tuple(reversed(shape))).permute(*reversed(range(len(shape))))  # a transpose
+        yield torch.randn(shape[-1]).expand(shape)
+        if 1 in shape:  # contiguous to torch, not canonical: the size-1 dim's stride is odd
+            i = list(shape).index(1)
+            yield torch.randn(shape).as_strided(shape, tuple(7 if d == i else st
+                                                             for d, st in enumerate(torch.empty(shape).stride())))
+
+    for shapes in ([(2, 6, 3, 4), (2, 6, 3)], [(1, 6, 3, 4), (1, 6, 3)], [(2, 6, 1, 4), (2, 6, 1)], [(0, 6, 3, 4), (0, 6, 3)]):
+        test = packing_test(*(torch.empty(s) for s in shapes))
+        for first in layouts(shapes[0]):
+            for second in layouts(shapes[1]):
+                want = packed(first) is first and packed(second) is second
+                assert test(first, second) == want, (shapes, first.stride(), second.stride())
+            assert test(first, torch.randn(shapes[1])) == (packed(first) is first)
+
+
 def test_cu_seqlens_on_the_cpu_becomes_a_kept_copy_on_the_device_of_q():
     """contract.offsets_to_device: a CPU `cu_seqlens` for a call on another device (here `meta`, whose
     tensors hold no values) becomes one copy there per content, whose values are known and never
