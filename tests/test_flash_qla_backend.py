@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from gdr_dispatch import registry, toolchain
+from gdr_dispatch import toolchain
 from gdr_dispatch.backends import flash_qla
 from gdr_dispatch.problem import DeviceInfo
 from gdr_dispatch.registry import registered_backends
