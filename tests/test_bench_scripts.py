@@ -318,6 +318,25 @@ def test_sass_report_cuts_each_consumer_group_at_its_mbarrier_arrivals(monkeypat
     assert got["S"] == got["KV"] == [(2, 1, 0), (2, 0, 1)]
 
 
+def test_sass_report_counts_opcodes_by_class_without_predicates_or_modifiers(monkeypatch):
+    """tools/sass_report.py --opcodes: an instruction counts under its mnemonic's base (a guard
+    predicate and the modifiers dropped), uniform-datapath forms under their base's class, the
+    unknown under "other"."""
+    monkeypatch.syspath_prepend(str(TOOLS))
+    import sass_report
+
+    lines = [f"        /*{16 * i:04x}*/                   {op} ;" for i, op in enumerate([
+        "FMUL R1, R2, R3", "@P0 FMUL R4, R5, R6", "@!PT FFMA R1, R2, R3, R4", "F2FP.BF16.F32.PACK_AB R1, R2, R3",
+        "PRMT R1, R2, 0x7632, R3", "LDS.U16 R1, [R2]", "STSM.16.M88.4 [R1], R4", "UIADD3 UR4, UR5, 0x1, URZ",
+        "MUFU.EX2 R1, R2", "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24", "LDL.64 R1, [R2]", "BOGUS R1"])]
+    counts = sass_report.opcode_counts(lines)
+    assert counts["FMUL"] == 2 and counts["FFMA"] == 1 and counts["F2FP"] == 1 and counts["UIADD3"] == 1
+    classes = sass_report.classify(counts)
+    assert classes["fp32"] == 3 and classes["conversion"] == 1 and classes["shared"] == 2 and classes["exp2"] == 1
+    assert classes["integer/address"] == 2 and classes["gemm"] == 1 and classes["spill"] == 1 and classes["other"] == 1
+    assert sum(classes.values()) == len(lines)
+
+
 def test_sass_report_builds_name_a_mode_and_the_timing_build(monkeypatch):
     """`--builds`: default, timing, a mode of the backward (`nowait`) or `timing-<mode>` reach
     `build_ws_bwd` as (timing, mode); a mode of the state kernel, or an unknown mode, is refused."""

@@ -5,6 +5,7 @@ device call (docs/kernels.md).
     python tools/sass_report.py --builds default,timing  # beside its timing build
     python tools/sass_report.py --phases                 # per group and phase
     python tools/sass_report.py --kernel states          # the state kernel
+    python tools/sass_report.py --H 16 --Hg 16 --opcodes 8 [--phases]   # instructions by class, top mnemonics
 
 Compiles each build on this machine (about a minute each with nvcc for sm_90a; no GPU needed),
 then splits its SASS at the `USETMAXREG` instructions that open the role branches and counts
@@ -130,6 +131,50 @@ def per_phase(sass: str, kernel: str = "ws") -> dict:
     return out
 
 
+#: Instruction classes for `--opcodes`, by the mnemonic's base (before the first '.'): what each
+#: element-wise cut the fused kernel weighs would remove (docs/kernels.md, the next decomposition).
+CLASSES = {
+    "gemm": {"HGMMA", "WARPGROUP", "WARPSYNC"},
+    "fp32": {"FADD", "FMUL", "FFMA", "FMNMX", "FSEL", "FSETP", "FCHK", "FRND", "FSWZADD"},
+    "16-bit math": {"HADD2", "HMUL2", "HFMA2", "HMNMX2", "HSETP2"},
+    "conversion": {"F2F", "F2FP", "F2I", "I2F", "I2FP", "F2IP"},
+    "exp2": {"MUFU"},
+    "shared": {"LDS", "STS", "LDSM", "STSM", "ATOMS"},
+    "global/TMA": {"LDG", "STG", "UTMALDG", "UTMASTG", "UBLKCP", "LDGSTS", "UTMACMDFLUSH", "UTMAPF"},
+    "spill": {"LDL", "STL"},
+    "shuffle": {"SHFL"},
+    "sync": {"BAR", "SYNCS", "MEMBAR", "FENCE", "DEPBAR", "ERRBAR", "CCTL", "WARPSYNC"},
+    "integer/address": {"IMAD", "IADD3", "LEA", "LOP3", "SHF", "ISETP", "IABS", "IMNMX", "SGXT", "LEA.HI", "POPC",
+                        "FLO", "BMSK", "IDP", "VIADD", "VIMNMX", "PRMT"},
+    "moves/predicates": {"MOV", "SEL", "PLOP3", "P2R", "R2P", "S2R", "S2UR", "CS2R", "R2UR", "UMOV", "ELECT", "VOTE",
+                         "VOTEU", "NOP", "PLOP3"},
+}
+
+
+def opcode_counts(body: list[str]) -> dict:
+    """The instruction lines' mnemonic bases (predicates and modifiers dropped), counted."""
+    counts: dict = {}
+    for line in body:
+        text = line.split("*/", 1)[1].strip() if "*/" in line else line.strip()
+        text = re.sub(r"^@!?U?P[T0-9]+\s+", "", text)
+        op = text.split()[0].split(".")[0] if text else ""
+        counts[op] = counts.get(op, 0) + 1
+    return counts
+
+
+def classify(counts: dict) -> dict:
+    """`opcode_counts` summed by `CLASSES` (uniform-datapath forms `U...` with their base; the
+    rest under "other")."""
+    out = {c: 0 for c in CLASSES}
+    out["other"] = 0
+    for op, n in counts.items():
+        base = op[1:] if op.startswith("U") and op not in ("UTMALDG", "UTMASTG", "UBLKCP", "UTMACMDFLUSH", "UTMAPF",
+                                                             "UMOV") else op
+        cls = next((c for c, ops in CLASSES.items() if op in ops or base in ops), "other")
+        out[cls] += n
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kernel", choices=sorted(KERNELS), default="ws",
@@ -143,7 +188,20 @@ def main(argv=None) -> int:
     p.add_argument("--phases", action="store_true",
                    help="per consumer group, the SASS between consecutive mbarrier arrivals (its phases): "
                         "instructions/spills/named barriers")
+    p.add_argument("--opcodes", type=int, default=0, metavar="N",
+                   help="per group, the instructions by class (CLASSES) and the N most frequent mnemonics")
     args = p.parse_args(argv)
+    if args.opcodes:  # with --phases, per segment between a consumer group's mbarrier arrivals
+        for build in args.builds.split(","):
+            for g, body in role_regions(sass_of(build, args.H, args.Hg, args.dtype, args.kernel), args.kernel)[0]:
+                cuts = [i for i, l in enumerate(body) if "SYNCS.ARRIVE" in l] if args.phases and g != "producer" else []
+                for k, (lo, hi) in enumerate(zip([0] + cuts, cuts + [len(body)])):
+                    counts = opcode_counts(body[lo:hi])
+                    top = sorted(counts.items(), key=lambda kv: -kv[1])[:args.opcodes]
+                    where = f"{g} {k}" if cuts else g
+                    print(f"{build} | {where} | {hi - lo} | " + ", ".join(f"{c} {n}" for c, n in classify(counts).items() if n)
+                          + " | " + ", ".join(f"{op} {n}" for op, n in top), flush=True)
+        return 0
     if args.phases:
         for build in args.builds.split(","):
             for g, segs in per_phase(sass_of(build, args.H, args.Hg, args.dtype, args.kernel), args.kernel).items():
