@@ -92,12 +92,17 @@ class FlashQLABackend(Backend):
         return reasons
 
     def run(self, call: GDRCall) -> GDRGrads:
-        return self.plan_run(call)(call)
+        return self._planned(call, reused=False)(call)
 
     def plan_run(self, call: GDRCall):
         """`run` for the calls of `call`'s plan: what its shapes, dtypes and absent inputs decide
         (casts, the zero dht, the grouped-head sums) decided once; only the packing (strides are
         not in a plan's key) is checked per call."""
+        return self._planned(call, reused=True)
+
+    def _planned(self, call: GDRCall, reused: bool):
+        """The function `run` applies; with `reused`, one that checks its tensors' packing in one
+        test decided from `call`'s shapes (`contract.packing_test`), else through `packed` each."""
         chunk, utils = _ops()
         fused_gdr_h, fused_gdr_bwd, cumsum = chunk.fused_gdr_h, chunk.fused_gdr_bwd, utils.chunk_local_cumsum
         dtype, k_dtype, b_dtype = call.q.dtype, call.k.dtype, call.b.dtype
@@ -112,17 +117,19 @@ class FlashQLABackend(Backend):
         cast_a, cast_h = call.a.dtype != dtype, call.h is not None and call.h.dtype != dtype
         reads_h0 = has_h0 and call.h is None
         cast_h0 = reads_h0 and call.initial_state.dtype != torch.float32
-        read = operator.attrgetter("q", "k", "v", "g", "b", "do", *(
-            name for name, cast in (("a", cast_a), ("h", cast_h), ("dht", False))
-            if getattr(call, name) is not None and not cast), *(("initial_state",) if reads_h0 and not cast_h0 else ()))
-        is_packed = packing_test(*read(call))
+        read = is_packed = None
+        if reused:
+            read = operator.attrgetter("q", "k", "v", "g", "b", "do", *(
+                name for name, cast in (("a", cast_a), ("h", cast_h), ("dht", False), ("cu_seqlens", False))
+                if getattr(call, name) is not None and not cast), *(("initial_state",) if reads_h0 and not cast_h0 else ()))
+            is_packed = packing_test(*read(call))
 
         def planned(c: GDRCall) -> GDRGrads:
-            q, k, v, g, b, do, a, h, dht = c.q, c.k, c.v, c.g, c.b, c.do, c.a, c.h, c.dht
+            q, k, v, g, b, do, a, h, dht, cu = c.q, c.k, c.v, c.g, c.b, c.do, c.a, c.h, c.dht, c.cu_seqlens
             h0 = c.initial_state if reads_h0 else None
-            if not is_packed(*read(c)):
+            if is_packed is None or not is_packed(*read(c)):
                 q, k, v, g, b, do, dht = packed(q), packed(k), packed(v), packed(g), packed(b), packed(do), packed(dht)
-                a, h, h0 = (x if cast else packed(x) for x, cast in ((a, cast_a), (h, cast_h), (h0, cast_h0)))
+                cu, a, h, h0 = packed(cu), a if cast_a else packed(a), h if cast_h else packed(h), h0 if cast_h0 else packed(h0)
             if cast_a:
                 a = packed(a.to(dtype))
             if cast_h:
@@ -133,11 +140,11 @@ class FlashQLABackend(Backend):
                 dht = graph_safe.zeros(tuple(c.initial_state.shape), torch.float32, c.q.device)
             if h is None:
                 h, _, _ = fused_gdr_h(k=k, v=v, a=a, g=g, b=b, initial_state=h0, output_final_state=False,
-                                      output_h=True, cu_seqlens=c.cu_seqlens, state_v_first=c.state_v_first)
+                                      output_h=True, cu_seqlens=cu, state_v_first=c.state_v_first)
             dq, dk, dv, dg, db, dh0 = fused_gdr_bwd(q=q, k=k, v=v, a=a, g=g, b=b, do=do, dht=dht, h=h, scale=c.scale,
-                                                    cu_seqlens=c.cu_seqlens, chunk_size=c.chunk_size,
+                                                    cu_seqlens=cu, chunk_size=c.chunk_size,
                                                     state_v_first=c.state_v_first)
-            dg = cumsum(dg, chunk_size=c.chunk_size, cu_seqlens=c.cu_seqlens, reverse=True, zero_last_chunk=True)
+            dg = cumsum(dg, chunk_size=c.chunk_size, cu_seqlens=cu, reverse=True, zero_last_chunk=True)
             # its per-head dq/dk come in v's dtype: summed in fp32 where heads are grouped
             if Hg != H:
                 dq, dk = sum_value_heads(dq, Hg, dtype), sum_value_heads(dk, Hg, k_dtype)

@@ -118,12 +118,14 @@ def packed(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def packing_test(*tensors: torch.Tensor):
-    """A test, decided once from these tensors' shapes, that later tensors of the same shapes (a
-    plan's calls: plans.py) are packed as `packed` means it: `test(*xs)` is True only when
-    `packed(x) is x` for each. Without a size-1 or empty dim that is one `is_contiguous` per
-    tensor; with one, the strides against the shape's canonical ones (~0.4 / 0.9 us for eight
-    tensors on a CPU against ~1.7 / 2.5 through `packed`: a launcher's plan calls it per call)."""
-    shapes = [x.shape for x in tensors]
+    """`test(*xs)`, True only when `packed(x) is x` for each of `xs`, tensors of these tensors'
+    shapes (a plan's later calls): decided once per set of shapes, it costs a plan one
+    `is_contiguous` per tensor, or a strides compare where a dim is 1 (docs/design.md)."""
+    return _packing_test(tuple(x.shape for x in tensors))
+
+
+@functools.lru_cache(maxsize=256)
+def _packing_test(shapes: tuple):
     if all(1 not in s and 0 not in s for s in shapes):
         return _all_contiguous
     expected = [_canonical_strides(s) for s in shapes]

@@ -123,13 +123,14 @@ def test_plumbing_against_the_oracle(spec, h_mode, monkeypatch, with_backends):
     assert calls[-2:] == ["fused_gdr_bwd", "chunk_local_cumsum"]
 
 
-@pytest.mark.parametrize("spec", PLUMBING[:2] + [ShapeSpec(B=1, T=100, H=4, Hg=2, K=32, V=16)], ids=lambda s: s.label())
+@pytest.mark.parametrize("spec", PLUMBING + [ShapeSpec(B=1, T=100, H=4, Hg=2, K=32, V=16)], ids=lambda s: s.label())
 @pytest.mark.parametrize("h_mode", ["given", "none"])
 def test_a_plan_made_on_packed_tensors_packs_a_later_calls_views(spec, h_mode, monkeypatch):
     """The plan checks packing per call from its shapes (`packing_test`): a later call of the same
-    shapes with strided views (a transpose, a split of a fused projection, an odd stride of a
-    size-1 dim, `a` and `h` in fp32) reaches FlashQLA packed (the stand-in asserts it) and gives
-    the packed call's gradients bit for bit."""
+    shapes and dtypes with any one tensor as a strided view (a transpose, a split of a fused
+    projection, a padded first dim: at B = 1 an odd stride of a size-1 dim, contiguous to torch),
+    or all of them, reaches FlashQLA packed (the stand-in asserts it) and gives the packed call's
+    gradients bit for bit; so do plans whose `a` and `h` are cast (fp32) and whose h0 is fp16."""
     import fake_flash_qla
 
     from gdr_dispatch.contract import validate
@@ -139,35 +140,34 @@ def test_a_plan_made_on_packed_tensors_packs_a_later_calls_views(spec, h_mode, m
     flash_qla._ops.cache_clear()
     kwargs = call_kwargs(make_inputs(replace(spec, dtype="float16", h=h_mode), "cpu", seed=3))
 
-    def strided(x, how):
-        if how == "transpose":
-            return x.transpose(1, 2).contiguous().transpose(1, 2)
-        if how == "split":
-            return torch.cat([x, x], -1)[..., :x.shape[-1]]
-        if how == "odd":  # a padded first dim (with B = 1 a size-1 dim's stride, contiguous to torch)
+    def strided(name, x):
+        if x.dim() == 1:  # cu_seqlens: every other element of a wider tensor
+            return torch.stack([x, x], 1)[:, 0]
+        if name in ("v", "b", "initial_state"):  # a padded first dim
             strides = (x.stride(0) + 8, *x.stride()[1:])
             return x.new_empty(x.shape[0] * strides[0]).as_strided(x.shape, strides).copy_(x)
-        return x.float()
+        t = x.transpose(1, 2).contiguous().transpose(1, 2)
+        if name in ("k", "g") or t.stride() == x.stride():  # a split of a fused projection
+            return torch.cat([x, x], -1)[..., :x.shape[-1]]
+        return t
 
-    views = {"q": "transpose", "k": "split", "v": "odd", "do": "transpose", "a": "fp32", "b": "odd", "g": "split"}
+    names = [n for n, x in kwargs.items() if isinstance(x, torch.Tensor)]
+    assert {"q", "k", "v", "a", "g", "b", "do"} <= set(names)
+    variants = [kwargs, {**kwargs, "a": kwargs["a"].float()}]
     if kwargs["h"] is not None:
-        views["h"] = "fp32"
-    later = {**kwargs, **{n: strided(kwargs[n], how) for n, how in views.items()}}
-    for n in views:
-        assert torch.equal(later[n].to(kwargs[n].dtype), kwargs[n])
-    for shapes in (kwargs, {**kwargs, "a": kwargs["a"].float(), "h": None if kwargs["h"] is None else kwargs["h"].float()}):
-        plan = flash_qla.FlashQLABackend().plan_run(validate(**shapes))
-        want = plan(validate(**shapes))
-        got = plan(validate(**{n: later[n] if n in views and later[n].dtype == shapes[n].dtype else shapes[n]
-                                 for n in shapes}))
-        for name, x, y in zip(want._fields, want, got):
-            assert (x is None and y is None) or torch.equal(x, y), name
-        got = plan(validate(**{**later, **{n: later[n].to(shapes[n].dtype) for n in ("a", "h") if shapes[n] is not None}}))
-        for name, x, y in zip(want._fields, want, got):
-            assert (x is None and y is None) or torch.equal(x, y), name
-        got = plan(validate(**{**shapes, "v": later["v"]}))  # the one view torch calls contiguous at B = 1
-        for name, x, y in zip(want._fields, want, got):
-            assert (x is None and y is None) or torch.equal(x, y), name
+        variants.append({**kwargs, "h": kwargs["h"].float()})
+    if kwargs["initial_state"] is not None:
+        variants.append({**kwargs, "initial_state": kwargs["initial_state"].half()})
+    for plan_kwargs in variants:
+        plan = flash_qla.FlashQLABackend().plan_run(validate(**plan_kwargs))
+        want = plan(validate(**plan_kwargs))
+        views = {n: strided(n, plan_kwargs[n]) for n in names}
+        for n, x in views.items():
+            assert torch.equal(x, plan_kwargs[n]) and x.stride() != plan_kwargs[n].stride(), n
+        for changed in [{n: views[n]} for n in names] + [views]:
+            got = plan(validate(**{**plan_kwargs, **changed}))
+            for name, x, y in zip(want._fields, want, got):
+                assert (x is None and y is None) or torch.equal(x, y), (sorted(changed), name)
     flash_qla._ops.cache_clear()
 
 

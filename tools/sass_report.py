@@ -134,7 +134,7 @@ def per_phase(sass: str, kernel: str = "ws") -> dict:
 #: Instruction classes for `--opcodes`, by the mnemonic's base (before the first '.'): what each
 #: element-wise cut the fused kernel weighs would remove (docs/kernels.md, the next decomposition).
 CLASSES = {
-    "gemm": {"HGMMA", "WARPGROUP", "WARPSYNC"},
+    "gemm": {"HGMMA", "WARPGROUP"},
     "fp32": {"FADD", "FMUL", "FFMA", "FMNMX", "FSEL", "FSETP", "FCHK", "FRND", "FSWZADD"},
     "16-bit math": {"HADD2", "HMUL2", "HFMA2", "HMNMX2", "HSETP2"},
     "conversion": {"F2F", "F2FP", "F2I", "I2F", "I2FP", "F2IP"},
@@ -144,10 +144,10 @@ CLASSES = {
     "spill": {"LDL", "STL"},
     "shuffle": {"SHFL"},
     "sync": {"BAR", "SYNCS", "MEMBAR", "FENCE", "DEPBAR", "ERRBAR", "CCTL", "WARPSYNC"},
-    "integer/address": {"IMAD", "IADD3", "LEA", "LOP3", "SHF", "ISETP", "IABS", "IMNMX", "SGXT", "LEA.HI", "POPC",
+    "integer/address": {"IMAD", "IADD3", "LEA", "LOP3", "SHF", "ISETP", "IABS", "IMNMX", "SGXT", "POPC",
                         "FLO", "BMSK", "IDP", "VIADD", "VIMNMX", "PRMT"},
     "moves/predicates": {"MOV", "SEL", "PLOP3", "P2R", "R2P", "S2R", "S2UR", "CS2R", "R2UR", "UMOV", "ELECT", "VOTE",
-                         "VOTEU", "NOP", "PLOP3"},
+                         "VOTEU", "NOP"},
 }
 
 

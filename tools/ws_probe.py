@@ -9,7 +9,7 @@
     python tools/ws_probe.py --only B1T8192H16 --mode reconly            # its wall time (plain build)
     python tools/ws_probe.py --warm-peer 8 --shapes B4T4096H16,B8T4096H32   # compile for --peer first
     python tools/ws_probe.py --only B4T4096H16 --colsums warp,transpose [--timing] [--check]  # two forms, one process
-    python tools/ws_probe.py --only B8T4096H32 --colsums warp,warp+gam+row --rounds 3   # tilelang_ws_bwd.HOIST off / on
+    python tools/ws_probe.py --only B8T4096H32 --colsums warp,warp+gam+row --rounds 3   # tilelang_ws_bwd.HOIST's words off / on
     python tools/ws_probe.py --only B4T4096H16 --colsums warp,warp+row --rounds 6 --b2b  # the same, GPU time
 
 Prints median ms (CUDA events, gdr_dispatch.autotune.measure_ms; with --b2b back to back), us per

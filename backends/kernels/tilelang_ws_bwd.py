@@ -66,7 +66,7 @@ COLSUMS_FORMS = ("warp", "transpose")
 #: (nvcc keeps the source's order of multiplications: `x * scale * e^G` is two per element). Both:
 #: A 2889 -> 2718 SASS instructions per warp and chunk step, spill instructions 39 -> 26
 #: (tools/sass_report.py). "gam" alone, on the H200 back to back: -2.3 % B4 T4096 H16, -1.4 % B8
-#: T4096 H32, -1.6 % B1 T8192 H16; "row" +-0.5 % (docs/kernels.md, "Fused backward").
+#: T4096 H32, -1.6 % B1 T8192 H16; "row" -0.4 / -0.9 / +0.1 % (docs/kernels.md, "Fused backward").
 HOIST = "gam"
 HOIST_WORDS = ("gam", "row")
 
