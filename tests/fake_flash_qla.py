@@ -18,7 +18,7 @@ import torch
 
 from fake_fla import F64, _heads, _layout, _states_in, _states_out, _vec_in
 from gdr_dispatch import chunked_math as ex
-from gdr_dispatch.contract import _canonical_strides
+from gdr_dispatch.contract import packed
 
 VERSION = "0.1.3"
 
@@ -112,7 +112,7 @@ def install(monkeypatch):
             bound = sig.bind(*args, **kwargs)  # a keyword FlashQLA does not take fails here
             for name, x in bound.arguments.items():  # its kernels take packed tensors (TMA descriptors)
                 if isinstance(x, torch.Tensor):
-                    assert x.stride() == _canonical_strides(x.shape), f"{fn.__name__}: {name} is not packed"
+                    assert packed(x) is x, f"{fn.__name__}: {name} is not packed"
             calls.append(fn.__name__)
             return fn(*args, **kwargs)
 

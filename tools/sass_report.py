@@ -117,18 +117,15 @@ def per_phase(sass: str, kernel: str = "ws") -> dict:
     the next: instructions / spill instructions / named barriers (`BAR.SYNC`, the group's own
     128-thread syncs): TileLang can put one before every store of an unrolled loop, which this
     shows as a phase with dozens of them."""
-    out = {}
-    for g, body in role_regions(sass, kernel)[0]:
-        if g == "producer":
-            continue
-        cuts = [i for i, l in enumerate(body) if "SYNCS.ARRIVE" in l] + [len(body)]
-        segs, prev = [], 0
-        for c in cuts:
-            seg = body[prev:c]
-            segs.append((len(seg), sum(bool(COUNTS["spill"].search(l)) for l in seg), sum("BAR.SYNC" in l for l in seg)))
-            prev = c
-        out[g] = segs
-    return out
+    return {g: [(len(seg), sum(bool(COUNTS["spill"].search(l)) for l in seg), sum("BAR.SYNC" in l for l in seg))
+                for seg in phase_segments(body)]
+            for g, body in role_regions(sass, kernel)[0] if g != "producer"}
+
+
+def phase_segments(body: list[str]) -> list[list[str]]:
+    """A consumer group's SASS lines cut before each mbarrier arrival (`SYNCS.ARRIVE`)."""
+    cuts = [i for i, l in enumerate(body) if "SYNCS.ARRIVE" in l]
+    return [body[lo:hi] for lo, hi in zip([0] + cuts, cuts + [len(body)])]
 
 
 #: Instruction classes for `--opcodes`, by the mnemonic's base (before the first '.'): what each
@@ -168,8 +165,7 @@ def classify(counts: dict) -> dict:
     out = {c: 0 for c in CLASSES}
     out["other"] = 0
     for op, n in counts.items():
-        base = op[1:] if op.startswith("U") and op not in ("UTMALDG", "UTMASTG", "UBLKCP", "UTMACMDFLUSH", "UTMAPF",
-                                                             "UMOV") else op
+        base = op[1:] if op.startswith("U") else op
         cls = next((c for c, ops in CLASSES.items() if op in ops or base in ops), "other")
         out[cls] += n
     return out
@@ -194,12 +190,12 @@ def main(argv=None) -> int:
     if args.opcodes:  # with --phases, per segment between a consumer group's mbarrier arrivals
         for build in args.builds.split(","):
             for g, body in role_regions(sass_of(build, args.H, args.Hg, args.dtype, args.kernel), args.kernel)[0]:
-                cuts = [i for i, l in enumerate(body) if "SYNCS.ARRIVE" in l] if args.phases and g != "producer" else []
-                for k, (lo, hi) in enumerate(zip([0] + cuts, cuts + [len(body)])):
-                    counts = opcode_counts(body[lo:hi])
+                segs = phase_segments(body) if args.phases and g != "producer" else [body]
+                for k, seg in enumerate(segs):
+                    counts = opcode_counts(seg)
                     top = sorted(counts.items(), key=lambda kv: -kv[1])[:args.opcodes]
-                    where = f"{g} {k}" if cuts else g
-                    print(f"{build} | {where} | {hi - lo} | " + ", ".join(f"{c} {n}" for c, n in classify(counts).items() if n)
+                    where = f"{g} {k}" if len(segs) > 1 else g
+                    print(f"{build} | {where} | {len(seg)} | " + ", ".join(f"{c} {n}" for c, n in classify(counts).items() if n)
                           + " | " + ", ".join(f"{op} {n}" for op, n in top), flush=True)
         return 0
     if args.phases:
