@@ -1,6 +1,7 @@
 """The GPU-only scripts (bench/ and tools/), checked where a CPU can check them: a typo there
 costs device time."""
 
+import contextlib
 import importlib.util
 import inspect
 import json
@@ -338,34 +339,89 @@ def test_sass_report_counts_opcodes_by_class_without_predicates_or_modifiers(mon
 
 
 def test_sass_report_builds_name_a_mode_and_the_timing_build(monkeypatch):
-    """`--builds`: default, timing, a mode of the backward (`nowait`) or `timing-<mode>` reach
-    `build_ws_bwd` as (timing, mode); a mode of the state kernel, or an unknown mode, is refused."""
+    """`--builds`: default, timing, a mode of the backward (`nowait`), a form as ws_probe spells it,
+    or those joined by '-' reach `build_ws_bwd` as its keywords (the kernel's own form where none
+    is named); the state kernel takes default and timing only, and unknown words are refused."""
     monkeypatch.syspath_prepend(str(TOOLS))
     import sass_report
     from gdr_dispatch.backends.kernels import tilelang_ws_bwd
 
     seen = []
 
-    class Built:
-        def _get_sass(self):
-            return ""
-
-    def fake(H, Hg, scale, dtype, b_dtype, timing=False, mode="full"):
+    def fake(H, Hg, scale, dtype, b_dtype, timing=False, mode="full", colsums=None, hoist=None):
         if mode not in tilelang_ws_bwd.MODES:
             raise ValueError(f"mode: {mode!r}")
-        seen.append((timing, mode))
-        return Built()
+        seen.append((timing, mode, colsums, hoist))
+        return object()
 
-    monkeypatch.setattr(sass_report, "_cuobjdump_on_path", lambda: None)
+    monkeypatch.setattr(sass_report, "kernel_sass", lambda kern: "")
     monkeypatch.setattr(tilelang_ws_bwd, "build_ws_bwd", fake)
-    for build in ("default", "timing", "nowait", "timing-nowait", "timing-reconly"):
+    monkeypatch.setattr(tilelang_ws_bwd, "FORM", "warp+gam")
+    for build in ("default", "timing", "nowait", "timing-nowait", "timing-reconly", "warp", "timing-transpose+row+gam"):
         sass_report.sass_of(build, 2, 2, "bfloat16")
-    assert seen == [(False, "full"), (True, "full"), (False, "nowait"), (True, "nowait"), (True, "reconly")]
+    assert seen == [(False, "full", "warp", "gam"), (True, "full", "warp", "gam"), (False, "nowait", "warp", "gam"),
+                    (True, "nowait", "warp", "gam"), (True, "reconly", "warp", "gam"), (False, "full", "warp", ""),
+                    (True, "full", "transpose", "gam+row")]
     with pytest.raises(ValueError, match="states"):
         sass_report.sass_of("nowait", 2, 2, "bfloat16", kernel="states")
-    for bogus in ("timing-bogus", "timingnowait"):
-        with pytest.raises(ValueError, match="mode"):
+    for bogus in ("timing-bogus", "timingnowait", "warp+bogus", "gam"):
+        with pytest.raises(ValueError, match="bogus|none of|hoist"):
             sass_report.sass_of(bogus, 2, 2, "bfloat16")
+
+
+def test_sass_report_disassembles_the_kernel_as_its_pass_configs_build_it(monkeypatch):
+    """The SASS comes from the kernel's source compiled with the flags its pass configs give:
+    `--use_fast_math` where TileLang builds with it (exp2 is one MUFU.EX2 there, four
+    instructions without), none where it does not."""
+    monkeypatch.syspath_prepend(str(TOOLS))
+    import sass_report
+    from tilelang.contrib import nvcc as tl_nvcc
+    from tilelang.transform import PassConfigKey
+
+    seen = []
+    monkeypatch.setattr(sass_report, "_cuobjdump_on_path", lambda: None)
+    monkeypatch.setattr(tl_nvcc, "get_sass_from_source", lambda code, compile_flags=None, verbose=False:
+                        seen.append((code, compile_flags)) or "sass")
+
+    class Kern:
+        target = contextlib.nullcontext()
+
+        def __init__(self, cfg):
+            self.pass_configs = cfg
+
+        def get_kernel_source(self):
+            return "src"
+
+    assert sass_report.kernel_sass(Kern({PassConfigKey.TL_ENABLE_FAST_MATH: True})) == "sass"
+    sass_report.kernel_sass(Kern({}))
+    sass_report.kernel_sass(Kern(None))
+    assert seen == [("src", ["--use_fast_math"]), ("src", []), ("src", [])]
+
+
+def test_precompile_names_the_backends_build_by_ws_alone(monkeypatch):
+    """`ws` (with or without `-timing`/a mode) builds the kernel's own form, `ws` alone by the
+    positional arguments the launcher's cache key uses; a form names its hoist words exactly."""
+    monkeypatch.syspath_prepend(str(TOOLS))
+    import precompile_tilelang
+    from gdr_dispatch.backends.kernels import tilelang_ws_bwd
+
+    seen = []
+
+    def fake(*args, **kw):
+        seen.append((args[3:], kw))
+
+    monkeypatch.setattr(tilelang_ws_bwd, "build_ws_bwd", fake)
+    monkeypatch.setattr(precompile_tilelang, "_count_cubin_lookups", lambda: [])
+    own = tilelang_ws_bwd.form_keywords(tilelang_ws_bwd.FORM)
+    for schedule in ("ws", f"ws-{tilelang_ws_bwd.FORM}", "ws-timing", "ws-warp", "ws-timing-warp+scale+gam"):
+        precompile_tilelang.compile_one(4, 2, "bfloat16", schedule)
+    assert seen == [(("bfloat16", "bfloat16"), {}), (("bfloat16", "bfloat16"), {}),
+                    (("bfloat16", "bfloat16"), {"timing": True, "mode": "full", **own}),
+                    (("bfloat16", "bfloat16"), {"timing": False, "mode": "full", "colsums": "warp", "hoist": ""}),
+                    (("bfloat16", "bfloat16"), {"timing": True, "mode": "full", "colsums": "warp",
+                                                "hoist": "gam+scale"})]
+    with pytest.raises(ValueError, match="none of"):
+        precompile_tilelang.compile_one(4, 2, "bfloat16", "ws-gam")
 
 
 def test_ws_probe_runs_a_prototype_mode_alone(capsys, monkeypatch):

@@ -94,6 +94,77 @@ def test_ws_kernel_compiles_for_sm90a_with_its_register_split():
     assert "__sync_thread_partial(3, 128)" in s_part[wait:read]
 
 
+def test_mma_column_sums_tile_is_tilelangs_swizzle_and_sums_to_fp32():
+    """"mma"'s helper (`COLSUM_TILE`) stores the row-pair sums' bf16 hi and lo where TileLang's
+    128-byte swizzle of the 64 x 64 tile puts them (the tensor core reads the tile through that
+    layout), and the tile's column sums are the fp32 column sums to ~2^-17. The fragment side
+    (element `4 n + 2 r + c` of lane l, warp w: row `16 w + 8 r + l / 4`, column `8 n + 2 (l % 4)
+    + c`) is `COL_PARTIALS`', which the GPU oracle tests cover."""
+    from tilelang import layout as tl_layout  # puts TileLang's tvm on the path
+
+    import tvm
+    from tvm import tirx
+
+    from gdr_dispatch.backends.kernels import tilelang_ws_bwd as ws
+
+    # the helper's address, as its source spells it
+    assert "const unsigned at = tile + (((n ^ (q & 7)) << 4) | ((lane & 3) << 2));" in ws.COLSUM_TILE
+    assert "gdr_st_shared(at + q * 128, hi);" in ws.COLSUM_TILE and "gdr_st_shared(at + (32 + q) * 128," in ws.COLSUM_TILE
+    lay = tl_layout.make_swizzled_layout(tirx.decl_buffer((64, 64), "bfloat16", name="t", scope="shared.dyn"))
+    ana = tvm.arith.Analyzer()
+
+    def element(row, col):  # TileLang's physical element index
+        *_, tile, at = [int(ana.simplify(e)) for e in lay.map_forward_index([tirx.IntImm("int32", row),
+                                                                            tirx.IntImm("int32", col)])]
+        return tile * 512 + at
+
+    X = torch.randn(64, 64, dtype=torch.float32, generator=torch.Generator().manual_seed(0)) * \
+        torch.logspace(-3, 3, 64).unsqueeze(1)
+    tile = torch.full((64, 64), float("nan"))  # by physical element
+    for w in range(4):
+        for lane in range(32):
+            q = 8 * w + lane // 4
+            for n in range(8):
+                at = ((n ^ (q & 7)) << 4) | ((lane & 3) << 2)
+                for c in range(2):
+                    col = 8 * n + 2 * (lane % 4) + c
+                    y = X[16 * w + lane // 4, col] + X[16 * w + 8 + lane // 4, col]
+                    hi = y.to(torch.bfloat16).float()
+                    lo = (y - hi).to(torch.bfloat16).float()
+                    for row, v in ((q, hi), (32 + q, lo)):
+                        byte = row * 128 + at + 2 * c
+                        assert byte == 2 * element(row, col), (row, col)
+                        tile.view(-1)[byte // 2] = v
+    assert not tile.isnan().any()  # every element written once
+    logical = torch.stack([torch.stack([tile.view(-1)[element(r, c)] for c in range(64)]) for r in range(64)])
+    sums = (logical.double() * (1.0 / ws.ONES_N)).sum(0) * ws.ONES_N
+    ref = X.double().sum(0)
+    assert ((sums - ref).abs() / X.double().abs().sum(0)).max() < 2 ** -16
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile for sm_90a")
+def test_ws_kernel_hoist_words_build_what_they_say():
+    """"mma": A alone calls the column-sum helper, once, on a named barrier none of TileLang's own
+    takes, and its bf16 ones tile is there; an fp16 build and a `scale` outside
+    `SCALE_FOLD_RANGE` build as without the word (the same source)."""
+    from gdr_dispatch.backends.kernels.tilelang_ws_bwd import COLSUM_BARRIER, build_ws_bwd
+
+    src = build_ws_bwd(4, 2, 128 ** -0.5, "bfloat16", "bfloat16", hoist="gam+scale+mma").get_kernel_source()
+    groups = re.split(r"warpgroup_reg_(?:alloc|dealloc)<\d+>", src)[1:]
+    assert [g.count("gdr_colsum_tile(") for g in groups] == [0, 0, 1, 0]
+    taken = {int(i) for i in re.findall(r"__sync_thread_partial\((\d+), \d+\)", src)}
+    assert taken and COLSUM_BARRIER not in taken, taken
+    assert "ones_s" in src and "64, 8, 16" in src  # the m64n8k16 column-sum gemm
+
+    def source(dtype, scale, hoist):
+        return build_ws_bwd(2, 2, scale, dtype, dtype, hoist=hoist).get_kernel_source()
+
+    assert source("float16", 0.1, "gam+mma") == source("float16", 0.1, "gam")
+    assert source("bfloat16", 0.0, "gam+scale") == source("bfloat16", 0.0, "gam")
+    assert source("bfloat16", 0.1, "gam+scale") != source("bfloat16", 0.1, "gam")
+
+
 @pytest.mark.parametrize("spec", [ShapeSpec(B=2, T=100, H=4, Hg=2, K=16, V=32, h="given"),
                                   ShapeSpec(seqlens=(1, 63, 64, 65), H=2, K=16, V=16, h="given", state_v_first=True)],
                          ids=lambda s: s.label())

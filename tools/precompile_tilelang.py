@@ -47,22 +47,14 @@ def compile_one(H: int, Hg: int, dtype: str, schedule: str = "ws", K: int = 128)
             build_states(H, Hg, dtype, "vfirst" in words, timing=True)
         else:
             build_states(H, Hg, dtype, "vfirst" in words)  # positional: the launcher's cache key
-    elif words[0] == "ws":  # the fused backward: ws[-timing][-<mode>][-<colsums form>][-gam][-row] (ws_probe's builds)
-        from gdr_dispatch.backends.kernels.tilelang_ws_bwd import (COLSUMS, COLSUMS_FORMS, HOIST, HOIST_WORDS, MODES,
-                                                                   build_ws_bwd, hoist_form)
+    elif words[0] == "ws":  # the fused backward: ws[-timing][-<mode>][-<form>] (tilelang_ws_bwd.build_keywords)
+        from gdr_dispatch.backends.kernels.tilelang_ws_bwd import build_keywords, build_ws_bwd
 
-        unknown = set(words[1:]) - {"timing", *HOIST_WORDS, *MODES, *COLSUMS_FORMS}
-        if unknown:
-            raise ValueError(f"ws: unknown words {sorted(unknown)} (timing, {', '.join(HOIST_WORDS)}, a mode of {MODES}, "
-                             f"a form of {COLSUMS_FORMS})")
-        mode = next((w for w in words[1:] if w in MODES), "full")
-        colsums = next((w for w in words[1:] if w in COLSUMS_FORMS), COLSUMS)
-        hoist = hoist_form(w for w in words[1:] if w in HOIST_WORDS)
-        if "timing" in words or mode != "full" or colsums != COLSUMS or hoist != HOIST:  # as tools/ws_probe.py passes them
-            build_ws_bwd(H, Hg, float(K ** -0.5), dtype, dtype, timing="timing" in words, mode=mode, colsums=colsums,
-                         hoist=hoist)
-        else:
-            build_ws_bwd(H, Hg, float(K ** -0.5), dtype, dtype)
+        kw = build_keywords("-".join(words[1:]))
+        if kw == build_keywords("default"):
+            build_ws_bwd(H, Hg, float(K ** -0.5), dtype, dtype)  # positional: the launcher's cache key
+        else:  # as tools/ws_probe.py passes them
+            build_ws_bwd(H, Hg, float(K ** -0.5), dtype, dtype, **kw)
     elif words[0] == "flashqla":  # FlashQLA's backward as our backend calls it: flashqla[-varlen][-hnone]...
         unknown = set(words[1:]) - {"varlen", "hnone", "noh0", "nodht"}
         if unknown:
@@ -70,7 +62,7 @@ def compile_one(H: int, Hg: int, dtype: str, schedule: str = "ws", K: int = 128)
         _flashqla_backward(H, Hg, dtype, varlen="varlen" in words, h_none="hnone" in words, K=K,
                            h0="noh0" not in words, dht="nodht" not in words)
     else:
-        raise ValueError(f"unknown schedule {schedule!r}: ws[-timing][-<mode>][-<colsums>][-gam][-row], states[-vfirst][-timing] "
+        raise ValueError(f"unknown schedule {schedule!r}: ws[-timing][-<mode>][-<form>], states[-vfirst][-timing] "
                          "or flashqla[-varlen][-hnone][-noh0][-nodht]")
     how = "kernel cache" if not seen else ("cubin cache" if all(seen) else "nvcc")
     return time.perf_counter() - t0, how
@@ -133,9 +125,11 @@ def _flashqla_backward(H: int, Hg: int, dtype: str, varlen: bool, h_none: bool, 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", action="append", required=True,
-                   help="H,Hg,dtype[,ws[-timing][-<mode>] | ,states[-vfirst][-timing] | "
+                   help="H,Hg,dtype[,ws[-timing][-<mode>][-<form>] | ,states[-vfirst][-timing] | "
                         ",flashqla[-varlen][-hnone][-noh0][-nodht]] (K = V = 128, chunk 64; ws, the default: the "
-                        "fused backward; -timing: with cycle counters; -<mode>: a build of tilelang_ws_bwd.MODES; "
+                        "fused backward as the backend builds it; -timing: with cycle counters; -<mode>: a build of "
+                        "tilelang_ws_bwd.MODES; -<form>: the column sums' form and hoisted words as ws_probe's "
+                        "--colsums spells them, e.g. ws-timing-warp+gam+scale; "
                         "states: the h=None state kernel; flashqla: FlashQLA's backward as our backend calls it)")
     p.add_argument("--jobs", type=int, default=8)
     args = p.parse_args()

@@ -53,20 +53,33 @@ def _cuobjdump_on_path() -> None:
         os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
-def sass_of(build: str, H: int, Hg: int, dtype: str, kernel: str = "ws") -> str:
+def kernel_sass(kern) -> str:
+    """The SASS of a compiled TileLang kernel as it runs: its source compiled with the nvcc flags
+    its pass configs give (TileLang's own `_get_sass` drops `--use_fast_math`, and with it exp2's
+    flush-to-zero form: four instructions an exponential instead of one)."""
+    from tilelang.contrib import nvcc as tl_nvcc
+    from tilelang.transform import PassConfigKey
+
     _cuobjdump_on_path()
-    timing = build == "timing" or build.startswith("timing-")
-    mode = build.removeprefix("timing").removeprefix("-") if timing else build
-    mode = "full" if mode in ("", "default") else mode
-    if mode != "full" and kernel != "ws":
-        raise ValueError(f"--builds: default or timing for {kernel}, got {build!r}")
+    cfg = kern.pass_configs or {}
+    flags = ["--use_fast_math"] if cfg.get(PassConfigKey.TL_ENABLE_FAST_MATH, False) else []
+    level = cfg.get(PassConfigKey.TL_PTXAS_REGISTER_USAGE_LEVEL, None)
+    if level is not None:
+        flags.append(f"--ptxas-options=--register-usage-level={int(level)}")
+    with kern.target:
+        return tl_nvcc.get_sass_from_source(kern.get_kernel_source(), compile_flags=flags)
+
+
+def sass_of(build: str, H: int, Hg: int, dtype: str, kernel: str = "ws") -> str:
     if kernel == "states":
+        if build not in ("default", "timing"):
+            raise ValueError(f"--builds: default or timing for {kernel}, got {build!r}")
         from gdr_dispatch.backends.kernels.tilelang_states import build_states
 
-        return build_states(H, Hg, dtype, False, timing=timing)._get_sass()
-    from gdr_dispatch.backends.kernels.tilelang_ws_bwd import build_ws_bwd
+        return kernel_sass(build_states(H, Hg, dtype, False, timing=build == "timing"))
+    from gdr_dispatch.backends.kernels.tilelang_ws_bwd import build_keywords, build_ws_bwd
 
-    return build_ws_bwd(H, Hg, 128 ** -0.5, dtype, dtype, timing=timing, mode=mode)._get_sass()
+    return kernel_sass(build_ws_bwd(H, Hg, 128 ** -0.5, dtype, dtype, **build_keywords(build)))
 
 
 def label_regions(caps: list[int], kernel: str = "ws") -> list[str]:
@@ -176,8 +189,9 @@ def main(argv=None) -> int:
     p.add_argument("--kernel", choices=sorted(KERNELS), default="ws",
                    help="ws: the backward (tilelang_ws_bwd.py); states: the state kernel (tilelang_states.py)")
     p.add_argument("--builds", default="default",
-                   help="comma-separated builds: default, timing (with cycle counters), a mode of "
-                        "tilelang_ws_bwd.MODES (reconly, nowait) or timing-<mode>")
+                   help="comma-separated builds, each words joined by '-': default, timing (with cycle counters), "
+                        "a mode of tilelang_ws_bwd.MODES (reconly, nowait), a form as tools/ws_probe.py spells "
+                        "it (warp+gam): timing-reconly, timing-warp, transpose+gam+row")
     p.add_argument("--H", type=int, default=2)
     p.add_argument("--Hg", type=int, default=2)
     p.add_argument("--dtype", default="bfloat16")

@@ -28,8 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from gdr_dispatch.backends.kernels.tilelang_ws_bwd import (COLSUMS, COLSUMS_FORMS, HOIST, HOIST_WORDS, MODES,  # noqa: E402
-                                                           hoist_form, ws_bwd_given_h)
+from gdr_dispatch.backends.kernels.tilelang_ws_bwd import (COLSUMS_FORMS, FORM, HOIST_WORDS, MODES,  # noqa: E402
+                                                           form_keywords, ws_bwd_given_h)
 from gdr_dispatch.shapes import ShapeSpec, make_inputs  # noqa: E402
 from timing import back_to_back_ms, measure_ms, more_rounds, relative_error  # noqa: E402
 
@@ -93,18 +93,9 @@ def peer_runners(x) -> dict:
             "@tilelang_fused": lambda: get_backend("tilelang_fused").run(call)}
 
 
-#: A build's form as `--colsums` names it: the column sums' form, then `+<word>` for each of
-#: `tilelang_ws_bwd.HOIST_WORDS` the build hoists; the kernel's own form first.
-DEFAULT_FORM = "+".join([COLSUMS, *(w for w in HOIST.split("+") if w)])
-
-
-def form_kw(form: str) -> dict:
-    """`ws_bwd_given_h`'s keywords for a build form (`DEFAULT_FORM`'s spelling); ValueError for a
-    form it does not name."""
-    base, *extra = form.split("+")
-    if base not in COLSUMS_FORMS:
-        raise ValueError(f"colsums: expected one of {COLSUMS_FORMS}, got {base!r}")
-    return {"colsums": base, "hoist": hoist_form(extra)}
+#: A build's form as `--colsums` names it (`tilelang_ws_bwd.form_keywords`); the kernel's own first.
+DEFAULT_FORM = FORM
+form_kw = form_keywords
 
 
 def valid_form(form: str) -> bool:

@@ -34,6 +34,7 @@ launcher), dv, dg (w.r.t. the raw gate), db, dh0 (always written).
 """
 
 import functools
+import math
 
 import tilelang
 import tilelang.language as T
@@ -63,12 +64,59 @@ COLSUMS_FORMS = ("warp", "transpose")
 #: A's work taken out of its per-element loops (`hoist`, words joined by '+'): "gam", Gam's
 #: exponents formed unmasked before the masked exp2 (G's shared loads then not predicated per
 #: element) from G log2(e) kept in `G_s`; "row", phase 5's dq row factor `scale e^G` once per row
-#: (nvcc keeps the source's order of multiplications: `x * scale * e^G` is two per element). Both:
-#: A 2889 -> 2718 SASS instructions per warp and chunk step, spill instructions 39 -> 26
-#: (tools/sass_report.py). "gam" alone, on the H200 back to back: -2.3 % B4 T4096 H16, -1.4 % B8
-#: T4096 H32, -1.6 % B1 T8192 H16; "row" -0.4 / -0.9 / +0.1 % (docs/kernels.md, "Fused backward").
+#: (nvcc keeps the source's order of multiplications: `x * scale * e^G` is two per element);
+#: "scale", `scale` folded into A's Gam (exp2 of the exponent plus log2(scale)),
+#: so Pg and dP take one multiply an element, with b held as b / scale where Gam meets it (phases
+#: 1, 4; phase 6 and db's column part undo it once per row). Both "gam" and "row": A 2825 -> 2657
+#: SASS instructions per warp and chunk step, spill instructions 39 -> 24 (tools/sass_report.py).
+#: "gam" alone, on the H200 back to back: -2.3 % B4 T4096 H16, -1.4 % B8 T4096 H32, -1.6 % B1
+#: T8192 H16; "row" -0.4 / -0.9 / +0.1 % (docs/kernels.md, "Fused backward"). "mma" (bf16 builds):
+#: dG's column sums (phase 5) on the tensor core instead of the exact 16-bit-halves transpose:
+#: each thread adds the two rows it holds, splits the sums into bf16 hi + lo (to 2^-18) and stores
+#: them as the 32 + 32 rows of one 64 x 64 tile (`COLSUM_TILE`), whose transpose times a block of
+#: ones is the column sums.
 HOIST = "gam"
-HOIST_WORDS = ("gam", "row")
+HOIST_WORDS = ("gam", "row", "scale", "mma")
+#: The ones the "mma" column sums multiply by: `[ONES_N, BT]` (wgmma's narrowest N), each 1 / ONES_N,
+#: so the row sums of the `[BT, ONES_N]` product are the column sums.
+ONES_N = 8
+#: The named barrier (id, of A's 128 threads) of `COLSUM_TILE`; TileLang's own take 0-7.
+COLSUM_BARRIER = 9
+
+#: "mma"'s operand: the m64nNk16 accumulator layout (`COL_PARTIALS`' comment) puts rows `16 w +
+#: l / 4` and `+ 8` in one thread, so their sum `y` (row `q = 8 w + l / 4` of 32) needs no other
+#: thread; `y`'s bf16 hi goes to row q and its rounded remainder to row 32 + q of a 64 x 64 bf16
+#: tile in TileLang's 128-byte swizzle (16-byte chunk `c / 8` of row r at `(c / 8) ^ (r % 8)`).
+#: A's threads meet at `COLSUM_BARRIER` before the stores (others' reads of the tile) and after
+#: them (the tensor core reads every thread's stores).
+COLSUM_TILE = r"""
+#include <cuda_bf16.h>
+// volatile shared stores between volatile barriers: kept in order without a "memory" clobber (which
+// would pin A's register tiles to local memory)
+__device__ __forceinline__ void gdr_st_shared(unsigned addr, __nv_bfloat162 v) {
+  asm volatile("st.shared.b32 [%0], %1;" : : "r"(addr), "r"(*reinterpret_cast<unsigned*>(&v)));
+}
+
+__device__ __forceinline__ void gdr_colsum_tile(const float* x, void* tile_v) {
+  const unsigned tile = static_cast<unsigned>(__cvta_generic_to_shared(tile_v));
+  const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3, q = 8 * w + (lane >> 2);
+  asm volatile("bar.sync %0, 128;" : : "n"(GDR_COLSUM_BARRIER));
+#pragma unroll
+  for (int n = 0; n < 8; ++n) {
+    const float y0 = x[4 * n] + x[4 * n + 2], y1 = x[4 * n + 1] + x[4 * n + 3];
+    const __nv_bfloat162 hi = __floats2bfloat162_rn(y0, y1);
+    const float2 h = __bfloat1622float2(hi);
+    const unsigned at = tile + (((n ^ (q & 7)) << 4) | ((lane & 3) << 2));  // (32 + q) % 8 == q % 8
+    gdr_st_shared(at + q * 128, hi);
+    gdr_st_shared(at + (32 + q) * 128, __floats2bfloat162_rn(y0 - h.x, y1 - h.y));
+  }
+  asm volatile("fence.proxy.async.shared::cta;");
+  asm volatile("bar.sync %0, 128;" : : "n"(GDR_COLSUM_BARRIER));
+}
+""".replace("GDR_COLSUM_BARRIER", str(COLSUM_BARRIER))
+#: "scale" folds only a scale in this range (log2 of it exact enough, b / scale finite); others
+#: build as without the word.
+SCALE_FOLD_RANGE = (2.0 ** -20, 2.0 ** 20)
 
 
 def hoist_form(words) -> str:
@@ -79,6 +127,41 @@ def hoist_form(words) -> str:
     if unknown:
         raise ValueError(f"hoist: expected words of {HOIST_WORDS}, got {sorted(unknown)}")
     return "+".join(w for w in HOIST_WORDS if w in given)
+
+
+#: The kernel's own build as the tools name a form (tools/ws_probe.py's `--colsums`, the words of
+#: tools/precompile_tilelang.py and tools/sass_report.py): the column sums' form, then `+<word>`
+#: for each hoisted word.
+FORM = "+".join([COLSUMS, *(w for w in HOIST.split("+") if w)])
+
+
+def form_keywords(form: str) -> dict:
+    """`build_ws_bwd`'s `colsums` and `hoist` for a form (`FORM`'s spelling); ValueError for a
+    form it does not name."""
+    base, *extra = form.split("+")
+    if base not in COLSUMS_FORMS:
+        raise ValueError(f"colsums: expected one of {COLSUMS_FORMS}, got {base!r}")
+    return {"colsums": base, "hoist": hoist_form(extra)}
+
+
+def build_keywords(name: str) -> dict:
+    """`build_ws_bwd`'s keywords for a build the tools name by words joined by '-': `timing`, a
+    mode of `MODES`, a form (`form_keywords`; without one the kernel's own). "" or "default":
+    the backend's build."""
+    kw = {"timing": False, "mode": "full", **form_keywords(FORM)}
+    for word in name.split("-"):
+        if word in ("", "default"):
+            continue
+        if word == "timing":
+            kw["timing"] = True
+        elif word in MODES:
+            kw["mode"] = word
+        elif word.split("+")[0] in COLSUMS_FORMS:
+            kw.update(form_keywords(word))
+        else:
+            raise ValueError(f"build {name!r}: {word!r} is none of default, timing, a mode of {MODES}, a form "
+                             f"({'/'.join(COLSUMS_FORMS)}, then +{'/+'.join(HOIST_WORDS)})")
+    return kw
 
 #: A warp's partial column sums of a warpgroup's 64 x 64 fp32 wgmma accumulator: element
 #: `4 n + 2 r + c` of lane l in warp w is row `16 w + 8 r + l / 4`, column `8 n + 2 (l % 4) + c`
@@ -163,6 +246,13 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     warp_cols = colsums == "warp"
     hoisted = hoist_form(hoist.split("+")).split("+")
     gam_first, row_factor = "gam" in hoisted, "row" in hoisted
+    # with "scale" A's Gam carries the scale (exp2 of log2(scale) more) and b_s holds b / scale
+    fold = "scale" in hoisted and SCALE_FOLD_RANGE[0] <= scale <= SCALE_FOLD_RANGE[1]
+    log2_scale, b_unit = (math.log2(scale), 1.0 / scale) if fold else (0.0, 1.0)
+    # with "mma" (bf16: hi and lo share bf16's range; fp16 would overflow) dG's column sums by a gemm
+    mma_cols = "mma" in hoisted and dtype == "bfloat16"
+    # CUDA helpers the build calls (T.call_extern)
+    prelude = "".join(src for src, on in ((COL_PARTIALS, warp_cols), (COLSUM_TILE, mma_cols)) if on) or None
     # with "gam" G_s holds G log2(e) (its only reader is Gam's exponent): no multiply per element
     g_scale = LOG2E if gam_first else 1.0
     reconly, nowait = mode == "reconly", mode == "nowait"
@@ -249,8 +339,21 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
 
     def gated(x_f, gam_f, i, j):
         """scale Gam[i, j] x[i, j] (Pg from Q K^T, dP from dPg), 0 above the diagonal through
-        Gam's own zeros there."""
-        return scale * x_f[i, j] * gam_f[i, j]
+        Gam's own zeros there (with "scale" the scale is in A's Gam)."""
+        return x_f[i, j] * gam_f[i, j] if fold else scale * x_f[i, j] * gam_f[i, j]
+
+    def b_of(x):
+        """b as `b_s` holds it (b / scale with "scale")."""
+        return x * b_unit if fold else x
+
+    def b_true(x):
+        """b from `b_s`'s value (its row factor once per row with "scale")."""
+        return x * scale if fold else x
+
+    def cols_true(x):
+        """db's column part from sums of Gam dAg A taken with A's Gam (which carries the scale
+        with "scale")."""
+        return x * b_unit if fold else x
 
     @T.macro
     def store_pg(pg_f, pg_s, gam_f):
@@ -361,7 +464,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
             dh0: T.Tensor((N, H, K, V), accum),
             clk: T.Tensor((NCLK,), "int32"),  # timing builds only (one element otherwise)
         ):
-            with T.Kernel(N * H, threads=512, prelude=COL_PARTIALS if warp_cols else None) as bx:
+            with T.Kernel(N * H, threads=512, prelude=prelude) as bx:
                 n, hh, hg, bos, eos, n_chunks, c0 = cta_sequence(bx, H, group, cu_seqlens, chunk_offsets, BT)
 
                 # ---- shared memory (~208 KiB) ----
@@ -392,6 +495,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                 db_s = T.alloc_shared((BT,), accum)  # db's row part (A, phase 6; the transpose form adds its column part)
                 dbc_s = T.alloc_shared((4, BT), accum)  # db's column part: A's warps' partial sums (phase 4)
                 tm_s = T.alloc_shared((3, NS), "int32")  # timing builds: the counters
+                if mma_cols:
+                    ones_s = T.alloc_shared((ONES_N, BT), dtype)  # "mma": 1 / ONES_N (the gemm's B, K-major)
 
                 # ---- registers ----
                 dS_f = T.alloc_fragment((K, V), accum)  # S
@@ -411,6 +516,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                 ar_f = T.alloc_fragment((BT,), accum)
                 gam_f = T.alloc_fragment((BT, BT), accum)  # A's copy of Gam for the chunk
                 ac_f = T.alloc_fragment((BT,), accum)
+                if mma_cols:
+                    cs_f = T.alloc_fragment((BT, ONES_N), accum)  # "mma": X^T ones / ONES_N
 
                 # ---- barriers ----
                 full = T.alloc_barrier(arrive_count=128)  # the producer publishes a chunk
@@ -453,11 +560,14 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         G_s[i] = g[T.min(t_first + i, eos - 1), hh] * g_scale
                         eG_s[i] = T.exp2(g[T.min(t_first + i, eos - 1), hh] * LOG2E)
                         eGL_s[i] = T.exp2((g[eos - 1, hh] - g[T.min(t_first + i, eos - 1), hh]) * LOG2E)
-                        b_s[i] = T.if_then_else(t_first + i < eos, T.cast(b[t_first + i, hh], accum),
+                        b_s[i] = T.if_then_else(t_first + i < eos, b_of(T.cast(b[t_first + i, hh], accum)),
                                                 T.cast(0, accum))
                 if timing:
                     for i, j in T.Parallel(3, NS):
                         tm_s[i, j] = 0
+                if mma_cols:
+                    for i, j in T.Parallel(ONES_N, BT):
+                        ones_s[i, j] = T.cast(1.0 / ONES_N, dtype)  # a power of two: exact
                 T.fence_proxy_async()
                 T.sync_threads()
 
@@ -511,7 +621,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             for i in T.Parallel(BT):
                                 if i < L:
                                     if warp_cols:  # A's row part and its warps' column partials
-                                        db[t0 + i, hh] = T.cast(db_s[i] + warp_sum(dbc_s, i), b_dtype)
+                                        db[t0 + i, hh] = T.cast(db_s[i] + cols_true(warp_sum(dbc_s, i)), b_dtype)
                                     else:
                                         db[t0 + i, hh] = T.cast(db_s[i], b_dtype)
                         phase_sync(phase, 6, it % 2, 7, 0, tick, tm_s)
@@ -624,13 +734,14 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                                 full_wait(full, (it - 1) % 2, 2, tick, tm_s)
                             if gam_first:  # the exponents first, unmasked: G's loads are then not predicated per element
                                 for i, j in T.Parallel(BT, BT):
-                                    gam_f[i, j] = G_s[i] - G_s[j]
+                                    gam_f[i, j] = (G_s[i] + log2_scale) - G_s[j] if fold else G_s[i] - G_s[j]
                                 for i, j in T.Parallel(BT, BT):
                                     gam_f[i, j] = T.exp2(T.if_then_else(j <= i, gam_f[i, j], T.cast(-1e30, accum)))
                             else:
                                 for i, j in T.Parallel(BT, BT):  # Gam once per chunk, for phases 1, 4 and 5
                                     # exp2(-1e30) = 0: no branch around the exp2
-                                    gam_f[i, j] = T.exp2(T.if_then_else(j <= i, (G_s[i] - G_s[j]) * LOG2E,
+                                    exponent = (G_s[i] - G_s[j]) * LOG2E
+                                    gam_f[i, j] = T.exp2(T.if_then_else(j <= i, exponent + log2_scale if fold else exponent,
                                                                         T.cast(-1e30, accum)))
                             # 1: Pg = scale Gam Q K^T; Ag = Gam A b (formed while the gemm runs; KV forms U and W)
                             T.wgmma_gemm(q_s, k_s, pg_f, transpose_B=True, clear_accum=True)
@@ -669,7 +780,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                                 sq2_f[i, j] = sq2_f[i, j] * b_s[j]  # dAg * Ag, summed with dPg * Pg in phase 5
                             if not warp_cols:
                                 for i in T.Parallel(BT):
-                                    db_s[i] = ac_f[i]
+                                    db_s[i] = cols_true(ac_f[i])
                             for i, j in T.Parallel(BT, BT):
                                 x3_s[i, j] = T.cast(gam_f[i, j] * sq_f[i, j] * b_s[j], dtype)
                             T.fence_proxy_async()
@@ -682,8 +793,18 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             # dG of Ag and Pg at once: rows - columns of dAg * Ag + dPg * Pg
                             for i, j in T.Parallel(BT, BT):
                                 sq2_f[i, j] = sq2_f[i, j] + sq_f[i, j] * T.cast(pg_s[i, j], accum)
-                            T.reduce_sum(sq2_f, ar_f, dim=1)
-                            column_sums(sq2_f, pg_s, pg_f, ac_f)  # Pg is read; pg_s takes dP next
+                            if mma_cols:  # column sums = (hi + lo tile)^T ones (COLSUM_TILE; Pg is read)
+                                for i, j in T.Parallel(BT, BT):  # a copy: passing sq2_f's own registers spills
+                                    pg_f[i, j] = sq2_f[i, j]
+                                T.evaluate(T.call_extern("handle", "gdr_colsum_tile", pg_f.data, pg_s.data))
+                                T.wgmma_gemm(pg_s, ones_s, cs_f, transpose_A=True, transpose_B=True, clear_accum=True)
+                                T.reduce_sum(sq2_f, ar_f, dim=1)  # while the column sums run
+                                T.wait_wgmma(0)
+                                fence(cs_f)
+                                T.reduce_sum(cs_f, ac_f, dim=1)
+                            else:
+                                T.reduce_sum(sq2_f, ar_f, dim=1)
+                                column_sums(sq2_f, pg_s, pg_f, ac_f)  # Pg is read; pg_s takes dP next
                             for i in T.Parallel(BT):
                                 dGa_s[i] = ar_f[i] - ac_f[i]
                             T.wgmma_gemm(do_s, h_s, a1_f, transpose_B=True, clear_accum=True)
@@ -718,7 +839,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                                 else:
                                     db_s[i] = db_s[i] + ar_f[i] * 1.0
                             for i, j in T.Parallel(BT, BT):  # dkk, then dkk + dkk^T, in dM's registers
-                                sq_f[i, j] = sq_f[i, j] * b_s[i]
+                                sq_f[i, j] = sq_f[i, j] * b_true(b_s[i])
                             T.copy(sq_f, x3_s)
                             for i, j in T.Parallel(BT, BT):
                                 sq_f[i, j] = sq_f[i, j] + T.cast(x3_s[j, i], accum)
@@ -751,7 +872,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             G_s[tx - 384] = gpre[0] * g_scale
                             eG_s[tx - 384] = T.exp2(gpre[0] * LOG2E)
                             eGL_s[tx - 384] = T.exp2((gpre[1] - gpre[0]) * LOG2E)
-                            b_s[tx - 384] = gpre[2]
+                            b_s[tx - 384] = b_of(gpre[2])
                         T.barrier_wait(kfree, it % 2)  # k: read by KV's phase-7 gemm
                         T.tma_copy(k[t0:t0 + BT, hg, 0:K], k_s, barrier=full)
                         T.barrier_arrive(full)
