@@ -19,6 +19,15 @@ for c in .devcache/tlcache.tar.xz .devcache/tilelang-cache-h200.tar.xz; do [ -f 
 [ -f /tmp/.restored ] || touch /tmp/.restored
 if [ -d .devcache/tcache ]; then cp -r .devcache/tcache /tmp/; else tar -xzf tools/h200_autotune_cache.tgz -C /tmp; fi
 mkdir -p "$OUT/bench" /tmp/tables
+# WS_HOIST: the fused kernel's hoist words for this call (tilelang_ws_bwd.HOIST rewritten in this
+# disposable copy of the tree), so the GPU tests and benches run a build before it is the default
+if [ -n "${WS_HOIST:-}" ]; then
+  sed -i "s/^HOIST = \".*\"\$/HOIST = \"$WS_HOIST\"/" backends/kernels/tilelang_ws_bwd.py
+  grep -qx "HOIST = \"$WS_HOIST\"" backends/kernels/tilelang_ws_bwd.py \
+    || { echo "WS_HOIST=$WS_HOIST: tilelang_ws_bwd.HOIST not rewritten" | tee "$OUT/ws_hoist.log"; exit 1; }
+  python3 -c "from gdr_dispatch.backends.kernels.tilelang_ws_bwd import HOIST, hoist_form; assert hoist_form(HOIST.split('+')) == HOIST, HOIST" \
+    > "$OUT/ws_hoist.log" 2>&1 || { echo "WS_HOIST=$WS_HOIST: not a hoist of HOIST_WORDS' order" >> "$OUT/ws_hoist.log"; exit 1; }
+fi
 [ -f tuning_cache/nvidia-h200-sm90.yaml ] && cp -n tuning_cache/nvidia-h200-sm90.yaml /tmp/tables/
 
 for arg in "$@"; do
