@@ -462,6 +462,24 @@ def test_ws_probe_names_builds_by_their_forms(capsys, monkeypatch):
         tilelang_ws_bwd.build_ws_bwd.__wrapped__(2, 2, 0.1, "bfloat16", "bfloat16", hoist="gam+bogus")
 
 
+def test_ws_probe_once_launches_the_first_forms_build(monkeypatch):
+    """`--once` (what compute-sanitizer and ncu run) launches `--colsums`' first form, so a build
+    is checked before it is the kernel's own."""
+    monkeypatch.syspath_prepend(str(TOOLS))
+    import ws_probe
+
+    from gdr_dispatch.shapes import ShapeSpec
+
+    launched = []
+    monkeypatch.setattr(ws_probe.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ws_probe.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(ws_probe, "SHAPES", {"tiny": ShapeSpec(B=1, T=128, H=2, K=16, V=16)})
+    monkeypatch.setattr(ws_probe, "make_inputs", lambda spec, device, seed: {})
+    monkeypatch.setattr(ws_probe, "runner", lambda x, **kw: lambda: launched.append(kw))
+    assert ws_probe.main(["--only", "tiny", "--once", "--colsums", "warp+mma+gam,warp"]) == 0
+    assert launched == [{"mode": "full", "colsums": "warp", "hoist": "gam+mma"}] * 2
+
+
 def test_ws_probe_b2b_times_gpu_time_in_alternating_rounds(capsys, monkeypatch):
     """`--b2b` times each build back to back (`timing.back_to_back_ms`, never the per-call
     median), in `--rounds` alternating rounds, and prints every round's reading beside the least."""

@@ -146,13 +146,15 @@ def test_mma_column_sums_tile_is_tilelangs_swizzle_and_sums_to_fp32():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile for sm_90a")
 def test_ws_kernel_hoist_words_build_what_they_say():
     """"mma": A alone calls the column-sum helper, once, on a named barrier none of TileLang's own
-    takes, and its bf16 ones tile is there; an fp16 build and a `scale` outside
-    `SCALE_FOLD_RANGE` build as without the word (the same source)."""
+    takes, and its bf16 ones tile is there; "qh": S writes the rows A reads; an fp16 build and a
+    `scale` outside `SCALE_FOLD_RANGE` build as without the word (the same source)."""
     from gdr_dispatch.backends.kernels.tilelang_ws_bwd import COLSUM_BARRIER, build_ws_bwd
 
-    src = build_ws_bwd(4, 2, 128 ** -0.5, "bfloat16", "bfloat16", hoist="gam+scale+mma").get_kernel_source()
+    src = build_ws_bwd(4, 2, 128 ** -0.5, "bfloat16", "bfloat16", hoist="gam+scale+mma+qh").get_kernel_source()
     groups = re.split(r"warpgroup_reg_(?:alloc|dealloc)<\d+>", src)[1:]
     assert [g.count("gdr_colsum_tile(") for g in groups] == [0, 0, 1, 0]
+    writes = [len(re.findall(r"\(\(float\*\)qh_s\)\[[^]]+\] = ", g)) for g in groups]
+    assert writes[0] > 0 and writes[1:] == [0, 0, 0] and "qh_s)[" in groups[2], writes
     taken = {int(i) for i in re.findall(r"__sync_thread_partial\((\d+), \d+\)", src)}
     assert taken and COLSUM_BARRIER not in taken, taken
     assert "ones_s" in src and "64, 8, 16" in src  # the m64n8k16 column-sum gemm

@@ -169,7 +169,8 @@ def check(name, x, repeat: int, colsums: str = DEFAULT_FORM) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default=None, help="one shape name")
-    p.add_argument("--once", action="store_true", help="one launch after one warm-up (for ncu, compute-sanitizer)")
+    p.add_argument("--once", action="store_true",
+                   help="one launch after one warm-up (for ncu, compute-sanitizer), of --colsums' first form")
     p.add_argument("--kernel", choices=["ws", "flashqla"], default="ws",
                    help="the kernel --once launches (flashqla: FlashQLA's fused_gdr_bwd, for ncu beside ours)")
     p.add_argument("--check", action="store_true", help="errors against the torch backend, reruns compared")
@@ -221,7 +222,7 @@ def main(argv=None) -> int:
             continue
         x = make_inputs(spec, "cuda", seed=1)
         if args.once:
-            one = runner(x, mode=args.mode) if args.kernel == "ws" else peer_runners(x)["flashqla_kernel"]
+            one = runner(x, mode=args.mode, **form_kw(forms[0])) if args.kernel == "ws" else peer_runners(x)["flashqla_kernel"]
             one()
             torch.cuda.synchronize()
             one()
