@@ -82,6 +82,28 @@ def _check_backend(backend, name, dtype, h_mode, monkeypatch):
     assert not bad, f"{backend} {spec.label()}: {bad} (all: { {n: f'{e:.1e}' for n, e in errs.items()} })"
 
 
+@pytest.mark.parametrize("backend", list(registered_backends()))
+def test_backend_matches_oracle_at_an_odd_scale_on_gpu(backend, monkeypatch):
+    """A scale whose log2 and inverse are inexact in fp32 (kernels that fold the scale into a
+    factor, e.g. tilelang_ws_bwd's "scale" word, undo it elsewhere), under strong decay."""
+    from gdr_dispatch import oracle_grads
+    from gdr_dispatch.shapes import call_kwargs, make_inputs
+
+    monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
+    spec = ShapeSpec(**{**SHAPES["T100_grouped_strong_decay"].__dict__, "dtype": "bfloat16", "h": "given", "extra": {}})
+    ok, reason = registered_backends()[backend].supported(spec.problem(torch.device("cuda")))
+    if not ok:
+        pytest.skip(f"{backend} does not take {spec.label()}: {reason}")
+    x = make_inputs(spec, "cuda", seed=3)
+    x["scale"] = 0.3
+    ref = oracle_grads(x["q"], x["k"], x["v"], x["g_raw"], x["b"], x["do"], x["dht"], scale=0.3,
+                       initial_state=x["initial_state"], cu_seqlens=x["cu_seqlens"], state_v_first=spec.state_v_first)
+    monkeypatch.setenv("GDR_BACKEND", backend)
+    errs = rel_errors(fused_gdr_bwd(**call_kwargs(x)), ref)
+    bad = {n: f"{e:.2e}" for n, e in errs.items() if not e <= TOL["bfloat16"]}
+    assert not bad, f"{backend} scale 0.3: {bad} (all: { {n: f'{e:.1e}' for n, e in errs.items()} })"
+
+
 # -- strided inputs, as real models pass them ------------------------------------------------------
 def _strided(x: torch.Tensor, how: str) -> torch.Tensor:
     """The same values as `x` (`[B, T, H, D]` or `[B, T, H]`) in the memory a model hands over:

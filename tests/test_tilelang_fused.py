@@ -146,8 +146,9 @@ def test_mma_column_sums_tile_is_tilelangs_swizzle_and_sums_to_fp32():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile for sm_90a")
 def test_ws_kernel_hoist_words_build_what_they_say():
     """"mma": A alone calls the column-sum helper, once, on a named barrier none of TileLang's own
-    takes, and its bf16 ones tile is there; "qh": S writes the rows A reads; an fp16 build and a
-    `scale` outside `SCALE_FOLD_RANGE` build as without the word (the same source)."""
+    takes, and its bf16 ones tile is there; "qh": S writes the rows A reads; an fp16 build ("mma";
+    "scale" in the transpose form) and a `scale` outside `SCALE_FOLD_RANGE` build as without the
+    word (the same source)."""
     from gdr_dispatch.backends.kernels.tilelang_ws_bwd import COLSUM_BARRIER, build_ws_bwd
 
     src = build_ws_bwd(4, 2, 128 ** -0.5, "bfloat16", "bfloat16", hoist="gam+scale+mma+qh").get_kernel_source()
@@ -155,9 +156,14 @@ def test_ws_kernel_hoist_words_build_what_they_say():
     assert [g.count("gdr_colsum_tile(") for g in groups] == [0, 0, 1, 0]
     writes = [len(re.findall(r"\(\(float\*\)qh_s\)\[[^]]+\] = ", g)) for g in groups]
     assert writes[0] > 0 and writes[1:] == [0, 0, 0] and "qh_s)[" in groups[2], writes
-    taken = {int(i) for i in re.findall(r"__sync_thread_partial\((\d+), \d+\)", src)}
+    taken = {int(i) for i in re.findall(r"__sync_thread_partial\((\d+), \d+\)|bar\.sync (\d+)", src) for i in i if i}
     assert taken and COLSUM_BARRIER not in taken, taken
     assert "ones_s" in src and "64, 8, 16" in src  # the m64n8k16 column-sum gemm
+    # the helper writes pg_s in the 128-byte swizzle (type 1): every gemm must read it so, and
+    # "qh"'s row blocks of h_s leave h_s's layout as it is
+    for buf in ("pg_s", "h_s"):
+        kinds = re.findall(r"initialize_wgmma_descriptor<(\d), [^>]*>\(\w+, \(&\(\(\(bfloat16_t\*\)" + buf + r"\)", src)
+        assert kinds and set(kinds) == {"1"}, (buf, kinds)
 
     def source(dtype, scale, hoist):
         return build_ws_bwd(2, 2, scale, dtype, dtype, hoist=hoist).get_kernel_source()
@@ -165,6 +171,9 @@ def test_ws_kernel_hoist_words_build_what_they_say():
     assert source("float16", 0.1, "gam+mma") == source("float16", 0.1, "gam")
     assert source("bfloat16", 0.0, "gam+scale") == source("bfloat16", 0.0, "gam")
     assert source("bfloat16", 0.1, "gam+scale") != source("bfloat16", 0.1, "gam")
+    transpose = [build_ws_bwd(2, 2, 0.1, "float16", "float16", colsums="transpose", hoist=h).get_kernel_source()
+                 for h in ("gam+scale", "gam")]
+    assert transpose[0] == transpose[1]  # fp16's 16-bit copy of db's column terms holds no scaled values
 
 
 @pytest.mark.parametrize("spec", [ShapeSpec(B=2, T=100, H=4, Hg=2, K=16, V=32, h="given"),

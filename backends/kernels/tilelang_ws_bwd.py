@@ -75,8 +75,9 @@ COLSUMS_FORMS = ("warp", "transpose")
 #: each thread adds the two rows it holds, splits the sums into bf16 hi + lo (to 2^-18) and stores
 #: them as the 32 + 32 rows of one 64 x 64 tile (`COLSUM_TILE`), whose transpose times a block of
 #: ones is the column sums. "qh": dq's dG term, the rows of (scale e^G dO S^T) * Q, formed by S
-#: in phase 1 (where it waits on KV) as scale e^G times the rows of dO * (Q S), S's gemm in column
-#: blocks of `QH_N`; A's phase 5 then only adds them.
+#: in phase 1 (where it waits on KV) as scale e^G times the rows of (dO S^T) * Q, S's gemm in
+#: blocks of `QH_N` rows of the state (a row block keeps `h_s`'s 128-byte swizzle; a column
+#: block of 32 makes TileLang give `h_s` a 64-byte one everywhere); A's phase 5 then only adds them.
 HOIST = "gam"
 HOIST_WORDS = ("gam", "row", "scale", "mma", "qh")
 #: The ones the "mma" column sums multiply by: `[ONES_N, BT]` (wgmma's narrowest N), each 1 / ONES_N,
@@ -84,8 +85,7 @@ HOIST_WORDS = ("gam", "row", "scale", "mma", "qh")
 ONES_N = 8
 #: The named barrier (id, of A's 128 threads) of `COLSUM_TILE`; TileLang's own take 0-7.
 COLSUM_BARRIER = 9
-#: "qh": S's column block of Q S (its registers hold dS: 32 columns spill 16 instructions, 64
-#: spill 72; tools/sass_report.py).
+#: "qh": S's block of dO S^T (its registers hold dS; tools/sass_report.py counts the spills).
 QH_N = 32
 
 #: "mma"'s operand: the m64nNk16 accumulator layout (`COL_PARTIALS`' comment) puts rows `16 w +
@@ -119,8 +119,9 @@ __device__ __forceinline__ void gdr_colsum_tile(const float* x, void* tile_v) {
   asm volatile("bar.sync %0, 128;" : : "n"(GDR_COLSUM_BARRIER));
 }
 """.replace("GDR_COLSUM_BARRIER", str(COLSUM_BARRIER))
-#: "scale" folds only a scale in this range (log2 of it exact enough, b / scale finite); others
-#: build as without the word.
+#: "scale" folds only a scale in this range (log2 of it exact enough, b / scale finite), and not
+#: in an fp16 build of the transpose form (its 16-bit copy would hold scaled values); others build
+#: as without the word.
 SCALE_FOLD_RANGE = (2.0 ** -20, 2.0 ** 20)
 
 
@@ -252,11 +253,13 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     hoisted = hoist_form(hoist.split("+")).split("+")
     gam_first, row_factor = "gam" in hoisted, "row" in hoisted
     # with "scale" A's Gam carries the scale (exp2 of log2(scale) more) and b_s holds b / scale
-    fold = "scale" in hoisted and SCALE_FOLD_RANGE[0] <= scale <= SCALE_FOLD_RANGE[1]
+    # (not where fp16 holds scaled values: the transpose form's 16-bit copy of db's column terms)
+    fold = "scale" in hoisted and SCALE_FOLD_RANGE[0] <= scale <= SCALE_FOLD_RANGE[1] and (
+        warp_cols or dtype == "bfloat16")
     log2_scale, b_unit = (math.log2(scale), 1.0 / scale) if fold else (0.0, 1.0)
     # with "mma" (bf16: hi and lo share bf16's range; fp16 would overflow) dG's column sums by a gemm
     mma_cols = "mma" in hoisted and dtype == "bfloat16"
-    # with "qh" S forms dq's dG term (rows of dO * (Q S)) in phase 1, where it waits
+    # with "qh" S forms dq's dG term (rows of (dO S^T) * Q) in phase 1, where it waits
     s_qh = "qh" in hoisted and mode != "reconly"
     # CUDA helpers the build calls (T.call_extern)
     prelude = "".join(src for src, on in ((COL_PARTIALS, warp_cols), (COLSUM_TILE, mma_cols)) if on) or None
@@ -505,13 +508,13 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                 if mma_cols:
                     ones_s = T.alloc_shared((ONES_N, BT), dtype)  # "mma": 1 / ONES_N (the gemm's B, K-major)
                 if s_qh:
-                    qh_s = T.alloc_shared((BT,), accum)  # "qh": rows of dO * (Q S), S -> A
+                    qh_s = T.alloc_shared((BT,), accum)  # "qh": rows of (dO S^T) * Q, S -> A
 
                 # ---- registers ----
                 dS_f = T.alloc_fragment((K, V), accum)  # S
                 hrow_f = T.alloc_fragment((K,), accum)
                 if s_qh:
-                    qhb_f = T.alloc_fragment((BT, QH_N), accum)  # S: a column block of Q S
+                    qhb_f = T.alloc_fragment((BT, QH_N), accum)  # S: a column block of dO S^T
                     qhr_f = T.alloc_fragment((BT,), accum)
                     qhp_f = T.alloc_fragment((BT,), accum)
                 egl = T.alloc_local((1,), accum)
@@ -603,15 +606,16 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         egl[0] = eG_s[BT - 1]
                         for i, j in T.Parallel(K, V):
                             dS_f[i, j] = dS_f[i, j] * egl[0]
-                        if s_qh:  # dq's dG term, rows of dO * (Q S), for A (read in its phase 5)
+                        if s_qh:  # dq's dG term, rows of (dO S^T) * Q by blocks of S's rows, for A (read in its phase 5)
                             T.barrier_arrive(phase[0])
                             T.clear(qhr_f)
-                            for vb in range(V // QH_N):
-                                T.wgmma_gemm(q_s, h_s[0:K, vb * QH_N:(vb + 1) * QH_N], qhb_f, clear_accum=True)
+                            for vb in range(K // QH_N):
+                                T.wgmma_gemm(do_s, h_s[vb * QH_N:(vb + 1) * QH_N, 0:V], qhb_f, transpose_B=True,
+                                             clear_accum=True)
                                 T.wait_wgmma(0)
                                 fence(qhb_f)
                                 for i, j in T.Parallel(BT, QH_N):
-                                    qhb_f[i, j] = qhb_f[i, j] * T.cast(do_s[i, vb * QH_N + j], accum)
+                                    qhb_f[i, j] = qhb_f[i, j] * T.cast(q_s[i, vb * QH_N + j], accum)
                                 T.reduce_sum(qhb_f, qhp_f, dim=1)
                                 for i in T.Parallel(BT):
                                     qhr_f[i] = qhr_f[i] + qhp_f[i]
@@ -842,7 +846,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             T.copy(sq_f, pg_s)
                             T.wait_wgmma(0)
                             fence(a1_f)
-                            if s_qh:  # S formed its dG term: rows of dO * (Q S), times scale e^G
+                            if s_qh:  # S formed its dG term: rows of (dO S^T) * Q, times scale e^G
                                 for i, j in T.Parallel(BT, K):
                                     a1_f[i, j] = dq_row(a1_f, eG_s, i, j)
                                 for i in T.Parallel(BT):
