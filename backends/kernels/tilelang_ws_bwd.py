@@ -61,23 +61,16 @@ PHASES = 7
 #: for dG's column sums (phase 5) spilled and was not faster (docs/kernels.md, "Fused backward").
 COLSUMS = "warp"
 COLSUMS_FORMS = ("warp", "transpose")
-#: A's work taken out of its per-element loops (`hoist`, words joined by '+'): "gam", Gam's
-#: exponents formed unmasked before the masked exp2 (G's shared loads then not predicated per
-#: element) from G log2(e) kept in `G_s`; "row", phase 5's dq row factor `scale e^G` once per row
-#: (nvcc keeps the source's order of multiplications: `x * scale * e^G` is two per element);
-#: "scale", `scale` folded into A's Gam (exp2 of the exponent plus log2(scale)),
-#: so Pg and dP take one multiply an element, with b held as b / scale where Gam meets it (phases
-#: 1, 4; phase 6 and db's column part undo it once per row). Both "gam" and "row": A 2825 -> 2657
-#: SASS instructions per warp and chunk step, spill instructions 39 -> 24 (tools/sass_report.py).
-#: "gam" alone, on the H200 back to back: -2.3 % B4 T4096 H16, -1.4 % B8 T4096 H32, -1.6 % B1
-#: T8192 H16; "row" -0.4 / -0.9 / +0.1 % (docs/kernels.md, "Fused backward"). "mma" (bf16 builds):
-#: dG's column sums (phase 5) on the tensor core instead of the exact 16-bit-halves transpose:
-#: each thread adds the two rows it holds, splits the sums into bf16 hi + lo (to 2^-18) and stores
-#: them as the 32 + 32 rows of one 64 x 64 tile (`COLSUM_TILE`), whose transpose times a block of
-#: ones is the column sums. "qh": dq's dG term, the rows of (scale e^G dO S^T) * Q, formed by S
-#: in phase 1 (where it waits on KV) as scale e^G times the rows of (dO S^T) * Q, S's gemm in
-#: blocks of `QH_N` rows of the state (a row block keeps `h_s`'s 128-byte swizzle; a column
-#: block of 32 makes TileLang give `h_s` a 64-byte one everywhere); A's phase 5 then only adds them.
+#: Cuts of A's element-wise work (`hoist`, words joined by '+'; docs/kernels.md, "Fused backward"
+#: and "the next decomposition", has each one's SASS counts and H200 timings):
+#:   "gam"   Gam's exponents formed unmasked from `G_s` = G log2(e), then the masked exp2 (on:
+#:           -2.3 / -1.4 / -1.6 % at B4 T4096 H16, B8 T4096 H32, B1 T8192 H16, back to back);
+#:   "row"   phase 5's dq row factor `scale e^G` once per row, not two multiplies an element;
+#:   "scale" `scale` in A's Gam (log2(scale) added to the exponent), so Pg and dP take one
+#:           multiply an element; `b_s` holds b / scale, undone once per row where b is needed;
+#:   "mma"   (bf16) dG's column sums on the tensor core (`COLSUM_TILE`), not the exact transpose;
+#:   "qh"    dq's dG term (rows of (dO S^T) * Q) formed by S in phase 1, where it waits on KV,
+#:           over `QH_N`-row blocks of the state (a column block would re-swizzle `h_s`).
 HOIST = "gam"
 HOIST_WORDS = ("gam", "row", "scale", "mma", "qh")
 #: The ones the "mma" column sums multiply by: `[ONES_N, BT]` (wgmma's narrowest N), each 1 / ONES_N,
