@@ -458,6 +458,9 @@ def test_ws_probe_names_builds_by_their_forms(capsys, monkeypatch):
         with pytest.raises(SystemExit) as e:
             ws_probe.main(["--colsums", bogus])
         assert e.value.code == 2 and "--colsums" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # a misspelt shape would run nothing
+        ws_probe.main(["--only", "B8T4096H23"])
+    assert e.value.code == 2 and "--only" in capsys.readouterr().err
     with pytest.raises(ValueError, match="hoist"):
         tilelang_ws_bwd.build_ws_bwd.__wrapped__(2, 2, 0.1, "bfloat16", "bfloat16", hoist="gam+bogus")
 

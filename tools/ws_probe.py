@@ -199,6 +199,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.mode != "full" and (args.check or args.peer or args.kernel != "ws"):
         p.error("--mode: a prototype build's results are wrong; it runs alone (no --check, --peer, --kernel)")
+    if args.only and args.only not in SHAPES:
+        p.error(f"--only: unknown shape {args.only!r}; known: {', '.join(SHAPES)}")
     forms = args.colsums.replace(",", " ").split()
     if not forms or not all(map(valid_form, forms)):
         p.error(f"--colsums: expected forms of {COLSUMS_FORMS}, each optionally +{'/+'.join(HOIST_WORDS)}, "
