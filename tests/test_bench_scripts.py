@@ -449,11 +449,11 @@ def test_ws_probe_names_builds_by_their_forms(capsys, monkeypatch):
 
     from gdr_dispatch.backends.kernels import tilelang_ws_bwd
 
-    assert ws_probe.form_kw("warp+row+gam") == {"colsums": "warp", "hoist": "gam+row"}
-    assert ws_probe.form_kw("transpose") == {"colsums": "transpose", "hoist": ""}
-    assert ws_probe.form_kw(ws_probe.DEFAULT_FORM) == {"colsums": tilelang_ws_bwd.COLSUMS,
+    assert ws_probe.form_keywords("warp+row+gam") == {"colsums": "warp", "hoist": "gam+row"}
+    assert ws_probe.form_keywords("transpose") == {"colsums": "transpose", "hoist": ""}
+    assert ws_probe.form_keywords(ws_probe.FORM) == {"colsums": tilelang_ws_bwd.COLSUMS,
                                                        "hoist": tilelang_ws_bwd.HOIST}
-    assert ws_probe.variant(ws_probe.DEFAULT_FORM) == "" and ws_probe.variant("warp+row") == " warp+row"
+    assert ws_probe.variant(ws_probe.FORM) == "" and ws_probe.variant("warp+row") == " warp+row"
     for bogus in ("warp+bogus", "bogus", "warp+gam+hoist"):
         with pytest.raises(SystemExit) as e:
             ws_probe.main(["--colsums", bogus])
@@ -493,7 +493,7 @@ def test_ws_probe_b2b_times_gpu_time_in_alternating_rounds(capsys, monkeypatch):
 
     readings, order = iter([1.0, 1.2, 0.9, 1.1, 1.3, 0.95]), []
     monkeypatch.setattr(ws_probe.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(ws_probe, "DEFAULT_FORM", "warp")  # the kernel's own form, whatever HOIST says
+    monkeypatch.setattr(ws_probe, "FORM", "warp")  # the kernel's own form, whatever HOIST says
     monkeypatch.setattr(ws_probe, "SHAPES", {"tiny": ShapeSpec(B=1, T=128, H=2, K=16, V=16)})
     monkeypatch.setattr(ws_probe, "make_inputs", lambda spec, device, seed: {})
     monkeypatch.setattr(ws_probe, "runner", lambda x, **kw: kw.get("hoist", ""))

@@ -93,31 +93,26 @@ def peer_runners(x) -> dict:
             "@tilelang_fused": lambda: get_backend("tilelang_fused").run(call)}
 
 
-#: A build's form as `--colsums` names it (`tilelang_ws_bwd.form_keywords`); the kernel's own first.
-DEFAULT_FORM = FORM
-form_kw = form_keywords
-
-
 def valid_form(form: str) -> bool:
     try:
-        form_kw(form)
+        form_keywords(form)
     except ValueError:
         return False
     return True
 
 
 def variant(form: str) -> str:
-    return "" if form_kw(form) == form_kw(DEFAULT_FORM) else f" {form}"
+    return "" if form_keywords(form) == form_keywords(FORM) else f" {form}"
 
 
-def phase_table(name, x, spec, mode: str = "full", colsums: str = DEFAULT_FORM) -> dict:
+def phase_table(name, x, spec, mode: str = "full", colsums: str = FORM) -> dict:
     """Run the timing build once (after a warm-up) and print the mean cycles per chunk step that
     each consumer group spends working before, and waiting at, each sync point."""
     from gdr_dispatch.backends.kernels.tilelang_ws_bwd import PHASES, TIMING_SLOTS
 
     n_seq = len(spec.seq_lens)
     clk = torch.zeros(n_seq * spec.H * 3 * TIMING_SLOTS, dtype=torch.int32, device="cuda")
-    fn = runner(x, clk=clk, mode=mode, **form_kw(colsums))
+    fn = runner(x, clk=clk, mode=mode, **form_keywords(colsums))
     fn()
     clk.zero_()
     fn()
@@ -141,7 +136,7 @@ def phase_table(name, x, spec, mode: str = "full", colsums: str = DEFAULT_FORM) 
             "loop_cycles_per_step": [round(v) for v in loop]}
 
 
-def check(name, x, repeat: int, colsums: str = DEFAULT_FORM) -> None:
+def check(name, x, repeat: int, colsums: str = FORM) -> None:
     """Per-output errors against the torch backend over `repeat` runs, and whether reruns are
     bit-identical (a race moves the result between runs)."""
     from gdr_dispatch.chunked_math import chunked_backward
@@ -150,7 +145,7 @@ def check(name, x, repeat: int, colsums: str = DEFAULT_FORM) -> None:
 
     ref = chunked_backward(validate(**call_kwargs(x)))
     names = ("dq", "dk", "dv", "dg", "db", "dh0")
-    fn = runner(x, **form_kw(colsums))
+    fn = runner(x, **form_keywords(colsums))
     worst, first = {}, None
     for rep in range(max(2, repeat)):
         out = fn()
@@ -191,10 +186,10 @@ def main(argv=None) -> int:
     p.add_argument("--mode", default="full", choices=MODES,
                    help="a prototype build of ours (tilelang_ws_bwd.MODES; wrong results: --timing's cycles and "
                         "the wall time only, no --check, no --peer)")
-    p.add_argument("--colsums", default=DEFAULT_FORM,
+    p.add_argument("--colsums", default=FORM,
                    help=f"comma-separated builds to run side by side: a form of A's column sums "
                         f"({', '.join(COLSUMS_FORMS)}), each optionally +{'/+'.join(HOIST_WORDS)} (tilelang_ws_bwd.HOIST); "
-                        f"the kernel's is {DEFAULT_FORM}")
+                        f"the kernel's is {FORM}")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.mode != "full" and (args.check or args.peer or args.kernel != "ws"):
@@ -224,7 +219,7 @@ def main(argv=None) -> int:
             continue
         x = make_inputs(spec, "cuda", seed=1)
         if args.once:
-            one = runner(x, mode=args.mode, **form_kw(forms[0])) if args.kernel == "ws" else peer_runners(x)["flashqla_kernel"]
+            one = runner(x, mode=args.mode, **form_keywords(forms[0])) if args.kernel == "ws" else peer_runners(x)["flashqla_kernel"]
             one()
             torch.cuda.synchronize()
             one()
@@ -238,7 +233,7 @@ def main(argv=None) -> int:
                 check(name, x, args.repeat, f)
         steps = max(spec.seq_lens) // 64
         base = "ws" if args.mode == "full" else f"ws {args.mode}"
-        fns = {**{base + variant(f): runner(x, mode=args.mode, **form_kw(f)) for f in forms},
+        fns = {**{base + variant(f): runner(x, mode=args.mode, **form_keywords(f)) for f in forms},
                **(peer_runners(x) if args.peer else {})}
 
         def measure(fn):

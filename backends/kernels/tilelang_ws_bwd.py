@@ -345,18 +345,14 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
         Gam's own zeros there (with "scale" the scale is in A's Gam)."""
         return x_f[i, j] * gam_f[i, j] if fold else scale * x_f[i, j] * gam_f[i, j]
 
-    def b_of(x):
-        """b as `b_s` holds it (b / scale with "scale")."""
+    def over_scale(x):
+        """x / scale with "scale": b as `b_s` holds it, and db's column sums (taken with A's Gam,
+        which carries the scale) back to their value."""
         return x * b_unit if fold else x
 
     def b_true(x):
         """b from `b_s`'s value (its row factor once per row with "scale")."""
         return x * scale if fold else x
-
-    def cols_true(x):
-        """db's column part from sums of Gam dAg A taken with A's Gam (which carries the scale
-        with "scale")."""
-        return x * b_unit if fold else x
 
     @T.macro
     def store_pg(pg_f, pg_s, gam_f):
@@ -569,7 +565,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         G_s[i] = g[T.min(t_first + i, eos - 1), hh] * g_scale
                         eG_s[i] = T.exp2(g[T.min(t_first + i, eos - 1), hh] * LOG2E)
                         eGL_s[i] = T.exp2((g[eos - 1, hh] - g[T.min(t_first + i, eos - 1), hh]) * LOG2E)
-                        b_s[i] = T.if_then_else(t_first + i < eos, b_of(T.cast(b[t_first + i, hh], accum)),
+                        b_s[i] = T.if_then_else(t_first + i < eos, over_scale(T.cast(b[t_first + i, hh], accum)),
                                                 T.cast(0, accum))
                 if timing:
                     for i, j in T.Parallel(3, NS):
@@ -647,7 +643,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             for i in T.Parallel(BT):
                                 if i < L:
                                     if warp_cols:  # A's row part and its warps' column partials
-                                        db[t0 + i, hh] = T.cast(db_s[i] + cols_true(warp_sum(dbc_s, i)), b_dtype)
+                                        db[t0 + i, hh] = T.cast(db_s[i] + over_scale(warp_sum(dbc_s, i)), b_dtype)
                                     else:
                                         db[t0 + i, hh] = T.cast(db_s[i], b_dtype)
                         phase_sync(phase, 6, it % 2, 7, 0, tick, tm_s)
@@ -806,7 +802,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                                 sq2_f[i, j] = sq2_f[i, j] * b_s[j]  # dAg * Ag, summed with dPg * Pg in phase 5
                             if not warp_cols:
                                 for i in T.Parallel(BT):
-                                    db_s[i] = cols_true(ac_f[i])
+                                    db_s[i] = over_scale(ac_f[i])
                             for i, j in T.Parallel(BT, BT):
                                 x3_s[i, j] = T.cast(gam_f[i, j] * sq_f[i, j] * b_s[j], dtype)
                             T.fence_proxy_async()
@@ -904,7 +900,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             G_s[tx - 384] = gpre[0] * g_scale
                             eG_s[tx - 384] = T.exp2(gpre[0] * LOG2E)
                             eGL_s[tx - 384] = T.exp2((gpre[1] - gpre[0]) * LOG2E)
-                            b_s[tx - 384] = b_of(gpre[2])
+                            b_s[tx - 384] = over_scale(gpre[2])
                         T.barrier_wait(kfree, it % 2)  # k: read by KV's phase-7 gemm
                         T.tma_copy(k[t0:t0 + BT, hg, 0:K], k_s, barrier=full)
                         T.barrier_arrive(full)
