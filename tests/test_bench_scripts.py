@@ -338,6 +338,46 @@ def test_sass_report_counts_opcodes_by_class_without_predicates_or_modifiers(mon
     assert sum(classes.values()) == len(lines)
 
 
+def test_sass_report_reads_ptxas_notes_from_the_compilers_log(monkeypatch):
+    """`--ptxas`: the numbered notes come from the output TileLang logs for a verbose compile (with
+    `-Xptxas -v` and the kernel's own flags), the serialization codes are named, and TileLang's
+    logger is left as it was (its handlers never see the compiler's output)."""
+    import logging
+
+    monkeypatch.syspath_prepend(str(TOOLS))
+    import sass_report
+    from tilelang.contrib import nvcc as tl_nvcc
+
+    seen = []
+
+    def fake_compile(code, target_format="ptx", arch=None, options=None, path_target=None, verbose=False):
+        seen.append((code, target_format, verbose, options))
+        tl_nvcc.logger.info("PTXAS verbose output:\n%s", "ptxas info    : (C7517) warpgroup.wait is injected\n"
+                            "ptxas info    : Used 128 registers\n"
+                            "ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions "
+                            "are serialized due to insufficient register resources")
+        return b""
+
+    monkeypatch.setattr(tl_nvcc, "compile_cuda", fake_compile)
+    monkeypatch.setattr(sass_report, "kernel_flags", lambda kern: ["--use_fast_math"])
+
+    class Kern:
+        target = contextlib.nullcontext()
+
+        def get_kernel_source(self):
+            return "src"
+
+    handlers, level, propagate = tl_nvcc.logger.handlers[:], tl_nvcc.logger.level, tl_nvcc.logger.propagate
+    notes = sass_report.ptxas_notes(Kern())
+    assert [c for c, _ in notes] == ["C7517", "C7512"] and "serialized" in notes[1][1]
+    assert set(sass_report.SERIALIZED) & {c for c, _ in notes} == {"C7512"}
+    (code, fmt, verbose, options), = seen
+    assert (code, fmt, verbose) == ("src", "cubin", True)
+    assert "--use_fast_math" in options and options[-2:] == ["-Xptxas", "-v"]
+    assert (tl_nvcc.logger.handlers, tl_nvcc.logger.level, tl_nvcc.logger.propagate) == (handlers, level, propagate)
+    assert isinstance(tl_nvcc.logger, logging.Logger)
+
+
 def test_sass_report_builds_name_a_mode_and_the_timing_build(monkeypatch):
     """`--builds`: default, timing, a mode of the backward (`nowait`), a form as ws_probe spells it,
     or those joined by '-' reach `build_ws_bwd` as its keywords (the kernel's own form where none

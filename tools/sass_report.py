@@ -6,6 +6,7 @@ device call (docs/kernels.md).
     python tools/sass_report.py --phases                 # per group and phase
     python tools/sass_report.py --kernel states          # the state kernel
     python tools/sass_report.py --H 16 --Hg 16 --opcodes 8 [--phases]   # instructions by class, top mnemonics
+    python tools/sass_report.py --ptxas --builds default,timing          # did ptxas serialize the wgmmas?
 
 Compiles each build on this machine (about a minute each with nvcc for sm_90a; no GPU needed),
 then splits its SASS at the `USETMAXREG` instructions that open the role branches and counts
@@ -53,33 +54,79 @@ def _cuobjdump_on_path() -> None:
         os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
-def kernel_sass(kern) -> str:
-    """The SASS of a compiled TileLang kernel as it runs: its source compiled with the nvcc flags
-    its pass configs give (TileLang's own `_get_sass` drops `--use_fast_math`, and with it exp2's
-    flush-to-zero form: four instructions an exponential instead of one)."""
-    from tilelang.contrib import nvcc as tl_nvcc
+def kernel_flags(kern) -> list[str]:
+    """The nvcc flags a TileLang kernel's pass configs give (TileLang's own `_get_sass` drops
+    `--use_fast_math`, and with it exp2's flush-to-zero form: four instructions an exponential
+    instead of one)."""
     from tilelang.transform import PassConfigKey
 
-    _cuobjdump_on_path()
     cfg = kern.pass_configs or {}
     flags = ["--use_fast_math"] if cfg.get(PassConfigKey.TL_ENABLE_FAST_MATH, False) else []
     level = cfg.get(PassConfigKey.TL_PTXAS_REGISTER_USAGE_LEVEL, None)
     if level is not None:
         flags.append(f"--ptxas-options=--register-usage-level={int(level)}")
+    return flags
+
+
+def kernel_sass(kern) -> str:
+    """The SASS of a compiled TileLang kernel as it runs: its source compiled with `kernel_flags`."""
+    from tilelang.contrib import nvcc as tl_nvcc
+
+    _cuobjdump_on_path()
     with kern.target:
-        return tl_nvcc.get_sass_from_source(kern.get_kernel_source(), compile_flags=flags)
+        return tl_nvcc.get_sass_from_source(kern.get_kernel_source(), compile_flags=kernel_flags(kern))
 
 
-def sass_of(build: str, H: int, Hg: int, dtype: str, kernel: str = "ws") -> str:
+#: ptxas's numbered notes (`ptxas info : (C75xx) ...`) that change how the kernel runs: C7510-C7512
+#: "wgmma.mma_async instructions are serialized" (every wgmma of the kernel waits for the one
+#: before: the overlap of a group's gemms with its element-wise work is gone), C7517 a
+#: `warpgroup.wait` it injected where a wgmma's registers are read.
+PTXAS_NOTE = re.compile(r"\((C75\d\d)\)\s*(.*)")
+SERIALIZED = ("C7510", "C7511", "C7512")
+
+
+def ptxas_notes(kern) -> list[tuple[str, str]]:
+    """ptxas's numbered notes `(code, text)` for the kernel compiled as `kernel_sass` compiles it
+    (`-Xptxas -v`; TileLang logs the compiler's output, captured here)."""
+    import logging
+
+    from tilelang.contrib import nvcc as tl_nvcc
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    log = tl_nvcc.logger
+    kept = (log.handlers[:], log.level, log.propagate)
+    log.handlers[:], log.propagate = [Keep(logging.INFO)], False  # the compiler's output here only
+    log.setLevel(logging.INFO)
+    try:
+        with kern.target:
+            tl_nvcc.compile_cuda(kern.get_kernel_source(), target_format="cubin", verbose=True,
+                                 options=tl_nvcc.default_compile_options(kernel_flags(kern) + ["-Xptxas", "-v"]))
+    finally:
+        log.handlers[:], log.propagate = kept[0], kept[2]
+        log.setLevel(kept[1])
+    return [m.groups() for text in seen for line in text.splitlines() if (m := PTXAS_NOTE.search(line))]
+
+
+def build_of(build: str, H: int, Hg: int, dtype: str, kernel: str = "ws"):
+    """The compiled kernel a `--builds` word names."""
     if kernel == "states":
         if build not in ("default", "timing"):
             raise ValueError(f"--builds: default or timing for {kernel}, got {build!r}")
         from gdr_dispatch.backends.kernels.tilelang_states import build_states
 
-        return kernel_sass(build_states(H, Hg, dtype, False, timing=build == "timing"))
+        return build_states(H, Hg, dtype, False, timing=build == "timing")
     from gdr_dispatch.backends.kernels.tilelang_ws_bwd import build_keywords, build_ws_bwd
 
-    return kernel_sass(build_ws_bwd(H, Hg, 128 ** -0.5, dtype, dtype, **build_keywords(build)))
+    return build_ws_bwd(H, Hg, 128 ** -0.5, dtype, dtype, **build_keywords(build))
+
+
+def sass_of(build: str, H: int, Hg: int, dtype: str, kernel: str = "ws") -> str:
+    return kernel_sass(build_of(build, H, Hg, dtype, kernel))
 
 
 def label_regions(caps: list[int], kernel: str = "ws") -> list[str]:
@@ -200,7 +247,17 @@ def main(argv=None) -> int:
                         "instructions/spills/named barriers")
     p.add_argument("--opcodes", type=int, default=0, metavar="N",
                    help="per group, the instructions by class (CLASSES) and the N most frequent mnemonics")
+    p.add_argument("--ptxas", action="store_true",
+                   help="per build, ptxas's numbered notes (PTXAS_NOTE): above all whether it serialized the "
+                        "kernel's wgmma instructions")
     args = p.parse_args(argv)
+    if args.ptxas:
+        for build in args.builds.split(","):
+            notes = ptxas_notes(build_of(build, args.H, args.Hg, args.dtype, args.kernel))
+            serial = any(code in SERIALIZED for code, _ in notes)
+            print(f"{build} | wgmma {'SERIALIZED' if serial else 'pipelined'} | "
+                  + "; ".join(f"{code} {text}" for code, text in notes), flush=True)
+        return 0
     if args.opcodes:  # with --phases, per segment between a consumer group's mbarrier arrivals
         for build in args.builds.split(","):
             for g, body in role_regions(sass_of(build, args.H, args.Hg, args.dtype, args.kernel), args.kernel)[0]:

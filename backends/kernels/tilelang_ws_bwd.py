@@ -68,18 +68,16 @@ COLSUMS_FORMS = ("warp", "transpose")
 #:   "row"   phase 5's dq row factor `scale e^G` once per row, not two multiplies an element;
 #:   "scale" `scale` in A's Gam (log2(scale) added to the exponent), so Pg and dP take one
 #:           multiply an element; `b_s` holds b / scale, undone once per row where b is needed;
-#:   "mma"   (bf16) dG's column sums on the tensor core (`COLSUM_TILE`), not the exact transpose;
-#:   "qh"    dq's dG term (rows of (dO S^T) * Q) formed by S in phase 1, where it waits on KV,
-#:           over `QH_N`-row blocks of the state (a column block would re-swizzle `h_s`).
+#:   "mma"   (bf16) dG's column sums on the tensor core (`COLSUM_TILE`), not the exact transpose.
+#: Work moved into S's phase-1 wait (dq's dG term, U and W) needs a second accumulator beside dS,
+#: and ptxas then serializes every wgmma of the kernel (tools/sass_report.py --ptxas).
 HOIST = "gam"
-HOIST_WORDS = ("gam", "row", "scale", "mma", "qh")
+HOIST_WORDS = ("gam", "row", "scale", "mma")
 #: The ones the "mma" column sums multiply by: `[ONES_N, BT]` (wgmma's narrowest N), each 1 / ONES_N,
 #: so the row sums of the `[BT, ONES_N]` product are the column sums.
 ONES_N = 8
 #: The named barrier (id, of A's 128 threads) of `COLSUM_TILE`; TileLang's own take 0-7.
 COLSUM_BARRIER = 9
-#: "qh": S's block of dO S^T (its registers hold dS; tools/sass_report.py counts the spills).
-QH_N = 32
 
 #: "mma"'s operand: the m64nNk16 accumulator layout (`COL_PARTIALS`' comment) puts rows `16 w +
 #: l / 4` and `+ 8` in one thread, so their sum `y` (row `q = 8 w + l / 4` of 32) needs no other
@@ -252,8 +250,6 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     log2_scale, b_unit = (math.log2(scale), 1.0 / scale) if fold else (0.0, 1.0)
     # with "mma" (bf16: hi and lo share bf16's range; fp16 would overflow) dG's column sums by a gemm
     mma_cols = "mma" in hoisted and dtype == "bfloat16"
-    # with "qh" S forms dq's dG term (rows of (dO S^T) * Q) in phase 1, where it waits
-    s_qh = "qh" in hoisted and mode != "reconly"
     # CUDA helpers the build calls (T.call_extern)
     prelude = "".join(src for src, on in ((COL_PARTIALS, warp_cols), (COLSUM_TILE, mma_cols)) if on) or None
     # with "gam" G_s holds G log2(e) (its only reader is Gam's exponent): no multiply per element
@@ -496,16 +492,10 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                 tm_s = T.alloc_shared((3, NS), "int32")  # timing builds: the counters
                 if mma_cols:
                     ones_s = T.alloc_shared((ONES_N, BT), dtype)  # "mma": 1 / ONES_N (the gemm's B, K-major)
-                if s_qh:
-                    qh_s = T.alloc_shared((BT,), accum)  # "qh": rows of (dO S^T) * Q, S -> A
 
                 # ---- registers ----
                 dS_f = T.alloc_fragment((K, V), accum)  # S
                 hrow_f = T.alloc_fragment((K,), accum)
-                if s_qh:
-                    qhb_f = T.alloc_fragment((BT, QH_N), accum)  # S: a column block of dO S^T
-                    qhr_f = T.alloc_fragment((BT,), accum)
-                    qhp_f = T.alloc_fragment((BT,), accum)
                 egl = T.alloc_local((1,), accum)
                 tick = T.alloc_local((4,), "int32")  # timing builds: clock readings
                 gpre = T.alloc_local((3,), accum)  # the producer's g, g at the chunk end, b
@@ -595,24 +585,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                         egl[0] = eG_s[BT - 1]
                         for i, j in T.Parallel(K, V):
                             dS_f[i, j] = dS_f[i, j] * egl[0]
-                        if s_qh:  # dq's dG term, rows of (dO S^T) * Q by blocks of S's rows, for A (read in its phase 5)
-                            T.barrier_arrive(phase[0])
-                            T.clear(qhr_f)
-                            for vb in range(K // QH_N):
-                                T.wgmma_gemm(do_s, h_s[vb * QH_N:(vb + 1) * QH_N, 0:V], qhb_f, transpose_B=True,
-                                             clear_accum=True)
-                                T.wait_wgmma(0)
-                                fence(qhb_f)
-                                for i, j in T.Parallel(BT, QH_N):
-                                    qhb_f[i, j] = qhb_f[i, j] * T.cast(q_s[i, vb * QH_N + j], accum)
-                                T.reduce_sum(qhb_f, qhp_f, dim=1)
-                                for i in T.Parallel(BT):
-                                    qhr_f[i] = qhr_f[i] + qhp_f[i]
-                            for i in T.Parallel(BT):
-                                qh_s[i] = qhr_f[i]
-                            phase_sync(phase, 0, it % 2, 1, 0, tick, tm_s, arrive=False)
-                        else:
-                            phase_sync(phase, 0, it % 2, 1, 0, tick, tm_s)
+                        phase_sync(phase, 0, it % 2, 1, 0, tick, tm_s)
                         # 2: nothing; 3: the G_L rows (h_s is reloaded after phase 5, dh_s in 6)
                         phase_sync(phase, 1, it % 2, 2, 0, tick, tm_s)
                         if not reconly:
@@ -835,18 +808,12 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             T.copy(sq_f, pg_s)
                             T.wait_wgmma(0)
                             fence(a1_f)
-                            if s_qh:  # S formed its dG term: rows of (dO S^T) * Q, times scale e^G
-                                for i, j in T.Parallel(BT, K):
-                                    a1_f[i, j] = dq_row(a1_f, eG_s, i, j)
-                                for i in T.Parallel(BT):
-                                    dGa_s[i] = dGa_s[i] + qh_s[i] * (scale * eG_s[i])
-                            else:
-                                for i, j in T.Parallel(BT, K):
-                                    a1_f[i, j] = dq_row(a1_f, eG_s, i, j)
-                                    a2_f[i, j] = a1_f[i, j] * T.cast(q_s[i, j], accum)
-                                T.reduce_sum(a2_f, ar_f, dim=1)
-                                for i in T.Parallel(BT):
-                                    dGa_s[i] = dGa_s[i] + ar_f[i]
+                            for i, j in T.Parallel(BT, K):
+                                a1_f[i, j] = dq_row(a1_f, eG_s, i, j)
+                                a2_f[i, j] = a1_f[i, j] * T.cast(q_s[i, j], accum)
+                            T.reduce_sum(a2_f, ar_f, dim=1)
+                            for i in T.Parallel(BT):
+                                dGa_s[i] = dGa_s[i] + ar_f[i]
                             T.fence_proxy_async()
                             T.gemm(pg_s, k_s, a1_f)
                             phase_sync(phase, 4, it % 2, 5, 2, tick, tm_s)
