@@ -1,6 +1,6 @@
 # The two commands of README.md, on a fresh clone where only python3 exists:
 #   make tune   set up .venv on first use, then `gdr-dispatch tune` on this machine's default grid
-#   make test   the same set-up, then the test suite (what .ci/run runs)
+#   make test   the same set-up, then the test suite without the `slow` cases (.ci/run runs it, then those)
 # torch: a torch python3 can already import is used as it is (a GPU machine's CUDA build);
 # otherwise the CPU wheel torch==$(TORCH_CPU) is installed into .venv.
 

@@ -1,5 +1,9 @@
-"""The process's caches, in one place: every memo gdr_dispatch keeps is made here, so that one
-call (`clear`, also `dispatch.clear_caches`) forgets them all, and each is bounded.
+"""The process's caches, in one place: every memo of what gdr_dispatch decided or found (plans,
+decisions, verdicts, tables read) is made here, so that one call (`clear`, also
+`dispatch.clear_caches`) forgets them all, and each is bounded. Pure functions of their
+arguments (a packing test per shapes, segments and chunk offsets per lengths) keep a bounded
+`functools.lru_cache` beside their code, and per-process facts (library versions, a device's
+properties) an unbounded one: nothing there goes stale or grows with the calls.
 
 Why bounded: a training run with varlen packing presents a new exact shape every step; a memo
 keyed on it would grow by an entry per step. Memos here are keyed by bucketed table keys or

@@ -426,7 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--preset", choices=sorted(PRESETS), help="default: h200-train on a GPU, cpu without one")
     src.add_argument("--grid", metavar="FILE.yaml", help="shapes to tune (see gdr_dispatch/shapes.py)")
     t.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when available")
-    t.add_argument("--out", metavar="DIR", help="table directory (default: $GDR_TUNING_CACHE or ~/.cache/gdr_dispatch)")
+    t.add_argument("--out", metavar="DIR", help="table directory (default: $GDR_TUNING_CACHE, else $XDG_CACHE_HOME/gdr_dispatch, "
+                   "else ~/.cache/gdr_dispatch)")
     t.add_argument("--match", metavar="REGEX",
                    help="tune only the grid's shapes whose label matches (e.g. 'T8192 H16|varlen'); the table keeps the rest")
     t.add_argument("--missing", action="store_true",

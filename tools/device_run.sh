@@ -42,7 +42,7 @@ for arg in "$@"; do
       precompile_pid=$! ;;
     tests)
       [ -n "${precompile_pid:-}" ] && wait "$precompile_pid"
-      GDR_HF_ROW="$OUT/bench/hf-test.json" timeout "$(left)" python3 -m pytest -v tests/test_gpu.py -p no:cacheprovider -W ignore -rfEs --durations=10 \
+      timeout "$(left)" python3 -m pytest -v tests/test_gpu.py -p no:cacheprovider -W ignore -rfEs --durations=10 \
         -n "${TESTS_JOBS:-8}" --dist loadgroup ${TESTS_K:+-k "$TESTS_K"} > "$OUT/${TESTS_LOG:-gpu_tests.log}" 2>&1 ;;
     bench)
       timeout "$(left)" python3 bench/bench_gdr_bwd.py --unverified --out "$OUT/bench" ${BENCH_ARGS:---preset h200-train} \
@@ -72,7 +72,7 @@ for arg in "$@"; do
       timeout "$(left)" python3 -m gdr_dispatch tune ${TUNE_ARGS:---preset h200-train} --out /tmp/tables \
         > "$OUT/${TUNE_LOG:-tune.log}" 2>&1; cp /tmp/tables/*.yaml "$OUT/" ;;
     wsbench)
-      timeout "$(left)" python3 tools/ws_probe.py --peer --rounds 3 ${WS_SHAPES:+--only "$WS_SHAPES"} \
+      timeout "$(left)" python3 tools/ws_probe.py --peer --rounds 3 ${WS_SHAPE:+--only "$WS_SHAPE"} \
         --out "$OUT/bench/wsbench.json" > "$OUT/wsbench.log" 2>&1 ;;
     timing)
       # each mode's cycle counters per shape (TIMING_MODES='reconly nowait full'), and with TIMING_PLAIN=1

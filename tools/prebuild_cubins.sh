@@ -8,7 +8,7 @@
 # byte-identical to the bundle's), and the cubins are packed into .devcache/cubins.tar.xz, which
 # tools/device_run.sh unpacks into the device's TileLang cache (it sets the same two paths).
 #
-#   bash tools/prebuild_cubins.sh '16,16,bfloat16,ws 32,32,bfloat16,ws-dg6-xpose'   # precompile's configs
+#   bash tools/prebuild_cubins.sh '16,16,bfloat16,ws 32,32,bfloat16,ws-timing-warp+gam'   # precompile's configs
 set -eu
 configs=${1:?configs as for tools/device_run.sh PRECOMPILE}
 pkg=$(.venv/bin/python -c "import os, tilelang; print(os.path.dirname(tilelang.__file__))" 2>/dev/null | tail -n 1)

@@ -62,7 +62,7 @@ PHASES = 7
 COLSUMS = "warp"
 COLSUMS_FORMS = ("warp", "transpose")
 #: Cuts of A's element-wise work (`hoist`, words joined by '+'; docs/kernels.md, "Fused backward"
-#: and "the next decomposition", has each one's SASS counts and H200 timings):
+#: and "the next decomposition", has each one's SASS counts, and H200 timings where one ran):
 #:   "gam"   Gam's exponents formed unmasked from `G_s` = G log2(e), then the masked exp2 (on:
 #:           -2.3 / -1.4 / -1.6 % at B4 T4096 H16, B8 T4096 H32, B1 T8192 H16, back to back);
 #:   "row"   phase 5's dq row factor `scale e^G` once per row, not two multiplies an element;
@@ -315,7 +315,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     @T.macro
     def gl_rows(hrow_f, dh_s, h_s, gls_s, egl):
         """S: the G_L term's rows, e^{G_L} <dS', S> per row of the state (from the 16-bit copies,
-        as fla does), into `gls_s`, summed in phase 7 (see NO_CROSS_WARP_REDUCE)."""
+        as fla does), into `gls_s`, summed by `store_dg` in phase 6 (per row: no reduction across
+        warps, docs/kernels.md's rules)."""
         for i in T.Parallel(K):
             hrow_f[i] = 0
             for j in T.unroll(V):
@@ -476,17 +477,17 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                 b_s = T.alloc_shared((BT,), accum)  # 0 past the end
                 # exchanged between consumer groups
                 pg_s = T.alloc_shared((BT, BT), dtype)  # Pg = scale Gam Q K^T, then dP
-                ag_s = T.alloc_shared((BT, BT), dtype)  # Ag = Gam A b, then dAr, then dkk + dkk^T
-                x3_s = T.alloc_shared((BT, BT), dtype)  # A^T dAr, then dkk
+                ag_s = T.alloc_shared((BT, BT), dtype)  # Ag = Gam A b, then A^T dAr (KV, phase 5), then dkk + dkk^T
+                x3_s = T.alloc_shared((BT, BT), dtype)  # dAr (A, phase 4), then dkk
                 dvp_s = T.alloc_shared((BT, V), dtype)  # dV', then scale e^G dO
                 w_s = T.alloc_shared((BT, V), dtype)  # W, then V' (v_new)
                 u_s = T.alloc_shared((BT, V), dtype)  # U = K S, then dUs
                 dh_s = T.alloc_shared((K, V), dtype)  # dS' (the chunk-end state gradient)
                 dGk_s = T.alloc_shared((BT,), accum)  # dG per row: the part from KV, the part from A
                 dGa_s = T.alloc_shared((BT,), accum)
-                gls_s = T.alloc_shared((K,), accum)  # the G_L term: rows of e^{G_L} dS' * S (S, phase 1)
+                gls_s = T.alloc_shared((K,), accum)  # the G_L term: rows of e^{G_L} dS' * S (S, phase 3)
                 glk_s = T.alloc_shared((BT,), accum)  # the G_L term: rows of dk's part * K (KV, phase 5)
-                gscan_s = T.alloc_shared((2, BT), accum)  # S, phase 7: dG's reverse cumsum, the G_L sum
+                gscan_s = T.alloc_shared((2, BT), accum)  # S, phase 6: dG's reverse cumsum, the G_L sum
                 db_s = T.alloc_shared((BT,), accum)  # db's row part (A, phase 6; the transpose form adds its column part)
                 dbc_s = T.alloc_shared((4, BT), accum)  # db's column part: A's warps' partial sums (phase 4)
                 tm_s = T.alloc_shared((3, NS), "int32")  # timing builds: the counters
@@ -682,7 +683,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             T.reduce_sum(kv1_f, kvr_f, dim=1)
                             for i in T.Parallel(BT):
                                 dGk_s[i] = dGk_s[i] - kvr_f[i]
-                                glk_s[i] = kvr_f[i]  # the G_L term's rows, summed by S in phase 7
+                                glk_s[i] = kvr_f[i]  # the G_L term's rows, summed by S in phase 6
                             # and A^T dAr (dAr in x3_s since A's phase 4) into ag_s, free since phase 3
                             T.wgmma_gemm(a_s, x3_s, kvx_f, transpose_A=True, clear_accum=True)
                             T.wgmma_gemm(u_s, h_s, kv2_f, transpose_B=True)
@@ -757,7 +758,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                             fence(sq_f)
                             fence(a1_f)
                             phase_arrive(phase, 2, 3, 2, tick, tm_s)  # phase 4 writes nothing another group still reads
-                            # 4: V' into w_s; through Ag = Gam A b: dG (rows - columns of dAg Ag), db's
+                            # 4: V' into w_s; through Ag = Gam A b: dAg * Ag (its dG terms, summed in phase 5), db's
                             # column part (its warps' partial column sums), dAr = Gam b dAg (the ungated
                             # inverse's gradient) into x3_s (KV may still read Ag)
                             T.copy(a1_f, w_s)
