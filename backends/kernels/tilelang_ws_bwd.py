@@ -68,11 +68,13 @@ COLSUMS_FORMS = ("warp", "transpose")
 #:   "row"   phase 5's dq row factor `scale e^G` once per row, not two multiplies an element;
 #:   "scale" `scale` in A's Gam (log2(scale) added to the exponent), so Pg and dP take one
 #:           multiply an element; `b_s` holds b / scale, undone once per row where b is needed;
-#:   "mma"   (bf16) dG's column sums on the tensor core (`COLSUM_TILE`), not the exact transpose.
+#:   "mma"   (bf16) dG's column sums on the tensor core (`COLSUM_TILE`), not the exact transpose;
+#:   "ag"    phase 1's Ag formed in `sq2_f`'s registers (free until phase 4), not `sq_f`'s: with
+#:           `sq_f` ptxas injects a wait for the Q K^T gemm before Ag's stmatrix (its note C7517).
 #: Work moved into S's phase-1 wait (dq's dG term, U and W) needs a second accumulator beside dS,
 #: and ptxas then serializes every wgmma of the kernel (tools/sass_report.py --ptxas).
 HOIST = "gam"
-HOIST_WORDS = ("gam", "row", "scale", "mma")
+HOIST_WORDS = ("gam", "row", "scale", "mma", "ag")
 #: The ones the "mma" column sums multiply by: `[ONES_N, BT]` (wgmma's narrowest N), each 1 / ONES_N,
 #: so the row sums of the `[BT, ONES_N]` product are the column sums.
 ONES_N = 8
@@ -250,6 +252,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     log2_scale, b_unit = (math.log2(scale), 1.0 / scale) if fold else (0.0, 1.0)
     # with "mma" (bf16: hi and lo share bf16's range; fp16 would overflow) dG's column sums by a gemm
     mma_cols = "mma" in hoisted and dtype == "bfloat16"
+    # with "ag" phase 1's Ag in sq2_f (no wait injected before its stmatrix)
+    ag_in_sq2 = "ag" in hoisted
     # CUDA helpers the build calls (T.call_extern)
     prelude = "".join(src for src, on in ((COL_PARTIALS, warp_cols), (COLSUM_TILE, mma_cols)) if on) or None
     # with "gam" G_s holds G log2(e) (its only reader is Gam's exponent): no multiply per element
@@ -741,9 +745,10 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                                                                         T.cast(-1e30, accum)))
                             # 1: Pg = scale Gam Q K^T; Ag = Gam A b (formed while the gemm runs; KV forms U and W)
                             T.wgmma_gemm(q_s, k_s, pg_f, transpose_B=True, clear_accum=True)
-                            for i, j in T.Parallel(BT, BT):  # sq_f is free until phase 3
-                                sq_f[i, j] = gam_f[i, j] * T.cast(a_s[i, j], accum) * b_s[j]
-                            T.copy(sq_f, ag_s)
+                            ag_f = sq2_f if ag_in_sq2 else sq_f  # sq2_f is free until phase 4, sq_f until 3
+                            for i, j in T.Parallel(BT, BT):
+                                ag_f[i, j] = gam_f[i, j] * T.cast(a_s[i, j], accum) * b_s[j]
+                            T.copy(ag_f, ag_s)
                             T.wait_wgmma(0)
                             fence(pg_f)
                             store_pg(pg_f, pg_s, gam_f)
