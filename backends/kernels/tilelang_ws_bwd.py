@@ -363,6 +363,13 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
         T.copy(pg_f, pg_s)
 
     @T.macro
+    def store_ag(ag_f, ag_s, gam_f, a_s, b_s):
+        """Ag = Gam A b (`ag_f`, free registers) into shared memory."""
+        for i, j in T.Parallel(BT, BT):
+            ag_f[i, j] = gam_f[i, j] * T.cast(a_s[i, j], accum) * b_s[j]
+        T.copy(ag_f, ag_s)
+
+    @T.macro
     def write_rows(src, out, t0, eos, hh):
         """A chunk's rows of `out` before `eos` from `src` (64 x 128)."""
         for i, j in T.Parallel(BT, K):
@@ -745,10 +752,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                                                                         T.cast(-1e30, accum)))
                             # 1: Pg = scale Gam Q K^T; Ag = Gam A b (formed while the gemm runs; KV forms U and W)
                             T.wgmma_gemm(q_s, k_s, pg_f, transpose_B=True, clear_accum=True)
-                            ag_f = sq2_f if ag_in_sq2 else sq_f  # sq2_f is free until phase 4, sq_f until 3
-                            for i, j in T.Parallel(BT, BT):
-                                ag_f[i, j] = gam_f[i, j] * T.cast(a_s[i, j], accum) * b_s[j]
-                            T.copy(ag_f, ag_s)
+                            store_ag(sq2_f if ag_in_sq2 else sq_f, ag_s, gam_f, a_s, b_s)  # sq2_f is free until phase 4, sq_f until 3
                             T.wait_wgmma(0)
                             fence(pg_f)
                             store_pg(pg_f, pg_s, gam_f)
