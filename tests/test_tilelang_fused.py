@@ -142,6 +142,18 @@ def test_mma_column_sums_tile_is_tilelangs_swizzle_and_sums_to_fp32():
     assert ((sums - ref).abs() / X.double().abs().sum(0)).max() < 2 ** -16
 
 
+def test_ws_kernel_register_caps_fill_the_file_and_follow_the_words():
+    """Both cap sets fill the 64K-register file in multiples of 8 (setmaxnreg's rule) within
+    [24, 256]; "kvregs" alone picks `NREG_KVREGS`, in any word order."""
+    from gdr_dispatch.backends.kernels import tilelang_ws_bwd as ws
+
+    for caps in (ws.NREG, ws.NREG_KVREGS):
+        assert sum(caps) * 128 == 65536 and all(c % 8 == 0 and 24 <= c <= 256 for c in caps), caps
+    assert ws.nreg_of(ws.HOIST) == ws.NREG and ws.nreg_of("") == ws.NREG
+    assert ws.nreg_of(ws.hoist_form(["kvregs", "mma", "gam"])) == ws.NREG_KVREGS
+    assert ws.hoist_form(["kvregs", "mma", "gam"]) == "gam+mma+kvregs"
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile for sm_90a")
 def test_ws_kernel_keeps_its_wgmmas_pipelined(monkeypatch):
@@ -169,6 +181,11 @@ def test_ws_kernel_keeps_its_wgmmas_pipelined(monkeypatch):
     # "ag": Ag's stmatrix in phase 1 no longer waits for the Q K^T gemm (ptxas's injected wait)
     assert "C7517" in codes(4, 2, 128 ** -0.5, "bfloat16", "bfloat16", hoist="gam")
     assert not codes(4, 2, 128 ** -0.5, "bfloat16", "bfloat16", hoist="gam+scale+mma+ag")
+    # "kvregs": KV's cap 168, A's 160, still pipelined
+    kern = ws.build_ws_bwd(4, 2, 128 ** -0.5, "bfloat16", "bfloat16", hoist="gam+scale+mma+ag+kvregs")
+    src = kern.get_kernel_source()
+    assert [int(n) for n in re.findall(r"warpgroup_reg_(?:alloc|dealloc)<(\d+)>", src)] == list(ws.NREG_KVREGS)
+    assert not {code for code, _ in sass_report.ptxas_notes(kern)} & set(sass_report.SERIALIZED)
     monkeypatch.setattr(ws, "NREG", (128, 160, 200, 24))  # read when a build is made; a scale no other test builds
     assert serialized(2, 2, 0.125, "bfloat16", "bfloat16")  # the check can fail
 

@@ -129,14 +129,23 @@ def sass_of(build: str, H: int, Hg: int, dtype: str, kernel: str = "ws") -> str:
     return kernel_sass(build_of(build, H, Hg, dtype, kernel))
 
 
-def label_regions(caps: list[int], kernel: str = "ws") -> list[str]:
-    """Role of each branch from its register cap (the kernel module's NREG, in its groups'
-    order). nvcc lays the branches out in reverse source order (producer first), so of two groups
-    with the same cap the later one in the SASS is the earlier one in the source."""
+def caps_of(build: str, kernel: str = "ws"):
+    """The register caps a `--builds` word's kernel is built with (None: the module's NREG)."""
+    if kernel != "ws":
+        return None
+    from gdr_dispatch.backends.kernels.tilelang_ws_bwd import build_keywords, nreg_of
+
+    return nreg_of(build_keywords(build)["hoist"])
+
+
+def label_regions(caps: list[int], kernel: str = "ws", nreg=None) -> list[str]:
+    """Role of each branch from its register cap (`nreg`, else the kernel module's NREG, in its
+    groups' order). nvcc lays the branches out in reverse source order (producer first), so of two
+    groups with the same cap the later one in the SASS is the earlier one in the source."""
     import importlib
 
     groups, module = KERNELS[kernel]
-    NREG = importlib.import_module(module).NREG
+    NREG = nreg or importlib.import_module(module).NREG
     order = list(zip(groups, NREG))
     labels = []
     for cap in caps:
@@ -147,7 +156,7 @@ def label_regions(caps: list[int], kernel: str = "ws") -> list[str]:
     return labels
 
 
-def role_regions(sass: str, kernel: str = "ws") -> tuple[list[tuple[str, list[str]]], int]:
+def role_regions(sass: str, kernel: str = "ws", nreg=None) -> tuple[list[tuple[str, list[str]]], int]:
     """The SASS instruction lines of each role branch, in GROUPS order, and the count before the
     first branch (the prologue). A branch opens at its `USETMAXREG` and runs to the next one's,
     so it includes the group's epilogue."""
@@ -158,12 +167,12 @@ def role_regions(sass: str, kernel: str = "ws") -> tuple[list[tuple[str, list[st
         raise SystemExit(f"expected {len(groups)} USETMAXREG instructions (one per role), found {len(starts)}")
     caps = [int(re.search(r"0x([0-9a-f]+)", lines[i].split("USETMAXREG", 1)[1]).group(1), 16) for i in starts]
     bounds = starts + [len(lines)]
-    regions = sorted(zip(label_regions(caps, kernel), bounds, bounds[1:]), key=lambda r: groups.index(r[0]))
+    regions = sorted(zip(label_regions(caps, kernel, nreg), bounds, bounds[1:]), key=lambda r: groups.index(r[0]))
     return [(g, lines[lo:hi]) for g, lo, hi in regions], starts[0]
 
 
-def per_group(sass: str, kernel: str = "ws") -> dict:
-    regions, prologue = role_regions(sass, kernel)
+def per_group(sass: str, kernel: str = "ws", nreg=None) -> dict:
+    regions, prologue = role_regions(sass, kernel, nreg)
     out = {g: {name: (len(body) if pat is None else sum(bool(pat.search(l)) for l in body))
                for name, pat in COUNTS.items()}
            for g, body in regions}
@@ -171,7 +180,7 @@ def per_group(sass: str, kernel: str = "ws") -> dict:
     return out
 
 
-def per_phase(sass: str, kernel: str = "ws") -> dict:
+def per_phase(sass: str, kernel: str = "ws", nreg=None) -> dict:
     """Each consumer group's SASS cut at its mbarrier arrivals (`SYNCS.ARRIVE`: the producer's
     `full` is waited on, the phase barriers are arrived at), so segment k runs from one arrival to
     the next: instructions / spill instructions / named barriers (`BAR.SYNC`, the group's own
@@ -179,7 +188,7 @@ def per_phase(sass: str, kernel: str = "ws") -> dict:
     shows as a phase with dozens of them."""
     return {g: [(len(seg), sum(bool(COUNTS["spill"].search(l)) for l in seg), sum("BAR.SYNC" in l for l in seg))
                 for seg in phase_segments(body)]
-            for g, body in role_regions(sass, kernel)[0] if g != "producer"}
+            for g, body in role_regions(sass, kernel, nreg)[0] if g != "producer"}
 
 
 def phase_segments(body: list[str]) -> list[list[str]]:
@@ -260,7 +269,8 @@ def main(argv=None) -> int:
         return 0
     if args.opcodes:  # with --phases, per segment between a consumer group's mbarrier arrivals
         for build in args.builds.split(","):
-            for g, body in role_regions(sass_of(build, args.H, args.Hg, args.dtype, args.kernel), args.kernel)[0]:
+            sass = sass_of(build, args.H, args.Hg, args.dtype, args.kernel)
+            for g, body in role_regions(sass, args.kernel, caps_of(build, args.kernel))[0]:
                 segs = phase_segments(body) if args.phases and g != "producer" else [body]
                 for k, seg in enumerate(segs):
                     counts = opcode_counts(seg)
@@ -271,12 +281,14 @@ def main(argv=None) -> int:
         return 0
     if args.phases:
         for build in args.builds.split(","):
-            for g, segs in per_phase(sass_of(build, args.H, args.Hg, args.dtype, args.kernel), args.kernel).items():
+            sass = sass_of(build, args.H, args.Hg, args.dtype, args.kernel)
+            for g, segs in per_phase(sass, args.kernel, caps_of(build, args.kernel)).items():
                 print(f"{build} | {g} | " + "  ".join(f"{n}/{sp}/{b}" for n, sp, b in segs), flush=True)
         return 0
     print("build | group | " + " | ".join(COUNTS))
     for build in args.builds.split(","):
-        for g, c in per_group(sass_of(build, args.H, args.Hg, args.dtype, args.kernel), args.kernel).items():
+        sass = sass_of(build, args.H, args.Hg, args.dtype, args.kernel)
+        for g, c in per_group(sass, args.kernel, caps_of(build, args.kernel)).items():
             if g != "prologue":
                 print(f"{build} | {g} | " + " | ".join(str(c[n]) for n in COUNTS), flush=True)
     return 0

@@ -52,6 +52,9 @@ LOG2E = 1.4426950408889634  # exp(x) = exp2(x log2 e): one MUFU.EX2 under fast m
 #: the 64K-register file (seed 000 uses 160 / 144 / 184 / 24). Moving 8 or 16 from KV to A
 #: costs 10-16 % on the H200 (docs/kernels.md, "Fused backward").
 NREG = (160, 160, 168, 24)
+#: The caps with "kvregs": KV 168, A 160 (A's "scale" and "mma" cuts leave it room: its spill
+#: instructions 4 -> 16, KV's 35 -> 12, 13 of them gone from KV's phase 1, the step's first wall).
+NREG_KVREGS = (160, 168, 160, 24)
 #: Consumer phases per chunk (each closed by one 384-thread mbarrier).
 PHASES = 7
 #: How A forms db's column part (the column sums of dAb * A, phase 4): "warp", each warp's
@@ -70,11 +73,12 @@ COLSUMS_FORMS = ("warp", "transpose")
 #:           multiply an element; `b_s` holds b / scale, undone once per row where b is needed;
 #:   "mma"   (bf16) dG's column sums on the tensor core (`COLSUM_TILE`), not the exact transpose;
 #:   "ag"    phase 1's Ag formed in `sq2_f`'s registers (free until phase 4), not `sq_f`'s: with
-#:           `sq_f` ptxas injects a wait for the Q K^T gemm before Ag's stmatrix (its note C7517).
+#:           `sq_f` ptxas injects a wait for the Q K^T gemm before Ag's stmatrix (its note C7517);
+#:   "kvregs" the register caps `NREG_KVREGS` instead of `NREG` (`nreg_of`).
 #: Work moved into S's phase-1 wait (dq's dG term, U and W) needs a second accumulator beside dS,
 #: and ptxas then serializes every wgmma of the kernel (tools/sass_report.py --ptxas).
 HOIST = "gam"
-HOIST_WORDS = ("gam", "row", "scale", "mma", "ag")
+HOIST_WORDS = ("gam", "row", "scale", "mma", "ag", "kvregs")
 #: The ones the "mma" column sums multiply by: `[ONES_N, BT]` (wgmma's narrowest N), each 1 / ONES_N,
 #: so the row sums of the `[BT, ONES_N]` product are the column sums.
 ONES_N = 8
@@ -116,6 +120,11 @@ __device__ __forceinline__ void gdr_colsum_tile(const float* x, void* tile_v) {
 #: in an fp16 build of the transpose form (its 16-bit copy would hold scaled values); others build
 #: as without the word.
 SCALE_FOLD_RANGE = (2.0 ** -20, 2.0 ** 20)
+
+
+def nreg_of(hoist: str) -> tuple:
+    """The register caps (S, KV, A, producer) of a build with these hoist words."""
+    return NREG_KVREGS if "kvregs" in hoist.split("+") else NREG
 
 
 def hoist_form(words) -> str:
@@ -266,7 +275,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     NP1 = T.dynamic("num_seqs_plus_1")
     NCLK = T.dynamic("num_clk")
     group = H // Hg
-    nreg_s, nreg_kv, nreg_a, nreg_p = NREG
+    nreg_s, nreg_kv, nreg_a, nreg_p = nreg_of(hoist)
     NS = TIMING_SLOTS
 
     @T.macro
