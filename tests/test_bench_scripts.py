@@ -319,6 +319,26 @@ def test_sass_report_cuts_each_consumer_group_at_its_mbarrier_arrivals(monkeypat
     assert got["S"] == got["KV"] == [(2, 1, 0), (2, 0, 1)]
 
 
+def test_sass_report_names_groups_by_position_against_the_builds_caps(monkeypatch):
+    """The branches are named in nvcc's order (producer, A, KV, S) once their caps are the build's
+    in that order: a "kvregs" build (KV 168, A 160: the default's four numbers, reordered) is
+    named by its own caps, and read against the default's it is refused, not mislabelled."""
+    monkeypatch.syspath_prepend(str(TOOLS))
+    import sass_report
+    from gdr_dispatch.backends.kernels import tilelang_ws_bwd as ws
+
+    assert sass_report.caps_of("warp+gam+scale+mma+ag+kvregs") == ws.NREG_KVREGS
+    assert sass_report.caps_of("default") == ws.NREG == sass_report.caps_of("timing-warp+gam")
+    assert sass_report.caps_of("default", kernel="states") is None
+    kv = ws.NREG_KVREGS[::-1]
+    assert sass_report.label_regions(list(kv), nreg=ws.NREG_KVREGS) == ["producer", "A", "KV", "S"]
+    assert sass_report.label_regions(list(ws.NREG[::-1])) == ["producer", "A", "KV", "S"]
+    with pytest.raises(SystemExit, match="caps"):
+        sass_report.label_regions(list(kv))  # a kvregs build against the default's caps
+    with pytest.raises(SystemExit, match="caps"):
+        sass_report.label_regions([24, 160, 168, 168])
+
+
 def test_sass_report_counts_opcodes_by_class_without_predicates_or_modifiers(monkeypatch):
     """tools/sass_report.py --opcodes: an instruction counts under its mnemonic's base (a guard
     predicate and the modifiers dropped), uniform-datapath forms under their base's class, the
@@ -367,15 +387,37 @@ def test_sass_report_reads_ptxas_notes_from_the_compilers_log(monkeypatch):
         def get_kernel_source(self):
             return "src"
 
-    handlers, level, propagate = tl_nvcc.logger.handlers[:], tl_nvcc.logger.level, tl_nvcc.logger.propagate
-    notes = sass_report.ptxas_notes(Kern())
-    assert [c for c, _ in notes] == ["C7517", "C7512"] and "serialized" in notes[1][1]
-    assert set(sass_report.SERIALIZED) & {c for c, _ in notes} == {"C7512"}
-    (code, fmt, verbose, options), = seen
-    assert (code, fmt, verbose) == ("src", "cubin", True)
-    assert "--use_fast_math" in options and options[-2:] == ["-Xptxas", "-v"]
-    assert (tl_nvcc.logger.handlers, tl_nvcc.logger.level, tl_nvcc.logger.propagate) == (handlers, level, propagate)
-    assert isinstance(tl_nvcc.logger, logging.Logger)
+    heard = []
+
+    class Own(logging.Handler):  # one of TileLang's own handlers: it must not hear the compiler
+        def emit(self, record):
+            heard.append(record.getMessage())
+
+    own = Own()
+    tl_nvcc.logger.addHandler(own)
+    try:
+        handlers, level, propagate = tl_nvcc.logger.handlers[:], tl_nvcc.logger.level, tl_nvcc.logger.propagate
+        notes = sass_report.ptxas_notes(Kern())
+        assert [c for c, _ in notes] == ["C7517", "C7512"] and "serialized" in notes[1][1]
+        assert sass_report.serialized(notes) and not sass_report.serialized(notes[:1])
+        (code, fmt, verbose, options), = seen
+        assert (code, fmt, verbose) == ("src", "cubin", True)
+        assert "--use_fast_math" in options and options[-2:] == ["-Xptxas", "-v"]
+        assert (tl_nvcc.logger.handlers, tl_nvcc.logger.level, tl_nvcc.logger.propagate) == (handlers, level, propagate)
+        assert heard == []
+
+        def failing(*a, **k):
+            raise RuntimeError("nvcc failed")
+
+        monkeypatch.setattr(tl_nvcc, "compile_cuda", failing)  # the logger comes back as it was
+        with pytest.raises(RuntimeError, match="nvcc failed"):
+            sass_report.ptxas_notes(Kern())
+        assert (tl_nvcc.logger.handlers, tl_nvcc.logger.level, tl_nvcc.logger.propagate) == (handlers, level, propagate)
+        monkeypatch.setattr(tl_nvcc, "compile_cuda", lambda *a, **k: b"")  # nothing logged: refused, not "no notes"
+        with pytest.raises(RuntimeError, match="no ptxas report"):
+            sass_report.ptxas_notes(Kern())
+    finally:
+        tl_nvcc.logger.removeHandler(own)
 
 
 def test_sass_report_builds_name_a_mode_and_the_timing_build(monkeypatch):

@@ -94,6 +94,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("csv")
     p.add_argument("--group", default="A", help="the group whose hottest lines are listed")
+    p.add_argument("--caps", type=lambda s: tuple(int(c) for c in s.split(",")), default=None,
+                   help="the profiled build's register caps S,KV,A,producer (default tilelang_ws_bwd.NREG; "
+                        "a \"kvregs\" build: tilelang_ws_bwd.NREG_KVREGS)")
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--peer", help="a peer kernel's source page (ncu-flashqla-source.csv): compared group by group")
     p.add_argument("--warps-steps", type=float, default=64 * 64 * 4,
@@ -117,7 +120,7 @@ def main(argv=None) -> int:
     caps = [int(re.search(r"0x([0-9a-f]+)", body[i][src].split("USETMAXREG", 1)[1]).group(1), 16) for i in starts]
     bounds = starts + [len(body)]
     region = {}
-    for g, lo, hi in zip(label_regions(caps), bounds, bounds[1:]):
+    for g, lo, hi in zip(label_regions(caps, nreg=args.caps), bounds, bounds[1:]):
         region[g] = (lo, hi)
     region["prologue"] = (0, starts[0])
     main_col = stats[0]

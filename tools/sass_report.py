@@ -77,12 +77,17 @@ def kernel_sass(kern) -> str:
         return tl_nvcc.get_sass_from_source(kern.get_kernel_source(), compile_flags=kernel_flags(kern))
 
 
-#: ptxas's numbered notes (`ptxas info : (C75xx) ...`) that change how the kernel runs: C7510-C7512
-#: "wgmma.mma_async instructions are serialized" (every wgmma of the kernel waits for the one
-#: before: the overlap of a group's gemms with its element-wise work is gone), C7517 a
-#: `warpgroup.wait` it injected where a wgmma's registers are read.
+#: ptxas's numbered notes (`ptxas info : (C75xx) ...`) that change how the kernel runs: "...
+#: wgmma.mma_async instructions are serialized due to ..." (several codes, one per cause, and the
+#: numbers move between CUDA versions: every wgmma of the kernel then waits for the one before,
+#: and the overlap of a group's gemms with its element-wise work is gone), and C7517, a
+#: `warpgroup.wait` injected where a wgmma's registers are read.
 PTXAS_NOTE = re.compile(r"\((C75\d\d)\)\s*(.*)")
-SERIALIZED = ("C7510", "C7511", "C7512")
+
+
+def serialized(notes) -> bool:
+    """Whether `ptxas_notes` says the kernel's wgmmas are serialized (by the note's words)."""
+    return any("are serialized" in text for _, text in notes)
 
 
 def ptxas_notes(kern) -> list[tuple[str, str]]:
@@ -109,7 +114,11 @@ def ptxas_notes(kern) -> list[tuple[str, str]]:
     finally:
         log.handlers[:], log.propagate = kept[0], kept[2]
         log.setLevel(kept[1])
-    return [m.groups() for text in seen for line in text.splitlines() if (m := PTXAS_NOTE.search(line))]
+    lines = [line for text in seen for line in text.splitlines()]
+    if not any(re.search(r"ptxas info\s*: Used \d+ registers", line) for line in lines):
+        raise RuntimeError("ptxas_notes: no ptxas report in TileLang's log (its compile_cuda no longer logs "
+                           "the compiler's output?): no notes is not no serialization")
+    return [m.groups() for line in lines if (m := PTXAS_NOTE.search(line))]
 
 
 def build_of(build: str, H: int, Hg: int, dtype: str, kernel: str = "ws"):
@@ -139,21 +148,18 @@ def caps_of(build: str, kernel: str = "ws"):
 
 
 def label_regions(caps: list[int], kernel: str = "ws", nreg=None) -> list[str]:
-    """Role of each branch from its register cap (`nreg`, else the kernel module's NREG, in its
-    groups' order). nvcc lays the branches out in reverse source order (producer first), so of two
-    groups with the same cap the later one in the SASS is the earlier one in the source."""
+    """Role of each branch, in SASS order: nvcc lays the branches out in reverse source order
+    (producer first). Their register caps must be the build's (`nreg`, else the kernel module's
+    NREG) in that order: the default's and "kvregs"' caps are the same four numbers in another
+    order, so caps alone cannot name the groups, and a wrong set is refused, not mislabelled."""
     import importlib
 
     groups, module = KERNELS[kernel]
-    NREG = nreg or importlib.import_module(module).NREG
-    order = list(zip(groups, NREG))
-    labels = []
-    for cap in caps:
-        match = [g for g, n in reversed(order) if n == cap and g not in labels]
-        if not match:
-            raise SystemExit(f"a branch with register cap {cap} matches no role of the caps {NREG}")
-        labels.append(match[0])
-    return labels
+    NREG = tuple(nreg or importlib.import_module(module).NREG)
+    if tuple(caps) != NREG[::-1]:
+        raise SystemExit(f"the branches' register caps {tuple(caps)} (SASS order) are not the build's "
+                         f"{NREG} in reverse source order: another build's caps?")
+    return list(groups[::-1])
 
 
 def role_regions(sass: str, kernel: str = "ws", nreg=None) -> tuple[list[tuple[str, list[str]]], int]:
@@ -263,8 +269,7 @@ def main(argv=None) -> int:
     if args.ptxas:
         for build in args.builds.split(","):
             notes = ptxas_notes(build_of(build, args.H, args.Hg, args.dtype, args.kernel))
-            serial = any(code in SERIALIZED for code, _ in notes)
-            print(f"{build} | wgmma {'SERIALIZED' if serial else 'pipelined'} | "
+            print(f"{build} | wgmma {'SERIALIZED' if serialized(notes) else 'pipelined'} | "
                   + "; ".join(f"{code} {text}" for code, text in notes), flush=True)
         return 0
     if args.opcodes:  # with --phases, per segment between a consumer group's mbarrier arrivals

@@ -498,7 +498,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
                 # exchanged between consumer groups
                 pg_s = T.alloc_shared((BT, BT), dtype)  # Pg = scale Gam Q K^T, then dP
                 ag_s = T.alloc_shared((BT, BT), dtype)  # Ag = Gam A b, then A^T dAr (KV, phase 5), then dkk + dkk^T
-                x3_s = T.alloc_shared((BT, BT), dtype)  # dAr (A, phase 4), then dkk
+                x3_s = T.alloc_shared((BT, BT), dtype)  # dAr (A, phase 4; the transpose form first its db column copy), then dkk
                 dvp_s = T.alloc_shared((BT, V), dtype)  # dV', then scale e^G dO
                 w_s = T.alloc_shared((BT, V), dtype)  # W, then V' (v_new)
                 u_s = T.alloc_shared((BT, V), dtype)  # U = K S, then dUs
