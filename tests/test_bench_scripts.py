@@ -815,3 +815,18 @@ def test_training_bench_names_where_each_host_wait_happened(monkeypatch):
     assert got["count"] == 2 and got["first"].startswith("called a synchronizing")
     assert all(w.startswith("test_bench_scripts.py:") and "reads_lengths" in w.split(" < ")[0] for w in got["where"])
     assert bt.synchronizing_calls(lambda: None) == {"count": 0}
+
+
+def test_device_run_steps_and_variables_are_the_ones_tools_readme_lists():
+    """Every step of tools/device_run.sh is a row of tools/README.md's step table and the other
+    way round, and every variable the script reads (bar the machine's own) is named there."""
+    import re
+
+    script = (TOOLS / "device_run.sh").read_text()
+    readme = (TOOLS / "README.md").read_text()
+    steps = set(re.findall(r"^    ([a-z0-9]+)\)", script, re.M))
+    rows = set(re.findall(r"^\| `([a-z0-9]+)` \|", readme.split("## Reading kernels")[0], re.M))
+    assert steps and steps == rows, (steps - rows, rows - steps)
+    variables = set(re.findall(r"\$\{?([A-Z][A-Z0-9_]+)", script)) - {"OUT", "PWD", "PIPESTATUS"}
+    assert {"WS_HOIST", "PROBE_ARGS", "SANITIZE_FORMS"} <= variables
+    assert not {v for v in variables if f"`{v}" not in readme}

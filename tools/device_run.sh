@@ -102,6 +102,17 @@ for arg in "$@"; do
         timeout "$(( $(left) < run_s ? $(left) : run_s ))" python3 tools/ws_probe.py $run_args 2>&1 | grep -v TileLang
         echo "== exit ${PIPESTATUS[0]}"
       done > "$OUT/probe.log" 2>&1 ;;
+    sanitize)
+      # racecheck and synccheck of the fused kernel at `tiny`, one launch per form (SANITIZE_FORMS,
+      # ws_probe --colsums spellings; default the backend's own)
+      for form in ${SANITIZE_FORMS:-default}; do
+        for tool in racecheck synccheck; do
+          echo "== $tool $form"
+          colsums=$([ "$form" = default ] || echo "--colsums $form")
+          timeout "$(left)" compute-sanitizer --tool "$tool" python3 tools/ws_probe.py --only tiny --once $colsums 2>&1 \
+            | grep -v TileLang | tail -n 3
+        done
+      done > "$OUT/sanitize.log" 2>&1 ;;
     hotpath)
       timeout "$(left)" python3 bench/bench_hot_path.py ${HOTPATH_ARGS:-} --out "$OUT/bench" 2>&1 \
         | grep -v TileLang > "$OUT/hotpath.log" ;;
