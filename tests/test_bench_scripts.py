@@ -330,6 +330,7 @@ def test_sass_report_names_groups_by_position_against_the_builds_caps(monkeypatc
     assert sass_report.caps_of("warp+gam+scale+mma+ag+kvregs") == ws.NREG_KVREGS
     assert sass_report.caps_of("default") == ws.NREG == sass_report.caps_of("timing-warp+gam")
     assert sass_report.caps_of("default", kernel="states") is None
+    assert sass_report.caps_of("warp+gam+scale+mma+ag+kvregs", dtype="float16") == ws.NREG
     kv = ws.NREG_KVREGS[::-1]
     assert sass_report.label_regions(list(kv), nreg=ws.NREG_KVREGS) == ["producer", "A", "KV", "S"]
     assert sass_report.label_regions(list(ws.NREG[::-1])) == ["producer", "A", "KV", "S"]

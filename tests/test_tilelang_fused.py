@@ -144,13 +144,15 @@ def test_mma_column_sums_tile_is_tilelangs_swizzle_and_sums_to_fp32():
 
 def test_ws_kernel_register_caps_fill_the_file_and_follow_the_words():
     """Both cap sets fill the 64K-register file in multiples of 8 (setmaxnreg's rule) within
-    [24, 256]; "kvregs" alone picks `NREG_KVREGS`, in any word order."""
+    [24, 256]; "kvregs" picks `NREG_KVREGS` with "mma" in a bf16 build, in any word order, and
+    nowhere else."""
     from gdr_dispatch.backends.kernels import tilelang_ws_bwd as ws
 
     for caps in (ws.NREG, ws.NREG_KVREGS):
         assert sum(caps) * 128 == 65536 and all(c % 8 == 0 and 24 <= c <= 256 for c in caps), caps
     assert ws.nreg_of(ws.HOIST) == ws.NREG and ws.nreg_of("") == ws.NREG
     assert ws.nreg_of(ws.hoist_form(["kvregs", "mma", "gam"])) == ws.NREG_KVREGS
+    assert ws.nreg_of("gam+mma+kvregs", "float16") == ws.nreg_of("gam+kvregs") == ws.NREG
     assert ws.hoist_form(["kvregs", "mma", "gam"]) == "gam+mma+kvregs"
 
 
@@ -219,6 +221,7 @@ def test_ws_kernel_hoist_words_build_what_they_say():
         return build_ws_bwd(2, 2, scale, dtype, dtype, hoist=hoist).get_kernel_source()
 
     assert source("float16", 0.1, "gam+mma") == source("float16", 0.1, "gam")
+    assert source("float16", 0.1, "gam+mma+kvregs") == source("float16", 0.1, "gam")  # A keeps its 168 there
     assert source("bfloat16", 0.0, "gam+scale") == source("bfloat16", 0.0, "gam")
     assert source("bfloat16", 0.1, "gam+scale") != source("bfloat16", 0.1, "gam")
     transpose = [build_ws_bwd(2, 2, 0.1, "float16", "float16", colsums="transpose", hoist=h).get_kernel_source()

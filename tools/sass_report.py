@@ -138,13 +138,13 @@ def sass_of(build: str, H: int, Hg: int, dtype: str, kernel: str = "ws") -> str:
     return kernel_sass(build_of(build, H, Hg, dtype, kernel))
 
 
-def caps_of(build: str, kernel: str = "ws"):
+def caps_of(build: str, kernel: str = "ws", dtype: str = "bfloat16"):
     """The register caps a `--builds` word's kernel is built with (None: the module's NREG)."""
     if kernel != "ws":
         return None
     from gdr_dispatch.backends.kernels.tilelang_ws_bwd import build_keywords, nreg_of
 
-    return nreg_of(build_keywords(build)["hoist"])
+    return nreg_of(build_keywords(build)["hoist"], dtype)
 
 
 def label_regions(caps: list[int], kernel: str = "ws", nreg=None) -> list[str]:
@@ -275,7 +275,7 @@ def main(argv=None) -> int:
     if args.opcodes:  # with --phases, per segment between a consumer group's mbarrier arrivals
         for build in args.builds.split(","):
             sass = sass_of(build, args.H, args.Hg, args.dtype, args.kernel)
-            for g, body in role_regions(sass, args.kernel, caps_of(build, args.kernel))[0]:
+            for g, body in role_regions(sass, args.kernel, caps_of(build, args.kernel, args.dtype))[0]:
                 segs = phase_segments(body) if args.phases and g != "producer" else [body]
                 for k, seg in enumerate(segs):
                     counts = opcode_counts(seg)
@@ -287,13 +287,13 @@ def main(argv=None) -> int:
     if args.phases:
         for build in args.builds.split(","):
             sass = sass_of(build, args.H, args.Hg, args.dtype, args.kernel)
-            for g, segs in per_phase(sass, args.kernel, caps_of(build, args.kernel)).items():
+            for g, segs in per_phase(sass, args.kernel, caps_of(build, args.kernel, args.dtype)).items():
                 print(f"{build} | {g} | " + "  ".join(f"{n}/{sp}/{b}" for n, sp, b in segs), flush=True)
         return 0
     print("build | group | " + " | ".join(COUNTS))
     for build in args.builds.split(","):
         sass = sass_of(build, args.H, args.Hg, args.dtype, args.kernel)
-        for g, c in per_group(sass, args.kernel, caps_of(build, args.kernel)).items():
+        for g, c in per_group(sass, args.kernel, caps_of(build, args.kernel, args.dtype)).items():
             if g != "prologue":
                 print(f"{build} | {g} | " + " | ".join(str(c[n]) for n in COUNTS), flush=True)
     return 0

@@ -74,7 +74,8 @@ COLSUMS_FORMS = ("warp", "transpose")
 #:   "mma"   (bf16) dG's column sums on the tensor core (`COLSUM_TILE`), not the exact transpose;
 #:   "ag"    phase 1's Ag formed in `sq2_f`'s registers (free until phase 4), not `sq_f`'s: with
 #:           `sq_f` ptxas injects a wait for the Q K^T gemm before Ag's stmatrix (its note C7517);
-#:   "kvregs" the register caps `NREG_KVREGS` instead of `NREG` (`nreg_of`).
+#:   "kvregs" the register caps `NREG_KVREGS` instead of `NREG`, with "mma" in a bf16 build only
+#:           (`nreg_of`: without it A spills 24 -> 59 instructions at 160, an fp16 build's A too).
 #: Work moved into S's phase-1 wait (dq's dG term, U and W) needs a second accumulator beside dS,
 #: and ptxas then serializes every wgmma of the kernel (tools/sass_report.py --ptxas).
 HOIST = "gam"
@@ -122,9 +123,11 @@ __device__ __forceinline__ void gdr_colsum_tile(const float* x, void* tile_v) {
 SCALE_FOLD_RANGE = (2.0 ** -20, 2.0 ** 20)
 
 
-def nreg_of(hoist: str) -> tuple:
-    """The register caps (S, KV, A, producer) of a build with these hoist words."""
-    return NREG_KVREGS if "kvregs" in hoist.split("+") else NREG
+def nreg_of(hoist: str, dtype: str = "bfloat16") -> tuple:
+    """The register caps (S, KV, A, producer) of a build with these hoist words and dtype:
+    "kvregs"' only where "mma" relieves A (bf16)."""
+    words = hoist.split("+")
+    return NREG_KVREGS if "kvregs" in words and "mma" in words and dtype == "bfloat16" else NREG
 
 
 def hoist_form(words) -> str:
@@ -275,7 +278,7 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     NP1 = T.dynamic("num_seqs_plus_1")
     NCLK = T.dynamic("num_clk")
     group = H // Hg
-    nreg_s, nreg_kv, nreg_a, nreg_p = nreg_of(hoist)
+    nreg_s, nreg_kv, nreg_a, nreg_p = nreg_of(hoist, dtype)
     NS = TIMING_SLOTS
 
     @T.macro
