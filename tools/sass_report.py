@@ -138,6 +138,12 @@ def sass_of(build: str, H: int, Hg: int, dtype: str, kernel: str = "ws") -> str:
     return kernel_sass(build_of(build, H, Hg, dtype, kernel))
 
 
+def read_build(build: str, args) -> tuple:
+    """A `--builds` word's SASS and the register caps its groups are named by (`caps_of`)."""
+    return (sass_of(build, args.H, args.Hg, args.dtype, args.kernel),
+            caps_of(build, args.kernel, args.dtype))
+
+
 def caps_of(build: str, kernel: str = "ws", dtype: str = "bfloat16"):
     """The register caps a `--builds` word's kernel is built with (None: the module's NREG)."""
     if kernel != "ws":
@@ -274,8 +280,8 @@ def main(argv=None) -> int:
         return 0
     if args.opcodes:  # with --phases, per segment between a consumer group's mbarrier arrivals
         for build in args.builds.split(","):
-            sass = sass_of(build, args.H, args.Hg, args.dtype, args.kernel)
-            for g, body in role_regions(sass, args.kernel, caps_of(build, args.kernel, args.dtype))[0]:
+            sass, caps = read_build(build, args)
+            for g, body in role_regions(sass, args.kernel, caps)[0]:
                 segs = phase_segments(body) if args.phases and g != "producer" else [body]
                 for k, seg in enumerate(segs):
                     counts = opcode_counts(seg)
@@ -286,14 +292,14 @@ def main(argv=None) -> int:
         return 0
     if args.phases:
         for build in args.builds.split(","):
-            sass = sass_of(build, args.H, args.Hg, args.dtype, args.kernel)
-            for g, segs in per_phase(sass, args.kernel, caps_of(build, args.kernel, args.dtype)).items():
+            sass, caps = read_build(build, args)
+            for g, segs in per_phase(sass, args.kernel, caps).items():
                 print(f"{build} | {g} | " + "  ".join(f"{n}/{sp}/{b}" for n, sp, b in segs), flush=True)
         return 0
     print("build | group | " + " | ".join(COUNTS))
     for build in args.builds.split(","):
-        sass = sass_of(build, args.H, args.Hg, args.dtype, args.kernel)
-        for g, c in per_group(sass, args.kernel, caps_of(build, args.kernel, args.dtype)).items():
+        sass, caps = read_build(build, args)
+        for g, c in per_group(sass, args.kernel, caps).items():
             if g != "prologue":
                 print(f"{build} | {g} | " + " | ".join(str(c[n]) for n in COUNTS), flush=True)
     return 0

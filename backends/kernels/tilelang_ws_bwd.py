@@ -123,11 +123,17 @@ __device__ __forceinline__ void gdr_colsum_tile(const float* x, void* tile_v) {
 SCALE_FOLD_RANGE = (2.0 ** -20, 2.0 ** 20)
 
 
+def mma_applies(words, dtype: str) -> bool:
+    """Whether "mma" is among the words and takes effect: bf16 only (hi and lo share bf16's range;
+    fp16's would overflow)."""
+    return "mma" in words and dtype == "bfloat16"
+
+
 def nreg_of(hoist: str, dtype: str = "bfloat16") -> tuple:
     """The register caps (S, KV, A, producer) of a build with these hoist words and dtype:
-    "kvregs"' only where "mma" relieves A (bf16)."""
+    "kvregs"' only where "mma" relieves A."""
     words = hoist.split("+")
-    return NREG_KVREGS if "kvregs" in words and "mma" in words and dtype == "bfloat16" else NREG
+    return NREG_KVREGS if "kvregs" in words and mma_applies(words, dtype) else NREG
 
 
 def hoist_form(words) -> str:
@@ -262,8 +268,8 @@ def build_ws_bwd(H: int, Hg: int, scale: float, dtype: str, b_dtype: str, timing
     fold = "scale" in hoisted and SCALE_FOLD_RANGE[0] <= scale <= SCALE_FOLD_RANGE[1] and (
         warp_cols or dtype == "bfloat16")
     log2_scale, b_unit = (math.log2(scale), 1.0 / scale) if fold else (0.0, 1.0)
-    # with "mma" (bf16: hi and lo share bf16's range; fp16 would overflow) dG's column sums by a gemm
-    mma_cols = "mma" in hoisted and dtype == "bfloat16"
+    # with "mma" dG's column sums by a gemm
+    mma_cols = mma_applies(hoisted, dtype)
     # with "ag" phase 1's Ag in sq2_f (no wait injected before its stmatrix)
     ag_in_sq2 = "ag" in hoisted
     # CUDA helpers the build calls (T.call_extern)
