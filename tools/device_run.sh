@@ -80,8 +80,9 @@ for arg in "$@"; do
       for mode in ${TIMING_MODES:-full}; do
         for shape in ${TIMING_SHAPES:-B4T4096H16 B8T4096H32}; do
           timeout "$(left)" python3 tools/ws_probe.py --only "$shape" --timing --mode "$mode" ${TIMING_ARGS:-} 2>&1 | grep -v TileLang
-          [ -n "${TIMING_PLAIN:-}" ] && timeout "$(left)" python3 tools/ws_probe.py --only "$shape" --mode "$mode" \
-            ${TIMING_ARGS:-} 2>&1 | grep -v TileLang
+          if [ -n "${TIMING_PLAIN:-}" ]; then
+            timeout "$(left)" python3 tools/ws_probe.py --only "$shape" --mode "$mode" ${TIMING_ARGS:-} 2>&1 | grep -v TileLang
+          fi
         done
       done > "$OUT/timing.log" 2>&1 ;;
     splitprof)

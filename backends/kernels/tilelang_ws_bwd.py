@@ -66,8 +66,8 @@ COLSUMS = "warp"
 COLSUMS_FORMS = ("warp", "transpose")
 #: Cuts of A's element-wise work (`hoist`, words joined by '+'; docs/kernels.md, "Fused backward"
 #: and "the next decomposition", has each one's SASS counts, and H200 timings where one ran):
-#:   "gam"   Gam's exponents formed unmasked from `G_s` = G log2(e), then the masked exp2 (on:
-#:           -2.3 / -1.4 / -1.6 % at B4 T4096 H16, B8 T4096 H32, B1 T8192 H16, back to back);
+#:   "gam"   Gam's exponents formed unmasked from `G_s` = G log2(e), then the masked exp2 (-2.3 /
+#:           -1.4 / -1.6 % at B4 T4096 H16, B8 T4096 H32, B1 T8192 H16, back to back);
 #:   "row"   phase 5's dq row factor `scale e^G` once per row, not two multiplies an element;
 #:   "scale" `scale` in A's Gam (log2(scale) added to the exponent), so Pg and dP take one
 #:           multiply an element; `b_s` holds b / scale, undone once per row where b is needed;
@@ -76,9 +76,12 @@ COLSUMS_FORMS = ("warp", "transpose")
 #:           `sq_f` ptxas injects a wait for the Q K^T gemm before Ag's stmatrix (its note C7517);
 #:   "kvregs" the register caps `NREG_KVREGS` instead of `NREG`, with "mma" in a bf16 build only
 #:           (`nreg_of`: without it A spills 24 -> 59 instructions at 160, an fp16 build's A too).
+#: On: "gam" and "scale" + "mma" + "ag" (beside "gam" alone, back to back on the H200: 0.0 / -1.0
+#: / -2.1 % at B4 T4096 H16, B8 T4096 H32, B1 T8192 H16). Off: "row" (adds nothing) and "kvregs"
+#: (-0.2 / +2.9 / -4.1 %: it pays only where few CTAs run).
 #: Work moved into S's phase-1 wait (dq's dG term, U and W) needs a second accumulator beside dS,
 #: and ptxas then serializes every wgmma of the kernel (tools/sass_report.py --ptxas).
-HOIST = "gam"
+HOIST = "gam+scale+mma+ag"
 HOIST_WORDS = ("gam", "row", "scale", "mma", "ag", "kvregs")
 #: The ones the "mma" column sums multiply by: `[ONES_N, BT]` (wgmma's narrowest N), each 1 / ONES_N,
 #: so the row sums of the `[BT, ONES_N]` product are the column sums.
