@@ -161,8 +161,8 @@ def test_ws_kernel_register_caps_fill_the_file_and_follow_the_words():
 def test_ws_kernel_keeps_its_wgmmas_pipelined(monkeypatch):
     """ptxas serializes every wgmma of the kernel (C7510-C7512) where a group's accumulators do not
     fit its registers: each gemm then waits for the one before, and no group's element-wise work
-    overlaps its gemms. The backend's builds (bf16 and fp16) and the "scale" + "mma" candidate must
-    not; S capped at 128 registers (its dS alone takes 128) does (docs/kernels.md, "the next
+    overlaps its gemms. The backend's builds (bf16 and fp16, `HOIST`'s words) and the words apart
+    must not; S capped at 128 registers (its dS alone takes 128) does (docs/kernels.md, "the next
     decomposition"). "ag" takes away the one wait ptxas injects (C7517)."""
     from pathlib import Path
 
