@@ -292,8 +292,9 @@ def merge_rows(earlier, fresh):
 
 def starved_summary(rows) -> list:
     """Where FlashQLA's own split ran (`flashqla-auto_cp`): our pick, our best split and the peers,
-    each with its host enqueue time, and our times over FlashQLA's."""
-    rows = [r for r in rows if "ms" in r["runs"].get("flashqla-auto_cp", {})]
+    each with its host enqueue time, and our times over FlashQLA's (rows timed before the bench
+    timed back to back are left out)."""
+    rows = [r for r in rows if "b2b_ms" in r["runs"].get("flashqla-auto_cp", {})]
     if not rows:
         return []
 
@@ -323,6 +324,35 @@ def starved_summary(rows) -> list:
     return out
 
 
+def peer_summary(rows) -> list:
+    """Where FlashQLA ran without its own split (full grids, or `h` given): our backend whole, the
+    tables' pick and FlashQLA per call and back to back, with our times over FlashQLA's. Rows
+    measured before the bench timed back to back are left out."""
+    rows = [r for r in rows if "b2b_ms" in r["runs"].get("flashqla", {})
+            and "ms" not in r["runs"].get("flashqla-auto_cp", {})]
+    if not rows:
+        return []
+
+    def cell(run):
+        return (f"{run['ms']:.3f} / {run['b2b_ms']:.3f} (host {run.get('host_ms', float('nan')):.3f})"
+                if "b2b_ms" in run else "-")
+
+    def ratio(run, fq):
+        return f"{run['ms'] / fq['ms']:.2f}x / {run['b2b_ms'] / fq['b2b_ms']:.2f}x" if "b2b_ms" in run else "-"
+
+    out = ["", "Beside FlashQLA, ms per call (a sync after each) / back to back (20 enqueued, one sync), host enqueue "
+           "(FlashQLA: with `h` given its fused kernel plus the head sum and reverse cumsum it leaves to its caller, "
+           "with `h=None` its whole backward):", "",
+           "| shape | h | tilelang_fused | our pick | FlashQLA | tilelang_fused / FlashQLA | pick / FlashQLA |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        runs = r["runs"]
+        ours, pick, fq = runs.get("tilelang_fused", {}), runs.get("dispatched", {}), runs["flashqla"]
+        out.append(f"| {r['shape'].rsplit(' h=', 1)[0]} | {r['h']} | {cell(ours)} | {cell(pick)} "
+                   f"[{r.get('dispatched_pick', '-')}] | {cell(fq)} | {ratio(ours, fq)} | {ratio(pick, fq)} |")
+    return out
+
+
 def to_markdown(rows, names, device, unverified=()):
     lines = [f"GDR backward on {device}, median ms, least of the rounds (ratio = fla-op ms / this ms; >1 is faster than fla's own op)", ""]
     head = ["shape", "h", "floor", *(n + ("*" if n in unverified else "") for n in names)]
@@ -339,7 +369,7 @@ def to_markdown(rows, names, device, unverified=()):
             else:
                 cells.append("failed" if "failed" in run else "-")
         lines.append("| " + " | ".join(cells) + " |")
-    lines += starved_summary(rows)
+    lines += peer_summary(rows) + starved_summary(rows)
     notes = sorted({f"{n}: {v.get('skipped') or v.get('failed')}" for r in rows for n, v in r["runs"].items()
                     if "skipped" in v or "failed" in v})
     worst = {}

@@ -123,6 +123,30 @@ def test_bench_dispatched_runner_forces_nothing_and_names_the_pick(monkeypatch):
     assert "Host-bound (the enqueue alone took >= 80% of the time" in bench.to_markdown([row], ["dispatched"], "dev")
 
 
+def test_bench_peer_summary_puts_both_timings_beside_flashqla():
+    """Full-grid rows where FlashQLA ran whole get a per-call / back-to-back line with our times
+    over FlashQLA's; rows with FlashQLA's own split (the starved summary's) and rows timed before
+    back to back was (no `b2b_ms`) get none."""
+    import bench_gdr_bwd as bench
+
+    def run(ms, b2b=None):
+        return {"ms": ms, "host_ms": 0.1, **({"b2b_ms": b2b} if b2b is not None else {})}
+
+    full = {"shape": "B8 T4096 H32 h=given", "h": "given", "floor_ms": 0.6, "dispatched_pick": "tilelang_fused",
+            "runs": {"tilelang_fused": run(1.5, 1.4), "dispatched": run(1.6, 1.4), "flashqla": run(2.0, 1.75)}}
+    starved = {"shape": "B1 T8192 H16 h=none", "h": "none", "floor_ms": 0.1,
+               "runs": {"dispatched": run(1.0, 0.9), "flashqla": run(1.2, 1.1), "flashqla-auto_cp": run(0.6, 0.5)}}
+    old = {"shape": "B16 T2048 H32 h=given", "h": "given", "floor_ms": 0.6,
+           "runs": {"tilelang_fused": run(1.5), "flashqla": run(1.5)}}
+    lines = bench.peer_summary([full, starved, old])
+    rows = [line for line in lines if line.startswith("| B")]
+    assert len(rows) == 1 and rows[0].startswith("| B8 T4096 H32 | given | 1.500 / 1.400 (host 0.100) |")
+    assert "[tilelang_fused]" in rows[0] and rows[0].endswith("| 0.75x / 0.80x | 0.80x / 0.80x |")
+    assert bench.peer_summary([starved, old]) == []
+    md = bench.to_markdown([full, starved], ["tilelang_fused", "dispatched"], "dev")
+    assert "Beside FlashQLA, ms per call" in md and "Starved grids, ms per call" in md
+
+
 #: modules the scripts import, not scripts themselves
 HELPERS = {"bench/roofline.py", "bench/timing.py"}
 
