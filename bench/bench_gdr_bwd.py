@@ -290,6 +290,18 @@ def merge_rows(earlier, fresh):
     return merged + list(new.values())
 
 
+def _both(run) -> str:
+    """A summary cell: per call / back to back (host enqueue), or "-" where either is missing."""
+    return (f"{run['ms']:.3f} / {run['b2b_ms']:.3f} (host {run.get('host_ms', float('nan')):.3f})"
+            if "ms" in run and "b2b_ms" in run else "-")
+
+
+def _over(run, peer) -> str:
+    """`run`'s times over `peer`'s, per call / back to back."""
+    return (f"{run['ms'] / peer['ms']:.2f}x / {run['b2b_ms'] / peer['b2b_ms']:.2f}x"
+            if "ms" in run and "b2b_ms" in run else "-")
+
+
 def starved_summary(rows) -> list:
     """Where FlashQLA's own split ran (`flashqla-auto_cp`): our pick, our best split and the peers,
     each with its host enqueue time, and our times over FlashQLA's (rows timed before the bench
@@ -297,17 +309,6 @@ def starved_summary(rows) -> list:
     rows = [r for r in rows if "b2b_ms" in r["runs"].get("flashqla-auto_cp", {})]
     if not rows:
         return []
-
-    def cell(run):
-        return (f"{run['ms']:.3f} / {run.get('b2b_ms', float('nan')):.3f} (host {run.get('host_ms', float('nan')):.3f})"
-                if "ms" in run else "-")
-
-    def ratio(run, fq):
-        if "ms" not in run:
-            return "-"
-        b2b = run.get("b2b_ms", float("nan")) / fq.get("b2b_ms", float("nan"))
-        return f"{run['ms'] / fq['ms']:.2f}x / {b2b:.2f}x"
-
     out = ["", "Starved grids, ms per call (a sync after each) / back to back (20 enqueued, one sync), host enqueue:",
            "", "| shape | our pick | our best split | FlashQLA auto_cp | fla's op | pick / auto_cp | best split / auto_cp |",
            "|---|---|---|---|---|---|---|"]
@@ -315,12 +316,11 @@ def starved_summary(rows) -> list:
         runs = r["runs"]
         splits = {n: v for n, v in runs.items() if "@split" in n and "ms" in v}
         best = min(splits, key=lambda n: splits[n]["ms"]) if splits else None
-        pick = runs.get("dispatched", {})
-        out.append(f"| {r['shape'].rsplit(' h=', 1)[0]} | {cell(pick)} [{r.get('dispatched_pick', '-')}] | "
-                   + (f"{cell(splits[best])} [{best}]" if best else "-")
-                   + f" | {cell(runs['flashqla-auto_cp'])} | {cell(runs.get('fla-op', {}))} | "
-                   + ratio(pick, runs["flashqla-auto_cp"]) + " | "
-                   + (ratio(splits[best], runs["flashqla-auto_cp"]) if best else "-") + " |")
+        pick, fq = runs.get("dispatched", {}), runs["flashqla-auto_cp"]
+        out.append(f"| {r['shape'].rsplit(' h=', 1)[0]} | {_both(pick)} [{r.get('dispatched_pick', '-')}] | "
+                   + (f"{_both(splits[best])} [{best}]" if best else "-")
+                   + f" | {_both(fq)} | {_both(runs.get('fla-op', {}))} | {_over(pick, fq)} | "
+                   + (_over(splits[best], fq) if best else "-") + " |")
     return out
 
 
@@ -332,14 +332,6 @@ def peer_summary(rows) -> list:
             and "ms" not in r["runs"].get("flashqla-auto_cp", {})]
     if not rows:
         return []
-
-    def cell(run):
-        return (f"{run['ms']:.3f} / {run['b2b_ms']:.3f} (host {run.get('host_ms', float('nan')):.3f})"
-                if "b2b_ms" in run else "-")
-
-    def ratio(run, fq):
-        return f"{run['ms'] / fq['ms']:.2f}x / {run['b2b_ms'] / fq['b2b_ms']:.2f}x" if "b2b_ms" in run else "-"
-
     out = ["", "Beside FlashQLA, ms per call (a sync after each) / back to back (20 enqueued, one sync), host enqueue "
            "(FlashQLA: with `h` given its fused kernel plus the head sum and reverse cumsum it leaves to its caller, "
            "with `h=None` its whole backward):", "",
@@ -348,8 +340,8 @@ def peer_summary(rows) -> list:
     for r in rows:
         runs = r["runs"]
         ours, pick, fq = runs.get("tilelang_fused", {}), runs.get("dispatched", {}), runs["flashqla"]
-        out.append(f"| {r['shape'].rsplit(' h=', 1)[0]} | {r['h']} | {cell(ours)} | {cell(pick)} "
-                   f"[{r.get('dispatched_pick', '-')}] | {cell(fq)} | {ratio(ours, fq)} | {ratio(pick, fq)} |")
+        out.append(f"| {r['shape'].rsplit(' h=', 1)[0]} | {r['h']} | {_both(ours)} | {_both(pick)} "
+                   f"[{r.get('dispatched_pick', '-')}] | {_both(fq)} | {_over(ours, fq)} | {_over(pick, fq)} |")
     return out
 
 
