@@ -11,7 +11,7 @@ calls; a value that cannot be used is an error naming the variable and what it t
 | `GDR_AUTOTUNE_ALL` | `1` makes a table miss measure every candidate (no pruning by the device's tables, no prediction from them) | off |
 | `GDR_CP` | `<n>` cuts every sequence into at most n segments (the exact split); `0` turns the split off | unset: the tables and autotuner decide |
 | `GDR_SPLIT_GRAPHS` | `0` runs the split eagerly on every call (no CUDA graphs of its own) | on |
-| `GDR_EARLY_BUILDS` | `0`: a first call at a new shape starts no background build processes (each compiles when first used, in the caller's process) | on |
+| `GDR_EARLY_BUILDS` | `0`: the op's first forward at a new shape starts no early builds of its backward's kernels (a table-miss first call still compiles its candidates in parallel processes before timing them) | on |
 | `GDR_SAVE_STATES` | the training op keeps the chunk states for its backward | off |
 | `GDR_ALLOW_UNVERIFIED` | lets kernels whose GPU tests have not passed run | off |
 | `GDR_TUNING_CACHE` | the user table directory | `$XDG_CACHE_HOME/gdr_dispatch` or `~/.cache/gdr_dispatch` |

@@ -310,8 +310,8 @@ def test_a_warm_runs_marker_keys_on_what_it_compiles_not_the_lengths():
 
 
 def test_early_builds_can_be_turned_off(monkeypatch):
-    """GDR_EARLY_BUILDS=0: a first call starts no background process (each build happens in the
-    caller's process when first used)."""
+    """GDR_EARLY_BUILDS=0: no early build starts (the op's forward asks `start_compiles` for its
+    backward's; a table-miss first call still compiles its own candidates, `precompile`)."""
     monkeypatch.setenv("GDR_EARLY_BUILDS", "0")
     job = ("builtins", "len", ("off",))
     assert at.start_compiles([job]) == 0 and job not in at._early
