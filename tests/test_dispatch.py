@@ -6,13 +6,12 @@ import subprocess
 import sys
 import textwrap
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from gdr_dispatch import Backend, Problem, fused_gdr_bwd, registry, tuning_table
+from gdr_dispatch import Backend, Problem, fused_gdr_bwd, plans, registry, tuning_table
 from gdr_dispatch import autotune as at
 from gdr_dispatch import dispatch as dsp
 from gdr_dispatch.contract import validate
@@ -75,6 +74,7 @@ def test_outputs_are_checked_once_per_backend_and_problem(kwargs, fakes, monkeyp
     seen = []
     monkeypatch.setattr(dsp, "check_outputs", lambda call, grads, name: seen.append(name))
     for _ in range(3):
+        plans.backward.clear()  # each call decides again (a kept plan's runner never reaches the check)
         fused_gdr_bwd(**kwargs)
     assert seen == ["fake_a"]
     fused_gdr_bwd(**{**kwargs, "h": None})  # another Problem: checked again
@@ -271,6 +271,7 @@ def test_table_winner_that_cannot_run_is_ignored(kwargs, fakes, caplog):
 def test_logs_the_backend_once_per_key(kwargs, caplog):
     with caplog.at_level(logging.INFO, "gdr_dispatch"):
         fused_gdr_bwd(**kwargs)
+        plans.backward.clear()  # the second call decides again (a kept plan's runner logs nothing)
         fused_gdr_bwd(**kwargs)
     lines = [r.message for r in caplog.records if "backend 'torch'" in r.message]
     assert len(lines) == 1 and "static order" in lines[0]

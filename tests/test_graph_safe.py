@@ -24,8 +24,10 @@ def test_offsets_are_read_on_every_eager_call_and_from_memory_only_under_capture
     cu = torch.tensor([0, 5, 70], dtype=torch.int32)
     assert graph_safe.offsets_of(cu) == (0, 5, 70)
     capture["on"] = True
+    cu[1] = 7  # a read under capture would see this; memory holds the eager read's values
     assert graph_safe.offsets_of(cu) == (0, 5, 70)  # from memory: no read under capture
     capture["on"] = False
+    assert graph_safe.offsets_of(cu) == (0, 7, 70)
     cu[1] = 9
     assert graph_safe.offsets_of(cu) == (0, 9, 70)
     other = torch.tensor([0, 1, 70], dtype=torch.int32)  # another tensor is never confused with it

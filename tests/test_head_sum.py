@@ -31,7 +31,10 @@ def test_head_sum_of_shared_heads_sums_the_right_heads():
 
 def test_sum_value_heads_on_cpu_is_the_contract_sum_and_passes_ungrouped_heads_through():
     x = torch.randn(2, 9, 4, 16).to(torch.float16)
-    assert torch.equal(sum_value_heads(x, 2, torch.float16), reduce_value_heads(x, 2, torch.float16, accum=torch.float32))
+    got = sum_value_heads(x, 2, torch.float16)
+    assert torch.equal(got, reduce_value_heads(x, 2, torch.float16, accum=torch.float32))  # the CPU's route
+    want = x.double().view(2, 9, 2, 2, 16).sum(3)  # and an independent sum: heads 0,1 -> 0 and 2,3 -> 1
+    assert got.dtype == torch.float16 and torch.allclose(got.double(), want, rtol=1e-3, atol=1e-3)
     assert sum_value_heads(x, 4, torch.float16) is x
     assert sum_value_heads(x, 4, torch.float32).dtype == torch.float32
     with pytest.raises(ValueError, match="multiple of Hg"):

@@ -82,6 +82,10 @@ def test_prepare_residuals_matches_recurrence(name):
     n = first.shape[0]
     assert torch.allclose(first[torch.arange(n), :, torch.arange(n)], torch.ones(n, spec.H, dtype=torch.float64))
     assert torch.all(first[:, :, n:] == 0)
+    above = torch.ones(n, n, dtype=torch.bool).triu(1)  # row i, column j > i, within the chunk
+    assert torch.all(first[:, :, :n].permute(1, 0, 2)[:, above] == 0)
+    if n > 1:  # (the inverse is not the identity)
+        assert torch.any(first[:, :, :n].permute(1, 0, 2)[:, above.T] != 0)
 
 
 def test_h_given_is_the_recomputed_state(monkeypatch):
