@@ -663,6 +663,8 @@ def test_the_walks_read_factors_only_once_verified_and_within_their_memory_bound
     assert seg_call.K == seg_call.V
     monkeypatch.delenv("GDR_ALLOW_UNVERIFIED", raising=False)
     monkeypatch.setattr(sm, "FACTORS", True)
+    monkeypatch.setattr(sm, "FACTORS_GPU_VERIFIED", True)
+    assert sm.use_factors(seg_call, True, True)  # verified: on without the variable
     monkeypatch.setattr(sm, "FACTORS_GPU_VERIFIED", False)
     assert not sm.use_factors(seg_call, True, True)
     monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
@@ -1307,6 +1309,9 @@ def test_pass_1_walks_fork_only_on_a_gpu_and_once_verified(monkeypatch):
 
     gpu = torch.device("cuda", 0)
     monkeypatch.delenv("GDR_ALLOW_UNVERIFIED", raising=False)
+    monkeypatch.setattr(sm, "CONCURRENT_WALKS", True)
+    monkeypatch.setattr(sm, "CONCURRENT_WALKS_GPU_VERIFIED", True)
+    assert sm.concurrent_walks(gpu)  # verified: on without the variable
     monkeypatch.setattr(sm, "CONCURRENT_WALKS_GPU_VERIFIED", False)
     assert not sm.concurrent_walks(gpu)
     monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
@@ -1326,6 +1331,9 @@ def test_pass_2_forms_run_only_on_a_gpu_at_many_segments_and_once_verified(form,
     monkeypatch.setattr(ss, form, True)
     monkeypatch.setattr(ss, f"{form}_GPU_VERIFIED", False)
     many = getattr(ss, f"{form}_MIN_SEGMENTS")
+    monkeypatch.setattr(ss, f"{form}_GPU_VERIFIED", True)
+    assert use(many, "cuda")  # verified: on without the variable
+    monkeypatch.setattr(ss, f"{form}_GPU_VERIFIED", False)
     assert not use(many, "cuda")
     monkeypatch.setenv("GDR_ALLOW_UNVERIFIED", "1")
     assert use(many, "cuda") and not use(many - 1, "cuda") and not use(many, "cpu")
@@ -2165,10 +2173,13 @@ def test_lending_needs_its_gate_and_stays_out_of_the_autotuners_timing(monkeypat
     monkeypatch.setattr(graphs, "LEND_GPU_VERIFIED", False)
     monkeypatch.delenv("GDR_ALLOW_UNVERIFIED", raising=False)
     x, y = torch.randn(3), torch.randn(2)
+    lent = graphs.replays["lent"]
     for _ in range(3):
         got = _lend_run(x, y)
+        del got  # nothing held between calls: a lending replay would lend again, not be blocked
+    got = _lend_run(x, y)
     static = graphs._graphs[("k",)][2]
-    assert got[0].data_ptr() != static[0].data_ptr()
+    assert got[0].data_ptr() != static[0].data_ptr() and graphs.replays["lent"] == lent
     monkeypatch.setattr(graphs, "LEND_GPU_VERIFIED", True)
     with copied_graph_inputs():
         got = _lend_run(x, y)

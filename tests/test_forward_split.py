@@ -395,8 +395,15 @@ def test_the_split_backward_takes_the_split_forwards_starts_and_matches(spec, ga
     x = _op_inputs(replace(spec, gate=gate))
     own, seen_own = _op_grads(x, monkeypatch, "fake_split@split3", "fake_split@split3", allow=False)
     assert seen_own == [()]
+    from gdr_dispatch.backends.split import passes as cp
+
+    firsts, real_pass_1 = [], cp.pass_1  # what each pass 1 was asked: its own starts, and the carry's size
+    monkeypatch.setattr(cp, "pass_1", lambda call, segs, seg_call, need_starts, need_ends=True, carried=():
+                        firsts.append((need_starts, len(carried)))
+                        or real_pass_1(call, segs, seg_call, need_starts, need_ends, carried))
     carried, seen = _op_grads(x, monkeypatch, "fake_split@split3", "fake_split@split3", allow=True)
     assert len(seen) == 1 and len(seen[0]) == 3
+    assert (False, 3) in firsts, firsts  # the backward's pass 1 took the carry and formed no starts
     plan, M, starts = seen[0]
     assert plan.dtype == torch.int32 and starts.dtype == torch.float64 and M.shape[-1] == spec.K
     for a, b in zip(carried, own):
@@ -609,9 +616,10 @@ def test_a_forward_it_does_not_measure_builds_its_providers_kernels_early_and_wa
 
     with_backends(Building())
     monkeypatch.setenv("GDR_FORWARD", "fake_forward")
-    events = []
+    events, specs = [], []
     monkeypatch.setattr(autotune, "start_compiles",
-                        lambda jobs, **kw: events.append(("start", [j[2][0] for j in jobs])) or len(jobs))
+                        lambda jobs, **kw: specs.append([j[2][1] for j in jobs if j[0] == "m"])
+                        or events.append(("start", [j[2][0] for j in jobs])) or len(jobs))
     monkeypatch.setattr(autotune, "wait_early", lambda job: events.append(("wait", job[2][0])))
     real = Building.forward
     monkeypatch.setattr(Building, "forward", lambda self, *a, **k: events.append(("forward",)) or real(self, *a, **k))
@@ -625,9 +633,10 @@ def test_a_forward_it_does_not_measure_builds_its_providers_kernels_early_and_wa
     assert starts and starts[0] == ("start", ["residuals", "kernel"])  # before the backward's
     forward_at = events.index(("forward",))
     assert events.index(("wait", "residuals")) < forward_at and events.index(("wait", "kernel")) < forward_at
-    spec = dict(autotune.forward_spec(q, x["v"], x["g"], x["beta"], x["initial_state"], None, (100, 100),
-                                      16 ** -0.5, False, True, False))
-    assert spec["B"] == 2 and spec["T"] == 100 and spec["need_final"] is True
+    spec = autotune.forward_spec(q, x["v"], x["g"], x["beta"], x["initial_state"], None, (100, 100),
+                                 16 ** -0.5, False, True, False)
+    assert dict(spec)["B"] == 2 and dict(spec)["T"] == 100 and dict(spec)["need_final"] is True
+    assert next(sp for sp in specs if sp) == [spec, spec]  # the first builds were told this very call
     events.clear()
     chunk_gated_delta_rule(q, x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
                            output_final_state=True)

@@ -291,8 +291,12 @@ def test_adapter_matches_reference_and_names_bad_keywords(monkeypatch):
         torch.testing.assert_close(ht[i:i + 1], h_i, rtol=1e-5, atol=1e-5)
 
     # a bf16 gate and state are taken (the op keeps the decay in fp32)
-    o16, _ = gdr_hf.hf_chunk_gated_delta_rule(q, k, v, g.bfloat16(), beta, initial_state=h0.bfloat16())
+    o16, _ = gdr_hf.hf_chunk_gated_delta_rule(q, k, v, g.bfloat16(), beta, initial_state=h0.bfloat16(),
+                                              use_qk_l2norm_in_kernel=True)
     assert o16.dtype == torch.float32
+    o16_want, _ = hf_ref(q, k, v, g=g.bfloat16().float(), beta=beta, initial_state=h0.bfloat16().float(),
+                         use_qk_l2norm_in_kernel=True)  # (unnormalised keys leave both ~5e-3 apart in fp32)
+    torch.testing.assert_close(o16, o16_want, rtol=1e-5, atol=1e-5)
 
     with pytest.raises(TypeError, match="head_first=True"):
         gdr_hf.hf_chunk_gated_delta_rule(q, k, v, g, beta, head_first=True)
