@@ -108,6 +108,7 @@ def test_explain_on_a_machine_without_cuda_says_so(capsys, monkeypatch):
 def test_verbose_is_taken_before_or_after_the_subcommand(where, tmp_path):
     args = ["explain", "--device", "cpu", "--K", "16", "--V", "16"]
     args = ["-v", *args] if where == "before" else [*args, "-v"]
+    assert cli.build_parser().parse_args(args).verbose is True  # taken in either place
     r = run_cli(*args, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "chosen: torch" in r.stdout
@@ -137,7 +138,6 @@ def test_tune_rejects_counts_it_cannot_use(flag, value, words, capsys):
 def test_tune_compiles_each_kernel_once_in_parallel_processes_first(tmp_path, capsys, monkeypatch, with_backends):
     """A sweep collects the builds its backends would make on first use (`compile_jobs`),
     runs each distinct one once in a worker process before timing, and says how long it took."""
-    from gdr_dispatch import registry
     from gdr_dispatch.backends.exact_torch import TorchBackend
 
     class Compiling(TorchBackend):

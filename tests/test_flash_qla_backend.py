@@ -168,6 +168,13 @@ def test_a_plan_made_on_packed_tensors_packs_a_later_calls_views(spec, h_mode, m
             got = plan(validate(**{**plan_kwargs, **changed}))
             for name, x, y in zip(want._fields, want, got):
                 assert (x is None and y is None) or torch.equal(x, y), (sorted(changed), name)
+        # other values through the same plan (a strided do, doubled): the call's own tensors are read
+        other = {**plan_kwargs, "do": plan_kwargs["do"] * 2}
+        got = plan(validate(**{**other, "do": strided("do", other["do"])}))
+        fresh = flash_qla.FlashQLABackend().plan_run(validate(**other))(validate(**other))
+        assert not torch.equal(got.dq, want.dq)
+        for name, x, y in zip(fresh._fields, fresh, got):
+            assert (x is None and y is None) or torch.equal(x, y), ("doubled do", name)
     flash_qla._ops.cache_clear()
 
 

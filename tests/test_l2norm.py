@@ -58,14 +58,27 @@ def test_l2norm_kernels_match_the_float64_form_and_its_gradient_on_a_strided_vie
 
 
 @pytest.mark.parametrize("layout", ["projection", "conv"])
-def test_rows_in_64_bits_give_the_32_bit_rows_values(layout):
+def test_rows_in_64_bits_give_the_32_bit_rows_values(layout, monkeypatch):
     """The kernels' int64 rows (`wide`: what B T H past 2^31 takes) decode each row as the int32
     form does: the same values, bit for bit, on both row orders and a T not a multiple of a tile."""
+    from gdr_dispatch.backends.kernels import l2norm as kernels
+
+    class Seen:  # the WIDE each launch of a kernel was given
+        def __init__(self, kernel):
+            self.kernel, self.wide = kernel, []
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: self.wide.append(kw["WIDE"]) or self.kernel[grid](*a, **kw)
+
+    fwd, bwd = Seen(kernels._l2norm_fwd), Seen(kernels._l2norm_bwd)
+    monkeypatch.setattr(kernels, "_l2norm_fwd", fwd)
+    monkeypatch.setattr(kernels, "_l2norm_bwd", bwd)
     gen = torch.Generator().manual_seed(5)
     _, q = views(2, 70, 3, 32, torch.float32, gen, layout)
     dy = torch.randn(2, 70, 3, 32, generator=gen)
     assert torch.equal(l2norm_fwd(q, EPS, wide=True), l2norm_fwd(q, EPS, wide=False))
     assert torch.equal(l2norm_bwd(q, dy, EPS, wide=True), l2norm_bwd(q, dy, EPS, wide=False))
+    assert fwd.wide == [True, False] and bwd.wide == [True, False]  # both forms ran
 
 
 def test_l2norm_autograd_function_sums_into_the_projection_and_writes_no_input():

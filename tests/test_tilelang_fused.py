@@ -110,6 +110,12 @@ def test_mma_column_sums_tile_is_tilelangs_swizzle_and_sums_to_fp32():
     # the helper's address, as its source spells it
     assert "const unsigned at = tile + (((n ^ (q & 7)) << 4) | ((lane & 3) << 2));" in ws.COLSUM_TILE
     assert "gdr_st_shared(at + q * 128, hi);" in ws.COLSUM_TILE and "gdr_st_shared(at + (32 + q) * 128," in ws.COLSUM_TILE
+    # and its values, as the emulation below forms them: the fragment's row pairs (elements 4 n + c
+    # and 4 n + 2 + c, rows l / 4 and 8 + l / 4), the bf16 hi, the lo as what hi leaves
+    assert "const float y0 = x[4 * n] + x[4 * n + 2], y1 = x[4 * n + 1] + x[4 * n + 3];" in ws.COLSUM_TILE
+    assert "const __nv_bfloat162 hi = __floats2bfloat162_rn(y0, y1);" in ws.COLSUM_TILE
+    assert "__floats2bfloat162_rn(y0 - h.x, y1 - h.y)" in ws.COLSUM_TILE
+    assert ws.ONES_N & (ws.ONES_N - 1) == 0  # 1 / ONES_N exact in bf16, so the gemm's sums are the sums
     lay = tl_layout.make_swizzled_layout(tirx.decl_buffer((64, 64), "bfloat16", name="t", scope="shared.dyn"))
     ana = tvm.arith.Analyzer()
 

@@ -61,8 +61,12 @@ def test_the_kernels_algebra_gives_the_contracts_states(name):
     """`e^{G_L} S + X^T Y` (every exponent <= 0) is the contract's chunk update; checked against
     make_inputs' float64 `h` and the token-by-token final state. Dropping the decay of V's term
     or the padding of G fails it."""
+    import math
+
+    from gdr_dispatch.backends.kernels import tilelang_states as ts
     from gdr_dispatch.reference import recurrent_forward
 
+    assert ts.LOG2E == 1 / math.log(2)  # the kernel's exp2 form of the emulation's exp
     spec = replace(CASES[name], dtype="float64", h="given")
     inputs = make_inputs(spec, "cpu")
     call = validate(**call_kwargs(inputs))

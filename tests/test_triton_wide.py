@@ -59,12 +59,13 @@ def test_triton_backend_plumbing(spec, h_mode, backend, monkeypatch):
 
     from gdr_dispatch import fused_gdr_bwd
 
-    fake_fla.install(monkeypatch)
+    calls = fake_fla.install(monkeypatch)
     monkeypatch.setattr(type(get_backend(backend)), "not_supported_reasons", lambda self, p: [])
     monkeypatch.setenv("GDR_BACKEND", backend)
     kwargs, ref = case(replace(spec, dtype="float16", h=h_mode))
     errs = rel_errors(fused_gdr_bwd(**kwargs), ref)
     assert not {n: e for n, e in errs.items() if not e < 5e-3}, errs
+    assert ("chunk_gated_delta_rule_fwd_h" in calls) == (h_mode == "none"), "h given must not be recomputed"
 
 
 H200 = DeviceInfo("cuda", "NVIDIA H200", (9, 0), 132)
@@ -85,7 +86,7 @@ def test_supported_is_about_correctness_not_speed():
     speed is the tables' and the static order's business."""
     p = replace(ShapeSpec(B=2, T=4096, H=32).problem(torch.device("cpu")), device=H200)
     wide, transposed = get_backend("triton_wide"), get_backend("triton_transposed")
-    assert transposed.not_supported_reasons(p) == wide.not_supported_reasons(p)
+    assert transposed.not_supported_reasons(p) == wide.not_supported_reasons(p) == []
     assert transposed.static_rank > wide.static_rank
 
 
