@@ -1,8 +1,10 @@
 """Test fixtures shared by several test modules (not shipped: the package's reference math is
 gdr_dispatch/chunked_math.py and gdr_dispatch/reference.py)."""
 
+import contextlib
 from dataclasses import replace
 
+import pytest
 import torch
 
 from gdr_dispatch.chunk_layout import ChunkLayout
@@ -77,3 +79,19 @@ def host_growth(step, n: int = 10_000) -> tuple[int, int]:
     after = tracemalloc.take_snapshot()
     tracemalloc.stop()
     return sum(s.size_diff for s in after.compare_to(before, "filename")), sum(caches.sizes().values()) - sizes_before
+
+
+@contextlib.contextmanager
+def int_reads():
+    """The values of every integer tensor's `tolist` inside (a read of lengths, which on a GPU
+    waits for the stream): what a step that should read nothing from the device is checked by."""
+    real, reads = torch.Tensor.tolist, []
+
+    def counted(self, *a):
+        if not self.is_floating_point():
+            reads.append(tuple(real(self)))
+        return real(self, *a)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(torch.Tensor, "tolist", counted)
+        yield reads
